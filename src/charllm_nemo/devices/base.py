@@ -1,0 +1,93 @@
+"""The one device protocol every vendor backend implements.
+
+A backend module (``nvml.py``, ``amdsmi.py``, ``synthetic.py``) exposes
+``open_backend(indices=None, **options) -> Backend``. Setup raises :class:`BackendUnavailable`
+with a message a person can act on; after that, ``Device.read()`` never raises anything but
+:class:`DeviceLost`: an unsupported metric is ``None`` in the reading and is logged once per
+(device, metric) through :class:`UnsupportedLog`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from charllm_nemo.telemetry.schema import Reading
+
+log = logging.getLogger("charllm_nemo.devices")
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """Who a device is, recorded in every manifest.
+
+    ``extra`` holds vendor facts worth keeping (PCI bus id, energy counter resolution, which
+    die of a package reports the package power, ...). Values must be JSON-serializable.
+    """
+
+    index: int
+    name: str
+    vendor: str  # "nvidia" | "amd" | "synthetic"
+    backend: str  # "nvml" | "amdsmi" | "synthetic"
+    uuid: str | None = None
+    driver_version: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "vendor": self.vendor,
+            "backend": self.backend,
+            "uuid": self.uuid,
+            "driver_version": self.driver_version,
+            "extra": dict(self.extra),
+        }
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One accelerator, opened and ready to sample."""
+
+    identity: DeviceIdentity
+
+    def read(self) -> Reading:
+        """One value per ``schema.METRICS`` entry, in order, in the schema's units.
+
+        Returns None for a metric the device does not support. Raises only DeviceLost.
+        """
+        ...
+
+    def supported_metrics(self) -> dict[str, bool]:
+        """Which metrics produced a value at open time (probe), by name."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An initialized vendor library and the devices opened through it."""
+
+    name: str
+    devices: list[Device]
+
+    def close(self) -> None:
+        """Release the vendor library (nvmlShutdown, amdsmi_shut_down); idempotent."""
+        ...
+
+
+class UnsupportedLog:
+    """Logs a missing metric once per (device, metric), then stays silent."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, str]] = set()
+
+    def __call__(self, device_index: int, metric: str, reason: str) -> None:
+        key = (device_index, metric)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        log.info("device %d: %s not available (%s); recorded as null", device_index, metric, reason)
+
+    def seen(self) -> set[tuple[int, str]]:
+        return set(self._seen)

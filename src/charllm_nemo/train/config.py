@@ -1,0 +1,121 @@
+"""Typed configuration of a training run (what the Hydra recipes in conf/ fill in).
+
+Plain dataclasses, so they serve both as Hydra structured configs and as the argument of the
+framework-free validation (train/validate.py), which runs before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape. ``num_query_groups`` None = multi-head attention (no GQA)."""
+
+    name: str = "tiny_gpt"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int = 256
+    vocab_size: int = 1024
+    seq_length: int = 64
+    max_position_embeddings: int | None = None  # None = seq_length
+    swiglu: bool = False
+    position_embedding: str = "rope"  # "rope" | "learned_absolute"
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    untie_embeddings: bool = False
+    # MoE; num_experts None = dense
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None = ffn_hidden_size
+    moe_token_dispatcher: str = "allgather"
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. ``dp`` None = derived: world_size / (tp * pp * cp); EP is carved
+    out of DP (Megatron-Core's expert-data-parallel layout), so ep must divide dp * cp... see
+    validate.py for the exact rules."""
+
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline chunks per stage
+    cp: int = 1
+    ep: int = 1
+    dp: int | None = None
+    sequence_parallel: bool = False
+    fsdp: bool = False
+    # Uneven pipeline layouts: explicit layers per stage, or "alternating" (+1/-1 per stage).
+    pipeline_layout: list[int] | None = None
+    pipeline_layout_scheme: str | None = None  # None | "alternating"
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, activation recomputation and compute-communication overlap."""
+
+    name: str = "base"  # "base" | "comm_overlap" | "recompute" | "recompute_comm_overlap"
+    lr: float = 1.0e-4
+    min_lr: float = 1.0e-5
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    recompute_method: str | None = None  # None | "block" | "uniform"
+    recompute_num_layers: int | None = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 4
+    train_steps: int = 5
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+
+
+@dataclass
+class DataConfig:
+    """``path`` None = Megatron-Core's mock GPT dataset; else the prefix of .bin/.idx files."""
+
+    path: str | None = None
+    seed: int = 1234
+
+
+@dataclass
+class TelemetryConfig:
+    enabled: bool = True
+    backend: str = "auto"  # auto | nvml | amdsmi | synthetic
+    hz: float = 100.0
+    out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
+    cpu_peak_tflops: float | None = None  # MFU on CPU only when set
+
+
+@dataclass
+class LaunchConfig:
+    launcher: str = "local"  # "local" | "slurm" | "none" (already inside torchrun/srun)
+    nproc: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    master_port: int = 29511
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
