@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,19 +21,13 @@ _MODULES: dict[str, str] = {
 BACKEND_NAMES: tuple[str, ...] = ("auto", *_MODULES)
 
 
-class SyntheticDeviceWarning(UserWarning):
-    """Telemetry comes from the synthetic model, not from hardware."""
-
-
 def _open(name: str, indices: Sequence[int] | None, options: dict[str, Any]) -> Backend:
     module = importlib.import_module(_MODULES[name])
     backend: Backend = module.open_backend(indices, **options)
     return backend
 
 
-def open_backend(
-    name: str = "auto", indices: Sequence[int] | None = None, **options: Any
-) -> Backend:
+def open_backend(name: str = "auto", indices: Sequence[int] | None = None, **options: Any) -> Backend:
     """Open a backend: ``nvml``, ``amdsmi``, ``synthetic``, or ``auto``.
 
     ``auto`` tries NVML, then AMD SMI, then falls back to the synthetic model with a loud
@@ -68,4 +61,3 @@ def _warn_synthetic() -> None:
         "model, not from hardware. Every sample and the manifest say 'synthetic'."
     )
     log.warning(msg)
-    warnings.warn(msg, SyntheticDeviceWarning, stacklevel=3)

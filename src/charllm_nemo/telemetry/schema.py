@@ -37,8 +37,18 @@ class Metric:
 
 
 METRICS: tuple[Metric, ...] = (
-    Metric("power_instant_w", "float", "W", "instantaneous board power (NVML_FI_DEV_POWER_INSTANT; AMD current socket power)"),
-    Metric("power_avg_w", "float", "W", "vendor-averaged board power (NVML: 1 s average on Hopper; AMD average socket power)"),
+    Metric(
+        "power_instant_w",
+        "float",
+        "W",
+        "instantaneous board power (NVML_FI_DEV_POWER_INSTANT; AMD current socket power)",
+    ),
+    Metric(
+        "power_avg_w",
+        "float",
+        "W",
+        "vendor-averaged board power (NVML: 1 s average on Hopper; AMD average socket power)",
+    ),
     Metric("power_memory_w", "float", "W", "memory-scope power where the device reports it"),
     Metric("energy_mj", "int", "mJ", "hardware energy counter, monotonic since driver load", cumulative=True),
     Metric("temp_gpu_c", "float", "degC", "GPU die temperature (AMD: edge)"),
@@ -47,16 +57,40 @@ METRICS: tuple[Metric, ...] = (
     Metric("clock_sm_mhz", "float", "MHz", "SM / GFX clock"),
     Metric("clock_mem_mhz", "float", "MHz", "memory clock"),
     Metric("throttle_reasons", "int", "bitmask", "clock-event (throttle) reasons, bits in THROTTLE_REASONS"),
-    Metric("violation_power_ns", "int", "ns", "cumulative time clocks were held below max by the power limit", cumulative=True),
-    Metric("violation_thermal_ns", "int", "ns", "cumulative time clocks were held below max by a thermal limit", cumulative=True),
+    Metric(
+        "violation_power_ns",
+        "int",
+        "ns",
+        "cumulative time clocks were held below max by the power limit",
+        cumulative=True,
+    ),
+    Metric(
+        "violation_thermal_ns",
+        "int",
+        "ns",
+        "cumulative time clocks were held below max by a thermal limit",
+        cumulative=True,
+    ),
     Metric("util_gpu_pct", "float", "%", "GPU (AMD: GFX) activity"),
     Metric("util_mem_pct", "float", "%", "memory controller activity"),
     Metric("mem_used_bytes", "int", "B", "device memory in use"),
     Metric("power_limit_w", "float", "W", "enforced power limit"),
     Metric("pcie_tx_bytes", "int", "B", "PCIe bytes transmitted, cumulative 64-bit counter", cumulative=True),
     Metric("pcie_rx_bytes", "int", "B", "PCIe bytes received, cumulative 64-bit counter", cumulative=True),
-    Metric("nvlink_tx_bytes", "int", "B", "NVLink (AMD: XGMI) bytes transmitted, all links, cumulative", cumulative=True),
-    Metric("nvlink_rx_bytes", "int", "B", "NVLink (AMD: XGMI) bytes received, all links, cumulative", cumulative=True),
+    Metric(
+        "nvlink_tx_bytes",
+        "int",
+        "B",
+        "NVLink (AMD: XGMI) bytes transmitted, all links, cumulative",
+        cumulative=True,
+    ),
+    Metric(
+        "nvlink_rx_bytes",
+        "int",
+        "B",
+        "NVLink (AMD: XGMI) bytes received, all links, cumulative",
+        cumulative=True,
+    ),
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)

@@ -1,0 +1,186 @@
+"""Console entry point ``charllm``.
+
+Subcommands:
+
+* ``charllm telemetry``: sample a device for a while, marking a small CPU workload as steps
+  with forward / backward / optimizer phases, write a run directory, print its attribution.
+* ``charllm inspect RUN``: load a run directory (any rank count), report what it holds and
+  what was skipped, print the attribution of its windows.
+* ``charllm train ...``: Megatron-Core training driven by the Hydra recipes in conf/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from charllm_nemo.errors import CharllmError
+
+
+def _busy(seconds: float) -> None:
+    """Keep one core busy for ``seconds`` with real arithmetic (the demo's 'compute')."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((96, 96))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = np.tanh(a @ a * 0.01)
+
+
+def cmd_telemetry(args: argparse.Namespace) -> int:
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    out = Path(args.out)
+    options = {"activity": "marks"} if args.backend == "synthetic" else {}
+    session = TelemetrySession(
+        out,
+        backend=args.backend,
+        hz=args.hz,
+        config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
+        backend_options=options,
+    )
+    n_dev = len(session.backend.devices)
+    print(f"sampling {n_dev} device(s) via {session.source} at {args.hz:g} Hz for {args.seconds:g} s: {out}")
+    session.start()
+    t_end = time.monotonic() + args.seconds
+    step = 0
+    rec = session.windows
+    try:
+        # Idle lead-in, then steps of forward (40 %), backward (40 %), optimizer (10 %), idle gap.
+        time.sleep(min(0.2, args.seconds / 10))
+        while time.monotonic() + args.step_s <= t_end:
+            with rec.window("step", step=step):
+                for phase, share in (("forward", 0.4), ("backward", 0.4), ("optimizer", 0.1)):
+                    with rec.window(
+                        "phase", phase, step=step, microbatch=0 if phase != "optimizer" else None
+                    ):
+                        _busy(args.step_s * share)
+            time.sleep(args.step_s * 0.1)
+            step += 1
+        time.sleep(max(0.0, t_end - time.monotonic()))
+    finally:
+        session.close()
+    health = session.sampler.health
+    print(
+        f"{health.samples} samples, {health.deadline_ratio() * 100:.1f} % of deadlines met, "
+        f"read {health.read_ns_mean() / 1e3:.1f} us/sample; {step} steps marked"
+    )
+    return _print_run(out, kinds=("step", "phase"))
+
+
+def _print_run(path: Path, kinds: tuple[str, ...] | None) -> int:
+    from charllm_nemo.telemetry.join import attribute_run
+    from charllm_nemo.telemetry.reader import load_run
+
+    run = load_run(path)
+    for p in run.problems:
+        print(f"warning: {p}", file=sys.stderr)
+    backends = sorted({m.get("backend", "?") for m in run.manifests.values()})
+    print(
+        f"{path}: {len(run.ranks)} rank(s), {run.samples.num_rows} samples, {run.windows.num_rows} windows, "
+        f"backend {', '.join(backends)}"
+    )
+    if "synthetic" in backends:
+        print("NOTE: synthetic device: the figures below come from a model, not from hardware")
+    table = attribute_run(run, kinds)
+    if table.num_rows == 0:
+        print("no windows to attribute")
+        return 0
+    cols = [
+        ("rank", "rank", "{}"),
+        ("kind", "kind", "{}"),
+        ("name", "name", "{}"),
+        ("step", "step", "{}"),
+        ("duration_s", "dur ms", "{:.1f}"),
+        ("energy_j", "energy J", "{:.2f}"),
+        ("energy_method", "method", "{}"),
+        ("power_avg_w", "avg W", "{:.1f}"),
+        ("power_peak_w", "peak W", "{:.1f}"),
+        ("temp_gpu_peak_c", "T max C", "{:.1f}"),
+        ("clock_sm_avg_mhz", "SM MHz", "{:.0f}"),
+        ("throttle_any_limiting_s", "thr ms", "{:.1f}"),
+        ("n_samples", "n", "{}"),
+    ]
+    present = [c for c in cols if c[0] in table.column_names]
+    data = {c[0]: table.column(c[0]).to_pylist() for c in present}
+    scale = {"duration_s": 1e3, "throttle_any_limiting_s": 1e3}
+    print("  ".join(f"{h:>9}" for _, h, _ in present))
+    for i in range(table.num_rows):
+        cells = []
+        for name, _, fmt in present:
+            v = data[name][i]
+            if v is None or (isinstance(v, float) and v != v):
+                cells.append(f"{'-':>9}")
+                continue
+            if name in scale:
+                v = v * scale[name]
+            cells.append(f"{fmt.format(v):>9}")
+        print("  ".join(cells))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    kinds = tuple(args.kind) if args.kind else None
+    return _print_run(Path(args.run_dir), kinds)
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from charllm_nemo.train.app import main as train_main
+
+    return train_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from charllm_nemo.devices.factory import BACKEND_NAMES
+
+    parser = argparse.ArgumentParser(prog="charllm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser(
+        "telemetry", help="sample a device under a small marked workload and write a run directory"
+    )
+    t.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="device backend (default: auto)")
+    t.add_argument("--hz", type=float, default=100.0, help="sampling rate, 1-1000 Hz (default: 100)")
+    t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
+    t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")
+    t.add_argument("--out", required=True, help="run directory to write")
+    t.set_defaults(func=cmd_telemetry)
+
+    i = sub.add_parser("inspect", help="load a run directory and print the attribution of its windows")
+    i.add_argument("run_dir")
+    i.add_argument(
+        "--kind", action="append", choices=["step", "microbatch", "phase"], help="only these window kinds"
+    )
+    i.set_defaults(func=cmd_inspect)
+
+    sub.add_parser(
+        "train", help="train with Megatron-Core (Hydra overrides follow: model=tiny_gpt ...)", add_help=False
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        return cmd_train(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "telemetry" and args.seconds <= 0:
+        parser.error(f"--seconds={args.seconds} must be > 0")
+    try:
+        return int(args.func(args))
+    except CharllmError as exc:
+        print(f"charllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

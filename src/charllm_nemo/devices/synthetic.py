@@ -1,0 +1,308 @@
+"""A synthetic accelerator: a small physical model for machines with no GPU.
+
+It lets the whole pipeline (sampler, store, windows, attribution, sinks) run on a laptop or
+in CI. It is a model, not a measurement, and says so: the backend name, every sample's
+``source`` column and the manifest are ``synthetic``, and the factory warns once.
+
+The model (defaults loosely follow an H200 SXM):
+
+* demanded power ``P_d = idle_w + (peak_w - idle_w) * activity``; the delivered power is capped
+  at ``power_limit_w``. Under the cap the SM clock scales as ``(P_avail / P_d_dyn) ** (1/3)``
+  (dynamic power ~ f * V^2 ~ f^3) and ``sw_power_cap`` is set;
+* the die temperature follows power through a first-order thermal model
+  ``T -> T_amb + R * P`` with time constant ``tau_s``; HBM follows with its own R and tau;
+  above ``temp_limit_c`` the clock drops by ``thermal_clock_factor`` and ``sw_thermal`` is set;
+* the energy counter integrates delivered power, published every ``energy_update_ms`` like
+  real counters (so windows shorter than that need the power timeline, as on hardware);
+* PCIe traffic grows with activity, so the 64-bit counter path is exercised end to end.
+
+Activity comes from something real: the window marks the training loop reports (forward and
+backward = 1.0, optimizer = 0.5, inside a step otherwise = 0.3, no window = 0), or this
+process's CPU use, or a fixed number / callable for tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from charllm_nemo.devices.base import DeviceIdentity
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.schema import METRIC_NAMES, THROTTLE_BITS, Reading
+
+ActivitySpec = str | float | Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class SyntheticParams:
+    """Physical constants of the model (units in the names)."""
+
+    idle_w: float = 75.0
+    peak_w: float = 760.0  # what full activity would draw uncapped
+    power_limit_w: float = 700.0
+    ambient_c: float = 30.0
+    r_gpu_c_per_w: float = 0.075
+    tau_gpu_s: float = 20.0
+    r_hbm_c_per_w: float = 0.06
+    tau_hbm_s: float = 40.0
+    temp_limit_c: float = 87.0
+    thermal_clock_factor: float = 0.8
+    clock_max_mhz: float = 1980.0
+    clock_idle_mhz: float = 345.0
+    clock_mem_mhz: float = 2619.0
+    energy_update_ms: float = 50.0
+    avg_window_s: float = 1.0
+    pcie_bytes_per_s_at_full: float = 4.0e9
+    mem_total_bytes: int = 141 * 2**30
+
+
+_PHASE_ACTIVITY = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}
+
+
+class MarkActivity:
+    """Activity from the training loop's window marks (attach with WindowRecorder.add_listener)."""
+
+    def __init__(self) -> None:
+        self._phases: list[str] = []
+        self._in_step = 0
+        self.seen_any = False
+
+    def __call__(self, kind: str, name: str, is_begin: bool) -> None:
+        self.seen_any = True
+        if kind == "step":
+            self._in_step += 1 if is_begin else -1
+        elif kind == "phase":
+            if is_begin:
+                self._phases.append(name)
+            elif name in self._phases:
+                self._phases.remove(name)
+
+    def level(self) -> float:
+        if self._phases:
+            return max(_PHASE_ACTIVITY.get(p, 0.7) for p in self._phases)
+        return 0.3 if self._in_step > 0 else 0.0
+
+
+class CpuActivity:
+    """This process's CPU use since the last call, as a fraction of one core (0..1)."""
+
+    def __init__(self) -> None:
+        self._last_cpu = time.process_time_ns()
+        self._last_t = time.monotonic_ns()
+
+    def level(self, t_ns: int) -> float:
+        cpu = time.process_time_ns()
+        dt = t_ns - self._last_t
+        if dt <= 0:
+            return 0.0
+        frac = (cpu - self._last_cpu) / dt
+        self._last_cpu, self._last_t = cpu, t_ns
+        return min(1.0, max(0.0, frac))
+
+
+class SyntheticDevice:
+    """One modelled accelerator. ``read()`` advances the model to now and reports it."""
+
+    def __init__(
+        self,
+        index: int,
+        activity: Callable[[int], float],
+        params: SyntheticParams,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.params = params
+        self._activity = activity
+        self._clock = clock
+        self._lock = threading.Lock()
+        p = params
+        self.identity = DeviceIdentity(
+            index=index,
+            name="Synthetic accelerator (model, not hardware)",
+            vendor="synthetic",
+            backend="synthetic",
+            uuid=f"SYNTHETIC-{index:04d}",
+            driver_version=None,
+            extra={"synthetic": True, "params": p.__dict__.copy()},
+        )
+        now = clock()
+        self._t = now
+        self._temp = p.ambient_c + p.r_gpu_c_per_w * p.idle_w
+        self._temp_hbm = p.ambient_c + p.r_hbm_c_per_w * p.idle_w
+        self._power = p.idle_w
+        self._power_avg = p.idle_w
+        self._energy_true_mj = 0.0
+        self._energy_pub_mj = 0
+        self._next_energy_pub = now
+        self._viol_power_ns = 0
+        self._viol_thermal_ns = 0
+        self._pcie_tx = 0.0
+        self._pcie_rx = 0.0
+        self._clock_sm = p.clock_idle_mhz
+        self._reasons = THROTTLE_BITS["idle"]
+        self._activity_level = 0.0
+
+    def supported_metrics(self) -> dict[str, bool]:
+        unsupported = {"power_memory_w", "temp_hotspot_c", "nvlink_tx_bytes", "nvlink_rx_bytes"}
+        return {m: m not in unsupported for m in METRIC_NAMES}
+
+    def _advance(self, now: int) -> None:
+        p = self.params
+        dt_ns = now - self._t
+        if dt_ns <= 0:
+            return
+        dt = dt_ns / 1e9
+        a = min(1.0, max(0.0, float(self._activity(now))))
+        self._activity_level = a
+        demanded = p.idle_w + (p.peak_w - p.idle_w) * a
+        reasons = 0
+        if a < 0.05:
+            reasons |= THROTTLE_BITS["idle"]
+            clock = p.clock_idle_mhz
+        else:
+            clock = p.clock_max_mhz
+        power = demanded
+        if demanded > p.power_limit_w:
+            power = p.power_limit_w
+            dyn_avail = p.power_limit_w - p.idle_w
+            dyn_demand = demanded - p.idle_w
+            clock *= (dyn_avail / dyn_demand) ** (1.0 / 3.0)
+            reasons |= THROTTLE_BITS["sw_power_cap"]
+            self._viol_power_ns += dt_ns
+        if self._temp > p.temp_limit_c:
+            clock *= p.thermal_clock_factor
+            power = p.idle_w + (power - p.idle_w) * p.thermal_clock_factor**3
+            reasons |= THROTTLE_BITS["sw_thermal"]
+            self._viol_thermal_ns += dt_ns
+        # First-order thermal response, exact for piecewise-constant power.
+        t_inf = p.ambient_c + p.r_gpu_c_per_w * power
+        self._temp = t_inf + (self._temp - t_inf) * math.exp(-dt / p.tau_gpu_s)
+        h_inf = p.ambient_c + p.r_hbm_c_per_w * power
+        self._temp_hbm = h_inf + (self._temp_hbm - h_inf) * math.exp(-dt / p.tau_hbm_s)
+        alpha = 1.0 - math.exp(-dt / p.avg_window_s)
+        self._power_avg += (power - self._power_avg) * alpha
+        self._energy_true_mj += power * dt * 1e3
+        if now >= self._next_energy_pub:
+            self._energy_pub_mj = int(self._energy_true_mj)
+            step_ns = int(p.energy_update_ms * 1e6)
+            self._next_energy_pub = now - (now - self._next_energy_pub) % step_ns + step_ns
+        self._pcie_tx += p.pcie_bytes_per_s_at_full * a * dt
+        self._pcie_rx += 0.5 * p.pcie_bytes_per_s_at_full * a * dt
+        self._power = power
+        self._clock_sm = clock
+        self._reasons = reasons
+        self._t = now
+
+    def read(self) -> Reading:
+        with self._lock:
+            self._advance(self._clock())
+            p = self.params
+            return (
+                self._power,  # power_instant_w
+                self._power_avg,  # power_avg_w
+                None,  # power_memory_w
+                self._energy_pub_mj,  # energy_mj
+                self._temp,  # temp_gpu_c
+                self._temp_hbm,  # temp_hbm_c
+                None,  # temp_hotspot_c
+                self._clock_sm,  # clock_sm_mhz
+                p.clock_mem_mhz,  # clock_mem_mhz
+                self._reasons,  # throttle_reasons
+                self._viol_power_ns,  # violation_power_ns
+                self._viol_thermal_ns,  # violation_thermal_ns
+                100.0 * self._activity_level,  # util_gpu_pct
+                60.0 * self._activity_level,  # util_mem_pct
+                _rss_bytes(),  # mem_used_bytes: this process's resident memory, a real number
+                p.power_limit_w,  # power_limit_w
+                int(self._pcie_tx),  # pcie_tx_bytes
+                int(self._pcie_rx),  # pcie_rx_bytes
+                None,  # nvlink_tx_bytes
+                None,  # nvlink_rx_bytes
+            )
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_RSS_REFRESH_NS = 200_000_000  # reading /proc costs ~20 us: refresh 5x a second, not per sample
+_rss_cache: list[Any] = [0, None]
+
+
+def _rss_bytes() -> int | None:
+    now = time.monotonic_ns()
+    if now - _rss_cache[0] < _RSS_REFRESH_NS:
+        return _rss_cache[1]  # type: ignore[no-any-return]
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            value: int | None = int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        value = None
+    _rss_cache[0], _rss_cache[1] = now, value
+    return value
+
+
+class SyntheticBackend:
+    """``count`` modelled devices sharing one activity source."""
+
+    name = "synthetic"
+
+    def __init__(self, devices: list[SyntheticDevice], marks: MarkActivity | None) -> None:
+        self.devices: list[Any] = list(devices)
+        self.mark_activity = marks
+
+    def close(self) -> None:
+        pass
+
+
+def _activity_fn(spec: ActivitySpec) -> tuple[Callable[[int], float], MarkActivity | None]:
+    if callable(spec):
+        return spec, None
+    if isinstance(spec, (int, float)):
+        level = float(spec)
+        if not 0.0 <= level <= 1.0:
+            raise ConfigError(f"synthetic activity={level} must be within [0, 1]")
+        return (lambda _t: level), None
+    if spec == "marks":
+        marks = MarkActivity()
+        return (lambda _t: marks.level()), marks
+    if spec == "cpu":
+        cpu = CpuActivity()
+        return cpu.level, None
+    if spec == "auto":
+        marks = MarkActivity()
+        cpu = CpuActivity()
+
+        def auto(t: int) -> float:
+            return marks.level() if marks.seen_any else cpu.level(t)
+
+        return auto, marks
+    raise ConfigError(
+        f"synthetic activity={spec!r}; use 'auto', 'marks', 'cpu', a number in [0, 1] or a callable"
+    )
+
+
+def open_backend(
+    indices: Sequence[int] | None = None,
+    *,
+    count: int = 1,
+    activity: ActivitySpec = "auto",
+    params: SyntheticParams | None = None,
+    clock: Callable[[], int] = time.monotonic_ns,
+) -> SyntheticBackend:
+    """Open ``count`` synthetic devices (or those at ``indices``).
+
+    ``activity``: ``auto`` (window marks once any arrive, else this process's CPU use),
+    ``marks``, ``cpu``, a fixed level in [0, 1], or ``f(t_mono_ns) -> level``. With marks, wire
+    ``backend.mark_activity`` to ``WindowRecorder.add_listener`` (the session does this).
+    """
+    if count < 1:
+        raise ConfigError(f"synthetic count={count} must be >= 1")
+    idx = list(range(count)) if indices is None else list(indices)
+    bad = [i for i in idx if not 0 <= i < max(count, len(idx))]
+    if bad:
+        raise ConfigError(f"synthetic device indices {bad} are negative; use 0..{count - 1}")
+    fn, marks = _activity_fn(activity)
+    prm = params or SyntheticParams()
+    return SyntheticBackend([SyntheticDevice(i, fn, prm, clock) for i in idx], marks)

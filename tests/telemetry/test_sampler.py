@@ -1,0 +1,103 @@
+"""The sampler: rate, timestamps, health, and that nothing it meets reaches the caller."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from charllm_nemo.devices.base import DeviceIdentity
+from charllm_nemo.errors import ConfigError, DeviceLost
+from charllm_nemo.telemetry.reader import to_arrays
+from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA, Sampler, rows_to_table, validate_hz
+from charllm_nemo.telemetry.schema import INT_NULL, METRIC_NAMES, METRICS
+
+
+class ScriptedDevice:
+    """A device whose reading is fixed; it can be told to die after n reads."""
+
+    def __init__(self, index: int = 0, lose_after: int | None = None, boom_after: int | None = None) -> None:
+        self.identity = DeviceIdentity(index=index, name="scripted", vendor="test", backend="test")
+        self.reads = 0
+        self.lose_after = lose_after
+        self.boom_after = boom_after
+        self.reading = tuple(
+            (100.0 + i if m.kind == "float" else 2**40 + i) if i % 3 else None for i, m in enumerate(METRICS)
+        )
+
+    def read(self):
+        self.reads += 1
+        if self.lose_after is not None and self.reads > self.lose_after:
+            raise DeviceLost("gone")
+        if self.boom_after is not None and self.reads > self.boom_after:
+            raise RuntimeError("backend bug")
+        return self.reading
+
+    def supported_metrics(self):
+        return dict.fromkeys(METRIC_NAMES, True)
+
+
+@pytest.mark.parametrize("hz", [0, 0.5, 1000.5, 5000, "fast", None])
+def test_rates_outside_1hz_to_1khz_are_refused_with_the_range(hz):
+    with pytest.raises(ConfigError, match=r"telemetry\.hz.*\[1, 1000\]"):
+        validate_hz(hz)
+
+
+def test_samples_arrive_at_the_requested_rate_with_monotonic_timestamps():
+    dev = ScriptedDevice()
+    s = Sampler([dev], hz=200)
+    s.start()
+    time.sleep(0.5)
+    s.stop()
+    rows = s.take_rows()
+    # 0.5 s at 200 Hz: ~100 samples; a loaded CI machine may lose some, never gain many.
+    assert 60 <= len(rows) <= 105
+    t = np.array([r[0] for r in rows])
+    assert (np.diff(t) > 0).all()
+    assert np.median(np.diff(t)) == pytest.approx(5e6, rel=0.2)
+    h = s.health
+    assert h.samples == len(rows) and h.slots >= h.samples
+    assert h.read_ns_total > 0 and h.stop_reason == "stopped"
+    assert s.take_rows() == []  # taken rows are gone
+
+
+def test_a_lost_device_stops_its_sampling_and_nothing_raises():
+    lost, fine = ScriptedDevice(0, lose_after=5), ScriptedDevice(1)
+    s = Sampler([lost, fine], hz=500)
+    s.start()
+    time.sleep(0.2)
+    s.stop()
+    rows = s.take_rows()
+    by_dev = {0: 0, 1: 0}
+    for r in rows:
+        by_dev[r[3]] += 1
+    assert by_dev[0] == 5 and by_dev[1] > 20
+    assert s.health.devices_lost == 1
+
+
+def test_the_sampler_stops_itself_when_every_device_is_gone():
+    s = Sampler([ScriptedDevice(0, boom_after=3)], hz=500)
+    s.start()
+    time.sleep(0.2)
+    assert not s.running
+    assert s.health.errors == 1 and s.health.stop_reason == "no devices left"
+    assert len(s.take_rows()) == 3
+
+
+def test_rows_become_a_table_with_nulls_and_full_64_bit_ints():
+    dev = ScriptedDevice()
+    rows = [(1000 + i, 5000 + i, 7, 0, dev.read()) for i in range(3)]
+    table = rows_to_table(rows, "test")
+    assert table.schema == SAMPLES_SCHEMA
+    arrays = to_arrays(table)
+    for i, m in enumerate(METRICS):
+        col = arrays[m.name]
+        if dev.reading[i] is None:
+            assert (np.isnan(col) if m.kind == "float" else col == INT_NULL).all(), m.name
+            assert table.column(m.name).null_count == 3
+        else:
+            assert (col == dev.reading[i]).all(), m.name
+    assert arrays["energy_mj"].dtype == np.int64
+    assert table.column("source").to_pylist() == ["test"] * 3
+    assert rows_to_table([], "x").num_rows == 0
