@@ -84,6 +84,15 @@ def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"rank={rank}"
 
 
+def _warm_up_parquet_writer() -> None:
+    """The first Parquet write in a process costs ~150 ms (lazy codec and writer set-up). Pay it
+    at start, before the sampler runs, rather than in the first flush, where it would hold the
+    GIL against the sampler and the training thread."""
+    import io
+
+    pq.write_table(WINDOWS_SCHEMA.empty_table(), io.BytesIO(), compression="zstd")
+
+
 class RankStore:
     """Writes one rank's manifest and segments under ``RUN/rank=<rank>/``.
 
@@ -113,6 +122,7 @@ class RankStore:
         self.bytes_written = 0
         self._lock = threading.Lock()
         self.write_manifest()
+        _warm_up_parquet_writer()
 
     def write_manifest(self) -> None:
         data = json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode()

@@ -1,0 +1,522 @@
+"""Attribution: join one device's samples with the training loop's windows into per-window figures.
+
+Everything here is a plain function over numpy arrays (no pandas, no pyarrow). The input is one
+device's samples, a mapping column -> 1-D array with ``t_mono_ns`` (int64, CLOCK_MONOTONIC ns) and
+any of :data:`~charllm_nemo.telemetry.schema.METRICS` (floats with NaN for null, ints with
+:data:`~charllm_nemo.telemetry.schema.INT_NULL` for null), and the windows' begin and end times.
+The output is one array per column of :data:`ATTRIBUTION_COLUMNS`, one value per window, in the
+windows' order; joining them back to the other window columns is the caller's job.
+
+The rules, in short (docs/attribution.md says them in full):
+
+* Every metric is read on its own timeline: the samples where it is not null. A metric that is
+  null throughout gives NaN, never a made-up number, and does not affect the other metrics.
+* Figures need the metric's samples to bracket the window (a sample at-or-before the begin and
+  one at-or-after the end): there is no extrapolation. Between samples a metric is the straight
+  line through its neighbours (a throttle bitmask is held until the next sample instead).
+* Energy comes from the hardware energy counter where it ticked inside the window, else from the
+  trapezoid over instant power, else over the vendor-averaged power; ``energy_method`` says which.
+* Counters (energy, traffic, violation time) are subtracted in int64 before any interpolation,
+  and a decrease (reset, wrap) makes the window's delta NaN rather than negative.
+
+Cost: one ``np.searchsorted`` per window edge per metric over prefix sums, so O(log n) per
+window for the integrals; peaks and minima cost the number of samples inside each window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from charllm_nemo.telemetry.schema import INT_NULL, LIMITING_REASONS, THROTTLE_BITS, THROTTLE_REASONS
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+IndexArray = npt.NDArray[np.intp]
+WindowsLike = Mapping[str, Any] | Sequence[Any] | np.ndarray[Any, Any]
+"""Windows: a mapping with t_begin_mono_ns / t_end_mono_ns arrays, or (t_begin, t_end) pairs."""
+
+NS_PER_S: Final = 1_000_000_000
+MJ_PER_J: Final = 1000
+
+EnergyMethod = Literal["counter", "power_trapezoid", "power_avg_trapezoid", "none", "invalid"]
+ENERGY_METHODS: tuple[str, ...] = ("counter", "power_trapezoid", "power_avg_trapezoid", "none", "invalid")
+_METHOD_DTYPE: Final = "<U19"
+
+_TRAFFIC_COUNTERS: tuple[str, ...] = ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes")
+
+ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("duration_s", "s", "t_end - t_begin; NaN for an invalid (open or reversed) window"),
+    ("n_samples", "count", "samples with t_begin <= t_mono_ns < t_end"),
+    ("coverage", "fraction", "(last - first sample inside) / duration; 0 with fewer than 2 inside"),
+    ("interpolated", "bool", "fewer than 2 samples inside: the figures come from the neighbours"),
+    ("sample_gap_max_s", "s", "largest gap between consecutive samples whose interval meets the window"),
+    ("energy_j", "J", "energy over the window, by energy_method"),
+    ("energy_method", "-", "counter | power_trapezoid | power_avg_trapezoid | none | invalid"),
+    ("power_avg_w", "W", "energy_j / duration_s (mean power consistent with energy_j)"),
+    ("power_timeline_avg_w", "W", "time-weighted mean of the power timeline (instant, else averaged)"),
+    ("power_peak_w", "W", "max instant power over samples inside (edge values if none inside)"),
+    ("temp_gpu_peak_c", "degC", "max GPU temperature over samples inside (edge values if none)"),
+    ("temp_hbm_peak_c", "degC", "max HBM temperature over samples inside (edge values if none)"),
+    ("temp_hotspot_peak_c", "degC", "max hotspot temperature over samples inside (edge values if none)"),
+    ("clock_sm_min_mhz", "MHz", "min SM clock over samples inside (edge values if none)"),
+    ("clock_sm_avg_mhz", "MHz", "time-weighted mean SM clock"),
+    *(
+        (f"throttle_{name}_s", "s", f"time the '{name}' throttle bit was set (sample-and-hold)")
+        for name, _ in THROTTLE_REASONS
+    ),
+    ("throttle_any_limiting_s", "s", "time any of LIMITING_REASONS was set (sample-and-hold)"),
+    ("violation_power_s", "s", "delta of violation_power_ns over the window"),
+    ("violation_thermal_s", "s", "delta of violation_thermal_ns over the window"),
+    *((name, "B", f"delta of the {name} counter over the window") for name in _TRAFFIC_COUNTERS),
+)
+"""Every output column of :func:`attribute_windows`: (name, unit, meaning), in output order."""
+
+ATTRIBUTION_COLUMN_NAMES: tuple[str, ...] = tuple(c[0] for c in ATTRIBUTION_COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------
+# Input normalisation
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int64(x: Any) -> IntArray:
+    """int64 array with INT_NULL for null, from int, float (NaN) or object (None) input."""
+    a = np.asarray(x)
+    if a.dtype == object:
+        a = np.array([INT_NULL if v is None else v for v in a.ravel()], dtype=np.float64)
+    if a.dtype.kind == "f":
+        out = np.full(a.shape, INT_NULL, dtype=np.int64)
+        ok = np.isfinite(a)
+        out[ok] = np.rint(a[ok]).astype(np.int64)
+        return out
+    if a.dtype.kind == "b":
+        return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)
+
+
+def _as_float64(x: Any) -> FloatArray:
+    """float64 array with NaN for null (None in an object array becomes NaN)."""
+    return np.asarray(x, dtype=np.float64)
+
+
+def prepare_samples(samples: Mapping[str, Any]) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, int]]:
+    """Sort one device's samples by ``t_mono_ns`` and drop the ones that cannot be placed in time.
+
+    Samples can arrive out of order (a clock stepping back, segments concatenated out of order).
+    They are sorted stably by time; of samples with exactly the same ``t_mono_ns`` the first in
+    input order is kept (a repeated timestamp is a repeated sample, and a timeline needs strictly
+    increasing time); samples whose time is null (INT_NULL) are dropped.
+
+    Returns the reordered columns (every column, not only metrics; unchanged arrays when the input
+    was already strictly increasing) and diagnostics, all counts of samples:
+    ``n_input``, ``n_output``, ``n_backward_steps`` (places where time went backwards in the
+    input), ``n_reordered`` (samples not at their input position after sorting),
+    ``n_duplicates_dropped`` and ``n_null_time_dropped``.
+
+    Raises ValueError when ``t_mono_ns`` is missing or a column's length differs from it.
+    """
+    if "t_mono_ns" not in samples:
+        raise ValueError("samples have no 't_mono_ns' column; attribution joins samples to windows by it")
+    t = _as_int64(samples["t_mono_ns"])
+    if t.ndim != 1:
+        raise ValueError(f"samples['t_mono_ns'] must be 1-D, got shape {t.shape}")
+    n = int(t.size)
+    cols: dict[str, np.ndarray[Any, Any]] = {}
+    for name, col in samples.items():
+        a = t if name == "t_mono_ns" else np.asarray(col)
+        if a.shape != (n,):
+            raise ValueError(
+                f"samples[{name!r}] has shape {a.shape}; every column must have t_mono_ns's shape ({n},)"
+            )
+        cols[name] = a
+    diag = {
+        "n_input": n,
+        "n_output": n,
+        "n_backward_steps": 0,
+        "n_reordered": 0,
+        "n_duplicates_dropped": 0,
+        "n_null_time_dropped": 0,
+    }
+    null_t = t == INT_NULL
+    steps = np.diff(t)
+    if not null_t.any() and bool(np.all(steps > 0)):
+        return cols, diag
+    diag["n_backward_steps"] = int(np.count_nonzero(steps < 0))
+    order = np.argsort(t, kind="stable")
+    diag["n_reordered"] = int(np.count_nonzero(order != np.arange(n)))
+    ts = t[order]
+    keep = ts != INT_NULL
+    diag["n_null_time_dropped"] = int(n - np.count_nonzero(keep))
+    dup = np.zeros(n, dtype=bool)
+    dup[1:] = ts[1:] == ts[:-1]
+    dup &= keep
+    diag["n_duplicates_dropped"] = int(np.count_nonzero(dup))
+    idx = order[keep & ~dup]
+    diag["n_output"] = int(idx.size)
+    return {name: a[idx] for name, a in cols.items()}, diag
+
+
+def _window_times(windows: WindowsLike) -> tuple[IntArray, IntArray]:
+    if isinstance(windows, Mapping):
+        try:
+            t0, t1 = _as_int64(windows["t_begin_mono_ns"]), _as_int64(windows["t_end_mono_ns"])
+        except KeyError as e:
+            raise ValueError(
+                f"windows need 't_begin_mono_ns' and 't_end_mono_ns' columns; missing {e}"
+            ) from None
+    else:
+        pairs = list(windows)
+        if not pairs:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        arr = np.array([[INT_NULL if v is None else v for v in p] for p in pairs], dtype=object)
+        if arr.ndim != 2 or arr.shape[1] != 2:
+            raise ValueError("windows given as a sequence must be (t_begin_mono_ns, t_end_mono_ns) pairs")
+        t0, t1 = _as_int64(arr[:, 0]), _as_int64(arr[:, 1])
+    t0, t1 = t0.ravel(), t1.ravel()
+    if t0.shape != t1.shape:
+        raise ValueError(f"t_begin_mono_ns has {t0.size} windows but t_end_mono_ns has {t1.size}")
+    return t0, t1
+
+
+# --------------------------------------------------------------------------------------------
+# Timelines: one metric's non-null samples
+# --------------------------------------------------------------------------------------------
+
+
+def _segment(t: IntArray, x: IntArray, side: Literal["left", "right"]) -> tuple[IndexArray, FloatArray]:
+    """Segment index i (t[i] .. t[i+1]) holding each x, and the fraction of the way along it.
+
+    ``side="right"`` puts an x equal to a sample at the start of that sample's segment (f = 0);
+    ``side="left"`` at the end of the previous one (f = 1). Either gives the same value; the choice
+    keeps a window's begin and end on the segments that overlap it. Needs t.size >= 2.
+    """
+    i = np.searchsorted(t, x, side=side).astype(np.intp) - 1
+    np.clip(i, 0, t.size - 2, out=i)
+    f = (x - t[i]).astype(np.float64) / (t[i + 1] - t[i]).astype(np.float64)
+    return i, f
+
+
+def _checked_times(t_ns: Any) -> IntArray:
+    t = _as_int64(t_ns)
+    if t.ndim != 1 or (t.size > 1 and not bool(np.all(np.diff(t) > 0))):
+        raise ValueError("t_ns must be 1-D and strictly increasing; pass samples through prepare_samples()")
+    return t
+
+
+class _Series:
+    """A float metric's non-null samples: a piecewise-linear curve through (t, v)."""
+
+    def __init__(self, t: IntArray, v: FloatArray) -> None:
+        ok = ~np.isnan(v)
+        self.t: IntArray = t if ok.all() else t[ok]
+        self.v: FloatArray = v if ok.all() else v[ok]
+        self._cum: FloatArray | None = None
+
+    def covers(self, t0: IntArray, t1: IntArray) -> BoolArray:
+        """Windows the samples bracket: a sample at-or-before t0 and one at-or-after t1."""
+        if self.t.size < 2:
+            return np.zeros(t0.shape, dtype=bool)
+        inside: BoolArray = (t0 >= self.t[0]) & (t1 <= self.t[-1])
+        return inside
+
+    def value_at(self, x: IntArray, side: Literal["left", "right"] = "right") -> FloatArray:
+        i, f = _segment(self.t, x, side)
+        return self.v[i] + (self.v[i + 1] - self.v[i]) * f
+
+    def _antiderivative(self, x: IntArray, side: Literal["left", "right"]) -> FloatArray:
+        t, v = self.t, self.v
+        if self._cum is None:
+            dt_s = np.diff(t).astype(np.float64) / NS_PER_S
+            self._cum = np.concatenate(([0.0], np.cumsum(dt_s * (v[:-1] + v[1:]) * 0.5)))
+        i, f = _segment(t, x, side)
+        vx = v[i] + (v[i + 1] - v[i]) * f
+        seg_s = (t[i + 1] - t[i]).astype(np.float64) / NS_PER_S
+        return self._cum[i] + f * seg_s * (v[i] + vx) * 0.5
+
+    def integral(self, t0: IntArray, t1: IntArray) -> FloatArray:
+        """Exact integral of the curve over [t0, t1], in value x seconds; NaN where not covered."""
+        out = np.full(t0.shape, np.nan)
+        ok = self.covers(t0, t1)
+        if ok.any():
+            out[ok] = self._antiderivative(t1[ok], "left") - self._antiderivative(t0[ok], "right")
+        return out
+
+    def mean(self, t0: IntArray, t1: IntArray) -> FloatArray:
+        """Time-weighted mean over [t0, t1]; the value at t0 for a zero-length window."""
+        out = self.integral(t0, t1)
+        dur = (t1 - t0).astype(np.float64) / NS_PER_S
+        pos = dur > 0
+        out[pos] /= dur[pos]
+        zero = ~pos & self.covers(t0, t1)
+        if zero.any():
+            out[zero] = self.value_at(t0[zero])
+        return out
+
+    def extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
+        """ufunc (np.maximum / np.minimum) over the samples with t0 <= t < t1; over the two
+        interpolated edge values when no sample is inside. NaN where not covered."""
+        out = np.full(t0.shape, np.nan)
+        ok = self.covers(t0, t1)
+        if not ok.any():
+            return out
+        a, b = t0[ok], t1[ok]
+        lo = np.searchsorted(self.t, a, side="left")
+        hi = np.searchsorted(self.t, b, side="left")
+        res = ufunc(self.value_at(a, "right"), self.value_at(b, "left"))
+        inside = hi > lo
+        if inside.any():
+            res[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
+        out[ok] = res
+        return out
+
+
+def _range_reduce(ufunc: np.ufunc, v: FloatArray, lo: IndexArray, hi: IndexArray) -> FloatArray:
+    """ufunc.reduce(v[lo[k]:hi[k]]) for every k, with lo < hi (ranges may overlap)."""
+    idx = np.empty(2 * lo.size, dtype=np.intp)
+    idx[0::2], idx[1::2] = lo, hi
+    padded = np.append(v, v[-1:])  # so that hi == v.size is a valid reduceat index
+    return np.asarray(ufunc.reduceat(padded, idx)[0::2], dtype=np.float64)
+
+
+def _int_timeline(t: IntArray, c: IntArray) -> tuple[IntArray, IntArray]:
+    ok = c >= 0  # INT_NULL and any other negative value: every int metric is >= 0
+    return (t, c) if ok.all() else (t[ok], c[ok])
+
+
+def _delta(t: IntArray, c: IntArray, t0: IntArray, t1: IntArray) -> FloatArray:
+    """Delta of the piecewise-linear curve through (t, c) over [t0, t1]; NaN where not covered or
+    where a segment overlapping the window decreases. t strictly increasing, c non-null int64."""
+    out = np.full(t0.shape, np.nan)
+    if t.size < 2:
+        return out
+    ok = (t0 >= t[0]) & (t1 <= t[-1])
+    if not ok.any():
+        return out
+    a, b = t0[ok], t1[ok]
+    d = np.diff(c)  # int64: exact whatever the counter's magnitude
+    drops = np.concatenate(([0], np.cumsum(d < 0)))
+    i0, f0 = _segment(t, a, "right")
+    i1, f1 = _segment(t, b, "left")
+    whole = (c[i1] - c[i0]).astype(np.float64)  # subtract in int64, then convert the (small) delta
+    res = whole + d[i1].astype(np.float64) * f1 - d[i0].astype(np.float64) * f0
+    broken = drops[i1 + 1] - drops[i0] > 0
+    res[broken] = np.nan
+    out[ok] = res
+    return out
+
+
+def _ticks(t: IntArray, e: IntArray) -> tuple[IntArray, IntArray]:
+    """The energy counter's tick points: the samples whose value differs from the sample before.
+    The first sample is not a tick: when its value was set is unknown."""
+    if t.size < 2:
+        return t[:0], e[:0]
+    changed = np.concatenate(([False], e[1:] != e[:-1]))
+    return t[changed], e[changed]
+
+
+def _counter_energy(t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray) -> FloatArray:
+    tt, te = _ticks(*_int_timeline(t, e_mj))
+    out = np.full(t0.shape, np.nan)
+    if tt.size < 2:
+        return out
+    has_tick = np.searchsorted(tt, t1, side="right") > np.searchsorted(tt, t0, side="left")
+    out[has_tick] = _delta(tt, te, t0[has_tick], t1[has_tick]) / MJ_PER_J
+    return out
+
+
+def _held(t: IntArray, flag: BoolArray, t0: IntArray, t1: IntArray) -> FloatArray:
+    """Seconds of [t0, t1] during which flag was set, each sample's flag held until the next
+    sample; exact in int64 ns. NaN where the samples do not bracket the window."""
+    out = np.full(t0.shape, np.nan)
+    if t.size < 2:
+        return out
+    ok = (t0 >= t[0]) & (t1 <= t[-1])
+    if not ok.any():
+        return out
+    held_ns = np.concatenate(([0], np.cumsum(np.where(flag[:-1], np.diff(t), 0))))
+
+    def upto(x: IntArray) -> IntArray:
+        i = np.clip(np.searchsorted(t, x, side="right") - 1, 0, t.size - 2)
+        return held_ns[i] + np.where(flag[i], x - t[i], 0)
+
+    out[ok] = (upto(t1[ok]) - upto(t0[ok])).astype(np.float64) / NS_PER_S
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers (one metric, many windows)
+# --------------------------------------------------------------------------------------------
+
+
+def integrate_power(t_ns: Any, power_w: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
+    """Energy in J over each window [t0_ns, t1_ns] from a power timeline.
+
+    ``t_ns`` (int64 ns, strictly increasing) and ``power_w`` (W, NaN = null, skipped) are one
+    device's samples; the curve is the straight line between consecutive non-null samples and is
+    integrated exactly over the window, partial segments at both edges included. ``t0_ns`` and
+    ``t1_ns`` are scalars or arrays of window edges (ns). NaN where the non-null samples do not
+    bracket the window (no extrapolation). Returns a 1-D float64 array, one value per window.
+    """
+    t = _checked_times(t_ns)
+    t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
+    return _Series(t, _as_float64(power_w)).integral(t0, t1)
+
+
+def counter_delta(t_ns: Any, values: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
+    """Increase of a cumulative int counter (bytes, ns, mJ) over each window [t0_ns, t1_ns].
+
+    The counter is the straight line between consecutive non-null samples (INT_NULL / negative =
+    null, skipped). The whole-sample part of the delta is subtracted in int64, so a 64-bit counter
+    near 2**63 gives an exact integer delta when both edges fall on samples; only the partial
+    segments at the edges are interpolated, in float64, from int64 segment deltas. NaN where the
+    samples do not bracket the window or where the counter decreases (reset or wrap) on a segment
+    that overlaps it. Returns a 1-D float64 array in the counter's unit, exact below 2**53.
+    """
+    t = _checked_times(t_ns)
+    t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
+    tc, c = _int_timeline(t, _as_int64(values))
+    return _delta(tc, c, t0, t1)
+
+
+def energy_from_counter(t_ns: Any, energy_mj: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
+    """Energy in J over each window from the hardware energy counter (mJ), NaN where not usable.
+
+    Tick points are the samples where the counter's value changes; the energy curve is the
+    straight line through consecutive ticks (t_tick, E). A window uses it when it contains a tick
+    (t0 <= t_tick <= t1), a tick lies at-or-before t0 and one at-or-after t1, and no tick segment
+    overlapping the window decreases (a reset or wrap is a break). Everywhere else the result is
+    NaN, and :func:`attribute_windows` falls back to the power timeline.
+    """
+    t = _checked_times(t_ns)
+    t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
+    return _counter_energy(t, _as_int64(energy_mj), t0, t1)
+
+
+def held_time(t_ns: Any, flags: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
+    """Seconds of each window [t0_ns, t1_ns] during which a per-sample flag was set.
+
+    Sample-and-hold: a sample's flag holds from its time until the next sample's. Exact in int64
+    ns before the conversion to seconds. NaN where the samples do not bracket the window.
+    """
+    t = _checked_times(t_ns)
+    t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
+    return _held(t, np.asarray(flags, dtype=bool), t0, t1)
+
+
+# --------------------------------------------------------------------------------------------
+# The main entry
+# --------------------------------------------------------------------------------------------
+
+
+def attribute_windows(
+    samples: Mapping[str, Any],
+    windows: WindowsLike,
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Per-window figures for one device: every column of :data:`ATTRIBUTION_COLUMNS`.
+
+    ``samples``: column -> 1-D array, ``t_mono_ns`` (int64 ns) and any schema metrics (floats NaN
+    = null, ints INT_NULL = null); missing metrics are all-null. They need not be sorted: they go
+    through :func:`prepare_samples` (call it yourself for its diagnostics). ``windows``: a mapping
+    with ``t_begin_mono_ns`` and ``t_end_mono_ns`` (int64 ns; INT_NULL or None = open), or a
+    sequence of ``(t_begin, t_end)`` pairs. Returns one array per column, one value per window in
+    the windows' order: float64 (NaN = not measurable), int64 ``n_samples``, bool
+    ``interpolated``, str ``energy_method``. An open or reversed window (t_end < t_begin) has NaN
+    figures and ``energy_method == "invalid"``.
+    """
+    cols, _ = prepare_samples(samples)
+    t: IntArray = cols["t_mono_ns"]
+    w0, w1 = _window_times(windows)
+    m = w0.size
+    valid = (w0 != INT_NULL) & (w1 != INT_NULL) & (w1 >= w0)
+    # Invalid windows are computed as empty windows at 0 and masked at the end.
+    t0 = np.where(valid, w0, 0)
+    t1 = np.where(valid, w1, 0)
+    dur_s = (t1 - t0).astype(np.float64) / NS_PER_S
+    out: dict[str, np.ndarray[Any, Any]] = {"duration_s": np.where(valid, dur_s, np.nan)}
+
+    def floats(name: str) -> _Series:
+        return _Series(t, _as_float64(cols[name]) if name in cols else np.full(t.size, np.nan))
+
+    def ints(name: str) -> tuple[IntArray, IntArray]:
+        c = _as_int64(cols[name]) if name in cols else np.full(t.size, INT_NULL, dtype=np.int64)
+        return _int_timeline(t, c)
+
+    # Coverage, over all samples whatever their metrics hold.
+    lo = np.searchsorted(t, t0, side="left")
+    hi = np.searchsorted(t, t1, side="left")
+    n_in = (hi - lo).astype(np.int64)
+    coverage = np.zeros(m)
+    many = n_in >= 2
+    if many.any():
+        spanned = (t[hi[many] - 1] - t[lo[many]]).astype(np.float64) / NS_PER_S
+        coverage[many] = spanned / dur_s[many]
+    gap_max = np.full(m, np.nan)
+    if t.size >= 2:
+        glo = np.maximum(np.searchsorted(t, t0, side="right") - 1, 0)
+        ghi = np.minimum(hi, t.size - 1)
+        touch = ghi > glo
+        if touch.any():
+            gaps = np.diff(t).astype(np.float64) / NS_PER_S
+            gap_max[touch] = _range_reduce(np.maximum, gaps, glo[touch], ghi[touch])
+    bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
+    out["n_samples"] = np.where(valid, n_in, 0)
+    out["coverage"] = np.where(valid, coverage, np.nan)
+    out["interpolated"] = valid & bracketed & (n_in < 2)
+    out["sample_gap_max_s"] = np.where(valid, gap_max, np.nan)
+
+    # Energy: counter, else instant power, else vendor-averaged power.
+    instant = floats("power_instant_w")
+    averaged = floats("power_avg_w")
+    e_counter = _counter_energy(*ints("energy_mj"), t0, t1)
+    e_instant = instant.integral(t0, t1)
+    e_averaged = averaged.integral(t0, t1)
+    use_counter = ~np.isnan(e_counter)
+    use_instant = ~use_counter & ~np.isnan(e_instant)
+    use_averaged = ~use_counter & ~use_instant & ~np.isnan(e_averaged)
+    energy = np.where(use_counter, e_counter, np.where(use_instant, e_instant, e_averaged))
+    method = np.full(m, "none", dtype=_METHOD_DTYPE)
+    method[use_counter] = "counter"
+    method[use_instant] = "power_trapezoid"
+    method[use_averaged] = "power_avg_trapezoid"
+    method[~valid] = "invalid"
+    out["energy_j"] = energy
+    out["energy_method"] = method
+    timeline = instant if instant.t.size >= 2 else averaged
+    timeline_avg = timeline.mean(t0, t1)
+    power_avg = np.full(m, np.nan)
+    pos = dur_s > 0
+    power_avg[pos] = energy[pos] / dur_s[pos]
+    zero = ~pos & ~np.isnan(energy)  # zero-length window: the power at that instant
+    power_avg[zero] = timeline_avg[zero]
+    out["power_avg_w"] = power_avg
+    out["power_timeline_avg_w"] = timeline_avg
+    out["power_peak_w"] = instant.extreme(np.maximum, t0, t1)
+
+    for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
+        out[f"{name}_peak_c"] = floats(f"{name}_c").extreme(np.maximum, t0, t1)
+    clock = floats("clock_sm_mhz")
+    out["clock_sm_min_mhz"] = clock.extreme(np.minimum, t0, t1)
+    out["clock_sm_avg_mhz"] = clock.mean(t0, t1)
+
+    tm, mask = ints("throttle_reasons")
+    for name, bit in THROTTLE_REASONS:
+        out[f"throttle_{name}_s"] = _held(tm, (mask & bit) != 0, t0, t1)
+    limiting = 0
+    for name in LIMITING_REASONS:
+        limiting |= THROTTLE_BITS[name]
+    out["throttle_any_limiting_s"] = _held(tm, (mask & limiting) != 0, t0, t1)
+
+    out["violation_power_s"] = _delta(*ints("violation_power_ns"), t0, t1) / NS_PER_S
+    out["violation_thermal_s"] = _delta(*ints("violation_thermal_ns"), t0, t1) / NS_PER_S
+    for name in _TRAFFIC_COUNTERS:
+        out[name] = _delta(*ints(name), t0, t1)
+
+    for name, a in out.items():
+        if a.dtype == np.float64 and name != "duration_s":
+            a[~valid] = np.nan
+    return {name: out[name] for name in ATTRIBUTION_COLUMN_NAMES}

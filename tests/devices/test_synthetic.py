@@ -1,0 +1,148 @@
+"""The synthetic device is a small physical model; these tests check its physics."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from charllm_nemo.devices import open_backend
+from charllm_nemo.devices.synthetic import MarkActivity, SyntheticParams
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, decode_throttle
+from charllm_nemo.telemetry.windows import WindowRecorder
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += int(seconds * 1e9)
+
+
+def _dev(activity, params=None):
+    clock = Clock()
+    backend = open_backend("synthetic", activity=activity, params=params or SyntheticParams(), clock=clock)
+    return backend.devices[0], clock
+
+
+def _get(reading, name):
+    return reading[METRIC_INDEX[name]]
+
+
+def test_a_reading_has_every_metric_in_schema_units():
+    dev, clock = _dev(0.5)
+    clock.advance(0.1)
+    r = dev.read()
+    assert len(r) == len(METRICS)
+    assert dev.identity.backend == "synthetic" and "not hardware" in dev.identity.name
+    for m, v in zip(METRICS, r, strict=True):
+        assert v is None or isinstance(v, (int, float)), m.name
+        if m.kind == "int" and v is not None:
+            assert isinstance(v, int), m.name
+    # unsupported metrics are null, never invented
+    assert _get(r, "nvlink_tx_bytes") is None and _get(r, "temp_hotspot_c") is None
+    assert not dev.supported_metrics()["nvlink_tx_bytes"]
+
+
+def test_power_follows_activity_between_idle_and_the_cap():
+    p = SyntheticParams()
+    for level, expected in ((0.0, p.idle_w), (0.5, p.idle_w + 0.5 * (p.peak_w - p.idle_w)), (1.0, p.power_limit_w)):
+        dev, clock = _dev(level)
+        clock.advance(0.01)
+        assert _get(dev.read(), "power_instant_w") == pytest.approx(expected)
+
+
+def test_temperature_rises_as_a_first_order_system_towards_ambient_plus_r_times_p():
+    # half activity, no cap: T(t) = T_inf + (T0 - T_inf) exp(-t / tau)
+    p = SyntheticParams()
+    dev, clock = _dev(0.5, p)
+    t0 = _get(dev.read(), "temp_gpu_c")
+    power = p.idle_w + 0.5 * (p.peak_w - p.idle_w)
+    t_inf = p.ambient_c + p.r_gpu_c_per_w * power
+    for _ in range(100):  # 10 s in 0.1 s steps: exact for piecewise-constant power
+        clock.advance(0.1)
+        temp = _get(dev.read(), "temp_gpu_c")
+    assert temp == pytest.approx(t_inf + (t0 - t_inf) * math.exp(-10.0 / p.tau_gpu_s), rel=1e-9)
+    assert _get(dev.read(), "temp_hbm_c") < temp  # HBM: smaller R, slower
+
+
+def test_the_energy_counter_integrates_power_and_ticks_at_its_update_period():
+    p = SyntheticParams(energy_update_ms=50.0)
+    dev, clock = _dev(0.0, p)  # idle: 75 W
+    e0 = _get(dev.read(), "energy_mj")
+    values = []
+    for _ in range(100):  # 1 s in 10 ms steps
+        clock.advance(0.01)
+        values.append(_get(dev.read(), "energy_mj"))
+    distinct = sorted(set(values))
+    assert 18 <= len(distinct) <= 22  # ~20 updates in 1 s at 50 ms
+    assert values[-1] - e0 == pytest.approx(p.idle_w * 1e3 * 1.0, rel=0.06)  # 75 J = 75000 mJ
+
+
+def test_full_activity_hits_the_power_cap_lowers_the_clock_and_says_why():
+    p = SyntheticParams()
+    dev, clock = _dev(1.0, p)
+    clock.advance(0.5)
+    r = dev.read()
+    assert "sw_power_cap" in decode_throttle(_get(r, "throttle_reasons"))
+    dyn = (p.power_limit_w - p.idle_w) / (p.peak_w - p.idle_w)
+    assert _get(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * dyn ** (1 / 3))
+    assert _get(r, "violation_power_ns") == 500_000_000
+
+
+def test_over_the_temperature_limit_clocks_drop_and_sw_thermal_is_set():
+    p = SyntheticParams(temp_limit_c=40.0, tau_gpu_s=0.5, peak_w=600.0)
+    dev, clock = _dev(1.0, p)
+    for _ in range(50):
+        clock.advance(0.1)
+        r = dev.read()
+    assert "sw_thermal" in decode_throttle(_get(r, "throttle_reasons"))
+    assert _get(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * p.thermal_clock_factor)
+    assert _get(r, "violation_thermal_ns") > 0
+
+
+def test_idle_sets_the_idle_reason_and_the_idle_clock():
+    dev, clock = _dev(0.0)
+    clock.advance(0.1)
+    r = dev.read()
+    assert decode_throttle(_get(r, "throttle_reasons")) == ("idle",)
+    assert _get(r, "clock_sm_mhz") == SyntheticParams().clock_idle_mhz
+
+
+def test_activity_follows_the_training_phases_reported_by_window_marks():
+    backend = open_backend("synthetic", activity="marks")
+    marks = backend.mark_activity
+    assert isinstance(marks, MarkActivity)
+    rec = WindowRecorder()
+    rec.add_listener(marks)
+    assert marks.level() == 0.0
+    with rec.window("step", step=0):
+        assert marks.level() == 0.3
+        with rec.window("phase", "forward"):
+            assert marks.level() == 1.0
+        with rec.window("phase", "optimizer"):
+            assert marks.level() == 0.5
+    assert marks.level() == 0.0
+
+
+def test_the_factory_warns_loudly_that_synthetic_is_not_hardware(caplog):
+    with caplog.at_level(logging.WARNING):
+        open_backend("synthetic")
+    assert "SYNTHETIC" in caplog.text and "not from hardware" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "gpu"])
+def test_bad_activity_is_a_config_error(bad):
+    with pytest.raises(ConfigError, match="activity"):
+        open_backend("synthetic", activity=bad)
+
+
+def test_an_unknown_backend_name_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"telemetry\.backend='cuda'.*auto, nvml, amdsmi, synthetic"):
+        open_backend("cuda")

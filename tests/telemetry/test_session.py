@@ -1,0 +1,95 @@
+"""A rank's session end to end in-process: marks + samples -> store -> figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.join import attribute_run
+from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.session import TelemetrySession, default_device_indices
+
+
+def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, config={"model": "x"}, backend_options={"activity": "marks"},
+        handle_signals=False,
+    ) as tel:
+        for step in range(3):
+            with tel.windows.window("step", step=step):
+                with tel.windows.window("phase", "forward", step=step, microbatch=0):
+                    time.sleep(0.05)
+                with tel.windows.window("phase", "optimizer", step=step):
+                    time.sleep(0.02)
+            time.sleep(0.03)
+    run = load_run(tmp_path)
+    assert run.manifests[0]["status"] == "complete"
+    assert run.manifests[0]["config"] == {"model": "x"}
+    assert run.manifests[0]["devices"][0]["backend"] == "synthetic"
+    assert run.windows.num_rows == 9
+    table = attribute_run(run, ("step",))
+    assert table.num_rows == 3
+    energy = table.column("energy_j").to_pylist()
+    dur = table.column("duration_s").to_pylist()
+    # a step is ~70 ms of forward (1.0 activity, capped at 700 W) and optimizer (0.5 -> 417.5 W)
+    for e, d in zip(energy, dur, strict=True):
+        assert 300 * d < e < 700 * d
+
+
+def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by_default(tmp_path):
+    with TelemetrySession(tmp_path, backend="synthetic", hz=100, backend_options={"activity": 1.0},
+                          handle_signals=False) as tel:
+        time.sleep(0.05)
+        t0 = time.monotonic_ns()
+        time.sleep(0.1)
+        t1 = time.monotonic_ns()
+        start = time.perf_counter()
+        maybe = tel.step_figures(t0, t1)  # the next sample may not exist yet
+        assert time.perf_counter() - start < 0.05
+        figs = tel.step_figures(t0, t1, wait_s=1.0)
+        assert maybe is None or maybe[0]["energy_j"] > 0
+        assert figs is not None and len(figs) == 1
+        f = figs[0]
+        assert f["power_avg_w"] == pytest.approx(700.0)
+        assert f["energy_j"] == pytest.approx(700.0 * (t1 - t0) / 1e9, rel=0.02)
+
+
+def test_a_rank_samples_the_device_cuda_visible_devices_gives_it():
+    assert default_device_indices(1, {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == [5]
+    assert default_device_indices(1, {}) == [1]
+    assert default_device_indices(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) == [0]
+
+
+def test_a_bad_rate_fails_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="telemetry.hz"):
+        TelemetrySession(tmp_path, backend="synthetic", hz=2000)
+    assert not any(tmp_path.iterdir())
+
+
+def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):
+    # In a child with no NVML library reachable and no amdsmi: auto must pick synthetic, loudly.
+    code = (
+        "import sys; sys.modules['amdsmi'] = None\n"
+        "from charllm_nemo.devices import open_backend\n"
+        "b = open_backend('auto'); print('BACKEND', b.name)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "BACKEND synthetic" in proc.stdout
+    assert "SYNTHETIC" in proc.stderr
+
+
+def test_importing_the_package_needs_no_vendor_or_framework_library():
+    code = (
+        "import sys\n"
+        "for m in ('pynvml', 'amdsmi', 'torch', 'megatron', 'wandb', 'hydra', 'nemo'): sys.modules[m] = None\n"
+        "import charllm_nemo, charllm_nemo.devices, charllm_nemo.telemetry.session, charllm_nemo.cli\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
