@@ -16,7 +16,11 @@ from charllm_nemo.telemetry.session import TelemetrySession, default_device_indi
 
 def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, config={"model": "x"}, backend_options={"activity": "marks"},
+        tmp_path,
+        backend="synthetic",
+        hz=200,
+        config={"model": "x"},
+        backend_options={"activity": "marks"},
         handle_signals=False,
     ) as tel:
         for step in range(3):
@@ -41,8 +45,9 @@ def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
 
 
 def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by_default(tmp_path):
-    with TelemetrySession(tmp_path, backend="synthetic", hz=100, backend_options={"activity": 1.0},
-                          handle_signals=False) as tel:
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=100, backend_options={"activity": 1.0}, handle_signals=False
+    ) as tel:
         time.sleep(0.05)
         t0 = time.monotonic_ns()
         time.sleep(0.1)
@@ -65,7 +70,7 @@ def test_a_rank_samples_the_device_cuda_visible_devices_gives_it():
 
 
 def test_a_bad_rate_fails_before_anything_starts(tmp_path):
-    with pytest.raises(ConfigError, match="telemetry.hz"):
+    with pytest.raises(ConfigError, match=r"telemetry\.hz"):
         TelemetrySession(tmp_path, backend="synthetic", hz=2000)
     assert not any(tmp_path.iterdir())
 
@@ -87,7 +92,8 @@ def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):
 def test_importing_the_package_needs_no_vendor_or_framework_library():
     code = (
         "import sys\n"
-        "for m in ('pynvml', 'amdsmi', 'torch', 'megatron', 'wandb', 'hydra', 'nemo'): sys.modules[m] = None\n"
+        "for m in ('pynvml', 'amdsmi', 'torch', 'megatron', 'wandb', 'hydra', 'nemo'):\n"
+        "    sys.modules[m] = None\n"
         "import charllm_nemo, charllm_nemo.devices, charllm_nemo.telemetry.session, charllm_nemo.cli\n"
         "print('ok')\n"
     )

@@ -49,6 +49,10 @@ class ParallelConfig:
     dp: int | None = None
     sequence_parallel: bool = False
     fsdp: bool = False
+    # Which FSDP megatron-core 0.16 should use when fsdp=true: "megatron_fsdp" (Megatron-FSDP,
+    # DistributedDataParallelConfig(use_megatron_fsdp=True)) or "torch_fsdp2" (PyTorch FSDP2 via
+    # TorchFullyShardedDataParallel: no PP, no EP). See validate.py.
+    fsdp_impl: str = "megatron_fsdp"
     # Uneven pipeline layouts: explicit layers per stage, or "alternating" (+1/-1 per stage).
     pipeline_layout: list[int] | None = None
     pipeline_layout_scheme: str | None = None  # None | "alternating"
