@@ -22,268 +22,47 @@ was shut down underneath us) raises :class:`~charllm_nemo.errors.DeviceLost`; an
 makes that metric ``None`` for that sample, logged once per (device, metric), and the source is
 tried again next sample (NVML reports transient errors at high polling rates).
 
+The source table (field ids, dedicated calls, their buffers and the raw C layouts) lives in
+:mod:`charllm_nemo.devices.nvml_sources`; this module probes it, samples and opens devices.
+
 A device object is not thread-safe: one sampler thread per device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.devices.base import DeviceIdentity, UnsupportedLog
+from charllm_nemo.devices.nvml_sources import (
+    CLOCK_MEM,
+    CLOCK_SM,
+    LOST_CODES,
+    NVLINK_MAX_LINKS,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_SUCCESS,
+    PER_LINK_FALLBACK,
+    VT_UINT,
+    VT_ULL,
+    VT_ULONG,
+    CallSource,
+    FieldBatch,
+    FieldSource,
+    Source,
+    candidate_sources,
+    decode,
+    error_name,
+    resolve,
+)
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
 
 log = logging.getLogger("charllm_nemo.devices")
 
 NVIDIA_EXTRA_HINT = "install the [nvidia] extra: pip install 'charllm-nemo[nvidia]'"
-
-# nvml.h values, used when the installed binding predates a name. Field ids below 251 have been
-# stable across NVML releases; the driver, not the binding, decides whether a field works.
-_NVML_SUCCESS = 0
-_NVML_ERROR_UNINITIALIZED = 1
-_NVML_ERROR_FUNCTION_NOT_FOUND = 13
-_NVML_ERROR_GPU_IS_LOST = 15
-_LOST_CODES = frozenset({_NVML_ERROR_UNINITIALIZED, _NVML_ERROR_GPU_IS_LOST})
-
-_FIELD_DEFAULTS: dict[str, int] = {
-    "NVML_FI_DEV_PERF_POLICY_POWER": 74,  # ns clocks were held down by the power policy
-    "NVML_FI_DEV_PERF_POLICY_THERMAL": 75,  # ns clocks were held down by the thermal policy
-    "NVML_FI_DEV_MEMORY_TEMP": 82,  # degC
-    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83,  # mJ since driver load
-    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 138,  # KiB; scopeId = link id or UINT_MAX = all links
-    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 139,
-    "NVML_FI_DEV_POWER_AVERAGE": 185,  # mW, 1 s average (Ampere+ except GA100)
-    "NVML_FI_DEV_POWER_INSTANT": 186,  # mW
-    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197,  # B
-    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,
-}
-_POWER_SCOPE_GPU = 0
-_POWER_SCOPE_MEMORY = 2
-_SCOPE_ALL_LINKS = 0xFFFFFFFF  # nvml.h: "A scopeId of UINT_MAX returns aggregate value"
-_NVLINK_MAX_LINKS = 18  # only if the binding does not say (nvidia-ml-py 13 says 36)
-
-_TEMPERATURE_GPU = 0
-_TEMPERATURE_GPU_MAX = 1  # NVML 13: "the hottest part of the GPU"; older drivers reject it
-_CLOCK_SM = 1
-_CLOCK_MEM = 2
-_PERF_POLICY_POWER = 0
-_PERF_POLICY_THERMAL = 1
-_TEMPERATURE_V1 = 0x0100000C  # sizeof(nvmlTemperature_t) | 1 << 24
-_MEMORY_V2 = 0x02000028  # sizeof(nvmlMemory_v2_t) | 2 << 24
-
-# nvmlFieldValue_t: fieldId u32, scopeId u32, timestamp i64, latencyUsec i64, valueType u32,
-# nvmlReturn u32, value (8-byte union): 40 bytes. A read unpacks (valueType, nvmlReturn, the 8
-# value bytes as u64) for every field in one struct call.
-_FIELD_VALUE_SIZE = 40
-_FIELD_VALUE_READ = "24xIIQ"
-_VT_DOUBLE, _VT_UINT, _VT_ULONG, _VT_ULL, _VT_SLL, _VT_SINT, _VT_USHORT = range(7)
-
-
-class _TemperatureV1(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint), ("sensorType", ctypes.c_int), ("temperature", ctypes.c_int)]
-
-
-class _Utilization(ctypes.Structure):
-    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
-
-
-class _Memory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-class _MemoryV2(ctypes.Structure):
-    _fields_ = [
-        ("version", ctypes.c_uint),
-        ("total", ctypes.c_ulonglong),
-        ("reserved", ctypes.c_ulonglong),
-        ("free", ctypes.c_ulonglong),
-        ("used", ctypes.c_ulonglong),
-    ]
-
-
-class _ViolationTime(ctypes.Structure):
-    _fields_ = [("referenceTime", ctypes.c_ulonglong), ("violationTime", ctypes.c_ulonglong)]
-
-
-def _decode(value_type: int, raw: int) -> int | float | None:
-    """The value union's member named by ``valueType``, from its 8 bytes read as a u64."""
-    if value_type in (_VT_ULL, _VT_ULONG):  # unsigned long is 64-bit on Linux
-        return raw
-    if value_type == _VT_UINT:
-        return raw & 0xFFFFFFFF
-    if value_type == _VT_DOUBLE:
-        return float(struct.unpack("<d", struct.pack("<Q", raw))[0])
-    if value_type == _VT_SLL:
-        return raw - (1 << 64) if raw >> 63 else raw
-    if value_type == _VT_SINT:
-        low = raw & 0xFFFFFFFF
-        return low - (1 << 32) if low >> 31 else low
-    if value_type == _VT_USHORT:
-        return raw & 0xFFFF
-    return None
-
-
-# --- metric sources ---------------------------------------------------------------------------
-
-
-@dataclass
-class _FieldSource:
-    """One metric from one or more (fieldId, scopeId) entries of the batch, summed."""
-
-    label: str
-    entries: list[tuple[int, int]]
-    is_float: bool = False
-    factor: float = 1  # float metrics: value / factor; int metrics: value * factor
-
-
-@dataclass
-class _CallSource:
-    """One NVML call filling ``obj``; sources with the same label are one call (utilization)."""
-
-    label: str
-    fn_name: str
-    args: tuple[Any, ...]
-    obj: Any
-    attr: str = "value"
-    is_float: bool = False
-    factor: float = 1
-
-
-_Source = _FieldSource | _CallSource
-
-
-def _sources(p: Any, handle: Any) -> dict[str, list[_Source]]:
-    """Candidate sources of every metric, best first. Buffers are created here, once."""
-
-    def fid(name: str) -> int:
-        return int(getattr(p, name, _FIELD_DEFAULTS[name]))
-
-    scope_memory = int(getattr(p, "NVML_POWER_SCOPE_MEMORY", _POWER_SCOPE_MEMORY))
-    scope_gpu = int(getattr(p, "NVML_POWER_SCOPE_GPU", _POWER_SCOPE_GPU))
-
-    def field(name: str, scope: int = 0, is_float: bool = False, factor: float = 1) -> _FieldSource:
-        label = name if scope == 0 else f"{name}[scope={scope:#x}]"
-        return _FieldSource(label, [(fid(name), scope)], is_float, factor)
-
-    def call(
-        fn_name: str,
-        args: tuple[Any, ...],
-        obj: Any,
-        attr: str = "value",
-        is_float: bool = False,
-        factor: float = 1,
-        key: str | None = None,
-    ) -> _CallSource:
-        full_args = (handle, *args, ctypes.byref(obj))
-        return _CallSource(key or fn_name, fn_name, full_args, obj, attr, is_float, factor)
-
-    def temp_v(sensor: int) -> _CallSource:
-        buf = _TemperatureV1(version=_TEMPERATURE_V1, sensorType=sensor)
-        key = f"nvmlDeviceGetTemperatureV(sensor={sensor})"
-        return call("nvmlDeviceGetTemperatureV", (), buf, "temperature", True, key=key)
-
-    def temp(sensor: int) -> _CallSource:
-        key = f"nvmlDeviceGetTemperature(sensor={sensor})"
-        return call("nvmlDeviceGetTemperature", (sensor,), ctypes.c_uint(), "value", True, key=key)
-
-    def clock(kind: int, label: str) -> _CallSource:
-        key = f"nvmlDeviceGetClockInfo({label})"
-        return call("nvmlDeviceGetClockInfo", (kind,), ctypes.c_uint(), "value", True, key=key)
-
-    def violation(policy: int, label: str) -> _CallSource:
-        key = f"nvmlDeviceGetViolationStatus({label})"
-        return call("nvmlDeviceGetViolationStatus", (policy,), _ViolationTime(), "violationTime", key=key)
-
-    util = _Utilization()
-    mem_v2 = _MemoryV2(version=_MEMORY_V2)
-    mw = 1000.0
-    return {
-        "power_instant_w": [field("NVML_FI_DEV_POWER_INSTANT", scope_gpu, True, mw)],
-        "power_avg_w": [
-            field("NVML_FI_DEV_POWER_AVERAGE", scope_gpu, True, mw),
-            call("nvmlDeviceGetPowerUsage", (), ctypes.c_uint(), is_float=True, factor=mw),
-        ],
-        "power_memory_w": [
-            field("NVML_FI_DEV_POWER_INSTANT", scope_memory, True, mw),
-            field("NVML_FI_DEV_POWER_AVERAGE", scope_memory, True, mw),
-        ],
-        "energy_mj": [
-            field("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"),
-            call("nvmlDeviceGetTotalEnergyConsumption", (), ctypes.c_ulonglong()),
-        ],
-        "temp_gpu_c": [temp_v(_TEMPERATURE_GPU), temp(_TEMPERATURE_GPU)],
-        "temp_hbm_c": [field("NVML_FI_DEV_MEMORY_TEMP", 0, True, 1)],
-        "temp_hotspot_c": [temp_v(_TEMPERATURE_GPU_MAX), temp(_TEMPERATURE_GPU_MAX)],
-        "clock_sm_mhz": [clock(_CLOCK_SM, "NVML_CLOCK_SM")],
-        "clock_mem_mhz": [clock(_CLOCK_MEM, "NVML_CLOCK_MEM")],
-        "throttle_reasons": [
-            call("nvmlDeviceGetCurrentClocksEventReasons", (), ctypes.c_ulonglong()),
-            call("nvmlDeviceGetCurrentClocksThrottleReasons", (), ctypes.c_ulonglong()),
-        ],
-        "violation_power_ns": [
-            field("NVML_FI_DEV_PERF_POLICY_POWER"),
-            violation(_PERF_POLICY_POWER, "NVML_PERF_POLICY_POWER"),
-        ],
-        "violation_thermal_ns": [
-            field("NVML_FI_DEV_PERF_POLICY_THERMAL"),
-            violation(_PERF_POLICY_THERMAL, "NVML_PERF_POLICY_THERMAL"),
-        ],
-        "util_gpu_pct": [call("nvmlDeviceGetUtilizationRates", (), util, "gpu", True)],
-        "util_mem_pct": [call("nvmlDeviceGetUtilizationRates", (), util, "memory", True)],
-        "mem_used_bytes": [
-            call("nvmlDeviceGetMemoryInfo_v2", (), mem_v2, "used"),
-            call("nvmlDeviceGetMemoryInfo", (), _Memory(), "used"),
-        ],
-        "power_limit_w": [
-            call("nvmlDeviceGetEnforcedPowerLimit", (), ctypes.c_uint(), is_float=True, factor=mw)
-        ],
-        "pcie_tx_bytes": [field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES")],
-        "pcie_rx_bytes": [field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES")],
-        "nvlink_tx_bytes": [field("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", _SCOPE_ALL_LINKS, False, 1024)],
-        "nvlink_rx_bytes": [field("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", _SCOPE_ALL_LINKS, False, 1024)],
-    }
-
-
-_PER_LINK_FALLBACK = {
-    "nvlink_tx_bytes": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
-    "nvlink_rx_bytes": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
-}
-
-
-# --- the raw field-values call ----------------------------------------------------------------
-
-
-class _FieldBatch:
-    """A prebuilt nvmlFieldValue_t array and the struct that reads it back in one call."""
-
-    def __init__(self, entries: Sequence[tuple[int, int]]) -> None:
-        self.count = len(entries)
-        self.buffer = ctypes.create_string_buffer(_FIELD_VALUE_SIZE * max(self.count, 1))
-        for i, (field_id, scope_id) in enumerate(entries):
-            struct.pack_into("<II", self.buffer, i * _FIELD_VALUE_SIZE, field_id, scope_id)
-        self.unpack = struct.Struct("<" + _FIELD_VALUE_READ * self.count).unpack_from
-
-    def fetch(self, fn: Any, handle: Any) -> tuple[int, tuple[int, ...]]:
-        """(overall nvmlReturn, flat (valueType, nvmlReturn, raw value) per entry)."""
-        rc = int(fn(handle, self.count, self.buffer))
-        return rc, (self.unpack(self.buffer) if rc == _NVML_SUCCESS else ())
-
-
-def _resolve(p: Any, name: str) -> Any | None:
-    """The ctypes function for an NVML symbol, or None when the library lacks it."""
-    getter = getattr(p, "_nvmlGetFunctionPointer", None)
-    try:
-        if getter is not None:
-            return getter(name)
-        return getattr(p.nvmlLib, name)
-    except (AttributeError, p.NVMLError):
-        return None
 
 
 def _binding_version() -> str | None:
@@ -293,15 +72,6 @@ def _binding_version() -> str | None:
         return version("nvidia-ml-py")
     except Exception:  # not installed as a distribution (vendored, renamed): not worth failing
         return None
-
-
-def _error_name(p: Any, rc: int) -> str:
-    if rc <= -1000:
-        return f"unknown NVML valueType {-1000 - rc}"
-    try:
-        return f"{p.NVMLError(rc)} (NVML error {rc})"
-    except Exception:  # an unknown code: str() asks the library, which may itself fail
-        return f"NVML error {rc}"
 
 
 # --- device -----------------------------------------------------------------------------------
@@ -343,51 +113,45 @@ class NvmlDevice:
     def _probe(self) -> dict[str, str]:
         """Pick each metric's first working source; build the read plan. Returns metric -> source."""
         p, handle = self._nvml, self._handle
-        candidates = _sources(p, handle)
-        field_fn = _resolve(p, "nvmlDeviceGetFieldValues")
+        candidates = candidate_sources(p, handle)
+        field_fn = resolve(p, "nvmlDeviceGetFieldValues")
 
         # Every candidate field in one probe call; per-link NVLink only if the aggregate fails.
         probe_entries = sorted(
-            {
-                e
-                for srcs in candidates.values()
-                for s in srcs
-                if isinstance(s, _FieldSource)
-                for e in s.entries
-            }
+            {e for srcs in candidates.values() for s in srcs if isinstance(s, FieldSource) for e in s.entries}
         )
         field_rc = self._probe_fields(field_fn, probe_entries)
-        for metric, field_name in _PER_LINK_FALLBACK.items():
+        for metric, field_name in PER_LINK_FALLBACK.items():
             aggregate = candidates[metric][0]
-            assert isinstance(aggregate, _FieldSource)
-            if field_rc.get(aggregate.entries[0], -1) == _NVML_SUCCESS:
+            assert isinstance(aggregate, FieldSource)
+            if field_rc.get(aggregate.entries[0], -1) == NVML_SUCCESS:
                 continue
-            max_links = int(getattr(p, "NVML_NVLINK_MAX_LINKS", _NVLINK_MAX_LINKS))
+            max_links = int(getattr(p, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS))
             fid = aggregate.entries[0][0]
             links = [(fid, link) for link in range(max_links)]
             link_rc = self._probe_fields(field_fn, links)
-            working = [e for e in links if link_rc.get(e) == _NVML_SUCCESS]
+            working = [e for e in links if link_rc.get(e) == NVML_SUCCESS]
             if working:
                 field_rc.update(link_rc)
                 label = f"{field_name}[links={','.join(str(s) for _, s in working)}] summed"
-                candidates[metric].append(_FieldSource(label, working, False, 1024))
+                candidates[metric].append(FieldSource(label, working, False, 1024))
 
-        chosen: dict[str, _Source] = {}
+        chosen: dict[str, Source] = {}
         reasons: dict[str, list[str]] = {}
         call_rc: dict[str, int] = {}
         for metric in METRIC_NAMES:
             for source in candidates.get(metric, []):
-                if isinstance(source, _FieldSource):
-                    rcs = [field_rc.get(e, _NVML_ERROR_FUNCTION_NOT_FOUND) for e in source.entries]
-                    rc = next((r for r in rcs if r != _NVML_SUCCESS), _NVML_SUCCESS)
+                if isinstance(source, FieldSource):
+                    rcs = [field_rc.get(e, NVML_ERROR_FUNCTION_NOT_FOUND) for e in source.entries]
+                    rc = next((r for r in rcs if r != NVML_SUCCESS), NVML_SUCCESS)
                 else:
                     if source.label not in call_rc:
                         call_rc[source.label] = self._probe_call(source)
                     rc = call_rc[source.label]
-                if rc == _NVML_SUCCESS:
+                if rc == NVML_SUCCESS:
                     chosen[metric] = source
                     break
-                reasons.setdefault(metric, []).append(f"{source.label}: {_error_name(p, rc)}")
+                reasons.setdefault(metric, []).append(f"{source.label}: {error_name(p, rc)}")
         for metric in METRIC_NAMES:
             if metric not in chosen:
                 why = "; ".join(reasons.get(metric, [])) or "NVML has no source for it"
@@ -399,15 +163,15 @@ class NvmlDevice:
         calls: dict[str, tuple[Any, tuple[Any, ...], list[tuple[int, Any, str, bool, float]]]] = {}
         for metric, source in chosen.items():
             mi = METRIC_INDEX[metric]
-            if isinstance(source, _FieldSource):
+            if isinstance(source, FieldSource):
                 offsets = tuple(3 * (len(entries) + k) for k in range(len(source.entries)))
                 entries.extend(source.entries)
                 field_plan.append((mi, offsets, source.is_float, source.factor))
             else:
-                fn = _resolve(p, source.fn_name)
+                fn = resolve(p, source.fn_name)
                 entry = calls.setdefault(source.label, (fn, source.args, []))
                 entry[2].append((mi, source.obj, source.attr, source.is_float, source.factor))
-        self._fields = _FieldBatch(entries) if entries else None
+        self._fields = FieldBatch(entries) if entries else None
         self._field_fn: Any = field_fn
         self._field_plan = tuple(field_plan)
         self._call_plan = tuple((fn, args, tuple(outs)) for fn, args, outs in calls.values())
@@ -417,30 +181,30 @@ class NvmlDevice:
     def _probe_fields(self, field_fn: Any, entries: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
         if field_fn is None or not entries:
             return {}
-        rc, raw = _FieldBatch(entries).fetch(field_fn, self._handle)
-        if rc != _NVML_SUCCESS:
+        rc, raw = FieldBatch(entries).fetch(field_fn, self._handle)
+        if rc != NVML_SUCCESS:
             self._raise_if_lost(rc)
             return {e: rc for e in entries}
         result = {}
         for i, entry in enumerate(entries):
             field_rc = raw[3 * i + 1]
             self._raise_if_lost(field_rc)
-            if field_rc == _NVML_SUCCESS and _decode(raw[3 * i], 0) is None:
+            if field_rc == NVML_SUCCESS and decode(raw[3 * i], 0) is None:
                 field_rc = -1000 - raw[3 * i]  # a valueType this code does not know
             result[entry] = field_rc
         return result
 
     def _raise_if_lost(self, rc: int) -> None:
-        if rc in _LOST_CODES:
+        if rc in LOST_CODES:
             raise BackendUnavailable(
                 f"NVML GPU {self._index} stopped answering while it was being opened "
-                f"({_error_name(self._nvml, rc)}); check `nvidia-smi` and the kernel log (Xid errors)"
+                f"({error_name(self._nvml, rc)}); check `nvidia-smi` and the kernel log (Xid errors)"
             )
 
-    def _probe_call(self, source: _CallSource) -> int:
-        fn = _resolve(self._nvml, source.fn_name)
+    def _probe_call(self, source: CallSource) -> int:
+        fn = resolve(self._nvml, source.fn_name)
         if fn is None:
-            return _NVML_ERROR_FUNCTION_NOT_FOUND
+            return NVML_ERROR_FUNCTION_NOT_FOUND
         rc = int(fn(*source.args))
         self._raise_if_lost(rc)
         return rc
@@ -455,7 +219,7 @@ class NvmlDevice:
             try:
                 return fn(*args)
             except p.NVMLError as exc:
-                if getattr(exc, "value", None) == _NVML_ERROR_GPU_IS_LOST:
+                if getattr(exc, "value", None) == NVML_ERROR_GPU_IS_LOST:
                     raise BackendUnavailable(
                         f"NVML GPU {self._index} is lost ({exc}); check `nvidia-smi` and the kernel log"
                     ) from exc
@@ -471,8 +235,8 @@ class NvmlDevice:
             "nvidia_ml_py_version": _binding_version(),
             "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None,
             "architecture": ask("nvmlDeviceGetArchitecture", h),
-            "clock_sm_max_mhz": ask("nvmlDeviceGetMaxClockInfo", h, _CLOCK_SM),
-            "clock_mem_max_mhz": ask("nvmlDeviceGetMaxClockInfo", h, _CLOCK_MEM),
+            "clock_sm_max_mhz": ask("nvmlDeviceGetMaxClockInfo", h, CLOCK_SM),
+            "clock_mem_max_mhz": ask("nvmlDeviceGetMaxClockInfo", h, CLOCK_MEM),
         }
         cc = ask("nvmlDeviceGetCudaComputeCapability", h)
         if cc is not None:
@@ -524,12 +288,12 @@ class NvmlDevice:
                             self._failed(frc, (mi,))
                             break
                         vt = raw[b]
-                        if vt == _VT_UINT:
+                        if vt == VT_UINT:
                             v = raw[b + 2] & 0xFFFFFFFF
-                        elif vt in (_VT_ULL, _VT_ULONG):
+                        elif vt in (VT_ULL, VT_ULONG):
                             v = raw[b + 2]
                         else:
-                            v = _decode(vt, raw[b + 2])
+                            v = decode(vt, raw[b + 2])
                             if v is None:
                                 self._failed(-1000 - vt, (mi,))
                                 break
@@ -548,9 +312,9 @@ class NvmlDevice:
 
     def _failed(self, rc: int, metric_indices: Sequence[int]) -> None:
         """A source returned an error while sampling: DeviceLost, or log once and leave None."""
-        if rc in _LOST_CODES:
-            raise DeviceLost(f"NVML GPU {self._index}: {_error_name(self._nvml, rc)}")
-        reason = f"{_error_name(self._nvml, rc)} while sampling"
+        if rc in LOST_CODES:
+            raise DeviceLost(f"NVML GPU {self._index}: {error_name(self._nvml, rc)}")
+        reason = f"{error_name(self._nvml, rc)} while sampling"
         for mi in metric_indices:
             self._unsupported(self._index, METRIC_NAMES[mi], reason)
 
