@@ -137,9 +137,7 @@ class Sampler:
         period = self.period_ns
         half = period // 2
         mono = time.monotonic_ns
-        wall = time.time_ns
         sleep = time.sleep
-        lock = self._lock
         devices = [(d, d.identity.index) for d in self._devices]
         h.started_mono_ns = deadline = mono()
         try:
@@ -151,32 +149,7 @@ class Sampler:
                     h.on_time += 1
                 if late > h.late_max_ns:
                     h.late_max_ns = late
-                for entry in tuple(devices):
-                    dev, idx = entry
-                    t0 = mono()
-                    tw = wall()
-                    try:
-                        reading = dev.read()
-                    except DeviceLost as exc:
-                        h.devices_lost += 1
-                        devices.remove(entry)
-                        log.error("device %d lost (%s): sampling of it stopped; training goes on", idx, exc)
-                        continue
-                    except Exception as exc:  # a backend bug must not reach training
-                        h.errors += 1
-                        devices.remove(entry)
-                        log.exception(
-                            "device %d: unexpected error in read(), sampling of it stopped: %s", idx, exc
-                        )
-                        continue
-                    dt = mono() - t0
-                    with lock:
-                        self._rows.append((t0, tw, dt, idx, reading))
-                    h.samples += 1
-                    h.read_ns_total += dt
-                    if dt > h.read_ns_max:
-                        h.read_ns_max = dt
-                    self.last_t_mono_ns = t0
+                self._sample_once(devices)
                 deadline += period
                 now = mono()
                 if now - deadline >= period:
@@ -188,6 +161,10 @@ class Sampler:
                 wait = deadline - now
                 if wait > 0:
                     sleep(wait / 1e9)
+            if devices:
+                # One last sample at stop, so a window that closed just before stop() is
+                # bracketed by samples on both sides and can be attributed.
+                self._sample_once(devices)
             if not devices:
                 h.stop_reason = "no devices left"
                 log.error("telemetry sampler stopped: no device left to sample; training goes on")
@@ -199,6 +176,35 @@ class Sampler:
             log.exception("telemetry sampler crashed; training goes on")
         finally:
             h.stopped_mono_ns = mono()
+
+    def _sample_once(self, devices: list[tuple[Device, int]]) -> None:
+        """Read every device once; a device that fails is removed from ``devices``."""
+        h = self.health
+        mono = time.monotonic_ns
+        for entry in tuple(devices):
+            dev, idx = entry
+            t0 = mono()
+            tw = time.time_ns()
+            try:
+                reading = dev.read()
+            except DeviceLost as exc:
+                h.devices_lost += 1
+                devices.remove(entry)
+                log.error("device %d lost (%s): sampling of it stopped; training goes on", idx, exc)
+                continue
+            except Exception as exc:  # a backend bug must not reach training
+                h.errors += 1
+                devices.remove(entry)
+                log.exception("device %d: unexpected error in read(), sampling of it stopped: %s", idx, exc)
+                continue
+            dt = mono() - t0
+            with self._lock:
+                self._rows.append((t0, tw, dt, idx, reading))
+            h.samples += 1
+            h.read_ns_total += dt
+            if dt > h.read_ns_max:
+                h.read_ns_max = dt
+            self.last_t_mono_ns = t0
 
 
 def _arrow_schema() -> pa.Schema:
