@@ -52,7 +52,11 @@ def test_a_reading_has_every_metric_in_schema_units():
 
 def test_power_follows_activity_between_idle_and_the_cap():
     p = SyntheticParams()
-    for level, expected in ((0.0, p.idle_w), (0.5, p.idle_w + 0.5 * (p.peak_w - p.idle_w)), (1.0, p.power_limit_w)):
+    for level, expected in (
+        (0.0, p.idle_w),
+        (0.5, p.idle_w + 0.5 * (p.peak_w - p.idle_w)),
+        (1.0, p.power_limit_w),
+    ):
         dev, clock = _dev(level)
         clock.advance(0.01)
         assert _get(dev.read(), "power_instant_w") == pytest.approx(expected)

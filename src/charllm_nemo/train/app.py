@@ -1,0 +1,183 @@
+"""``charllm train``: the Hydra application that composes conf/, validates, and launches.
+
+    charllm train model=tiny_gpt parallel=tp2 nproc=2 batch.global_batch_size=8
+    charllm train -m optim=base,comm_overlap,recompute,recompute_comm_overlap model=... parallel=...
+    charllm train --config-dir recipes --config-name paper_optim_sweep     (a recipe)
+    charllm train --cfg job                                                (print the config)
+
+Order of events: Hydra composes the config -> it becomes a typed TrainConfig (a wrong type or an
+unknown key is an error naming the key) -> the launcher's world size and device are known ->
+:func:`charllm_nemo.train.validate.validate` checks everything, before any process group ->
+the run directory ``telemetry.out_dir`` is created and the resolved config written to
+``<out_dir>/config.yaml`` -> ranks start (train/launch.py).
+
+The conf/ directory: ``$CHARLLM_CONF_DIR`` if set, else the repository checkout's ``conf/``
+(editable installs), else the copy packaged as ``charllm_nemo/conf``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
+from charllm_nemo.train.launch import launch_local, resolve_device, slurm_rank_env, torchrun_rank_env
+from charllm_nemo.train.layout import ResolvedLayout
+from charllm_nemo.train.validate import validate
+
+CONF_ENV = "CHARLLM_CONF_DIR"
+CONFIG_NAME = "train"
+EXIT_CONFIG_ERROR = 2
+
+
+def find_conf_dir() -> Path:
+    """Where conf/ lives: ``$CHARLLM_CONF_DIR``, the checkout's ``conf/``, or the packaged copy."""
+    env = os.environ.get(CONF_ENV)
+    if env:
+        p = Path(env).expanduser().resolve()
+        if not (p / f"{CONFIG_NAME}.yaml").is_file():
+            raise ConfigError(f"{CONF_ENV}={env!r} has no {CONFIG_NAME}.yaml; point it at a conf/ directory")
+        return p
+    here = Path(__file__).resolve()
+    checkout = here.parents[3]  # src/charllm_nemo/train/app.py -> repository root
+    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / f"{CONFIG_NAME}.yaml").is_file():
+        return checkout / "conf"
+    packaged = here.parents[1] / "conf"
+    if (packaged / f"{CONFIG_NAME}.yaml").is_file():
+        return packaged
+    raise ConfigError(
+        f"cannot find the conf/ directory (looked in {checkout / 'conf'} and {packaged}); set {CONF_ENV}"
+    )
+
+
+def compose(
+    overrides: Sequence[str] = (), *, config_name: str = CONFIG_NAME, conf_dir: Path | None = None
+) -> DictConfig:
+    """Compose the config as ``charllm train <overrides>`` would (no run, no Hydra job):
+    for tests, notebooks and tools. The ``hydra`` node is dropped."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir or find_conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return cfg
+
+
+def load(overrides: Sequence[str] = (), **kw: Any) -> TrainConfig:
+    """Compose and convert to a typed TrainConfig (interpolations resolved)."""
+    return train_config_from(compose(overrides, **kw))
+
+
+def world_and_env(cfg: TrainConfig, environ: Mapping[str, str]) -> tuple[int, dict[str, str]]:
+    """World size for validation, and the rank environment for an in-process launcher."""
+    launcher = cfg.launch.launcher
+    if launcher == "slurm":
+        env = slurm_rank_env(environ, cfg.launch.master_port)
+        return int(env["WORLD_SIZE"]), env
+    if launcher == "none":
+        env = torchrun_rank_env(environ)
+        return int(env["WORLD_SIZE"]), env
+    return cfg.launch.nproc, {}
+
+
+def _announce(cfg: TrainConfig, layout: ResolvedLayout) -> None:
+    stages = layout.layers_per_stage
+    vpp = f" vpp={layout.vpp}" if layout.vpp else ""
+    print(
+        f"charllm train: model={cfg.model.name} world={layout.world_size} tp={layout.tp} pp={layout.pp}{vpp} "
+        f"cp={layout.cp} ep={layout.ep} dp={layout.dp} microbatches={layout.num_microbatches} "
+        f"layers/stage={stages} device={cfg.launch.device} -> {cfg.telemetry.out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
+    """Validate ``cfg`` for its launcher and start it; returns the exit code. Raises
+    ConfigError (every problem listed) before anything starts."""
+    environ = os.environ if environ is None else environ
+    cfg = resolved(cfg)
+    world, rank_env = world_and_env(cfg, environ)
+    cfg.launch.device = resolve_device(cfg.launch.device)  # decided once, recorded, shared by ranks
+    layout = validate(cfg, world_size=world, device=cfg.launch.device)
+    out_dir = Path(cfg.telemetry.out_dir)
+    if cfg.launch.launcher == "local":
+        _announce(cfg, layout)
+        config_path = save_train_config(cfg, out_dir / "config.yaml")
+        return launch_local(
+            config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
+        )
+    # slurm / none: this process is one rank.
+    os.environ.update(rank_env)
+    if rank_env["RANK"] == "0":
+        _announce(cfg, layout)
+        save_train_config(cfg, out_dir / "config.yaml")
+    from charllm_nemo.train.loop import run_rank
+
+    result = run_rank(cfg)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def _job(dcfg: DictConfig) -> int:
+    """The Hydra task: one run (or one job of a sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        # Each job of a sweep gets its own run directory: Hydra's job directory.
+        dcfg = OmegaConf.merge(dcfg, {"telemetry": {"out_dir": hc.runtime.output_dir}})  # type: ignore[assignment]
+    try:
+        return run(train_config_from(dcfg))
+    except ConfigError as exc:
+        print(f"charllm train: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``charllm train [hydra overrides and flags]``; returns the exit code (0 ok, 2 config error,
+    else the failing rank's code). In a sweep the worst job's code is returned."""
+    import hydra
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        conf_dir = find_conf_dir()
+    except ConfigError as exc:
+        print(f"charllm train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    register_resolvers()
+    codes: list[int] = []
+    started: list[bool] = []
+
+    def task(dcfg: DictConfig) -> int:
+        started.append(True)
+        rc = _job(dcfg)
+        codes.append(rc)
+        return rc
+
+    app = hydra.main(version_base="1.3", config_path=str(conf_dir), config_name=CONFIG_NAME)(task)
+    saved_argv = sys.argv
+    sys.argv = ["charllm train", *args]
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+        if code not in (None, 0):
+            if not started:  # Hydra rejected the command line (unknown option, bad override)
+                return EXIT_CONFIG_ERROR
+            return code if isinstance(code, int) else 1
+    finally:
+        sys.argv = saved_argv
+    return max(codes, default=0, key=lambda c: (c != 0, c))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

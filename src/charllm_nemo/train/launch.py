@@ -1,0 +1,343 @@
+"""Start the ranks of a run: spawn them locally, or read them from SLURM / torchrun.
+
+``launcher=local`` spawns ``nproc`` worker processes (``python -m charllm_nemo.train.worker
+<config.yaml>``) with the torch.distributed environment set, streams rank 0's output, keeps the
+others' in ``<run>/logs/rank<N>.log``, stops every rank when one fails (and says which), and
+forwards SIGTERM / SIGINT so that each rank's telemetry flushes before it exits.
+
+``launcher=slurm`` and ``launcher=none`` run one rank in this process: the environment comes from
+``SLURM_*`` (under ``srun``) or is already set (torchrun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from charllm_nemo.errors import ConfigError
+
+# How long ranks get to exit (flush telemetry) after SIGTERM before they are killed.
+TERMINATE_GRACE_S = 20.0
+POLL_S = 0.05
+DIST_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+# -- device ---------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> str:
+    """``cpu`` or ``cuda`` for a configured ``launch.device``: ``auto`` means ``cuda`` when this
+    host has an NVIDIA or AMD GPU driver with a device node, else ``cpu``. Cheap: no torch
+    import (the launcher must not pay for it); force ``launch.device=cpu`` to override."""
+    if name != "auto":
+        return name
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    nvidia = os.path.isdir("/proc/driver/nvidia/gpus") and bool(os.listdir("/proc/driver/nvidia/gpus"))
+    amd = os.path.exists("/dev/kfd") and os.path.isdir("/dev/dri")
+    return "cuda" if (nvidia or amd) else "cpu"
+
+
+# -- SLURM ---------------------------------------------------------------------------------------
+
+
+def _split_top_level(s: str, sep: str = ",") -> list[str]:
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in s:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p for p in (x.strip() for x in parts) if p]
+
+
+def _expand_range(spec: str) -> list[str]:
+    out: list[str] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ConfigError(f"cannot parse SLURM node range {item!r}")
+            out.extend(f"{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+        else:
+            out.append(item)
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list, in order: ``node[01-04,07]`` ->
+    ``node01 node02 node03 node04 node07``; ``a1,b[2-3]`` -> ``a1 b2 b3``;
+    ``r[1-2]-n[1-2]`` -> ``r1-n1 r1-n2 r2-n1 r2-n2``. Zero padding is kept."""
+    hosts: list[str] = []
+    for pattern in _split_top_level(nodelist):
+        expanded = [""]
+        for m in re.finditer(r"([^\[\]]+)|\[([^\]]*)\]", pattern):
+            literal, spec = m.group(1), m.group(2)
+            choices = [literal] if literal is not None else _expand_range(spec)
+            expanded = [e + c for e in expanded for c in choices]
+        if "[" in pattern and pattern.count("[") != pattern.count("]"):
+            raise ConfigError(f"cannot parse SLURM node list {nodelist!r}")
+        hosts.extend(expanded)
+    return hosts
+
+
+def slurm_rank_env(environ: Mapping[str, str], master_port: int) -> dict[str, str]:
+    """torch.distributed variables for this srun task: RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
+    LOCAL_RANK=SLURM_LOCALID, MASTER_ADDR=first host of SLURM_JOB_NODELIST (SLURM_NODELIST),
+    MASTER_PORT=``master_port``. A MASTER_ADDR / MASTER_PORT already in the environment wins."""
+    missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if k not in environ]
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist is None and "MASTER_ADDR" not in environ:
+        missing.append("SLURM_JOB_NODELIST")
+    if missing:
+        raise ConfigError(
+            f"launch.launcher=slurm but {', '.join(missing)} is not set: start the ranks with "
+            "`srun ... charllm train launcher=slurm ...`, or use launcher=local (one host) or "
+            "launcher=none (torchrun)"
+        )
+    env = {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ["SLURM_LOCALID"],
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or expand_nodelist(nodelist or "")[0],
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(master_port),
+    }
+    if "SLURM_NODEID" in environ:
+        env["GROUP_RANK"] = environ["SLURM_NODEID"]
+    return env
+
+
+def torchrun_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The torch.distributed variables torchrun (or a compatible launcher) set; ConfigError
+    naming the missing ones."""
+    missing = [k for k in DIST_ENV_KEYS if not environ.get(k)]
+    if missing:
+        raise ConfigError(
+            f"launch.launcher=none but {', '.join(missing)} is not set: run under torchrun "
+            "(`torchrun --nproc-per-node N -m charllm_nemo.cli train launcher=none ...`), or use "
+            "launcher=local"
+        )
+    return {k: environ[k] for k in DIST_ENV_KEYS}
+
+
+# -- local spawn ---------------------------------------------------------------------------------
+
+
+def free_port(preferred: int, host: str = "127.0.0.1") -> int:
+    """``preferred`` if it can be bound on ``host`` now, else a free port the OS picks. Like
+    torch's TCPStore, the probe sets SO_REUSEADDR: a port left in TIME_WAIT by a previous run
+    counts as free, one that something listens on does not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, preferred))
+            return preferred
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: the child gets SIGTERM if the launcher dies without forwarding (e.g. SIGKILL).
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    returncode: int
+    log_path: Path | None
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+    return f"exit code {rc}"
+
+
+def _tail(path: Path | None, lines: int = 20) -> str:
+    if path is None or not path.is_file():
+        return ""
+    with contextlib.suppress(OSError):
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join("    " + line for line in text)
+    return ""
+
+
+def launch_local(
+    config_path: str | os.PathLike[str],
+    nproc: int,
+    *,
+    run_dir: str | os.PathLike[str],
+    master_port: int = 29511,
+    worker_argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = TERMINATE_GRACE_S,
+) -> int:
+    """Spawn ``nproc`` ranks of ``worker_argv`` (default ``python -m charllm_nemo.train.worker
+    <config_path>``) and wait. Returns 0 when all succeed; else the failing rank's exit code
+    (128 + signal for a signal), after terminating the others; 128 + signum when the launcher
+    itself got SIGTERM / SIGINT (forwarded to every rank, which then has ``grace_s`` to exit)."""
+    run_dir = Path(run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    argv = (
+        list(worker_argv)
+        if worker_argv is not None
+        else [
+            sys.executable,
+            "-m",
+            "charllm_nemo.train.worker",
+            str(config_path),
+        ]
+    )
+    port = free_port(master_port)
+    if port != master_port:
+        print(f"charllm train: MASTER_PORT {master_port} is busy; using {port}", file=sys.stderr)
+    base = dict(os.environ if env is None else env)
+    if nproc > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N ranks must not each take every core
+
+    procs: list[subprocess.Popen[bytes]] = []
+    log_paths: list[Path | None] = []
+    files = []
+    received: list[int] = []
+    deadline: list[float] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        if not deadline:
+            deadline.append(time.monotonic() + grace_s)
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous: dict[signal.Signals, Any] = {}
+    if in_main:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        for rank in range(nproc):
+            rank_env = dict(base)
+            rank_env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            if rank == 0:
+                out = None  # rank 0 streams to the launcher's console
+                log_paths.append(None)
+            else:
+                path = logs / f"rank{rank}.log"
+                out = path.open("wb")
+                files.append(out)
+                log_paths.append(path)
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out is not None else None,
+                    # Own session: a Ctrl-C reaches only the launcher, which forwards it once.
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                )
+            )
+        failure = _wait(procs, log_paths, received, deadline, grace_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+        if in_main:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    if received:
+        print(
+            f"charllm train: got {signal.Signals(received[0]).name}; forwarded it to {nproc} rank(s)",
+            file=sys.stderr,
+        )
+        return 128 + received[0]
+    if failure is not None:
+        where = f" (log: {failure.log_path})" if failure.log_path else ""
+        print(
+            f"charllm train: rank {failure.rank} failed with {_describe(failure.returncode)}{where}",
+            file=sys.stderr,
+        )
+        tail = _tail(failure.log_path)
+        if tail:
+            print(f"  last lines of rank {failure.rank}:\n{tail}", file=sys.stderr)
+        rc = failure.returncode
+        return rc if rc > 0 else 128 + (-rc if rc < 0 else 1)
+    return 0
+
+
+def _wait(
+    procs: list[subprocess.Popen[bytes]],
+    log_paths: list[Path | None],
+    received: list[int],
+    deadline: list[float],
+    grace_s: float,
+) -> RankFailure | None:
+    """Wait for every rank; on the first failure terminate the rest and return it."""
+    failure: RankFailure | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return failure
+        if failure is None and not received:
+            for rank, c in enumerate(codes):
+                if c not in (None, 0):
+                    failure = RankFailure(rank, c, log_paths[rank])
+                    for p in procs:
+                        if p.poll() is None:
+                            with contextlib.suppress(ProcessLookupError):
+                                p.terminate()
+                    deadline.append(time.monotonic() + grace_s)
+                    break
+        if deadline and time.monotonic() > deadline[0]:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+        time.sleep(POLL_S)

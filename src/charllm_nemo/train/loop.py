@@ -1,0 +1,449 @@
+"""The training loop of one rank: Megatron-Core GPT/MoE with step, microbatch and phase marks.
+
+A launcher (``launcher=local nproc=N``, torchrun, or srun) starts one process per rank with the
+torch.distributed variables set; each calls :func:`run_rank`:
+
+1. :func:`init_distributed`: ranks from RANK / WORLD_SIZE / LOCAL_RANK (or SLURM_PROCID /
+   SLURM_NTASKS / SLURM_LOCALID), rendezvous at MASTER_ADDR:MASTER_PORT; gloo + the CPU patches
+   (train/cpu.py) on CPU, NCCL on GPU; ``parallel_state.initialize_model_parallel``; seeds.
+2. the model, DDP and optimizer (train/model.py), the data (train/data.py);
+3. ``train_steps`` steps of ``get_forward_backward_func()`` over
+   ``global_batch / (micro_batch * dp)`` microbatches, then ``optimizer.step()``; the marks go
+   through :class:`~charllm_nemo.train.marks.StepMarker` (installed as ``config.timers``);
+4. per step: loss (last pipeline stage), step time (max over ranks), telemetry figures summed
+   over ranks (train/report.py), and rank 0's console line with throughput and MFU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.windows import WindowRecorder
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.report import (
+    Progress,
+    RankFigures,
+    StepSummary,
+    Throughput,
+    apply_figures,
+    figures_from_session,
+    format_summary,
+    reduce_step,
+)
+
+log = logging.getLogger("charllm_nemo.train")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits, from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
+    """RANK / WORLD_SIZE / LOCAL_RANK (torchrun, ``launcher=local``), else SLURM_PROCID /
+    SLURM_NTASKS / SLURM_LOCALID (srun), else a single process. MASTER_ADDR defaults to
+    127.0.0.1 and MASTER_PORT to ``launch.master_port``."""
+    e = dict(os.environ) if env is None else env
+    if "RANK" in e:
+        rank, world = int(e["RANK"]), int(e.get("WORLD_SIZE", "1"))
+        local = int(e.get("LOCAL_RANK", e["RANK"]))
+    elif "SLURM_PROCID" in e:
+        rank, world = int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1"))
+        local = int(e.get("SLURM_LOCALID", "0"))
+    else:
+        rank, world, local = 0, 1, 0
+    local_world = int(e.get("LOCAL_WORLD_SIZE", e.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0] or 0)
+    return RankEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        local_world_size=local_world or world,
+        master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(e.get("MASTER_PORT", cfg.launch.master_port)),
+    )
+
+
+@dataclass
+class DistInfo:
+    """This rank's place in the process groups (valid after :func:`init_distributed`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str  # "cpu" | "cuda"
+    backend: str  # "gloo" | "nccl"
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    cp_rank: int = 0
+    ep_rank: int = 0
+    dp_size: int = 1
+    pp_size: int = 1
+    is_last_stage: bool = True
+
+    def labels(self) -> dict[str, int | None]:
+        """Window labels (``WindowRecorder.set_labels``)."""
+        return {
+            "pp_stage": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "dp_rank": self.dp_rank,
+            "ep_rank": self.ep_rank,
+            "cp_rank": self.cp_rank,
+        }
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    """``launch.device``: ``auto`` = cuda when torch sees a GPU, else cpu."""
+    import torch
+
+    dev = cfg.launch.device
+    if dev == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device=cuda but torch sees no GPU; set launch.device=cpu (or auto)")
+    if dev not in ("cpu", "cuda"):
+        raise ConfigError(f"launch.device={dev!r} is not one of auto, cpu, cuda")
+    return dev
+
+
+def _quiet_known_noise() -> None:
+    """Silence megatron-core's import-time notices about optional GPU libraries and torch's
+    deprecation notices for the collectives mcore calls; they say nothing actionable here."""
+    for pattern in (
+        ".*Apex is not installed.*",
+        ".*Transformer Engine and Apex are not installed.*",
+        ".*torch.distributed.all_gather_into_tensor.*is deprecated.*",
+        ".*torch.distributed.reduce_scatter_tensor.*is deprecated.*",
+        ".*full scope is deprecated.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
+
+
+def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str | None = None) -> DistInfo:
+    """Join the process group and build Megatron-Core's model-parallel groups for ``cfg``.
+
+    gloo on CPU (after :func:`charllm_nemo.train.cpu.enable_cpu_support`), NCCL on GPU
+    (``torch.cuda.set_device(local_rank)`` first). Seeds torch and mcore's model-parallel RNG
+    tracker with ``data.seed``. An existing default process group is reused."""
+    import torch
+
+    env = env or rank_env(cfg)
+    device = device or resolve_device(cfg)
+    _quiet_known_noise()
+    if device == "cpu":
+        from charllm_nemo.train.cpu import enable_cpu_support
+
+        enable_cpu_support()
+        if "OMP_NUM_THREADS" not in os.environ:
+            # One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (torchrun's
+            # default too): ranks share the host's cores, and spinning OpenMP threads on a busy
+            # 2-core host made tiny steps ~50x slower here. It also leaves cores to the sampler.
+            torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(env.local_rank)
+    backend = "gloo" if device == "cpu" else "nccl"
+    dist = torch.distributed
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=10)
+        )
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    p = cfg.parallel
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        distributed_timeout_minutes=10,
+    )
+    torch.manual_seed(cfg.data.seed)
+    model_parallel_cuda_manual_seed(cfg.data.seed)
+    return DistInfo(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        device=device,
+        backend=backend,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+def shutdown_distributed() -> None:
+    """Tear down mcore's groups and the default process group (idempotent)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@dataclass
+class RankResult:
+    """What one rank ran. ``losses[i]`` is step i's loss over the global batch (None only if the
+    loss could not be reduced); ``step_times_s`` are max over ranks; ``summaries`` hold the
+    per-step figures every rank agrees on (train/report.py ``StepSummary`` as dicts)."""
+
+    rank: int
+    world_size: int
+    device: str
+    steps: int = 0
+    losses: list[float | None] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    local_step_times_s: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+    num_parameters: int = 0
+    num_microbatches: int = 0
+    labels: dict[str, int | None] = field(default_factory=dict)
+    unmatched_marks: int = 0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Megatron-LM's 3-tuple loss: summed token loss, token count, and [sum, count] for the log
+    (the schedule divides the first by the count and the number of microbatches)."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum()
+    report = torch.cat([loss.detach().view(1), tokens.detach().view(1)])
+    return loss, tokens.to(torch.int), {"lm loss": report}
+
+
+def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+    """mcore's ``forward_step_func``: called once per microbatch (per model chunk)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    t = cfg.telemetry
+    return TelemetrySession(
+        t.out_dir,
+        backend=t.backend,
+        hz=t.hz,
+        rank=dist.rank,
+        local_rank=dist.local_rank,
+        world_size=dist.world_size,
+        config=asdict(cfg),
+    ).start()
+
+
+def _resolved_layout(cfg: TrainConfig, world_size: int, device: str) -> Any:
+    from charllm_nemo.train.validate import validate
+
+    return validate(cfg, world_size=world_size, device=device)
+
+
+def run_rank(
+    cfg: TrainConfig,
+    session: Any = None,
+    *,
+    recorder: WindowRecorder | None = None,
+    shutdown: bool = True,
+) -> RankResult:
+    """Train ``cfg`` on this rank; returns what it ran.
+
+    ``session``: a telemetry session (``.windows``: WindowRecorder, ``.step_figures(t_begin_ns,
+    t_end_ns, wait_s)``, ``.close()``) owned by the caller. None: with ``telemetry.enabled`` one
+    is opened here (charllm_nemo.telemetry.session.TelemetrySession, writing under
+    ``telemetry.out_dir``) and closed at the end; ``recorder`` (tests) instead gives a bare
+    WindowRecorder and no session. ``shutdown``: destroy the process groups at the end.
+    """
+    import torch
+
+    env = rank_env(cfg)
+    device = resolve_device(cfg)
+    layout = _resolved_layout(cfg, env.world_size, device)  # raises ConfigProblems, before any group
+    t_start = time.monotonic()
+    dist = init_distributed(cfg, env, device)
+    own_session = False
+    status = "failed"
+    try:
+        if session is None and recorder is None and cfg.telemetry.enabled:
+            session = _open_session(cfg, dist)
+            own_session = True
+        # Windows are recorded into a session or a caller's recorder; with telemetry off and
+        # neither, nothing is marked at all (config.timers stays None: the bench's "off" case).
+        marking = session is not None or recorder is not None
+        rec = session.windows if session is not None else (recorder or WindowRecorder())
+        rec.set_labels(**dist.labels())
+        kinds = list(cfg.telemetry.windows) if marking else []
+        result = _train(cfg, dist, layout, rec, session, kinds, torch)
+        result.wall_s = time.monotonic() - t_start
+        status = "complete"
+        return result
+    finally:
+        if own_session and session is not None:
+            session.close(status)
+        if shutdown:
+            shutdown_distributed()
+
+
+def _train(
+    cfg: TrainConfig,
+    dist: DistInfo,
+    layout: Any,
+    rec: WindowRecorder,
+    session: Any,
+    kinds: list[str],
+    torch: Any,
+) -> RankResult:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
+    from charllm_nemo.train.marks import StepMarker
+    from charllm_nemo.train.model import build_model
+
+    on_cpu = dist.device == "cpu"
+    b = cfg.batch
+    bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())
+    config = bundle.config
+    data_layout = DataLayout(b.micro_batch_size, b.global_batch_size, dist.dp_size, dist.dp_rank)
+    n_micro = data_layout.num_microbatches
+    dataset = build_train_dataset(cfg, b.train_steps * b.global_batch_size)
+    data_device = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
+    iters = [MicrobatchIterator(dataset, data_layout, b.train_steps, data_device) for _ in bundle.chunks]
+    marker = StepMarker(
+        rec,
+        num_microbatches=n_micro,
+        num_chunks=len(bundle.chunks),
+        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
+        kinds=kinds,
+        cuda=not on_cpu,
+    )
+    config.timers = marker if marker.phases_on else None
+    forward_backward = get_forward_backward_func()
+    comm_device = "cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    reports_loss = dist.is_last_stage and dist.tp_rank == 0
+    throughput = Throughput(
+        cfg,
+        dist.world_size,
+        None if on_cpu else torch.cuda.get_device_name(),
+        on_cpu,
+        list(layout.layers_per_virtual_stage),
+    )
+    result = RankResult(
+        rank=dist.rank,
+        world_size=dist.world_size,
+        device=dist.device,
+        num_parameters=bundle.num_parameters,
+        num_microbatches=n_micro,
+        labels=dist.labels(),
+    )
+    progress = Progress(b.train_steps, enabled=dist.rank == 0)
+    pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
+    data_iter: Any = iters[0] if len(iters) == 1 else iters
+    model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
+
+    def finish(summary: StepSummary, figures_sums: dict[str, float], figures_max: dict[str, float]) -> None:
+        apply_figures(summary, figures_sums, figures_max)
+        throughput.fill(summary)
+        result.summaries.append(summary.to_dict())
+        progress.write(format_summary(summary, b.train_steps, dist.world_size))
+
+    try:
+        for step in range(b.train_steps):
+            marker.begin_step(step)
+            for chunk in bundle.chunks:
+                chunk.zero_grad_buffer()
+            bundle.optimizer.zero_grad()
+            outputs = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=data_iter,
+                model=model,
+                num_microbatches=n_micro,
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=b.micro_batch_size,
+                forward_only=False,
+            )
+            opt_timer = marker.phase("optimizer")
+            opt_timer.start()
+            ok, grad_norm, _zeros = bundle.optimizer.step()
+            if ok:
+                bundle.scheduler.step(1)
+            opt_timer.stop()
+            timing = marker.end_step()
+
+            loss_sum = loss_tokens = 0.0
+            if reports_loss and outputs:
+                tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
+                loss_sum, loss_tokens = float(tot[0]), float(tot[1])
+            figures: RankFigures | None = None
+            if pending is not None and session is not None:
+                figures = figures_from_session(session, pending[1], pending[2])
+            sums, maxes = reduce_step(
+                torch,
+                comm_device,
+                loss_sum=loss_sum,
+                loss_tokens=loss_tokens,
+                step_time_s=timing.seconds,
+                figures=figures,
+            )
+            if pending is not None:
+                finish(pending[0], sums, maxes)
+            loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
+            gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
+            summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
+            result.steps += 1
+            result.losses.append(loss)
+            result.grad_norms.append(gn)
+            result.step_times_s.append(maxes["step_time_s"])
+            result.local_step_times_s.append(timing.seconds)
+            pending = (summary, timing.t_begin_mono_ns, timing.t_end_mono_ns)
+            progress.update()
+        if pending is not None:
+            # The last step: wait (briefly) for a sample past its end, then one more reduction.
+            figures = None
+            if session is not None:
+                wait = 2.5 / max(cfg.telemetry.hz, 1e-3) + 0.05
+                figures = figures_from_session(session, pending[1], pending[2], wait_s=min(wait, 5.0))
+            sums, maxes = reduce_step(
+                torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
+            )
+            finish(pending[0], sums, maxes)
+    finally:
+        progress.close()
+    result.unmatched_marks = marker.unmatched
+    return result

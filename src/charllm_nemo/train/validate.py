@@ -1,0 +1,585 @@
+"""Validate a TrainConfig before any process group exists, and resolve its parallel layout.
+
+Every rule here mirrors a check that megatron-core 0.16 (or Megatron-LM's ``validate_args``,
+which the pinned megatron-core's own trainers follow) would otherwise make only after the
+process groups are up, or would trip over as an assertion deep in model construction:
+
+* layout: ``world_size % (tp * pp * cp) == 0``, ``dp = world_size / (tp * pp * cp)``
+  (``parallel_state.initialize_model_parallel``). Expert parallelism is carved out of the
+  data-parallel x context-parallel ranks: megatron-core builds a second rank grid
+  ``tp_expert x ep x dp_expert x pp`` over the same world, with the expert tensor-parallel size
+  equal to ``tp`` (this trainer does not set it apart), so ``world_size % (tp * ep * pp) == 0``,
+  i.e. ``ep`` must divide ``dp * cp``; and ``num_experts % ep == 0`` (``MoELayer``).
+* tensor parallelism: attention heads, FFN width and vocabulary split across ``tp`` ranks
+  (``divide()`` in the parallel linear layers and ``VocabParallelEmbedding``); KV groups must be a
+  multiple *or a divisor* of ``tp`` (``TransformerConfig``: fewer groups than TP ranks are
+  replicated); sequence parallelism needs ``tp > 1`` (``ModelParallelConfig``).
+* pipeline: layers split evenly over ``pp`` stages and over ``vpp`` chunks per stage
+  (``get_num_layers_to_build``), ``vpp`` needs ``pp > 1``; an uneven layout is given per stage
+  and becomes megatron-core's ``pipeline_model_parallel_layout``; with interleaving the number
+  of microbatches must be a multiple of ``pp`` (``microbatch_group_size_per_vp_stage`` defaults
+  to ``pp`` in the interleaved schedule).
+* batch: ``global_batch_size % (micro_batch_size * dp) == 0``; with CP the sequence splits into
+  ``2 * cp`` chunks (load-balanced causal attention).
+* recomputation (``TransformerConfig``): ``full`` needs a method (block | uniform) and a layer
+  count between 1 and the layers of a (virtual) stage; ``selective`` takes neither.
+* FSDP: PyTorch FSDP2 (``TorchFullyShardedDataParallel``) supports neither pipeline nor expert
+  parallelism, nor the distributed optimizer, and needs untied embeddings; Megatron-FSDP
+  (``use_megatron_fsdp``) composes with TP, CP, EP and PP.
+* telemetry, launch, data and CPU limits: train/validate_run.py.
+
+All problems are collected and raised as one :class:`ConfigProblems` (a ``ConfigError``) whose
+message lists each: the field(s), the value and a valid alternative.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.launch import resolve_device
+from charllm_nemo.train.layout import ResolvedLayout, alternating_layout, choices, divisors, multiples
+from charllm_nemo.train.presets import CUSTOM, MODEL_PRESETS, OPTIM_PRESETS, PARALLEL_PRESETS
+from charllm_nemo.train.validate_run import cpu_problems, run_problems
+
+__all__ = [
+    "ConfigProblems",
+    "ResolvedLayout",
+    "alternating_layout",
+    "cpu_problems",
+    "divisors",
+    "resolve_device",
+    "validate",
+]
+
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("block", "uniform")
+PIPELINE_SCHEMES = ("alternating",)
+FSDP_IMPLS = ("megatron_fsdp", "torch_fsdp2")
+
+
+class ConfigProblems(ConfigError):
+    """Every problem found in one config; ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems: list[str] = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid training config ({n} problem{'s' if n != 1 else ''}):\n{lines}")
+
+
+def _world_size(cfg: TrainConfig, world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    p = cfg.parallel
+    if p.dp is not None:
+        return p.dp * p.tp * p.pp * p.cp
+    return cfg.launch.nproc
+
+
+class _Checker:
+    """Collects problems; each check reads the config and appends messages."""
+
+    def __init__(self, cfg: TrainConfig, world_size: int, device: str) -> None:
+        self.cfg = cfg
+        self.world = world_size
+        self.device = device
+        self.problems: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.problems.append(message)
+
+    def positive(self, fieldname: str, value: int | float | None, *, allow_none: bool = False) -> bool:
+        if value is None and allow_none:
+            return True
+        if value is None or isinstance(value, bool) or value <= 0:
+            self.add(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
+            return False
+        return True
+
+    def one_of(
+        self, fieldname: str, value: object, allowed: Sequence[object], *, none_ok: bool = False
+    ) -> bool:
+        if value is None and none_ok:
+            return True
+        if value not in allowed:
+            extra = " (or null)" if none_ok else ""
+            self.add(f"{fieldname}={value!r} is not valid; use one of {choices(allowed)}{extra}")
+            return False
+        return True
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def names(self) -> None:
+        c = self.cfg
+        for group, name, table in (
+            ("model", c.model.name, MODEL_PRESETS),
+            ("parallel", c.parallel.name, PARALLEL_PRESETS),
+            ("optim", c.optim.name, OPTIM_PRESETS),
+        ):
+            if name != CUSTOM and name not in table:
+                self.add(
+                    f"{group}.name={name!r} is not a known {group}; use {group}=<name> with one of "
+                    f"{choices(sorted(table))}, or {group}.name={CUSTOM} for values set by hand"
+                )
+
+    # -- model ---------------------------------------------------------------------------------
+
+    def model(self) -> bool:
+        """Shape checks; True when the fields later checks divide by are usable."""
+        m = self.cfg.model
+        pos = {
+            name: self.positive(f"model.{name}", getattr(m, name))
+            for name in (
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "ffn_hidden_size",
+                "vocab_size",
+                "seq_length",
+            )
+        }
+        for name in ("num_query_groups", "max_position_embeddings", "moe_ffn_hidden_size", "num_experts"):
+            pos[name] = self.positive(f"model.{name}", getattr(m, name), allow_none=True)
+        self.one_of("model.position_embedding", m.position_embedding, POSITION_EMBEDDINGS)
+        self.one_of("model.normalization", m.normalization, NORMALIZATIONS)
+        self.one_of("model.moe_token_dispatcher", m.moe_token_dispatcher, TOKEN_DISPATCHERS)
+        if pos["hidden_size"] and pos["num_attention_heads"] and m.hidden_size % m.num_attention_heads:
+            self.add(
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                f"{m.num_attention_heads}; use num_attention_heads in {choices(divisors(m.hidden_size))}"
+            )
+        g = m.num_query_groups
+        if (
+            pos["num_attention_heads"]
+            and pos["num_query_groups"]
+            and g is not None
+            and m.num_attention_heads % g
+        ):
+            self.add(
+                f"model.num_query_groups={g} does not divide model.num_attention_heads="
+                f"{m.num_attention_heads}; use num_query_groups in "
+                f"{choices(divisors(m.num_attention_heads))} or null (multi-head attention)"
+            )
+        mpe = m.max_position_embeddings
+        if pos["seq_length"] and pos["max_position_embeddings"] and mpe is not None and mpe < m.seq_length:
+            self.add(
+                f"model.max_position_embeddings={mpe} is smaller than model.seq_length={m.seq_length}; "
+                f"set max_position_embeddings >= {m.seq_length} or null"
+            )
+        e = m.num_experts
+        if pos["num_experts"] and e is not None and not 1 <= m.moe_router_topk <= e:
+            self.add(
+                f"model.moe_router_topk={m.moe_router_topk} must lie in [1, model.num_experts={e}]; "
+                f"e.g. model.moe_router_topk={min(2, e)}"
+            )
+        return all(pos.values())
+
+    # -- parallel layout -----------------------------------------------------------------------
+
+    def parallel_basics(self) -> bool:
+        p = self.cfg.parallel
+        ok = all(
+            [
+                self.positive("parallel.tp", p.tp),
+                self.positive("parallel.pp", p.pp),
+                self.positive("parallel.cp", p.cp),
+                self.positive("parallel.ep", p.ep),
+                self.positive("parallel.vpp", p.vpp, allow_none=True),
+                self.positive("parallel.dp", p.dp, allow_none=True),
+            ]
+        )
+        self.one_of("parallel.fsdp_impl", p.fsdp_impl, FSDP_IMPLS)
+        self.one_of(
+            "parallel.pipeline_layout_scheme", p.pipeline_layout_scheme, PIPELINE_SCHEMES, none_ok=True
+        )
+        if self.world < 1:
+            self.add(f"world_size={self.world} must be >= 1; set launch.nproc (or the srun task count)")
+            ok = False
+        return ok
+
+    def world_layout(self) -> int | None:
+        """Data-parallel size, or None when the layout does not fit the world size."""
+        p = self.cfg.parallel
+        model_size = p.tp * p.pp * p.cp
+        if self.world % model_size:
+            fitting = [f"{n}" for n in multiples(model_size, start=self.world)]
+            self.add(
+                f"world_size={self.world} is not divisible by parallel.tp*pp*cp={model_size} "
+                f"(tp={p.tp}, pp={p.pp}, cp={p.cp}); run on a multiple of {model_size} ranks "
+                f"(launch.nproc in {choices(fitting)}) or pick tp*pp*cp in {choices(divisors(self.world))}"
+            )
+            return None
+        dp = self.world // model_size
+        if p.dp is not None and p.dp != dp:
+            self.add(
+                f"parallel.dp={p.dp} does not match world_size={self.world} / (tp*pp*cp={model_size}) = "
+                f"{dp}; set parallel.dp=null (derived) or run on {p.dp * model_size} ranks"
+            )
+        return dp
+
+    def experts(self, dp: int | None) -> None:
+        p, m = self.cfg.parallel, self.cfg.model
+        if p.ep == 1:
+            return
+        if m.num_experts is None:
+            moe = [n for n, v in MODEL_PRESETS.items() if v.num_experts]
+            self.add(
+                f"parallel.ep={p.ep} needs a mixture-of-experts model but model.num_experts is null; "
+                f"use parallel.ep=1 or an MoE model ({', '.join(moe)})"
+            )
+            return
+        if m.num_experts % p.ep:
+            self.add(
+                f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}; use ep in "
+                f"{choices(divisors(m.num_experts))}"
+            )
+        if dp is not None and (dp * p.cp) % p.ep:
+            # megatron-core: world % (expert_tp * ep * pp) == 0 with expert_tp = tp.
+            ok_ep = [e for e in divisors(dp * p.cp) if m.num_experts % e == 0]
+            self.add(
+                f"parallel.ep={p.ep} does not divide dp*cp={dp * p.cp} (dp={dp} derived from world_size="
+                f"{self.world} / (tp*pp*cp={p.tp * p.pp * p.cp})): expert parallel groups are carved "
+                f"from the data- and context-parallel ranks; use ep in {choices(ok_ep)} or a world size "
+                f"that makes dp*cp a multiple of {p.ep} (launch.nproc in "
+                f"{choices(multiples(math.lcm(p.tp * p.pp * p.cp, p.tp * p.pp * p.ep), start=self.world))})"
+            )
+
+    def tensor(self) -> None:
+        p, m = self.cfg.parallel, self.cfg.model
+        tp = p.tp
+        if m.num_attention_heads % tp:
+            self.add(
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}; "
+                f"use tp in {choices(divisors(m.num_attention_heads))}"
+            )
+        g = m.num_query_groups
+        if g is not None and g % tp and tp % g:
+            ok_tp = [t for t in divisors(m.num_attention_heads) if g % t == 0 or t % g == 0]
+            self.add(
+                f"model.num_query_groups={g} is neither a multiple nor a divisor of parallel.tp={tp}; "
+                f"use tp in {choices(ok_tp)}"
+            )
+        for name, value in (
+            ("model.ffn_hidden_size", m.ffn_hidden_size),
+            ("model.vocab_size", m.vocab_size),
+            ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size if m.num_experts else None),
+        ):
+            if value is not None and value % tp:
+                self.add(
+                    f"{name}={value} is not divisible by parallel.tp={tp}; use tp in "
+                    f"{choices([t for t in divisors(value) if t <= 64])}"
+                    + (" or pad the vocabulary to a multiple of tp" if name == "model.vocab_size" else "")
+                )
+        if p.sequence_parallel:
+            if tp == 1:
+                self.add(
+                    "parallel.sequence_parallel=true needs parallel.tp>1 (it splits the sequence over "
+                    "the tensor-parallel ranks); set parallel.sequence_parallel=false or tp>=2"
+                )
+            elif (m.seq_length // max(p.cp, 1)) % tp:
+                self.add(
+                    f"model.seq_length={m.seq_length} (per CP rank: {m.seq_length // max(p.cp, 1)}) is not "
+                    f"divisible by parallel.tp={tp} with parallel.sequence_parallel=true; use a multiple "
+                    f"of {tp * max(p.cp, 1)} or sequence_parallel=false"
+                )
+
+    def pipeline(self) -> list[int] | None:
+        """Layers per virtual stage (length pp * vpp, megatron-core's chunk order), or None."""
+        p, m = self.cfg.parallel, self.cfg.model
+        pp, layers = p.pp, m.num_layers
+        vpp = p.vpp if p.vpp and p.vpp > 1 else None
+        if vpp is not None and pp == 1:
+            self.add(
+                f"parallel.vpp={p.vpp} (interleaved pipeline) needs parallel.pp>1; set parallel.vpp=null "
+                "or pp>=2"
+            )
+            return None
+        chunks = vpp or 1
+        if p.pipeline_layout is not None and p.pipeline_layout_scheme is not None:
+            self.add(
+                f"parallel.pipeline_layout={p.pipeline_layout} and parallel.pipeline_layout_scheme="
+                f"{p.pipeline_layout_scheme!r} are both set; keep one (set the other to null)"
+            )
+            return None
+        if p.pipeline_layout is not None:
+            return self._explicit_layout(list(p.pipeline_layout), pp, chunks, layers)
+        if p.pipeline_layout_scheme == "alternating":
+            if pp < 2 or layers % pp or layers // pp < 2:
+                self.add(
+                    f"parallel.pipeline_layout_scheme=alternating needs parallel.pp>=2 dividing "
+                    f"model.num_layers={layers} with at least 2 layers per stage (got pp={pp}); use pp in "
+                    f"{choices([d for d in divisors(layers) if 2 <= d <= layers // 2])} or an explicit "
+                    "parallel.pipeline_layout"
+                )
+                return None
+            return self._explicit_layout(alternating_layout(layers, pp), pp, chunks, layers, scheme=True)
+        if pp > layers:
+            self.add(
+                f"parallel.pp={pp} exceeds model.num_layers={layers}; use pp in {choices(divisors(layers))}"
+            )
+            return None
+        if layers % pp:
+            self.add(
+                f"parallel.pp={pp} does not divide model.num_layers={layers}; use pp in "
+                f"{choices(divisors(layers))} or set parallel.pipeline_layout (layers per stage, "
+                f"e.g. {[layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]})"
+            )
+            return None
+        per_stage = layers // pp
+        if per_stage % chunks:
+            self.add(
+                f"parallel.vpp={vpp} does not divide the {per_stage} layers per pipeline stage "
+                f"(model.num_layers={layers} / parallel.pp={pp}); use vpp in "
+                f"{choices([d for d in divisors(per_stage) if d > 1] or ['null'])} or vpp=null"
+            )
+            return None
+        return [per_stage // chunks] * (pp * chunks)
+
+    def _explicit_layout(
+        self, layout: list[int], pp: int, chunks: int, layers: int, *, scheme: bool = False
+    ) -> list[int] | None:
+        what = (
+            f"parallel.pipeline_layout_scheme=alternating (-> {layout})"
+            if scheme
+            else f"parallel.pipeline_layout={layout}"
+        )
+        if len(layout) not in (pp, pp * chunks):
+            per = f" or {pp * chunks} (one per virtual stage)" if chunks > 1 else ""
+            self.add(
+                f"{what} has {len(layout)} entries but parallel.pp={pp}; give one entry per pipeline "
+                f"stage ({pp}){per}"
+            )
+            return None
+        if any(n < 1 for n in layout):
+            self.add(f"{what} has a stage with fewer than 1 layer; give every stage >= 1 layer")
+            return None
+        if sum(layout) != layers:
+            self.add(
+                f"{what} sums to {sum(layout)} layers but model.num_layers={layers}; make the entries "
+                f"sum to {layers}"
+            )
+            return None
+        if len(layout) == pp * chunks:
+            return layout
+        # One entry per stage with interleaving: each stage's layers split evenly over its chunks.
+        bad = [n for n in layout if n % chunks]
+        if bad:
+            self.add(
+                f"{what}: stages with {bad} layers cannot be split into parallel.vpp={chunks} chunks; "
+                f"give each stage a multiple of {chunks} layers or {pp * chunks} per-virtual-stage entries"
+            )
+            return None
+        return [layout[i] // chunks for _ in range(chunks) for i in range(pp)]
+
+    # -- batch, CP -----------------------------------------------------------------------------
+
+    def batch(self, dp: int | None) -> int | None:
+        b, p, m = self.cfg.batch, self.cfg.parallel, self.cfg.model
+        ok = all(
+            [
+                self.positive("batch.micro_batch_size", b.micro_batch_size),
+                self.positive("batch.global_batch_size", b.global_batch_size),
+                self.positive("batch.train_steps", b.train_steps),
+            ]
+        )
+        self.one_of("batch.precision", b.precision, PRECISIONS)
+        if p.cp > 1 and m.seq_length % (2 * p.cp):
+            ok_cp = [1] + [c for c in divisors(m.seq_length) if c > 1 and m.seq_length % (2 * c) == 0]
+            self.add(
+                f"model.seq_length={m.seq_length} is not divisible by 2*parallel.cp={2 * p.cp} (context "
+                f"parallelism splits the sequence into 2*cp chunks); use a seq_length multiple of {2 * p.cp} "
+                f"or cp in {choices(ok_cp)}"
+            )
+        if not ok or dp is None:
+            return None
+        per_step = b.micro_batch_size * dp
+        if b.global_batch_size % per_step:
+            mbs_ok = [mb for mb in divisors(b.global_batch_size) if (b.global_batch_size // mb) % dp == 0]
+            self.add(
+                f"batch.global_batch_size={b.global_batch_size} is not divisible by batch.micro_batch_size="
+                f"{b.micro_batch_size} * dp={dp} = {per_step}; use global_batch_size in "
+                f"{choices(multiples(per_step, start=b.global_batch_size))}"
+                + (f" or micro_batch_size in {choices(mbs_ok)}" if mbs_ok else "")
+            )
+            return None
+        n = b.global_batch_size // per_step
+        vpp = p.vpp if p.vpp and p.vpp > 1 else None
+        if vpp is not None and p.pp > 1 and n % p.pp:
+            self.add(
+                f"{n} microbatches per step (batch.global_batch_size={b.global_batch_size} / "
+                f"(micro_batch_size={b.micro_batch_size} * dp={dp})) is not a multiple of "
+                f"parallel.pp={p.pp}, which the interleaved schedule (parallel.vpp={vpp}) needs; use "
+                f"global_batch_size in {choices(multiples(per_step * p.pp, start=b.global_batch_size))}"
+                " or parallel.vpp=null"
+            )
+        return n
+
+    # -- optim ---------------------------------------------------------------------------------
+
+    def optim(self, virtual_stages: list[int] | None) -> None:
+        o, p = self.cfg.optim, self.cfg.parallel
+        self.positive("optim.lr", o.lr)
+        if o.min_lr < 0 or o.min_lr > o.lr:
+            self.add(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
+        if o.warmup_steps < 0:
+            self.add(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+        if o.clip_grad < 0:
+            self.add(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 = no clipping)")
+        g_ok = self.one_of(
+            "optim.recompute_granularity", o.recompute_granularity, RECOMPUTE_GRANULARITIES, none_ok=True
+        )
+        m_ok = self.one_of("optim.recompute_method", o.recompute_method, RECOMPUTE_METHODS, none_ok=True)
+        if g_ok and m_ok:
+            self._recompute(virtual_stages)
+        if o.overlap_param_gather:
+            megatron_fsdp = p.fsdp and p.fsdp_impl == "megatron_fsdp"
+            if not (o.use_distributed_optimizer or megatron_fsdp):
+                self.add(
+                    "optim.overlap_param_gather=true needs optim.use_distributed_optimizer=true (or "
+                    "parallel.fsdp=true with Megatron-FSDP); set one, or overlap_param_gather=false"
+                )
+            if not o.overlap_grad_reduce:
+                self.add(
+                    "optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true; set both "
+                    "(optim=comm_overlap) or neither"
+                )
+        if o.tp_comm_overlap and (p.tp == 1 or not p.sequence_parallel):
+            self.add(
+                f"optim.tp_comm_overlap=true needs parallel.tp>1 and parallel.sequence_parallel=true "
+                f"(got tp={p.tp}, sequence_parallel={str(p.sequence_parallel).lower()}); set both or "
+                "optim.tp_comm_overlap=false"
+            )
+
+    def _recompute(self, virtual_stages: list[int] | None) -> None:
+        o = self.cfg.optim
+        g, method, n = o.recompute_granularity, o.recompute_method, o.recompute_num_layers
+        if g is None:
+            if method is not None or n is not None:
+                self.add(
+                    f"optim.recompute_method={method!r} / optim.recompute_num_layers={n!r} have no "
+                    "effect without optim.recompute_granularity; set recompute_granularity=full "
+                    "(or optim=recompute) or set them to null"
+                )
+            return
+        if g == "selective":
+            if method is not None:
+                self.add(
+                    f"optim.recompute_method={method!r} does not apply to recompute_granularity=selective "
+                    "(it recomputes only core attention); set optim.recompute_method=null, or use "
+                    "recompute_granularity=full"
+                )
+            if n is not None:
+                self.add(
+                    f"optim.recompute_num_layers={n} must be null with recompute_granularity=selective; set "
+                    "optim.recompute_num_layers=null, or use recompute_granularity=full"
+                )
+            return
+        # full
+        if method is None:
+            self.add(
+                "optim.recompute_granularity=full needs optim.recompute_method in [block, uniform]; e.g. "
+                "optim.recompute_method=uniform"
+            )
+        limit = min(virtual_stages) if virtual_stages else None
+        if n is None:
+            self.add(
+                "optim.recompute_granularity=full needs optim.recompute_num_layers"
+                + (f" in [1, {limit}] (layers per pipeline stage)" if limit else " >= 1")
+                + "; e.g. optim.recompute_num_layers=1"
+            )
+        elif n < 1:
+            self.add(f"optim.recompute_num_layers={n} must be >= 1; e.g. optim.recompute_num_layers=1")
+        elif limit is not None and n > limit:
+            where = "(virtual) pipeline stage" if self.cfg.parallel.pp > 1 else "model"
+            self.add(
+                f"optim.recompute_num_layers={n} exceeds the {limit} layers of the smallest {where} "
+                f"(model.num_layers={self.cfg.model.num_layers}, parallel.pp={self.cfg.parallel.pp}, "
+                f"vpp={self.cfg.parallel.vpp}); use recompute_num_layers in [1, {limit}]"
+            )
+
+    # -- FSDP ----------------------------------------------------------------------------------
+
+    def fsdp(self) -> None:
+        p, o, m, b = self.cfg.parallel, self.cfg.optim, self.cfg.model, self.cfg.batch
+        if not p.fsdp or p.fsdp_impl != "torch_fsdp2":
+            return
+        # megatron-core 0.16 + Megatron-LM validate_args: FSDP2 limits.
+        if p.pp > 1:
+            self.add(
+                f"parallel.fsdp_impl=torch_fsdp2 does not support pipeline parallelism in megatron-core "
+                f"0.16 (parallel.pp={p.pp}); use parallel.fsdp_impl=megatron_fsdp or parallel.pp=1"
+            )
+        if p.ep > 1:
+            self.add(
+                f"parallel.fsdp_impl=torch_fsdp2 does not support expert parallelism (parallel.ep={p.ep}); "
+                "use parallel.fsdp_impl=megatron_fsdp or parallel.ep=1"
+            )
+        if o.use_distributed_optimizer:
+            self.add(
+                "parallel.fsdp_impl=torch_fsdp2 cannot be combined with optim.use_distributed_optimizer=true "
+                "(FSDP2 shards the optimizer itself); set use_distributed_optimizer=false or use "
+                "parallel.fsdp_impl=megatron_fsdp"
+            )
+        if not m.untie_embeddings:
+            self.add(
+                "parallel.fsdp_impl=torch_fsdp2 needs model.untie_embeddings=true; set it, or use "
+                "parallel.fsdp_impl=megatron_fsdp"
+            )
+        if b.precision == "fp16":
+            self.add("parallel.fsdp_impl=torch_fsdp2 does not support batch.precision=fp16; use bf16 or fp32")
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu") -> ResolvedLayout:
+    """Check ``cfg`` for ``world_size`` ranks on ``device`` (``cpu`` | ``cuda`` | ``auto``) and
+    return the resolved layout; raise :class:`ConfigProblems` listing every problem found.
+
+    ``world_size`` None = ``parallel.dp * tp * pp * cp`` when ``parallel.dp`` is set, else
+    ``launch.nproc``. Touches no process group, no accelerator and allocates no model.
+    """
+    device = resolve_device(device)
+    world = _world_size(cfg, world_size)
+    c = _Checker(cfg, world, device)
+    c.names()
+    model_ok = c.model()
+    layout_ok = c.parallel_basics()
+    c.problems.extend(run_problems(cfg, device))
+    dp: int | None = None
+    virtual: list[int] | None = None
+    if layout_ok:
+        dp = c.world_layout()
+        if model_ok:
+            c.experts(dp)
+            c.tensor()
+            virtual = c.pipeline()
+    n_micro = c.batch(dp if layout_ok else None)
+    c.optim(virtual)
+    c.fsdp()
+    if device == "cpu":
+        c.problems.extend(cpu_problems(cfg))
+    if c.problems:
+        raise ConfigProblems(c.problems)
+    assert dp is not None and virtual is not None and n_micro is not None
+    p = cfg.parallel
+    vpp = p.vpp if p.vpp and p.vpp > 1 else None
+    chunks = vpp or 1
+    per_stage = [sum(virtual[v * p.pp + i] for v in range(chunks)) for i in range(p.pp)]
+    return ResolvedLayout(
+        world_size=world,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=vpp,
+        cp=p.cp,
+        ep=p.ep,
+        dp=dp,
+        expert_dp=world // (p.tp * p.ep * p.pp),
+        num_microbatches=n_micro,
+        layers_per_stage=per_stage,
+        layers_per_virtual_stage=virtual,
+    )

@@ -1,0 +1,117 @@
+"""Validation rules about where and how a run runs: telemetry, launcher, data, CPU limits.
+
+Part of :func:`charllm_nemo.train.validate.validate`; each function returns problem messages
+(field, value, a valid alternative) instead of raising, so that all problems are reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.layout import choices
+
+LAUNCHERS = ("local", "slurm", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _one_of(problems: list[str], fieldname: str, value: object, allowed: Sequence[object]) -> None:
+    if value not in allowed:
+        problems.append(f"{fieldname}={value!r} is not valid; use one of {choices(allowed)}")
+
+
+def _positive(problems: list[str], fieldname: str, value: float) -> None:
+    if isinstance(value, bool) or value <= 0:
+        problems.append(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
+
+
+def run_problems(cfg: TrainConfig, device: str) -> list[str]:
+    """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
+    from charllm_nemo.devices.factory import BACKEND_NAMES
+    from charllm_nemo.telemetry.schema import WINDOW_KINDS
+
+    problems: list[str] = []
+    t, la, d = cfg.telemetry, cfg.launch, cfg.data
+    _one_of(problems, "telemetry.backend", t.backend, BACKEND_NAMES)
+    if t.enabled:
+        _positive(problems, "telemetry.hz", t.hz)
+    unknown = [w for w in t.windows if w not in WINDOW_KINDS]
+    if unknown:
+        problems.append(
+            f"telemetry.windows has unknown kinds {unknown}; use a subset of {choices(WINDOW_KINDS)}"
+        )
+    if t.cpu_peak_tflops is not None:
+        _positive(problems, "telemetry.cpu_peak_tflops", t.cpu_peak_tflops)
+    if not str(t.out_dir).strip():
+        problems.append(
+            "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
+        )
+
+    _one_of(problems, "launch.launcher", la.launcher, LAUNCHERS)
+    _one_of(problems, "launch.device", la.device, DEVICES)
+    _positive(problems, "launch.nproc", la.nproc)
+    if not 1 <= la.master_port <= 65535:
+        problems.append(f"launch.master_port={la.master_port} is not a TCP port; use one in [1024, 65535]")
+
+    if d.seed < 0:
+        problems.append(f"data.seed={d.seed} must be >= 0")
+    if d.path is not None:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(d.path + ext)]
+        if missing:
+            problems.append(
+                f"data.path={d.path!r}: {' and '.join(d.path + e for e in missing)} not found; give the "
+                "prefix of a Megatron indexed dataset (.bin/.idx pair) or data.path=null for mock data"
+            )
+    return problems
+
+
+def _fallback_cpu_problems(cfg: TrainConfig) -> list[str]:
+    """What a CPU run cannot do, per megatron-core 0.16's sources, when train/cpu.py (which owns
+    the authoritative list) cannot be imported."""
+    p, o, m, b = cfg.parallel, cfg.optim, cfg.model, cfg.batch
+    problems: list[str] = []
+    if p.sequence_parallel and p.tp > 1:
+        problems.append(
+            "parallel.sequence_parallel=true needs TransformerEngine or Apex (GPU only); set "
+            "parallel.sequence_parallel=false on CPU"
+        )
+    if o.tp_comm_overlap:
+        problems.append(
+            "optim.tp_comm_overlap=true needs TransformerEngine (GPU only); set it to false on CPU"
+        )
+    if p.cp > 1:
+        problems.append(
+            f"parallel.cp={p.cp}: context parallelism needs TransformerEngine attention (GPU only); set "
+            "parallel.cp=1 on CPU"
+        )
+    if p.fsdp:
+        problems.append(
+            "parallel.fsdp=true allocates on CUDA (both FSDP flavours); set parallel.fsdp=false on CPU"
+        )
+    if o.use_distributed_optimizer:
+        problems.append(
+            "optim.use_distributed_optimizer=true accepts only torch.cuda tensors in megatron-core "
+            "0.16; set it to false on CPU (optim=base or optim=recompute)"
+        )
+    if b.precision == "fp16":
+        problems.append("batch.precision=fp16 needs a CUDA loss scaler; use batch.precision=fp32 on CPU")
+    if m.num_experts is not None and m.moe_token_dispatcher != "allgather":
+        problems.append(
+            f"model.moe_token_dispatcher={m.moe_token_dispatcher!r}: only 'allgather' works on CPU; set "
+            "model.moe_token_dispatcher=allgather"
+        )
+    return problems
+
+
+def cpu_problems(cfg: TrainConfig) -> list[str]:
+    """``charllm_nemo.train.cpu.cpu_unsupported(cfg)`` when that module imports (it owns the CPU
+    rules), else this module's fallback list."""
+    try:
+        from charllm_nemo.train import cpu as cpu_module
+    except ImportError:
+        return _fallback_cpu_problems(cfg)
+    fn = getattr(cpu_module, "cpu_unsupported", None)
+    if fn is None:
+        return _fallback_cpu_problems(cfg)
+    return [str(p) for p in fn(cfg)]

@@ -1,0 +1,77 @@
+"""One rank of a locally launched run: ``python -m charllm_nemo.train.worker <config.yaml|json>``.
+
+The launcher (train/launch.py) has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT. This reads the resolved config and calls ``charllm_nemo.train.loop.run_rank``.
+
+SIGTERM becomes ``SystemExit(143)`` in the main thread, so ``finally`` blocks and context
+managers (the telemetry session's flush) run before the process exits.
+
+``CHARLLM_WORKER_TARGET=module:function`` replaces ``run_rank`` with another callable taking
+the TrainConfig: the launcher's tests use it to run without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config_io import load_train_config
+
+TARGET_ENV = "CHARLLM_WORKER_TARGET"
+
+
+def _target() -> Callable[[TrainConfig], Any]:
+    spec = os.environ.get(TARGET_ENV)
+    if not spec:
+        from charllm_nemo.train.loop import run_rank
+
+        return run_rank
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{TARGET_ENV}={spec!r} must be 'module:function'")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise ConfigError(f"{TARGET_ENV}={spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    # Unwind the main thread (running finally blocks) instead of dying where we stand.
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise SystemExit(128 + signum)
+
+
+def run(config_path: str) -> int:
+    """Load the config and run this rank; the callable's int result (if any) is the exit code."""
+    cfg = load_train_config(config_path)
+    fn = _target()
+    result = fn(cfg)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of a spawned rank; returns its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m charllm_nemo.train.worker <config.yaml|config.json>", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run(args[0])
+    except ConfigError as exc:
+        rank = os.environ.get("RANK", "?")
+        print(f"rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

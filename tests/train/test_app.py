@@ -1,0 +1,367 @@
+"""The Hydra application: composition into TrainConfig, run directories, launching, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train import app
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config_io import load_train_config, run_id, save_train_config, train_config_from
+from charllm_nemo.train.presets import model_preset, parallel_preset
+from charllm_nemo.train.worker import main as worker_main
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def fake_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned ranks run tests/train/_fake_worker.py instead of the Megatron-Core loop."""
+    monkeypatch.setenv("CHARLLM_WORKER_TARGET", "_fake_worker:run")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("CHARLLM_FAKE_MODE", "ok")
+
+
+# -- composition ---------------------------------------------------------------------------------
+
+
+def test_defaults_compose_to_a_typed_config() -> None:
+    cfg = app.load()
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model == model_preset("tiny_gpt")
+    assert cfg.parallel == parallel_preset("single")
+    assert (cfg.optim.name, cfg.telemetry.backend, cfg.launch.launcher, cfg.launch.nproc) == (
+        "base",
+        "auto",
+        "local",
+        1,
+    )
+    assert cfg.telemetry.out_dir.startswith("runs/") and "${" not in cfg.telemetry.out_dir
+
+
+def test_overrides_reach_every_section() -> None:
+    cfg = app.load(
+        [
+            "model=tiny_moe",
+            "parallel=tp2",
+            "optim=recompute",
+            "telemetry=synthetic",
+            "launch.nproc=2",
+            "batch.global_batch_size=8",
+            "model.num_layers=8",
+            "parallel.pipeline_layout=[5,3]",
+            "data.seed=7",
+        ]
+    )
+    assert (cfg.model.name, cfg.model.num_layers, cfg.model.num_experts) == ("tiny_moe", 8, 4)
+    assert (cfg.parallel.tp, cfg.parallel.pipeline_layout) == (2, [5, 3])
+    assert (cfg.optim.recompute_granularity, cfg.telemetry.backend) == ("full", "synthetic")
+    assert (cfg.launch.nproc, cfg.batch.global_batch_size, cfg.data.seed) == (2, 8, 7)
+
+
+def test_nproc_shorthand_and_launcher_group() -> None:
+    assert app.load(["nproc=4"]).launch.nproc == 4
+    assert app.load(["launch.nproc=3"]).launch.nproc == 3
+    cfg = app.load(["launcher=slurm", "launch.master_port=29600"])
+    assert (cfg.launch.launcher, cfg.launch.master_port) == ("slurm", 29600)
+    assert app.load(["launcher=none"]).launch.launcher == "none"
+
+
+def test_wrong_types_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"batch.micro_batch_size: Value 'two'.*could not be converted"):
+        app.load(["batch.micro_batch_size=two"])
+
+
+def test_run_directory_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    dcfg = app.compose()
+    assert OmegaConf.select(dcfg, "telemetry.out_dir") == OmegaConf.select(dcfg, "telemetry.out_dir")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "3")
+    assert app.load(["launcher=slurm"]).telemetry.out_dir == "runs/slurm-4242.3"
+    assert app.load().telemetry.out_dir != "runs/slurm-4242.3"  # a local run in an allocation
+    monkeypatch.setenv("CHARLLM_RUN_ID", "mine")
+    assert app.load(["launcher=slurm"]).telemetry.out_dir == "runs/mine"
+
+
+def test_run_id_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CHARLLM_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert run_id("none")[0].isdigit()  # torchrun's placeholder id is not used
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert run_id("none") == "torchrun-abc"
+
+
+def test_recipes_compose() -> None:
+    search = f"hydra.searchpath=[file://{REPO / 'conf'}]"
+    for name, swept in (
+        ("paper_optim_sweep", {"optim"}),
+        ("paper_gpt3_175b_layouts", {"parallel", "optim"}),
+        ("cpu_smoke", {"parallel"}),
+    ):
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+            dcfg = compose(config_name=name, overrides=[search], return_hydra_config=True)
+        assert set(dcfg.hydra.sweeper.params) == swept, name
+        assert str(dcfg.hydra.mode) == "RunMode.MULTIRUN"
+        OmegaConf.set_struct(dcfg, False)
+        del dcfg["hydra"]
+        cfg = train_config_from(dcfg)
+        if name == "paper_gpt3_175b_layouts":
+            assert (cfg.model.name, cfg.launch.launcher, cfg.batch.global_batch_size) == (
+                "gpt3_175b",
+                "slurm",
+                1536,
+            )
+
+
+def test_conf_dir_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert app.find_conf_dir() == REPO / "conf"
+    monkeypatch.setenv(app.CONF_ENV, str(tmp_path))
+    with pytest.raises(ConfigError, match=r"has no train\.yaml"):
+        app.find_conf_dir()
+    monkeypatch.setenv(app.CONF_ENV, str(REPO / "conf"))
+    assert app.find_conf_dir() == REPO / "conf"
+
+
+def test_packaged_conf_is_the_checkouts() -> None:
+    # src/charllm_nemo/conf is a symlink to conf/: wheels package the same files.
+    packaged = REPO / "src" / "charllm_nemo" / "conf"
+    assert packaged.resolve() == (REPO / "conf").resolve()
+
+
+# -- config files --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_round_trip(tmp_path: Path, suffix: str) -> None:
+    cfg = app.load(["model=tiny_moe", "parallel=pp2_uneven", "+extra.note=hi"])
+    assert cfg.extra == {"note": "hi"}
+    path = save_train_config(cfg, tmp_path / f"config{suffix}")
+    assert load_train_config(path) == cfg
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_train_config(tmp_path / "none.yaml")
+    (tmp_path / "bad.yaml").write_text("batch: {micro_batch_size: many}\n")
+    with pytest.raises(ConfigError, match=r"batch\.micro_batch_size"):
+        load_train_config(tmp_path / "bad.yaml")
+
+
+# -- main: validate, write, launch ---------------------------------------------------------------
+
+
+def test_main_trains_with_the_local_launcher(tmp_path: Path, fake_worker: None) -> None:
+    out = tmp_path / "run"
+    rc = app.main(
+        ["model=tiny_gpt", "parallel=tp2", "nproc=2", "batch.global_batch_size=8", f"telemetry.out_dir={out}"]
+    )
+    assert rc == 0
+    saved = load_train_config(out / "config.yaml")
+    assert (saved.parallel.tp, saved.launch.nproc, saved.launch.device) == (2, 2, "cpu")
+    assert saved.telemetry.out_dir == str(out)
+    ports = set()
+    for rank in (0, 1):
+        info = json.loads((out / "fake" / f"rank{rank}.json").read_text())
+        assert info["env"]["RANK"] == str(rank) and info["env"]["WORLD_SIZE"] == "2"
+        assert info["env"]["MASTER_ADDR"] == "127.0.0.1" and info["tp"] == 2
+        ports.add(info["env"]["MASTER_PORT"])
+    assert len(ports) == 1
+
+
+def test_main_rejects_a_bad_layout_before_starting_anything(
+    tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    rc = app.main(["parallel=tp2pp2", "nproc=3", f"telemetry.out_dir={out}"])
+    assert rc == app.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "world_size=3 is not divisible by parallel.tp*pp*cp=4" in err
+    assert not out.exists()
+
+
+def test_main_reports_hydra_errors_as_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert app.main(["model=gpt5"]) == app.EXIT_CONFIG_ERROR
+    assert app.main(["batch.micro_batchsize=2"]) == app.EXIT_CONFIG_ERROR
+
+
+def test_main_picks_a_free_port_when_the_configured_one_is_busy(tmp_path: Path, fake_worker: None) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = tmp_path / "run"
+        assert app.main(["nproc=2", f"launch.master_port={port}", f"telemetry.out_dir={out}"]) == 0
+    used = json.loads((out / "fake" / "rank0.json").read_text())["env"]["MASTER_PORT"]
+    assert used != str(port)
+
+
+def test_main_propagates_a_rank_failure(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CHARLLM_FAKE_MODE", "fail:1:7")
+    out = tmp_path / "run"
+    rc = app.main(["nproc=3", "batch.global_batch_size=3", f"telemetry.out_dir={out}"])
+    assert rc == 7
+    assert "rank 1 failed with exit code 7" in capsys.readouterr().err
+    # The other ranks were stopped with SIGTERM, and the worker's handler let them flush.
+    assert (out / "fake" / "rank0.flushed").exists() and (out / "fake" / "rank2.flushed").exists()
+
+
+def test_sweep_gives_each_job_its_own_run_directory(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CHARLLM_RUN_ID", "sweep-test")
+    rc = app.main(["-m", "parallel=tp2,pp2", "nproc=2"])
+    assert rc == 0
+    root = tmp_path / "runs" / "sweep-sweep-test"
+    assert load_train_config(root / "0" / "config.yaml").parallel.name == "tp2"
+    assert load_train_config(root / "1" / "config.yaml").parallel.name == "pp2"
+    assert (root / "1" / "fake" / "rank1.json").exists()
+
+
+def test_sigterm_reaches_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    env.update(
+        CHARLLM_WORKER_TARGET="_fake_worker:run",
+        CHARLLM_FAKE_MODE="hang",
+        PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charllm_nemo.train.app", "nproc=2", f"telemetry.out_dir={out}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((out / "fake" / f"rank{r}.ready").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert b"got SIGTERM; forwarded it to 2 rank(s)" in err
+    assert all((out / "fake" / f"rank{r}.flushed").exists() for r in (0, 1))
+
+
+# -- in-process launchers ------------------------------------------------------------------------
+
+
+class _Loop:
+    """Stands in for charllm_nemo.train.loop (run_rank) in this process."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[TrainConfig, dict[str, str]]] = []
+
+    def run_rank(self, cfg: TrainConfig, session: object = None) -> None:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        self.calls.append((cfg, {k: os.environ[k] for k in keys}))
+
+
+@pytest.fixture
+def fake_loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
+    loop = _Loop()
+    monkeypatch.setitem(sys.modules, "charllm_nemo.train.loop", loop)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        monkeypatch.setenv(k, "unset")  # restored after the test; run() overwrites them
+    return loop
+
+
+def test_slurm_launcher_runs_the_rank_in_process(
+    tmp_path: Path, fake_loop: _Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "cn[3-4]"}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    cfg = app.load(["launcher=slurm", "parallel=tp2", f"telemetry.out_dir={tmp_path}"])
+    assert app.run(cfg) == 0
+    ((ran, env),) = fake_loop.calls
+    assert env == {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "cn3",
+        "MASTER_PORT": "29511",
+    }
+    assert load_train_config(tmp_path / "config.yaml") == ran  # rank 0 wrote the resolved config
+
+
+def test_slurm_launcher_validates_against_the_task_count(
+    tmp_path: Path, fake_loop: _Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "a",
+    }.items():
+        monkeypatch.setenv(k, v)
+    cfg = app.load(["launcher=slurm", "parallel=tp2", f"telemetry.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="world_size=3 is not divisible"):
+        app.run(cfg)
+    assert fake_loop.calls == []
+
+
+def test_torchrun_launcher_uses_the_environment(
+    tmp_path: Path, fake_loop: _Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "9",
+    }.items():
+        monkeypatch.setenv(k, v)
+    cfg = app.load(["launcher=none", "parallel=pp2", f"telemetry.out_dir={tmp_path}"])
+    assert app.run(cfg) == 0
+    assert fake_loop.calls[0][1]["RANK"] == "1"
+    assert not (tmp_path / "config.yaml").exists()  # only rank 0 writes it
+
+
+# -- the worker ----------------------------------------------------------------------------------
+
+
+def test_worker_runs_the_target_and_returns_its_code(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("RANK", "0")
+    cfg = app.load([f"telemetry.out_dir={tmp_path}"])
+    path = save_train_config(cfg, tmp_path / "config.yaml")
+    assert worker_main([str(path)]) == 0
+    assert (tmp_path / "fake" / "rank0.json").exists()
+    monkeypatch.setenv("CHARLLM_FAKE_MODE", "fail:0:4")
+    assert worker_main([str(path)]) == 4
+
+
+def test_worker_usage_and_bad_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert worker_main([]) == 2
+    cfg = app.load([f"telemetry.out_dir={tmp_path}"])
+    path = save_train_config(cfg, tmp_path / "config.json")
+    monkeypatch.setenv("CHARLLM_WORKER_TARGET", "no_colon")
+    assert worker_main([str(path)]) == 2
+    assert "must be 'module:function'" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""train/data.py: the mock dataset and real indexed .bin/.idx data, cut into per-rank microbatches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from charllm_nemo.errors import ConfigError  # noqa: E402
+from charllm_nemo.train.config import TrainConfig  # noqa: E402
+from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset  # noqa: E402
+
+
+def test_layout_follows_megatron_sampler_order() -> None:
+    # gbs 8 = 2 microbatches x 2 sequences x dp 2: in each microbatch the DP ranks take
+    # consecutive slices; step 1 starts at sample 8.
+    r0, r1 = DataLayout(2, 8, 2, 0), DataLayout(2, 8, 2, 1)
+    assert r0.num_microbatches == 2
+    assert [list(r0.sample_indices(0, k)) for k in range(2)] == [[0, 1], [4, 5]]
+    assert [list(r1.sample_indices(0, k)) for k in range(2)] == [[2, 3], [6, 7]]
+    assert list(r0.sample_indices(1, 0)) == [8, 9]
+
+
+def check_batches(cfg: TrainConfig, dataset: object, steps: int) -> None:
+    layout = DataLayout(cfg.batch.micro_batch_size, cfg.batch.global_batch_size, 1, 0)
+    batches = list(MicrobatchIterator(dataset, layout, steps))
+    assert len(batches) == steps * layout.num_microbatches
+    b, s = cfg.batch.micro_batch_size, cfg.model.seq_length
+    for batch in batches:
+        assert batch["tokens"].shape == (b, s) and batch["labels"].shape == (b, s)
+        assert batch["tokens"].dtype == torch.int64
+        assert int(batch["tokens"].max()) < cfg.model.vocab_size
+        assert batch["attention_mask"].shape == (b, 1, s, s)
+        assert batch["attention_mask"].dtype == torch.bool
+        # Causal: position i sees j <= i (True = masked).
+        mask = batch["attention_mask"][0, 0]
+        upper = torch.ones(s, s, dtype=torch.bool).triu(1)
+        assert bool(mask[upper].all()) and not bool(mask[~upper].any())
+        # Labels are the tokens shifted by one.
+        assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+
+
+def test_mock_dataset_builds_offline() -> None:
+    cfg = TrainConfig()
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 4, 2
+    ds = build_train_dataset(cfg, 3 * 4)
+    assert len(ds) >= 12
+    check_batches(cfg, ds, 3)
+
+
+def test_indexed_bin_idx_dataset(tmp_path: Path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        n = int(torch.randint(20, 300, (1,), generator=gen))
+        builder.add_item(torch.randint(0, 1000, (n,), generator=gen))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    cfg = TrainConfig()
+    cfg.data.path = prefix
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 4, 1
+    ds = build_train_dataset(cfg, 5 * 4)
+    check_batches(cfg, ds, 5)
+
+
+def test_missing_indexed_dataset_names_the_field(tmp_path: Path) -> None:
+    cfg = TrainConfig()
+    cfg.data.path = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=r"data\.path"):
+        build_train_dataset(cfg, 4)

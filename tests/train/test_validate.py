@@ -1,0 +1,540 @@
+"""Config validation before any process group: each rule names the field(s) and a way out."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.presets import model_preset, optim_preset, parallel_preset
+from charllm_nemo.train.validate import (
+    ConfigProblems,
+    ResolvedLayout,
+    alternating_layout,
+    divisors,
+    validate,
+)
+
+
+def cfg_for(
+    model: str = "tiny_gpt", parallel: str = "single", optim: str = "base", **batch: int
+) -> TrainConfig:
+    cfg = TrainConfig(
+        model=model_preset(model), parallel=parallel_preset(parallel), optim=optim_preset(optim)
+    )
+    for k, v in batch.items():
+        setattr(cfg.batch, k, v)
+    return cfg
+
+
+def problems(cfg: TrainConfig, world: int | None = 1, device: str = "cuda") -> list[str]:
+    with pytest.raises(ConfigProblems) as info:
+        validate(cfg, world_size=world, device=device)
+    assert isinstance(info.value, ConfigError)
+    return info.value.problems
+
+
+def one(cfg: TrainConfig, world: int | None = 1, device: str = "cuda") -> str:
+    found = problems(cfg, world, device)
+    assert len(found) == 1, found
+    return found[0]
+
+
+# -- a valid config resolves --------------------------------------------------------------------
+
+
+def test_valid_config_resolves_its_layout() -> None:
+    cfg = cfg_for("tiny_moe", "tp2ep2", global_batch_size=8, micro_batch_size=2)
+    layout = validate(cfg, world_size=8, device="cpu")
+    assert layout == ResolvedLayout(
+        world_size=8,
+        tp=2,
+        pp=1,
+        vpp=None,
+        cp=1,
+        ep=2,
+        dp=4,
+        expert_dp=2,
+        num_microbatches=1,
+        layers_per_stage=[4],
+        layers_per_virtual_stage=[4],
+    )
+    assert layout.mcore_pipeline_layout() is None
+
+
+def test_world_size_defaults_to_dp_times_model_size_or_nproc() -> None:
+    cfg = cfg_for(parallel="dp2")
+    assert validate(cfg, device="cpu").world_size == 2
+    cfg = cfg_for(parallel="tp2")
+    cfg.launch.nproc = 4
+    assert validate(cfg, device="cpu").dp == 2
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    cfg = cfg_for("tiny_gpt", "tp2pp2")
+    cfg.parallel.pp = 3
+    cfg.parallel.ep = 2
+    cfg.model.num_attention_heads = 3
+    cfg.telemetry.backend = "tpu"
+    found = problems(cfg, world=12)
+    assert len(found) >= 4
+    text = "\n".join(found)
+    for field in ("parallel.pp=3", "parallel.ep=2", "model.num_attention_heads=3", "telemetry.backend='tpu'"):
+        assert field in text
+    with pytest.raises(ConfigError, match=r"invalid training config \(\d+ problems\):\n  - "):
+        validate(cfg, world_size=12, device="cuda")
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", ["model", "parallel", "optim"])
+def test_unknown_names_list_the_known_ones(group: str) -> None:
+    cfg = cfg_for()
+    getattr(cfg, group).name = "mystery"
+    msg = one(cfg)
+    assert f"{group}.name='mystery' is not a known {group}" in msg
+    assert {"model": "tiny_gpt", "parallel": "pp2", "optim": "recompute"}[group] in msg
+    assert f"{group}.name=custom" in msg
+
+
+def test_custom_name_is_accepted() -> None:
+    cfg = cfg_for()
+    cfg.model.name = cfg.parallel.name = cfg.optim.name = "custom"
+    validate(cfg, world_size=1, device="cpu")
+
+
+# -- world size and DP ---------------------------------------------------------------------------
+
+
+def test_world_not_divisible_by_tp_pp_cp() -> None:
+    msg = one(cfg_for(parallel="tp2pp2"), world=6)
+    assert "world_size=6 is not divisible by parallel.tp*pp*cp=4 (tp=2, pp=2, cp=1)" in msg
+    assert "launch.nproc in [4, 8, 12, 16]" in msg
+
+
+def test_explicit_dp_must_match_world() -> None:
+    msg = one(cfg_for(parallel="dp2"), world=4)
+    assert "parallel.dp=2 does not match world_size=4" in msg and "parallel.dp=null" in msg
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+
+
+def test_ep_needs_an_moe_model() -> None:
+    msg = one(cfg_for("tiny_gpt", "ep2"), world=2)
+    assert "parallel.ep=2 needs a mixture-of-experts model" in msg and "tiny_moe" in msg
+
+
+def test_ep_must_divide_the_experts() -> None:
+    cfg = cfg_for("tiny_moe", "ep2")
+    cfg.parallel.ep = 3
+    found = problems(cfg, world=3)
+    assert any("parallel.ep=3 does not divide model.num_experts=4; use ep in [1, 2, 4]" in p for p in found)
+
+
+def test_ep_is_carved_from_dp_times_cp() -> None:
+    # TP=2 on 4 ranks leaves DP=2: EP=4 cannot fit although 4 divides the 4 experts.
+    cfg = cfg_for("tiny_moe", "tp2")
+    cfg.parallel.ep = 4
+    msg = one(cfg, world=4)
+    assert "parallel.ep=4 does not divide dp*cp=2" in msg
+    assert "use ep in [1, 2]" in msg and "launch.nproc in [8" in msg
+
+
+def test_ep_counts_context_parallel_ranks() -> None:
+    cfg = cfg_for("tiny_moe", "cp2")
+    cfg.parallel.ep = 4
+    cfg.model.seq_length = 64
+    layout = validate(cfg, world_size=4, device="cuda")  # dp=2, cp=2: ep=4 fits in dp*cp
+    assert (layout.dp, layout.ep, layout.expert_dp) == (2, 4, 1)
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+
+def test_heads_must_divide_by_tp() -> None:
+    cfg = cfg_for(parallel="tp2")
+    cfg.parallel.tp = 8
+    cfg.model.ffn_hidden_size = cfg.model.vocab_size = 1024
+    cfg.model.hidden_size = 64
+    msg = one(cfg, world=8)
+    assert "model.num_attention_heads=4 is not divisible by parallel.tp=8; use tp in [1, 2, 4]" in msg
+
+
+def test_kv_groups_must_be_a_multiple_or_divisor_of_tp() -> None:
+    cfg = cfg_for("llama3_8b", "llama3_8b_tp2")  # 8 KV groups
+    cfg.parallel.tp = 16  # a multiple of 8 groups: replicated KV heads, allowed by megatron-core
+    validate(cfg, world_size=16, device="cuda")
+    cfg.model.num_query_groups = 4
+    cfg.model.num_attention_heads = 24
+    cfg.model.hidden_size = 3072
+    cfg.parallel.tp = 6
+    found = problems(cfg, world=6)
+    assert any(
+        "model.num_query_groups=4 is neither a multiple nor a divisor of parallel.tp=6" in p for p in found
+    )
+
+
+@pytest.mark.parametrize("field", ["ffn_hidden_size", "vocab_size"])
+def test_split_dimensions_must_divide_by_tp(field: str) -> None:
+    cfg = cfg_for(parallel="tp2")
+    setattr(cfg.model, field, 1001)
+    msg = one(cfg, world=2)
+    assert f"model.{field}=1001 is not divisible by parallel.tp=2; use tp in [1, 7, 11, 13]" in msg
+
+
+def test_sequence_parallel_needs_tp() -> None:
+    cfg = cfg_for()
+    cfg.parallel.sequence_parallel = True
+    msg = one(cfg)
+    assert "parallel.sequence_parallel=true needs parallel.tp>1" in msg and "sequence_parallel=false" in msg
+
+
+# -- pipeline ------------------------------------------------------------------------------------
+
+
+def test_layers_must_divide_by_pp() -> None:
+    cfg = cfg_for("llama3_8b", "llama3_8b_tp1pp1")
+    cfg.parallel.pp = 3
+    msg = one(cfg, world=3)
+    assert msg.startswith("parallel.pp=3 does not divide model.num_layers=32; use pp in [1, 2, 4, 8, 16, 32]")
+    assert "parallel.pipeline_layout" in msg and "[11, 11, 10]" in msg
+
+
+def test_pp_larger_than_layers() -> None:
+    cfg = cfg_for(parallel="pp4")
+    cfg.parallel.pp = 8
+    assert "parallel.pp=8 exceeds model.num_layers=4" in one(cfg, world=8)
+
+
+def test_vpp_must_divide_layers_per_stage() -> None:
+    cfg = cfg_for("llama3_70b", "llama3_70b_tp4pp4")
+    cfg.parallel.vpp = 3
+    cfg.batch.global_batch_size = 16
+    msg = one(cfg, world=16)
+    assert "parallel.vpp=3 does not divide the 20 layers per pipeline stage" in msg
+    assert "use vpp in [2, 4, 5, 10, 20]" in msg
+
+
+def test_vpp_needs_pp() -> None:
+    cfg = cfg_for()
+    cfg.parallel.vpp = 2
+    assert "parallel.vpp=2 (interleaved pipeline) needs parallel.pp>1" in one(cfg)
+
+
+def test_interleaving_needs_microbatches_in_multiples_of_pp() -> None:
+    cfg = cfg_for(parallel="pp2_vpp2", global_batch_size=3)
+    msg = one(cfg, world=2)
+    assert "3 microbatches per step" in msg and "multiple of parallel.pp=2" in msg
+    assert "global_batch_size in [2, 4, 6, 8]" in msg
+
+
+def test_vpp_chunks_and_mcore_layout() -> None:
+    layout = validate(cfg_for(parallel="pp2_vpp2"), world_size=2, device="cpu")
+    assert layout.layers_per_virtual_stage == [1, 1, 1, 1] and layout.layers_per_stage == [2, 2]
+
+
+def test_explicit_uneven_layout_becomes_megatron_cores_layout() -> None:
+    layout = validate(cfg_for(parallel="pp2_uneven"), world_size=2, device="cpu")
+    assert layout.layers_per_stage == [3, 1] and layout.uneven
+    assert layout.mcore_pipeline_layout() == [
+        ["embedding", "decoder", "decoder", "decoder"],
+        ["decoder", "loss"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ([2, 1], "sums to 3 layers but model.num_layers=4; make the entries sum to 4"),
+        ([2, 1, 1], "has 3 entries but parallel.pp=2; give one entry per pipeline stage (2)"),
+        ([4, 0], "has a stage with fewer than 1 layer"),
+    ],
+)
+def test_explicit_layout_errors(layout: list[int], expected: str) -> None:
+    cfg = cfg_for(parallel="pp2_uneven")
+    cfg.parallel.pipeline_layout = layout
+    msg = one(cfg, world=2)
+    assert msg.startswith(f"parallel.pipeline_layout={layout}") and expected in msg
+
+
+def test_explicit_layout_with_interleaving() -> None:
+    cfg = cfg_for(parallel="pp2_uneven")
+    cfg.model.num_layers = 8
+    cfg.parallel.vpp = 2
+    cfg.parallel.pipeline_layout = [6, 2]  # per stage, each split in 2 chunks
+    layout = validate(cfg, world_size=2, device="cpu")
+    assert layout.layers_per_virtual_stage == [3, 1, 3, 1] and layout.layers_per_stage == [6, 2]
+    cfg.parallel.pipeline_layout = [2, 1, 3, 2]  # per virtual stage, megatron-core order
+    layout = validate(cfg, world_size=2, device="cpu")
+    assert layout.layers_per_stage == [5, 3]
+    mc = layout.mcore_pipeline_layout()
+    assert mc is not None and len(mc) == 4 and mc[0][0] == "embedding" and mc[-1][-1] == "loss"
+    cfg.parallel.pipeline_layout = [5, 3]
+    msg = one(cfg, world=2)
+    assert "stages with [5, 3] layers cannot be split into parallel.vpp=2 chunks" in msg
+
+
+def test_layout_and_scheme_are_exclusive() -> None:
+    cfg = cfg_for(parallel="pp2_uneven")
+    cfg.parallel.pipeline_layout_scheme = "alternating"
+    assert "are both set; keep one" in one(cfg, world=2)
+
+
+def test_alternating_scheme() -> None:
+    assert alternating_layout(96, 8) == [13, 11] * 4
+    assert alternating_layout(9, 3) == [4, 2, 3]
+    layout = validate(cfg_for(parallel="pp2_alternating"), world_size=2, device="cpu")
+    assert layout.layers_per_stage == [3, 1]
+    cfg = cfg_for(parallel="pp4")
+    cfg.parallel.pipeline_layout_scheme = "alternating"  # 4 layers on 4 stages: 1 each, no room
+    msg = one(cfg, world=4)
+    assert "pipeline_layout_scheme=alternating needs parallel.pp>=2 dividing model.num_layers=4" in msg
+    assert "use pp in [2]" in msg
+    cfg.parallel.pipeline_layout_scheme = "zigzag"
+    assert "parallel.pipeline_layout_scheme='zigzag' is not valid; use one of [alternating]" in one(
+        cfg, world=4
+    )
+
+
+# -- batch and context parallelism ---------------------------------------------------------------
+
+
+def test_global_batch_must_divide_by_micro_batch_times_dp() -> None:
+    cfg = cfg_for(global_batch_size=6, micro_batch_size=2)
+    msg = one(cfg, world=2)
+    assert "batch.global_batch_size=6 is not divisible by batch.micro_batch_size=2 * dp=2 = 4" in msg
+    assert "use global_batch_size in [4, 8, 12, 16] or micro_batch_size in [1, 3]" in msg
+
+
+def test_seq_length_must_divide_by_two_cp() -> None:
+    cfg = cfg_for(parallel="cp2")
+    cfg.parallel.cp = 4
+    cfg.model.seq_length = cfg.model.max_position_embeddings = 36
+    msg = one(cfg, world=4)
+    assert (
+        "model.seq_length=36 is not divisible by 2*parallel.cp=8" in msg
+        and "cp in [1, 2, 3, 6, 9, 18]" in msg
+    )
+
+
+# -- recomputation -------------------------------------------------------------------------------
+
+
+def test_recompute_layers_beyond_the_stage() -> None:
+    cfg = cfg_for(parallel="pp2", optim="recompute")
+    cfg.optim.recompute_num_layers = 3
+    msg = one(cfg, world=2)
+    assert "optim.recompute_num_layers=3 exceeds the 2 layers of the smallest (virtual) pipeline stage" in msg
+    assert "use recompute_num_layers in [1, 2]" in msg
+
+
+def test_recompute_layers_counted_per_uneven_stage() -> None:
+    cfg = cfg_for(parallel="pp2_uneven", optim="recompute")
+    cfg.optim.recompute_num_layers = 2  # the second stage holds only 1 layer
+    assert "use recompute_num_layers in [1, 1]" in one(cfg, world=2)
+
+
+@pytest.mark.parametrize(
+    ("granularity", "method", "layers", "expected"),
+    [
+        (
+            "full",
+            None,
+            1,
+            "optim.recompute_granularity=full needs optim.recompute_method in [block, uniform]",
+        ),
+        (
+            "full",
+            "block",
+            None,
+            "optim.recompute_granularity=full needs optim.recompute_num_layers in [1, 4]",
+        ),
+        ("full", "block", 0, "optim.recompute_num_layers=0 must be >= 1"),
+        (
+            "selective",
+            "uniform",
+            None,
+            "optim.recompute_method='uniform' does not apply to recompute_granularity=selective",
+        ),
+        (
+            "selective",
+            None,
+            2,
+            "optim.recompute_num_layers=2 must be null with recompute_granularity=selective",
+        ),
+        (None, "block", None, "have no effect without optim.recompute_granularity"),
+        (
+            "partial",
+            None,
+            None,
+            "optim.recompute_granularity='partial' is not valid; use one of [full, selective]",
+        ),
+        ("full", "random", 1, "optim.recompute_method='random' is not valid; use one of [block, uniform]"),
+    ],
+)
+def test_recompute_combinations(
+    granularity: str | None, method: str | None, layers: int | None, expected: str
+) -> None:
+    cfg = cfg_for()
+    cfg.optim.recompute_granularity, cfg.optim.recompute_method = granularity, method
+    cfg.optim.recompute_num_layers = layers
+    assert expected in one(cfg)
+
+
+def test_selective_recompute_is_valid() -> None:
+    cfg = cfg_for()
+    cfg.optim.recompute_granularity = "selective"
+    validate(cfg, world_size=1, device="cpu")
+
+
+# -- overlap -------------------------------------------------------------------------------------
+
+
+def test_param_gather_overlap_needs_distributed_optimizer_and_grad_overlap() -> None:
+    cfg = cfg_for()
+    cfg.optim.overlap_param_gather = True
+    found = problems(cfg)
+    assert any(
+        "optim.overlap_param_gather=true needs optim.use_distributed_optimizer=true" in p for p in found
+    )
+    assert any("optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true" in p for p in found)
+
+
+def test_tp_comm_overlap_needs_tp_and_sequence_parallel() -> None:
+    cfg = cfg_for(parallel="tp2")
+    cfg.optim.tp_comm_overlap = True
+    msg = one(cfg, world=2)
+    assert "optim.tp_comm_overlap=true needs parallel.tp>1 and parallel.sequence_parallel=true" in msg
+    cfg.parallel.sequence_parallel = True
+    validate(cfg, world_size=2, device="cuda")
+
+
+# -- FSDP ----------------------------------------------------------------------------------------
+
+
+def test_torch_fsdp2_does_not_support_pipeline_parallelism() -> None:
+    cfg = cfg_for("tiny_moe", "fsdp_torch")
+    cfg.parallel.pp = 2
+    msg = one(cfg, world=4)
+    assert "parallel.fsdp_impl=torch_fsdp2 does not support pipeline parallelism in megatron-core 0.16" in msg
+    assert "parallel.fsdp_impl=megatron_fsdp or parallel.pp=1" in msg
+
+
+def test_torch_fsdp2_limits() -> None:
+    cfg = cfg_for("tiny_gpt", "fsdp_torch", optim="comm_overlap")
+    found = problems(cfg, world=2)
+    text = "\n".join(found)
+    assert "cannot be combined with optim.use_distributed_optimizer=true" in text
+    assert "needs model.untie_embeddings=true" in text
+    cfg = cfg_for("tiny_moe", "fsdp_torch")
+    cfg.parallel.ep = 2
+    assert "does not support expert parallelism (parallel.ep=2)" in one(cfg, world=2)
+
+
+def test_megatron_fsdp_composes_with_pipeline_and_expert_parallelism() -> None:
+    cfg = cfg_for("tiny_moe", "fsdp", optim="comm_overlap")
+    cfg.parallel.pp, cfg.parallel.ep = 2, 2
+    validate(cfg, world_size=4, device="cuda")
+
+
+def test_unknown_fsdp_impl() -> None:
+    cfg = cfg_for(parallel="fsdp")
+    cfg.parallel.fsdp_impl = "zero3"
+    assert "parallel.fsdp_impl='zero3' is not valid; use one of [megatron_fsdp, torch_fsdp2]" in one(cfg)
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def test_model_shape_rules() -> None:
+    cfg = cfg_for("tiny_moe")
+    cfg.model.hidden_size = 66
+    cfg.model.moe_router_topk = 5
+    cfg.model.max_position_embeddings = 32
+    cfg.model.ffn_hidden_size = 0
+    text = "\n".join(problems(cfg))
+    assert "model.hidden_size=66 is not divisible by model.num_attention_heads=4" in text
+    assert "model.moe_router_topk=5 must lie in [1, model.num_experts=4]" in text
+    assert "model.max_position_embeddings=32 is smaller than model.seq_length=64" in text
+    assert "model.ffn_hidden_size=0 must be a positive number" in text
+
+
+def test_kv_groups_must_divide_heads() -> None:
+    cfg = cfg_for("tiny_moe")
+    cfg.model.num_query_groups = 3
+    assert "model.num_query_groups=3 does not divide model.num_attention_heads=4" in one(cfg)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "expected"),
+    [
+        ("model", "position_embedding", "alibi", "use one of [rope, learned_absolute, none]"),
+        ("model", "normalization", "BatchNorm", "use one of [LayerNorm, RMSNorm]"),
+        ("batch", "precision", "fp8", "use one of [fp32, bf16, fp16]"),
+        ("launch", "launcher", "mpi", "use one of [local, slurm, none]"),
+        ("launch", "device", "tpu", "use one of [auto, cpu, cuda]"),
+        ("telemetry", "backend", "rapl", "use one of [auto, nvml, amdsmi, synthetic]"),
+    ],
+)
+def test_enumerated_values(section: str, field: str, value: str, expected: str) -> None:
+    cfg = cfg_for()
+    setattr(getattr(cfg, section), field, value)
+    msg = "\n".join(problems(cfg))
+    assert f"{section}.{field}={value!r} is not valid; {expected}" in msg
+
+
+def test_telemetry_launch_and_data_rules() -> None:
+    cfg = cfg_for()
+    cfg.telemetry.windows = ["step", "layer"]
+    cfg.telemetry.hz = 0
+    cfg.launch.master_port = 70000
+    cfg.data.path = "/nonexistent/corpus_text_document"
+    text = "\n".join(problems(cfg))
+    assert "telemetry.windows has unknown kinds ['layer']; use a subset of [step, microbatch, phase]" in text
+    assert "telemetry.hz=0 must be a positive number" in text
+    assert "launch.master_port=70000 is not a TCP port" in text
+    assert "/nonexistent/corpus_text_document.bin and /nonexistent/corpus_text_document.idx not found" in text
+    assert "data.path=null for mock data" in text
+
+
+def test_data_path_with_both_files_is_accepted(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "corpus")
+    for ext in (".bin", ".idx"):
+        Path(prefix + ext).touch()
+    cfg = cfg_for()
+    cfg.data.path = prefix
+    validate(cfg, world_size=1, device="cpu")
+
+
+# -- CPU -----------------------------------------------------------------------------------------
+
+
+def test_cpu_unsupported_options_come_from_train_cpu() -> None:
+    pytest.importorskip("torch")
+    cfg = cfg_for(parallel="tp2_sp")
+    msg = one(cfg, world=2, device="cpu")
+    assert "parallel.sequence_parallel=true" in msg and "sequence_parallel=false" in msg
+    validate(cfg, world_size=2, device="cuda")  # fine on a GPU
+
+
+def test_cpu_fallback_list_when_train_cpu_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import charllm_nemo.train
+
+    monkeypatch.setitem(sys.modules, "charllm_nemo.train.cpu", None)  # import raises ImportError
+    monkeypatch.delattr(charllm_nemo.train, "cpu", raising=False)
+    cfg = cfg_for("tiny_moe", "cp2", optim="comm_overlap")
+    cfg.model.moe_token_dispatcher = "alltoall"
+    text = "\n".join(problems(cfg, world=2, device="cpu"))
+    assert "parallel.cp=2: context parallelism needs TransformerEngine" in text
+    assert "optim.use_distributed_optimizer=true accepts only torch.cuda tensors" in text
+    assert "model.moe_token_dispatcher='alltoall': only 'allgather' works on CPU" in text
+
+
+def test_divisors() -> None:
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(1) == [1] and divisors(0) == []
