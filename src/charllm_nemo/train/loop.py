@@ -24,6 +24,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
@@ -312,6 +313,8 @@ def run_rank(
         kinds = list(cfg.telemetry.windows) if marking else []
         result = _train(cfg, dist, layout, rec, session, kinds, torch)
         result.wall_s = time.monotonic() - t_start
+        if dist.rank == 0:
+            _write_summary(cfg, layout, result)
         status = "complete"
         return result
     finally:
@@ -319,6 +322,31 @@ def run_rank(
             session.close(status)
         if shutdown:
             shutdown_distributed()
+
+
+def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult) -> None:
+    """Rank 0 writes ``summary.json`` into the run directory (schema in docs/store.md)."""
+    import json
+    from dataclasses import asdict, is_dataclass
+
+    from charllm_nemo.telemetry.store import atomic_write_bytes
+    from charllm_nemo.train.report import run_summary
+
+    out = Path(cfg.telemetry.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {
+        "model": cfg.model.name,
+        "layout": asdict(layout) if is_dataclass(layout) else str(layout),
+        "world_size": result.world_size,
+        "device": result.device,
+        "telemetry": cfg.telemetry.enabled,
+        "num_parameters": result.num_parameters,
+        "num_microbatches": result.num_microbatches,
+        "wall_s": result.wall_s,
+        **run_summary(result.summaries),
+        "per_step": result.summaries,
+    }
+    atomic_write_bytes(out / "summary.json", json.dumps(data, indent=2, default=str).encode())
 
 
 def _train(

@@ -310,3 +310,34 @@ class Progress:
             self._bar.close()
         elif self._tty:
             sys.stderr.write("\n")
+
+
+SUMMARY_FIELDS: tuple[str, ...] = (
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "model_tflops_per_gpu",
+    "hardware_tflops_per_gpu",
+    "mfu",
+    "energy_j",
+    "power_avg_w",
+    "power_peak_w",
+    "temp_gpu_peak_c",
+    "throttle_share",
+)
+
+
+def run_summary(summaries: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
+    """Medians over steps of each per-step figure (the first ``skip_first`` steps, which carry
+    warm-up and allocation, are left out when more steps exist). Keys ``<field>_median``;
+    a field no step reported is None."""
+    rows = summaries[skip_first:] if len(summaries) > skip_first else summaries
+    out: dict[str, Any] = {"steps": len(summaries), "steps_in_medians": len(rows)}
+    for name in SUMMARY_FIELDS:
+        values = sorted(v for r in rows if (v := r.get(name)) is not None and not math.isnan(v))
+        if not values:
+            out[f"{name}_median"] = None
+            continue
+        mid = len(values) // 2
+        out[f"{name}_median"] = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return out
