@@ -15,24 +15,13 @@ import numpy as np
 from charllm_nemo.telemetry.reader import load_run
 
 
+def _cmd(out: Path, seconds: float, step_s: float) -> list[str]:
+    return [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic", "--hz", "100",
+            "--seconds", str(seconds), "--step-s", str(step_s), "--out", str(out)]  # fmt: skip
+
+
 def _start(out: Path, seconds: float = 30.0) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "charllm_nemo.cli",
-        "telemetry",
-        "--backend",
-        "synthetic",
-        "--hz",
-        "100",
-        "--seconds",
-        str(seconds),
-        "--step-s",
-        "0.2",
-        "--out",
-        str(out),
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(_cmd(out, seconds, 0.2), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait_for_segments(out: Path, n: int, timeout: float = 20.0) -> None:
@@ -87,22 +76,7 @@ def test_sigterm_flushes_everything_and_marks_the_run_terminated(tmp_path):
 def test_a_normal_exit_writes_a_complete_run(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "charllm_nemo.cli",
-            "telemetry",
-            "--backend",
-            "synthetic",
-            "--hz",
-            "100",
-            "--seconds",
-            "1.2",
-            "--step-s",
-            "0.3",
-            "--out",
-            str(out),
-        ],
+        _cmd(out, 1.2, 0.3),
         capture_output=True,
         text=True,
         timeout=60,
