@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,megatron
 . .venv/bin/activate
-ruff check .
-ruff format --check .
+ruff check src tests bench
+ruff format --check src tests bench
 mypy
 pytest "$@"
