@@ -336,7 +336,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = {
         "model": cfg.model.name,
-        "layout": asdict(layout) if is_dataclass(layout) else str(layout),
+        "layout": asdict(layout) if is_dataclass(layout) and not isinstance(layout, type) else str(layout),
         "world_size": result.world_size,
         "device": result.device,
         "telemetry": cfg.telemetry.enabled,
