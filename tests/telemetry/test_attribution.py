@@ -154,17 +154,22 @@ def counter_trace(offset_mj: int = 123_456_789_000) -> dict[str, np.ndarray]:
 
 
 def test_counter_energy_is_exact_for_aligned_and_unaligned_windows() -> None:
-    # Ticks every 50 ms on the 100/300 W step: [0.1, 1.9] s is 0.9 s x 100 W + 0.9 s x 300 W = 360 J;
-    # [0.125, 1.875] s (edges between ticks, interpolated on the tick line) is 87.5 + 262.5 = 350 J.
+    # Ticks every 50 ms on the 100/300 W step: [0.1, 1.9] s starts and ends on ticks, so it is all
+    # counter: 0.9 s x 100 W + 0.9 s x 300 W = 360 J. [0.125, 1.875] s: the counter between its
+    # first and last tick inside (0.15 and 1.85 s: 85 + 255 = 340 J) plus the instant power over
+    # the two 25 ms edges (deliberately 1000 W here: 2 x 25 J) = 390 J.
     samples = counter_trace()
     out = attribute_windows(samples, [(S // 10, 19 * S // 10), (125 * MS, 1875 * MS)])
     assert list(out["energy_method"]) == ["counter", "counter"]
-    assert out["energy_j"] == pytest.approx([360.0, 350.0], rel=1e-12)
+    assert out["energy_j"] == pytest.approx([360.0, 390.0], rel=1e-12)
     # power_avg_w follows energy_j; the timeline average shows the (wrong) instant power
-    assert out["power_avg_w"] == pytest.approx([360.0 / 1.8, 350.0 / 1.75], rel=1e-12)
+    assert out["power_avg_w"] == pytest.approx([360.0 / 1.8, 390.0 / 1.75], rel=1e-12)
     assert out["power_timeline_avg_w"] == pytest.approx([1000.0, 1000.0])
-    direct = energy_from_counter(samples["t_mono_ns"], samples["energy_mj"], [S // 10], [19 * S // 10])
-    assert direct == pytest.approx([360.0], rel=1e-12)
+    # Without a power timeline the edges come from the line through the ticks: 87.5 + 262.5 J
+    t, e = samples["t_mono_ns"], samples["energy_mj"]
+    assert energy_from_counter(t, e, [125 * MS], [1875 * MS]) == pytest.approx([350.0], rel=1e-12)
+    with_power = energy_from_counter(t, e, [125 * MS], [1875 * MS], power_w=samples["power_instant_w"])
+    assert with_power == pytest.approx([390.0], rel=1e-12)
 
 
 def test_window_shorter_than_the_counter_period_falls_back_to_power() -> None:
@@ -175,12 +180,29 @@ def test_window_shorter_than_the_counter_period_falls_back_to_power() -> None:
     assert w["energy_j"] == pytest.approx(30.0, rel=1e-12)
 
 
-def test_counter_needs_ticks_on_both_sides() -> None:
-    # The first sample is no tick (when its value was set is unknown): a window from 0 s has no
-    # tick at-or-before its begin, so it falls back to power even though it holds many ticks.
+def test_a_window_needs_two_counter_ticks_inside_to_use_the_counter() -> None:
+    # [0.49, 0.56] s holds the ticks at 0.50 and 0.55 s: one whole counter interval, 0.05 s x
+    # 100 W = 5 J, plus the (deliberately wrong, 1000 W) instant power over the two 10 ms edges,
+    # 20 J: 25 J by the counter. Asked for three ticks, it is the power timeline's 70 J.
+    w = one(counter_trace(), 490 * MS, 560 * MS)
+    assert w["energy_method"] == "counter" and w["energy_j"] == pytest.approx(25.0)
+    out = attribute_windows(counter_trace(), [(490 * MS, 560 * MS)], min_counter_ticks=3)
+    assert out["energy_method"][0] == "power_trapezoid" and out["energy_j"][0] == pytest.approx(70.0)
+    # one tick inside ([0.52, 0.57] s holds 0.55 s only): no whole interval, the power timeline
+    assert one(counter_trace(), 520 * MS, 570 * MS)["energy_method"] == "power_trapezoid"
+
+
+def test_the_counter_needs_no_tick_outside_the_window_when_power_covers_the_edges() -> None:
+    # A window from the first sample (which is no tick: when its value was set is unknown):
+    # the counter from the first tick inside (0.05 s) to 1 s, 95 J, plus the instant power over
+    # [0, 0.05] s, 50 J. Live figures, computed before any tick after the window exists, are the
+    # same as those computed later.
     w = one(counter_trace(), 0, S)
-    assert w["energy_method"] == "power_trapezoid"
-    assert w["energy_j"] == pytest.approx(1000.0)
+    assert w["energy_method"] == "counter" and w["energy_j"] == pytest.approx(145.0)
+    # with no power timeline the ends must interpolate between ticks: none before 0 s
+    no_power = {k: v for k, v in counter_trace().items() if k != "power_instant_w"}
+    assert one(no_power, 0, S)["energy_method"] == "none"
+    assert one(no_power, 125 * MS, 1875 * MS)["energy_j"] == pytest.approx(350.0)
 
 
 def test_counter_reset_is_a_break_never_negative_energy() -> None:

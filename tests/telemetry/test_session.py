@@ -59,7 +59,8 @@ def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by
         assert maybe is None or maybe[0]["energy_j"] > 0
         assert figs is not None and len(figs) == 1
         f = figs[0]
-        assert f["power_avg_w"] == pytest.approx(700.0)
+        # the counter publishes whole mJ every 50 ms and ticks are stamped up to a period late
+        assert f["power_avg_w"] == pytest.approx(700.0, rel=1e-3)
         assert f["energy_j"] == pytest.approx(700.0 * (t1 - t0) / 1e9, rel=0.02)
 
 

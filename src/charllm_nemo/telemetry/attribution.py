@@ -319,13 +319,43 @@ def _ticks(t: IntArray, e: IntArray) -> tuple[IntArray, IntArray]:
     return t[changed], e[changed]
 
 
-def _counter_energy(t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray) -> FloatArray:
+MIN_COUNTER_TICKS = 2
+"""The counter is used for a window only when at least this many of its ticks lie inside, so
+that at least one whole counter interval (20-100 ms on NVML) is measured by the hardware."""
+
+
+def _counter_energy(
+    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int = 2, edges: _Series | None = None
+) -> FloatArray:
+    """Energy (J) from the counter. With ``edges`` (a power timeline): the counter's exact delta
+    between the first and the last tick inside the window, plus the power timeline's integral
+    from the window's begin to the first tick and from the last tick to its end; this needs no
+    tick outside the window, so a live figure equals the one computed later. Where the edges
+    cannot be integrated (no power timeline): the line through the ticks, interpolated at both
+    ends, which needs a tick at or before the begin and one at or after the end. NaN where
+    fewer than ``min_ticks`` ticks lie inside or the counter decreases (reset) across them."""
     tt, te = _ticks(*_int_timeline(t, e_mj))
     out = np.full(t0.shape, np.nan)
     if tt.size < 2:
         return out
-    has_tick = np.searchsorted(tt, t1, side="right") > np.searchsorted(tt, t0, side="left")
-    out[has_tick] = _delta(tt, te, t0[has_tick], t1[has_tick]) / MJ_PER_J
+    lo = np.searchsorted(tt, t0, side="left")
+    hi = np.searchsorted(tt, t1, side="right")  # ticks inside: tt[lo:hi]
+    use = (hi - lo) >= max(2, min_ticks)
+    if not use.any():
+        return out
+    first, last = lo[use], hi[use] - 1
+    drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
+    inner = (te[last] - te[first]).astype(np.float64) / MJ_PER_J  # int64 first, then float
+    inner[drops[last] - drops[first] > 0] = np.nan
+    res = np.full(first.shape, np.nan)
+    if edges is not None:
+        a, b = t0[use], t1[use]
+        res = inner + edges.integral(a, tt[first]) + edges.integral(tt[last], b)
+    missing = np.isnan(res) & ~np.isnan(inner)
+    if missing.any():
+        idx = np.flatnonzero(use)[missing]
+        res[missing] = _delta(tt, te, t0[idx], t1[idx]) / MJ_PER_J
+    out[use] = res
     return out
 
 
@@ -383,18 +413,23 @@ def counter_delta(t_ns: Any, values: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
     return _delta(tc, c, t0, t1)
 
 
-def energy_from_counter(t_ns: Any, energy_mj: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
+def energy_from_counter(
+    t_ns: Any, energy_mj: Any, t0_ns: Any, t1_ns: Any, power_w: Any = None, min_ticks: int = MIN_COUNTER_TICKS
+) -> FloatArray:
     """Energy in J over each window from the hardware energy counter (mJ), NaN where not usable.
 
-    Tick points are the samples where the counter's value changes; the energy curve is the
-    straight line through consecutive ticks (t_tick, E). A window uses it when it contains a tick
-    (t0 <= t_tick <= t1), a tick lies at-or-before t0 and one at-or-after t1, and no tick segment
-    overlapping the window decreases (a reset or wrap is a break). Everywhere else the result is
-    NaN, and :func:`attribute_windows` falls back to the power timeline.
+    Tick points are the samples where the counter's value changes. A window needs at least
+    ``min_ticks`` ticks inside (t0 <= t_tick <= t1) and no decrease (reset, wrap) across them.
+    With ``power_w`` (a power timeline on the same samples) the energy is the counter's exact
+    delta between the first and last tick inside plus the power's integral over the two edges;
+    without it, the straight line through consecutive ticks interpolated at t0 and t1 (which
+    needs a tick at-or-before t0 and one at-or-after t1). Elsewhere NaN, and
+    :func:`attribute_windows` falls back to the power timeline.
     """
     t = _checked_times(t_ns)
     t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
-    return _counter_energy(t, _as_int64(energy_mj), t0, t1)
+    edges = None if power_w is None else _Series(t, _as_float64(power_w))
+    return _counter_energy(t, _as_int64(energy_mj), t0, t1, min_ticks, edges)
 
 
 def held_time(t_ns: Any, flags: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
@@ -416,6 +451,8 @@ def held_time(t_ns: Any, flags: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
 def attribute_windows(
     samples: Mapping[str, Any],
     windows: WindowsLike,
+    *,
+    min_counter_ticks: int = MIN_COUNTER_TICKS,
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Per-window figures for one device: every column of :data:`ATTRIBUTION_COLUMNS`.
 
@@ -426,7 +463,9 @@ def attribute_windows(
     sequence of ``(t_begin, t_end)`` pairs. Returns one array per column, one value per window in
     the windows' order: float64 (NaN = not measurable), int64 ``n_samples``, bool
     ``interpolated``, str ``energy_method``. An open or reversed window (t_end < t_begin) has NaN
-    figures and ``energy_method == "invalid"``.
+    figures and ``energy_method == "invalid"``. ``min_counter_ticks``: energy comes from the
+    hardware counter only for windows holding at least that many counter ticks (see
+    :data:`MIN_COUNTER_TICKS`); shorter ones use the instant-power timeline.
     """
     cols, _ = prepare_samples(samples)
     t: IntArray = cols["t_mono_ns"]
@@ -472,9 +511,10 @@ def attribute_windows(
     # Energy: counter, else instant power, else vendor-averaged power.
     instant = floats("power_instant_w")
     averaged = floats("power_avg_w")
-    e_counter = _counter_energy(*ints("energy_mj"), t0, t1)
     e_instant = instant.integral(t0, t1)
     e_averaged = averaged.integral(t0, t1)
+    edge_power = instant if instant.t.size >= 2 else (averaged if averaged.t.size >= 2 else None)
+    e_counter = _counter_energy(*ints("energy_mj"), t0, t1, min_counter_ticks, edge_power)
     use_counter = ~np.isnan(e_counter)
     use_instant = ~use_counter & ~np.isnan(e_instant)
     use_averaged = ~use_counter & ~use_instant & ~np.isnan(e_averaged)

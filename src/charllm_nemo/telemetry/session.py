@@ -290,7 +290,9 @@ class TelemetrySession:
                     return None
                 break
             time.sleep(min(0.002, 1.0 / self.hz))
-        margin = 2 * self.sampler.period_ns
+        # Start well before the window, so the counter's tick before it is seen as a tick (the
+        # first sample of a slice never is) and live figures equal those from the stored run.
+        margin = max(2 * self.sampler.period_ns, 1_000_000_000)
         table = self.live_samples(t_begin_mono_ns - margin)
         arrays = to_arrays(table)
         out = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from charllm_nemo.sinks.config import LoggerConfig
+
 
 @dataclass
 class ModelConfig:
@@ -122,4 +124,5 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(name="console"))
     extra: dict[str, Any] = field(default_factory=dict)

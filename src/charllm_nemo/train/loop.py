@@ -36,8 +36,8 @@ from charllm_nemo.train.report import (
     StepSummary,
     Throughput,
     apply_figures,
-    figures_from_session,
     format_summary,
+    rank_figures,
     reduce_step,
 )
 
@@ -271,6 +271,37 @@ def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
     ).start()
 
 
+def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
+    """Rank 0's metrics sink (W&B) for ``logger=wandb``, started off the training thread;
+    None elsewhere. ``logger=console`` is the loop's own per-step line, ``none`` silences it."""
+    if cfg.logger.name != "wandb":
+        return None
+    from charllm_nemo.sinks.config import build_sink
+
+    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    sink = build_sink(
+        cfg.logger, dist.rank, run_dir=cfg.telemetry.out_dir, local_rank=dist.local_rank, node_rank=node
+    )
+    if sink is not None:
+        manifest = dict(session.store.manifest) if session is not None else {"world_size": dist.world_size}
+        sink.start(asdict(cfg), manifest)
+    return sink
+
+
+def _finish_sink(sink: Any, cfg: TrainConfig, ok: bool, torch: Any) -> None:
+    """After every rank closed its telemetry: a barrier (so the run directory is final), then
+    rank 0 finishes W&B (windows table, artifact) within logger.finish_timeout_s."""
+    dist = torch.distributed
+    if ok and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    if sink is None:
+        return
+    sink.finish(Path(cfg.telemetry.out_dir))
+    log.warning(sink.report.line()) if sink.report.dropped or sink.report.errors else log.info(
+        sink.report.line()
+    )
+
+
 def _resolved_layout(cfg: TrainConfig, world_size: int, device: str) -> Any:
     from charllm_nemo.train.validate import validate
 
@@ -301,17 +332,19 @@ def run_rank(
     dist = init_distributed(cfg, env, device)
     own_session = False
     status = "failed"
+    sink = None
     try:
         if session is None and recorder is None and cfg.telemetry.enabled:
             session = _open_session(cfg, dist)
             own_session = True
+        sink = _open_sink(cfg, dist, session)
         # Windows are recorded into a session or a caller's recorder; with telemetry off and
         # neither, nothing is marked at all (config.timers stays None: the bench's "off" case).
         marking = session is not None or recorder is not None
         rec = session.windows if session is not None else (recorder or WindowRecorder())
         rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
-        result = _train(cfg, dist, layout, rec, session, kinds, torch)
+        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink)
         result.wall_s = time.monotonic() - t_start
         if dist.rank == 0:
             _write_summary(cfg, layout, result)
@@ -320,6 +353,8 @@ def run_rank(
     finally:
         if own_session and session is not None:
             session.close(status)
+        if sink is not None or cfg.logger.name == "wandb":
+            _finish_sink(sink, cfg, status == "complete", torch)
         if shutdown:
             shutdown_distributed()
 
@@ -357,6 +392,7 @@ def _train(
     session: Any,
     kinds: list[str],
     torch: Any,
+    sink: Any = None,
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -401,15 +437,34 @@ def _train(
         labels=dist.labels(),
     )
     progress = Progress(b.train_steps, enabled=dist.rank == 0)
+    print_steps = cfg.logger.name != "none"
+    # Per-rank figures travel to rank 0 (one fixed-size gather) only when a sink logs them.
+    gather_figures = cfg.logger.name == "wandb" and session is not None
     pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
 
-    def finish(summary: StepSummary, figures_sums: dict[str, float], figures_max: dict[str, float]) -> None:
+    def figures_of(window: tuple[StepSummary, int, int], wait_s: float = 0.0) -> tuple[Any, Any]:
+        """This rank's figures of a finished step, and (gather_figures) all ranks' on rank 0."""
+        rows = session.step_figures(window[1], window[2], wait_s=wait_s) if session is not None else None
+        gathered = None
+        if gather_figures:
+            from charllm_nemo.sinks.gather import gather_to_rank0
+            from charllm_nemo.sinks.keys import pack_step_figures
+
+            gathered = gather_to_rank0(pack_step_figures(rows), device=comm_device)
+        return rank_figures(rows), gathered
+
+    def finish(
+        summary: StepSummary, figures_sums: dict[str, float], figures_max: dict[str, float], gathered: Any
+    ) -> None:
         apply_figures(summary, figures_sums, figures_max)
         throughput.fill(summary)
         result.summaries.append(summary.to_dict())
-        progress.write(format_summary(summary, b.train_steps, dist.world_size))
+        if print_steps:
+            progress.write(format_summary(summary, b.train_steps, dist.world_size))
+        if sink is not None:
+            sink.log_figures(summary.step, summary.to_dict(), gathered)
 
     try:
         for step in range(b.train_steps):
@@ -439,8 +494,9 @@ def _train(
                 tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
                 loss_sum, loss_tokens = float(tot[0]), float(tot[1])
             figures: RankFigures | None = None
-            if pending is not None and session is not None:
-                figures = figures_from_session(session, pending[1], pending[2])
+            gathered = None
+            if pending is not None:
+                figures, gathered = figures_of(pending)
             sums, maxes = reduce_step(
                 torch,
                 comm_device,
@@ -450,7 +506,7 @@ def _train(
                 figures=figures,
             )
             if pending is not None:
-                finish(pending[0], sums, maxes)
+                finish(pending[0], sums, maxes, gathered)
             loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
             gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
             summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
@@ -463,14 +519,12 @@ def _train(
             progress.update()
         if pending is not None:
             # The last step: wait (briefly) for a sample past its end, then one more reduction.
-            figures = None
-            if session is not None:
-                wait = 2.5 / max(cfg.telemetry.hz, 1e-3) + 0.05
-                figures = figures_from_session(session, pending[1], pending[2], wait_s=min(wait, 5.0))
+            wait = 2.5 / max(cfg.telemetry.hz, 1e-3) + 0.05
+            figures, gathered = figures_of(pending, wait_s=min(wait, 5.0))
             sums, maxes = reduce_step(
                 torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
             )
-            finish(pending[0], sums, maxes)
+            finish(pending[0], sums, maxes, gathered)
     finally:
         progress.close()
     result.unmatched_marks = marker.unmatched

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,43 +39,21 @@ class RankFigures:
         return not math.isnan(self.energy_j)
 
 
-def _num(x: Any) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return math.nan
-    return v
+def rank_figures(rows: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None) -> RankFigures | None:
+    """One rank's figures from its devices' attribution rows (``TelemetrySession.step_figures``);
+    None while those are not available. Devices of a rank add up (energy, power) or take the
+    max (peak power, temperature, throttle time): charllm_nemo.sinks.keys.combine_devices."""
+    from charllm_nemo.sinks.keys import combine_devices
 
-
-def _nansum(vals: list[float]) -> float:
-    good = [v for v in vals if not math.isnan(v)]
-    return sum(good) if good else math.nan
-
-
-def _nanmax(vals: list[float]) -> float:
-    good = [v for v in vals if not math.isnan(v)]
-    return max(good) if good else math.nan
-
-
-def figures_from_session(
-    session: Any, t_begin_mono_ns: int, t_end_mono_ns: int, wait_s: float = 0.0
-) -> RankFigures | None:
-    """Ask ``session.step_figures`` (charllm_nemo.telemetry.session) for one window; None while
-    the sampler has not passed its end. Devices of this rank add up (energy, power) or take the
-    max (peak power, temperature, throttle time)."""
-    rows = session.step_figures(t_begin_mono_ns, t_end_mono_ns, wait_s=wait_s)
     if rows is None:
         return None
-    if isinstance(rows, dict):
-        rows = [rows]
-    if not rows:
-        return RankFigures()
+    f = combine_devices(rows)
     return RankFigures(
-        energy_j=_nansum([_num(r.get("energy_j")) for r in rows]),
-        power_avg_w=_nansum([_num(r.get("power_avg_w")) for r in rows]),
-        power_peak_w=_nanmax([_num(r.get("power_peak_w")) for r in rows]),
-        temp_gpu_peak_c=_nanmax([_num(r.get("temp_gpu_peak_c")) for r in rows]),
-        throttle_s=_nanmax([_num(r.get("throttle_any_limiting_s")) for r in rows]),
+        energy_j=f["energy_j"],
+        power_avg_w=f["power_avg_w"],
+        power_peak_w=f["power_peak_w"],
+        temp_gpu_peak_c=f["temp_gpu_peak_c"],
+        throttle_s=f["throttle_any_limiting_s"],
     )
 
 

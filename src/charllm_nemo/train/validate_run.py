@@ -29,10 +29,16 @@ def _positive(problems: list[str], fieldname: str, value: float) -> None:
 def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
+    from charllm_nemo.errors import ConfigError
+    from charllm_nemo.sinks.config import validate_logger_config
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []
     t, la, d = cfg.telemetry, cfg.launch, cfg.data
+    try:
+        validate_logger_config(cfg.logger)
+    except ConfigError as exc:
+        problems.append(str(exc))
     _one_of(problems, "telemetry.backend", t.backend, BACKEND_NAMES)
     if t.enabled:
         _positive(problems, "telemetry.hz", t.hz)

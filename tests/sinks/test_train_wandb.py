@@ -1,0 +1,69 @@
+"""`charllm train ... logger=wandb` end to end, offline: the .wandb file read back holds every
+rank's figures and the aggregates for every step, equal to what the run directory says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from charllm_nemo.telemetry.join import attribute_run
+from charllm_nemo.telemetry.reader import load_run
+from tests.sinks.wandb_reader import find_wandb_file, read_run
+
+pytest.importorskip("wandb")
+pytest.importorskip("megatron.core")
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_logs_every_rank_through_rank0(tmp_path, wandb_env, nproc):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "logger=wandb",
+           "+logger.settings={console: 'off', x_disable_stats: true}",
+           "telemetry.backend=synthetic", f"telemetry.out_dir={out}", f"batch.train_steps={STEPS}",
+           f"nproc={nproc}", f"parallel={'dp2' if nproc == 2 else 'single'}",
+           f"batch.global_batch_size={4 * nproc}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **wandb_env})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    wb = read_run(find_wandb_file(out / "wandb"), wait_s=10)
+    assert wb.exited
+    rows = [r for r in wb.history if "perf/step_time_s" in r]
+    # and, at the end, the per-microbatch windows table
+    assert any("telemetry/windows/_type" in r for r in wb.history)
+    steps = sorted(int(r["trainer/global_step"]) for r in rows)
+    assert steps == list(range(STEPS))
+    by_step = {int(r["trainer/global_step"]): r for r in rows}
+
+    summary = json.loads((out / "summary.json").read_text())
+    run = load_run(out)
+    figures = attribute_run(run, ("step",))
+    table = {
+        (r, s): e
+        for r, s, e in zip(
+            figures.column("rank").to_pylist(),
+            figures.column("step").to_pylist(),
+            figures.column("energy_j").to_pylist(),
+            strict=True,
+        )
+    }
+    for step in range(STEPS):
+        row = by_step[step]
+        for rank in range(nproc):
+            for key in ("energy_j", "power_avg_w", "power_peak_w", "temp_gpu_peak_c", "clock_sm_avg_mhz"):
+                assert f"rank/{rank}/{key}" in row, (step, rank, key)
+            # the live figure W&B got equals the figure computed later from the run directory
+            assert row[f"rank/{rank}/energy_j"] == pytest.approx(table[(rank, step)], rel=1e-9)
+        per_step = summary["per_step"][step]
+        assert row["all/energy_j"] == pytest.approx(per_step["energy_j"], rel=1e-9)
+        assert row["all/energy_j"] == pytest.approx(sum(row[f"rank/{r}/energy_j"] for r in range(nproc)))
+        assert row["all/power_max_w"] >= row["all/power_min_w"]
+        assert row["perf/tokens_per_s"] == pytest.approx(per_step["tokens_per_s"], rel=1e-9)
+        assert row["train/loss"] == pytest.approx(per_step["loss"], rel=1e-9)
+    # config: the resolved training config plus the manifest, no secrets
+    assert wb.config["model"]["name"] == "tiny_gpt"
+    assert "devices" in json.dumps(wb.config)

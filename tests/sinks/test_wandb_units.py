@@ -1,0 +1,292 @@
+"""WandbSink's parts that need no W&B run: secrets, mode, tags, shared mode, the artifact bound."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from charllm_nemo.sinks import wandb as wsink
+from charllm_nemo.sinks.wandb import (
+    REDACTED,
+    WandbSink,
+    default_run_name,
+    has_api_key,
+    is_secret_key,
+    layout_tag,
+    recipe_group,
+    recipe_tags,
+    redact_secrets,
+    resolve_mode,
+    shared_run_id,
+    telemetry_files,
+)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "api_key",
+        "WANDB_API_KEY",
+        "apiKey",
+        "hf_token",
+        "HF_TOKEN",
+        "token",
+        "client_secret",
+        "password",
+        "db-passwd",
+        "private_key",
+        "aws_secret_access_key",
+        "AccessKey",
+        "Authorization",
+        "auth",
+        "secrets",
+    ],
+)
+def test_secret_keys_are_recognised(key):
+    assert is_secret_key(key)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "tokens_per_s",
+        "num_tokens",
+        "tokenizer",
+        "loss_tokens",
+        "author",
+        "keyboard",
+        "seq_length",
+        "monkey",
+        "key",
+        "passes",
+        "api_version",
+    ],
+)
+def test_ordinary_keys_are_kept(key):
+    assert not is_secret_key(key)
+
+
+def test_redaction_reaches_nested_values_strings_and_argv_without_touching_the_rest():
+    cfg = {
+        "model": {"name": "m", "tokens_per_s": 5},
+        "wandb": {"api_key": "abc", "nested": [{"token": {"deep": "x"}}, ("password", "kept-as-item")]},
+        "env": {"WANDB_API_KEY": "k1", "PATH": "/usr/bin"},
+        "argv": ["train", "--api-key", "k2", "--wandb-token=k3", "HF_TOKEN=k4", "lr=0.1", "--steps", "5"],
+        "url": "https://user:k5@example.com/path",
+        "n": 3,
+        "none": None,
+    }
+    out = redact_secrets(cfg)
+    assert out["model"] == {"name": "m", "tokens_per_s": 5}
+    assert out["wandb"]["api_key"] == REDACTED
+    assert out["wandb"]["nested"][0] == {"token": REDACTED}
+    assert out["wandb"]["nested"][1] == ("password", "kept-as-item")  # a value, not a key
+    assert out["env"] == {"WANDB_API_KEY": REDACTED, "PATH": "/usr/bin"}
+    assert out["argv"] == [
+        "train",
+        "--api-key",
+        REDACTED,
+        f"--wandb-token={REDACTED}",
+        f"HF_TOKEN={REDACTED}",
+        "lr=0.1",
+        "--steps",
+        "5",
+    ]
+    assert out["url"] == f"https://{REDACTED}@example.com/path"
+    assert (out["n"], out["none"]) == (3, None)
+    assert cfg["wandb"]["api_key"] == "abc"  # a copy: the input is unchanged
+    for secret in ("abc", "k1", "k2", "k3", "k4", "k5"):
+        assert secret not in repr(out)
+
+
+def test_redaction_is_linear_on_long_strings():
+    import time
+
+    t0 = time.perf_counter()
+    redact_secrets({"a": "x" * 200_000, "b": "y:" * 50_000, "c": "http://" + "z" * 100_000 + "@"})
+    assert time.perf_counter() - t0 < 0.5
+
+
+def _netrc(tmp_path: Path, host: str, password: str = "k" * 40) -> Path:
+    p = tmp_path / "netrc"
+    p.write_text(f"machine {host}\n  login user\n  password {password}\n")
+    p.chmod(0o600)
+    return p
+
+
+def test_an_api_key_is_found_in_the_environment_or_a_netrc_entry(tmp_path):
+    none = str(tmp_path / "missing")
+    assert not has_api_key({"NETRC": none, "HOME": str(tmp_path)})
+    assert has_api_key({"WANDB_API_KEY": "x", "NETRC": none})
+    assert has_api_key({"NETRC": str(_netrc(tmp_path, "api.wandb.ai"))})
+    other = _netrc(tmp_path, "wandb.example.com")
+    assert not has_api_key({"NETRC": str(other)})
+    assert has_api_key({"NETRC": str(other), "WANDB_BASE_URL": "https://wandb.example.com"})
+
+
+def test_the_mode_is_offline_without_a_key_and_offline_always_wins(tmp_path):
+    nokey = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path)}
+    key = {**nokey, "WANDB_API_KEY": "x"}
+    mode, why = resolve_mode(None, nokey)
+    assert mode == "offline" and why is not None and "wandb sync" in why
+    assert resolve_mode("online", nokey)[0] == "offline"  # never prompt, never fail mid-run
+    assert resolve_mode(None, key) == ("online", None)
+    assert resolve_mode("auto", key) == ("online", None)
+    assert resolve_mode("online", {**key, "WANDB_MODE": "offline"}) == ("offline", None)
+    assert resolve_mode(None, {**key, "WANDB_MODE": "dryrun"}) == ("offline", None)
+    assert resolve_mode(None, {**key, "WANDB_MODE": "disabled"}) == ("disabled", None)
+    assert resolve_mode("offline", key) == ("offline", None)
+    assert resolve_mode("disabled", key) == ("disabled", None)
+    with pytest.raises(ValueError, match="online"):
+        resolve_mode("shared", key)
+
+
+def test_the_offline_reason_is_said_once(tmp_path, caplog):
+    wsink._announced.clear()
+    nokey = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path)}
+    sink = WandbSink(env=nokey)
+    with caplog.at_level("WARNING", logger="charllm_nemo.sinks"):
+        for _ in range(3):
+            sink.init_kwargs({}, {})
+    assert sum("no W&B API key" in m for m in caplog.messages) == 1
+
+
+CONFIG = {
+    "model": {"name": "llama3_70b"},
+    "parallel": {
+        "name": "llama3_70b_tp4pp4_vpp5_cp2",
+        "tp": 4,
+        "pp": 4,
+        "cp": 2,
+        "ep": 1,
+        "vpp": 5,
+        "dp": None,
+    },
+    "optim": {"name": "recompute"},
+    "batch": {"precision": "bf16"},
+    "telemetry": {"out_dir": "runs/sweep-20260101-000000/3"},
+}
+
+
+def test_layout_tags_and_group_come_from_the_recipe():
+    assert layout_tag({"tp": 2, "pp": 1, "dp": None}, 2) == "tp2-pp1-dp1"
+    assert layout_tag(CONFIG["parallel"], 64) == "tp4-pp4-dp2-cp2-vpp5"
+    assert layout_tag({"tp": 2, "pp": 4, "ep": 4, "dp": 8}) == "tp2-pp4-dp8-ep4"
+    assert layout_tag(None) is None
+    assert recipe_group(CONFIG) == "sweep-20260101-000000"
+    assert recipe_group({**CONFIG, "extra": {"sweep": "paper_optim"}}) == "paper_optim"
+    assert recipe_group({"telemetry": {"out_dir": "runs/20260101-000000"}}) is None
+    tags = recipe_tags(CONFIG, {"world_size": 64, "backend": "nvml", "synthetic": False})
+    assert tags == [
+        "tp4-pp4-dp2-cp2-vpp5",
+        "model:llama3_70b",
+        "parallel:llama3_70b_tp4pp4_vpp5_cp2",
+        "optim:recompute",
+        "precision:bf16",
+        "backend:nvml",
+        "sweep:sweep-20260101-000000",
+    ]
+    assert default_run_name(CONFIG, {"world_size": 64}) == "llama3_70b-tp4-pp4-dp2-cp2-vpp5-recompute"
+
+
+def test_init_arguments_offline(tmp_path):
+    env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
+    sink = WandbSink(
+        project="p",
+        tags=["mine", "tp4-pp4-dp2-cp2-vpp5"],
+        run_dir=tmp_path,
+        env=env,
+        settings={"console": "off"},
+    )
+    kw = sink.init_kwargs({**CONFIG, "extra": {"token": "t0ken"}}, {"world_size": 64, "config": {"dup": 1}})
+    assert kw["mode"] == "offline"
+    assert kw["dir"] == str(tmp_path)
+    assert kw["group"] == "sweep-20260101-000000"
+    assert kw["tags"][:2] == ["mine", "tp4-pp4-dp2-cp2-vpp5"] and len(set(kw["tags"])) == len(kw["tags"])
+    assert kw["config"]["extra"]["token"] == REDACTED
+    assert kw["config"]["manifest"] == {"world_size": 64}
+    assert kw["settings"] == {"console": "off"}
+    assert "id" not in kw
+
+
+def test_shared_mode_needs_an_online_run_and_labels_each_writer(tmp_path):
+    run_dir = tmp_path / "slurm-42.0"
+    env = {"WANDB_API_KEY": "x", "SLURM_JOB_ID": "42", "NETRC": str(tmp_path / "missing")}
+    primary = WandbSink(shared=True, primary=True, label="node0-a", run_dir=run_dir, env=env)
+    secondary = WandbSink(shared=True, primary=False, label="node1-b", run_dir=run_dir, env=env)
+    kp, ks = primary.init_kwargs(CONFIG, {}), secondary.init_kwargs(CONFIG, {})
+    assert kp["mode"] == ks["mode"] == "shared"
+    assert kp["id"] == ks["id"] == shared_run_id(run_dir, env)
+    assert kp["settings"] == {"x_primary": True, "x_label": "node0-a"}
+    assert ks["settings"] == {"x_primary": False, "x_label": "node1-b", "x_update_finish_state": False}
+    offline = WandbSink(shared=True, run_dir=run_dir, env={**env, "WANDB_MODE": "offline"})
+    assert offline.init_kwargs(CONFIG, {})["mode"] == "offline"
+
+
+class _FakeArtifact:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+        self.files: list[tuple[str, str]] = []
+
+    def add_file(self, path: str, name: str, policy: str) -> None:
+        self.files.append((name, policy))
+
+
+class _FakeRun:
+    id = "abc123"
+
+    def __init__(self, dir: str) -> None:
+        self.dir = dir
+        self.artifacts: list[_FakeArtifact] = []
+
+    def log_artifact(self, art: _FakeArtifact) -> None:
+        self.artifacts.append(art)
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    rd = tmp_path / "run"
+    for r in (0, 1):
+        (rd / f"rank={r}").mkdir(parents=True)
+        (rd / f"rank={r}" / "manifest.json").write_text("{}")
+        (rd / f"rank={r}" / "samples-000000.parquet").write_bytes(b"\0" * 50_000)
+        (rd / f"rank={r}" / ".samples-000001.parquet.tmp").write_bytes(b"\0")  # a writer's temp file
+    (rd / "config.yaml").write_text("model: x\n")
+    (rd / "wandb" / "offline-run-1" / "files").mkdir(parents=True)
+    (rd / "wandb" / "offline-run-1" / "run-1.wandb").write_bytes(b"x")
+    return rd
+
+
+def test_the_artifact_holds_the_telemetry_files_and_respects_the_size_bound(tmp_path, caplog):
+    rd = _run_dir(tmp_path)
+    names = [f.relative_to(rd).as_posix() for f in telemetry_files(rd)]
+    assert names == [
+        "config.yaml",
+        "rank=0/manifest.json",
+        "rank=0/samples-000000.parquet",
+        "rank=1/manifest.json",
+        "rank=1/samples-000000.parquet",
+    ]
+    fake = types.SimpleNamespace(Artifact=_FakeArtifact)
+    sink = WandbSink(artifact_max_mb=1.0)
+    sink.run, sink._wandb = _FakeRun(str(rd / "wandb" / "offline-run-1" / "files")), fake
+    assert sink.log_run_artifact(rd)
+    art = sink.run.artifacts[0]
+    assert art.kw["name"] == "telemetry-abc123" and art.kw["type"] == "telemetry"
+    assert art.kw["metadata"]["ranks"] == ["rank=0", "rank=1"]
+    assert [n for n, _ in art.files] == names and {p for _, p in art.files} == {"immutable"}
+
+    small = WandbSink(artifact_max_mb=0.05)  # 0.05 MiB < the two 50 kB segments
+    small.run, small._wandb = _FakeRun(str(rd / "wandb" / "offline-run-1" / "files")), fake
+    with caplog.at_level("INFO", logger="charllm_nemo.sinks"):
+        assert not small.log_run_artifact(rd)
+    assert small.run.artifacts == []
+    assert small.artifact_skipped is not None and "artifact_max_mb=0.05" in small.artifact_skipped
+    assert any("artifact skipped" in m for m in caplog.messages)
+
+
+def test_calls_before_start_raise_so_the_async_wrapper_counts_them():
+    with pytest.raises(RuntimeError, match="start"):
+        WandbSink().log_step(0, {})
