@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,6 +19,21 @@ pytest.importorskip("wandb")
 pytest.importorskip("megatron.core")
 
 STEPS = 4
+
+
+def _single_rank_env() -> dict[str, str]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -67,3 +83,41 @@ def test_train_logs_every_rank_through_rank0(tmp_path, wandb_env, nproc):
     # config: the resolved training config plus the manifest, no secrets
     assert wb.config["model"]["name"] == "tiny_gpt"
     assert "devices" in json.dumps(wb.config)
+
+
+@pytest.mark.parametrize("failure", ["hang", "raise"])
+def test_training_finishes_on_time_when_wandb_hangs_or_raises(tmp_path, wandb_env, failure):
+    # wandb's Run.log never returns (or raises) in the child: the steps must not wait for it, the
+    # end of training waits at most logger.finish_timeout_s, and the drops are reported.
+    out = tmp_path / "run"
+    code = (
+        "import sys, time, wandb.sdk.wandb_run as r\n"
+        f"mode = {failure!r}\n"
+        "def log(self, *a, **k):\n"
+        "    if mode == 'hang':\n"
+        "        time.sleep(3600)\n"
+        "    raise ConnectionError('W&B unreachable')\n"
+        "r.Run.log = log\n"
+        "from charllm_nemo.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    # launcher=none: this process is the rank (as under torchrun), so the patched wandb is the one used
+    args = ["train", "launcher=none", "model=tiny_gpt", "logger=wandb", "logger.queue_size=2", "logger.finish_timeout_s=3",
+            "logger.upload_artifact=false", "+logger.settings={console: 'off', x_disable_stats: true}",
+            "telemetry.backend=synthetic", f"telemetry.out_dir={out}", "batch.train_steps=8"]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **wandb_env, "WANDB_SILENT": "false", **_single_rank_env()},
+    )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8  # training ran to the end ...
+    assert elapsed < 120  # ... on time: nothing waited on the hour-long log call
+    report = [line for line in proc.stderr.splitlines() if "sink wandb:" in line]
+    assert report, proc.stderr[-3000:]
+    if failure == "hang":
+        assert "timed out" in report[-1] and " 0 dropped" not in report[-1]
+    else:
+        assert " 0 errors" not in report[-1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -297,9 +298,8 @@ def _finish_sink(sink: Any, cfg: TrainConfig, ok: bool, torch: Any) -> None:
     if sink is None:
         return
     sink.finish(Path(cfg.telemetry.out_dir))
-    log.warning(sink.report.line()) if sink.report.dropped or sink.report.errors else log.info(
-        sink.report.line()
-    )
+    # Always said on rank 0's console: a run whose W&B lost steps must say how many.
+    print(f"charllm: {sink.report.line()}", file=sys.stderr, flush=True)
 
 
 def _resolved_layout(cfg: TrainConfig, world_size: int, device: str) -> Any:
