@@ -103,7 +103,8 @@ def test_training_finishes_on_time_when_wandb_hangs_or_raises(tmp_path, wandb_en
     )
     # launcher=none: this process is the rank (as under torchrun), so the patched wandb is the one used
     args = ["train", "launcher=none", "model=tiny_gpt", "logger=wandb", "logger.queue_size=2",
-            "logger.finish_timeout_s=3", "logger.upload_artifact=false", "+logger.settings={console: 'off', x_disable_stats: true}",
+            "logger.finish_timeout_s=3", "logger.upload_artifact=false",
+            "+logger.settings={console: 'off', x_disable_stats: true}",
             "telemetry.backend=synthetic", f"telemetry.out_dir={out}", "batch.train_steps=8"]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(
