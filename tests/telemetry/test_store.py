@@ -111,3 +111,20 @@ def test_the_manifest_is_valid_json_at_every_moment(tmp_path):
     st.close("terminated", {"note": 1})
     m = json.loads((st.dir / "manifest.json").read_text())
     assert m["status"] == "terminated" and m["note"] == 1 and "ended_wall_ns" in m
+
+
+def test_any_columnar_engine_reads_a_whole_run_with_the_rank_from_the_path(tmp_path):
+    # the rank=N folders are Hive partitions: pyarrow.dataset (like DuckDB or Spark) reads every
+    # rank's samples as one table with `rank` as a column, without our reader
+    import pyarrow.dataset as ds
+
+    for r in (0, 1):
+        st = _store(tmp_path, r)
+        st.write_segment("samples", rows_to_table(_rows(3 + r), "test"))
+        st.close("complete")
+    files = sorted(str(p) for p in tmp_path.glob("rank=*/samples-*.parquet"))
+    table = ds.dataset(
+        files, format="parquet", partitioning="hive", partition_base_dir=str(tmp_path)
+    ).to_table()
+    assert table.num_rows == 7
+    assert sorted(table.column("rank").to_pylist()) == [0, 0, 0, 1, 1, 1, 1]

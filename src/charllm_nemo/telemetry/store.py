@@ -74,9 +74,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# lz4 and dictionary encoding of string columns only: a 50-row segment (0.5 s at 100 Hz) costs
+# 0.73 ms of CPU this way against 1.61 ms with zstd and default dictionaries (measured here), and
+# the flusher writes one every 0.5 s per kind. Column statistics stay: engines prune on t_mono_ns.
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "lz4",
+    "use_dictionary": ["source", "kind", "name", "timing"],
+}
+
+
 def atomic_write_table(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, **PARQUET_OPTIONS)
     os.replace(tmp, path)
 
 
@@ -90,7 +99,7 @@ def _warm_up_parquet_writer() -> None:
     GIL against the sampler and the training thread."""
     import io
 
-    pq.write_table(WINDOWS_SCHEMA.empty_table(), io.BytesIO(), compression="zstd")
+    pq.write_table(WINDOWS_SCHEMA.empty_table(), io.BytesIO(), **PARQUET_OPTIONS)
 
 
 class RankStore:
