@@ -454,3 +454,18 @@ def test_1e5_windows_over_1e6_samples_in_a_few_seconds() -> None:
     assert all(v.shape == (m,) for v in out.values())
     assert not np.isnan(out["energy_j"]).any()
     assert elapsed < 5.0, f"attribution took {elapsed:.2f} s"
+
+
+def test_asking_for_a_few_figures_gives_the_same_values_and_computes_only_those() -> None:
+    samples = counter_trace()
+    samples["throttle_reasons"] = np.where(samples["t_mono_ns"] > S, 0x4, 0).astype(np.int64)
+    samples["temp_gpu_c"] = np.linspace(40.0, 60.0, samples["t_mono_ns"].size)
+    windows = [(125 * MS, 1875 * MS), (490 * MS, 560 * MS)]
+    full = attribute_windows(samples, windows)
+    few = ("energy_j", "power_peak_w", "temp_gpu_peak_c", "throttle_any_limiting_s")
+    part = attribute_windows(samples, windows, figures=few)
+    assert set(part) == set(few)
+    for name in few:
+        assert np.array_equal(part[name], full[name], equal_nan=True), name
+    with pytest.raises(ValueError, match="unknown attribution figure"):
+        attribute_windows(samples, windows, figures=("energy_kwh",))

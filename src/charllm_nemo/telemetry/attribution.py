@@ -25,7 +25,7 @@ window for the integrals; peaks and minima cost the number of samples inside eac
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -453,8 +453,11 @@ def attribute_windows(
     windows: WindowsLike,
     *,
     min_counter_ticks: int = MIN_COUNTER_TICKS,
+    figures: Collection[str] | None = None,
 ) -> dict[str, np.ndarray[Any, Any]]:
-    """Per-window figures for one device: every column of :data:`ATTRIBUTION_COLUMNS`.
+    """Per-window figures for one device: every column of :data:`ATTRIBUTION_COLUMNS`, or only
+    those named in ``figures`` (the groups nobody asked for are not computed: a training loop
+    that wants five figures per step pays for five; unknown names raise ValueError).
 
     ``samples``: column -> 1-D array, ``t_mono_ns`` (int64 ns) and any schema metrics (floats NaN
     = null, ints INT_NULL = null); missing metrics are all-null. They need not be sorted: they go
@@ -467,6 +470,14 @@ def attribute_windows(
     hardware counter only for windows holding at least that many counter ticks (see
     :data:`MIN_COUNTER_TICKS`); shorter ones use the instant-power timeline.
     """
+    wanted = set(ATTRIBUTION_COLUMN_NAMES) if figures is None else set(figures)
+    unknown = wanted - set(ATTRIBUTION_COLUMN_NAMES)
+    if unknown:
+        raise ValueError(f"unknown attribution figure(s) {sorted(unknown)}; see ATTRIBUTION_COLUMN_NAMES")
+
+    def want(*names: str) -> bool:
+        return not wanted.isdisjoint(names)
+
     cols, _ = prepare_samples(samples)
     t: IntArray = cols["t_mono_ns"]
     w0, w1 = _window_times(windows)
@@ -538,25 +549,32 @@ def attribute_windows(
     out["power_peak_w"] = instant.extreme(np.maximum, t0, t1)
 
     for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
-        out[f"{name}_peak_c"] = floats(f"{name}_c").extreme(np.maximum, t0, t1)
-    clock = floats("clock_sm_mhz")
-    out["clock_sm_min_mhz"] = clock.extreme(np.minimum, t0, t1)
-    out["clock_sm_avg_mhz"] = clock.mean(t0, t1)
+        if want(f"{name}_peak_c"):
+            out[f"{name}_peak_c"] = floats(f"{name}_c").extreme(np.maximum, t0, t1)
+    if want("clock_sm_min_mhz", "clock_sm_avg_mhz"):
+        clock = floats("clock_sm_mhz")
+        out["clock_sm_min_mhz"] = clock.extreme(np.minimum, t0, t1)
+        out["clock_sm_avg_mhz"] = clock.mean(t0, t1)
 
-    tm, mask = ints("throttle_reasons")
-    for name, bit in THROTTLE_REASONS:
-        out[f"throttle_{name}_s"] = _held(tm, (mask & bit) != 0, t0, t1)
-    limiting = 0
-    for name in LIMITING_REASONS:
-        limiting |= THROTTLE_BITS[name]
-    out["throttle_any_limiting_s"] = _held(tm, (mask & limiting) != 0, t0, t1)
+    if want(*(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS), "throttle_any_limiting_s"):
+        tm, mask = ints("throttle_reasons")
+        for name, bit in THROTTLE_REASONS:
+            if want(f"throttle_{name}_s"):
+                out[f"throttle_{name}_s"] = _held(tm, (mask & bit) != 0, t0, t1)
+        limiting = 0
+        for name in LIMITING_REASONS:
+            limiting |= THROTTLE_BITS[name]
+        out["throttle_any_limiting_s"] = _held(tm, (mask & limiting) != 0, t0, t1)
 
-    out["violation_power_s"] = _delta(*ints("violation_power_ns"), t0, t1) / NS_PER_S
-    out["violation_thermal_s"] = _delta(*ints("violation_thermal_ns"), t0, t1) / NS_PER_S
+    if want("violation_power_s"):
+        out["violation_power_s"] = _delta(*ints("violation_power_ns"), t0, t1) / NS_PER_S
+    if want("violation_thermal_s"):
+        out["violation_thermal_s"] = _delta(*ints("violation_thermal_ns"), t0, t1) / NS_PER_S
     for name in _TRAFFIC_COUNTERS:
-        out[name] = _delta(*ints(name), t0, t1)
+        if want(name):
+            out[name] = _delta(*ints(name), t0, t1)
 
     for name, a in out.items():
         if a.dtype == np.float64 and name != "duration_s":
             a[~valid] = np.nan
-    return {name: out[name] for name in ATTRIBUTION_COLUMN_NAMES}
+    return {name: out[name] for name in ATTRIBUTION_COLUMN_NAMES if name in wanted}
