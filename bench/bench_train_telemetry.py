@@ -1,0 +1,872 @@
+"""Training-step cost of telemetry: tiny_gpt on CPU, telemetry at 100 Hz (all windows) vs off.
+
+Run:  .venv/bin/python bench/bench_train_telemetry.py [--quick] [--decompose] [--profile] [--json-only]
+
+What is compared, in ONE process with ONE model (built once, the way ``train/loop.py::_train``
+builds it, and stepped by a copy of its loop body): rounds of blocks of ``--block-steps`` timed
+steps, one block per arm, the order of the arms inside each round drawn at random:
+
+* ``on``:  a fresh ``TelemetrySession`` (synthetic backend, ``activity="marks"``, 100 Hz, the
+  default 0.5 s flusher) started before the block and closed after it; its WindowRecorder gets
+  the run's labels, and a ``StepMarker`` with all window kinds (step, microbatch, phase) on it is
+  installed as ``config.timers``, as ``run_rank`` wires them; every step also asks the session
+  for the previous step's figures (``session.step_figures`` -> ``rank_figures``), as the loop does.
+* ``off``: no session, no sampler or flusher thread, ``config.timers = None``, a ``StepMarker``
+  with no kinds (what ``run_rank`` does with ``telemetry.enabled=false``: no windows, no marks).
+* ``bare``: a bare sampling thread (``Sampler`` at 100 Hz over a synthetic device at a fixed
+  level; no marks, no store): DESIGN.md's reference, measured again in the same run.
+* with ``--decompose`` also ``proc`` (the bare sampler in its own process, SIGSTOPped outside
+  its blocks: no GIL shared with training), ``marks`` (StepMarker + WindowRecorder + the
+  synthetic device's MarkActivity listener, no thread), ``sampler`` (marks + the sampler thread)
+  and ``session`` (the whole session without the loop's per-step figures): where the overhead
+  comes from.
+
+Session start/stop is outside the timed steps (their times are printed). Each block begins with
+a pause drawn from U[0, flush interval) (every arm, so the flusher's phase relative to the timed
+steps is uniform, as in a long run) and one untimed lead-in step. Three timings per step:
+``iteration`` = ``time.perf_counter()`` around the whole loop body (marks, forward/backward of
+every microbatch, optimizer, the previous step's figures, the step's all_reduce): the headline;
+``loop_step`` = the loop's own step window (``StepTiming.seconds``: no figures, no reduction);
+``main_cpu`` = the training thread's CPU time (``time.thread_time``): its own extra work, which
+other threads and processes lengthen only through caches, so the least noisy of the three.
+
+Two configurations, each in its own child process, one after the other:
+
+* ``free``: ``OMP_NUM_THREADS=1`` + ``torch.set_num_threads(1)``, nothing else started: one core
+  is left for the sampler and flusher threads, as on a GPU node (target ratio <= 1.005).
+* ``busy``: the same, plus a process spinning pure Python on the last core, started before the
+  child and stopped after it; the child is pinned to the other core(s) (``--busy-pin split``;
+  ``none`` pins neither, and then the scheduler sometimes puts the training thread next to the
+  spinner: bimodal step times).
+
+Figures: ON/OFF (arm/OFF) ratio of the medians and of the 10 % trimmed means of step times, each
+with a 95 % bootstrap interval over rounds (rounds resampled whole, so slow drifts stay paired),
+and the mean of the per-round ratios of block medians with a t interval; the sampler's deadline
+ratio (SamplerHealth) over the timed steps of ON blocks and over whole ON sessions; the load of
+other processes during each round (/proc/stat minus this child and the spinner) and the ratios
+over the quiet rounds only; garbage-collector work per arm; with ``--profile``, a cProfile of the
+training thread per arm. The last line printed is ``BENCH_JSON {...}``. docs/bench-train.md says
+how to read it.
+
+This machine has 2 cores and is shared and noisy: only side-by-side ratios mean something, and a
+verdict is given only when other processes stayed under 0.3 cores on average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_FREE = 1.005
+REFERENCE_BARE_THREAD = {"free": 1.002, "busy": 1.035}
+TRIM = 0.10
+HZ = 100.0
+FLUSH_INTERVAL_S = 0.5  # TelemetrySession's default, which run_rank uses
+QUIET_CORES = 0.15  # a round is "quiet" when other processes used less than this many cores
+MIN_QUIET_ROUNDS = 10
+TIMINGS = ("iteration", "loop_step", "main_cpu")
+DECOMPOSE_ARMS = ["off", "bare", "proc", "marks", "sampler", "session", "on"]
+BUSY_MACHINE_CORES = 0.3  # mean load of other processes above which no verdict is given
+
+
+# ============================================================================================
+# statistics (standard library only)
+# ============================================================================================
+
+
+def trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
+    s = sorted(xs)
+    k = int(len(s) * trim)
+    core = s[k : len(s) - k] if len(s) > 2 * k else s
+    return sum(core) / len(core)
+
+
+def pooled_ratio(pairs: list[tuple[list[float], list[float]]], stat: Any) -> float:
+    on = [x for p in pairs for x in p[0]]
+    off = [x for p in pairs for x in p[1]]
+    return float(stat(on) / stat(off))
+
+
+def bootstrap_ci(
+    pairs: list[tuple[list[float], list[float]]], stat: Any, n: int = 1000, seed: int = 7
+) -> tuple[float, float]:
+    """95 % percentile interval of the ON/OFF ratio of ``stat``, resampling whole pairs."""
+    rng = random.Random(seed)
+    vals = []
+    for _ in range(n):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        vals.append(pooled_ratio(sample, stat))
+    vals.sort()
+    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+
+
+def paired_ratio(pairs: list[tuple[list[float], list[float]]]) -> tuple[float, float, float]:
+    """Mean of per-pair ratios of block medians, with a 95 % t interval."""
+    rs = [statistics.median(on) / statistics.median(off) for on, off in pairs]
+    m = statistics.fmean(rs)
+    if len(rs) < 2:
+        return m, m, m
+    half = 1.96 * statistics.stdev(rs) / len(rs) ** 0.5
+    return m, m - half, m + half
+
+
+def summarize(pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
+    on = [x for p in pairs for x in p[0]]
+    off = [x for p in pairs for x in p[1]]
+    med = pooled_ratio(pairs, statistics.median)
+    med_lo, med_hi = bootstrap_ci(pairs, statistics.median)
+    tm = pooled_ratio(pairs, trimmed_mean)
+    tm_lo, tm_hi = bootstrap_ci(pairs, trimmed_mean)
+    pm, pm_lo, pm_hi = paired_ratio(pairs)
+    return {
+        "steps_on": len(on),
+        "steps_off": len(off),
+        "median_on_ms": statistics.median(on) * 1e3,
+        "median_off_ms": statistics.median(off) * 1e3,
+        "ratio_median": med,
+        "ratio_median_ci95": [med_lo, med_hi],
+        "ratio_trimmed_mean": tm,
+        "ratio_trimmed_mean_ci95": [tm_lo, tm_hi],
+        "ratio_paired_mean": pm,
+        "ratio_paired_mean_ci95": [pm_lo, pm_hi],
+    }
+
+
+# ============================================================================================
+# the child: one model, interleaved ON / OFF blocks
+# ============================================================================================
+
+
+def machine_busy_ns() -> int:
+    """CPU busy ns summed over every core since boot (/proc/stat; steal not counted)."""
+    tick = 1e9 / os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return int((user + nice + system + irq + softirq) * tick)
+
+
+def schedstat_ns(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def step_figures_function() -> Any:
+    """What the loop calls per step for the previous step's figures: ``figures_from_session``
+    (train/report.py before the sinks work), or ``rank_figures(session.step_figures(...))``."""
+    from charllm_nemo.train import report
+
+    old = getattr(report, "figures_from_session", None)
+    if old is not None:
+        return old
+    rank_figures = report.rank_figures
+
+    def figures(session: Any, t_begin_mono_ns: int, t_end_mono_ns: int, wait_s: float = 0.0) -> Any:
+        return rank_figures(session.step_figures(t_begin_mono_ns, t_end_mono_ns, wait_s=wait_s))
+
+    return figures
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker(opts: dict[str, Any]) -> dict[str, Any]:
+    import cProfile
+    import gc
+    import math
+    from dataclasses import asdict
+
+    if opts["cpus"]:
+        os.sched_setaffinity(0, set(opts["cpus"]))
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from charllm_nemo.devices.factory import open_backend as open_synthetic
+    from charllm_nemo.telemetry.sampler import Sampler
+    from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.windows import WindowRecorder
+    from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
+    from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
+    from charllm_nemo.train.loop import _forward_step, init_distributed, rank_env, shutdown_distributed
+    from charllm_nemo.train.marks import StepMarker
+    from charllm_nemo.train.model import build_model
+    from charllm_nemo.train.presets import model_preset
+    from charllm_nemo.train.report import StepSummary, reduce_step
+
+    figures_from_session = step_figures_function()
+    from charllm_nemo.train.validate import validate
+
+    rng = random.Random(opts["seed"])
+    pairs_n, k = opts["pairs"], opts["block_steps"]
+    warmup = opts["warmup"]
+    per_block = k + 1  # + the untimed lead-in step
+    n_arms = len(opts["arms"])
+    total_steps = warmup + (n_arms * pairs_n + n_arms) * per_block + 2  # + one warm-up block per arm
+    out_root = Path(opts["out_dir"])
+    cfg = TrainConfig(
+        model=model_preset("tiny_gpt"),
+        batch=BatchConfig(micro_batch_size=1, global_batch_size=4, train_steps=total_steps),
+        telemetry=TelemetryConfig(enabled=True, backend="synthetic", hz=HZ, out_dir=str(out_root)),
+        launch=LaunchConfig(device="cpu"),
+    )
+    env = rank_env(cfg)
+    layout = validate(cfg, world_size=env.world_size, device="cpu")
+    dist = init_distributed(cfg, env, "cpu")
+    assert torch.get_num_threads() == 1, torch.get_num_threads()
+
+    # -- built once, the way _train builds it ------------------------------------------------
+    b = cfg.batch
+    bundle = build_model(cfg, on_cpu=True, pipeline_layout=layout.mcore_pipeline_layout())
+    config = bundle.config
+    data_layout = DataLayout(b.micro_batch_size, b.global_batch_size, dist.dp_size, dist.dp_rank)
+    n_micro = data_layout.num_microbatches
+    dataset = build_train_dataset(cfg, b.train_steps * b.global_batch_size)
+    data_iter = MicrobatchIterator(dataset, data_layout, b.train_steps, "cpu")
+    model = bundle.chunks[0]
+    forward_backward = get_forward_backward_func()
+    group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    kinds_on = list(cfg.telemetry.windows)
+    marker_off = StepMarker(
+        WindowRecorder(),  # as run_rank with telemetry off: kinds=[], so nothing is recorded
+        num_microbatches=n_micro,
+        group_size=group_size,
+        kinds=[],
+        cuda=False,
+    )
+
+    step_counter = [0]
+
+    def one_step(marker: StepMarker, session: Any, pending: Any) -> tuple[tuple[float, float, float], Any]:
+        """The body of _train's step loop (minus the console line).
+        ((wall s, loop step window s, main-thread CPU s), pending)."""
+        step = step_counter[0]
+        step_counter[0] += 1
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter()
+        marker.begin_step(step)
+        model.zero_grad_buffer()
+        bundle.optimizer.zero_grad()
+        outputs = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=data_iter,
+            model=model,
+            num_microbatches=n_micro,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=b.micro_batch_size,
+            forward_only=False,
+        )
+        opt_timer = marker.phase("optimizer")
+        opt_timer.start()
+        ok, grad_norm, _zeros = bundle.optimizer.step()
+        if ok:
+            bundle.scheduler.step(1)
+        opt_timer.stop()
+        timing = marker.end_step()
+        tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
+        loss_sum, loss_tokens = float(tot[0]), float(tot[1])
+        figures = None
+        if pending is not None and session is not None:
+            figures = figures_from_session(session, pending[1], pending[2])
+        sums, maxes = reduce_step(
+            torch,
+            "cpu",
+            loss_sum=loss_sum,
+            loss_tokens=loss_tokens,
+            step_time_s=timing.seconds,
+            figures=figures,
+        )
+        loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
+        gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
+        summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
+        t1 = time.perf_counter()
+        c1 = time.thread_time_ns()
+        return (t1 - t0, timing.seconds, (c1 - c0) / 1e9), (
+            summary,
+            timing.t_begin_mono_ns,
+            timing.t_end_mono_ns,
+        )
+
+    health_keys = ("slots", "on_time", "deadlines_missed", "samples")
+    acc: dict[str, Any] = {
+        "timed": dict.fromkeys(health_keys, 0),
+        "session": dict.fromkeys(health_keys, 0),
+        "late_max_ns": 0,
+        "flushes": 0,
+        "flush_ms_max": 0.0,
+        "windows_recorded": 0,
+        "session_start_ms": [],
+        "session_close_ms": [],
+        "unmatched_marks": 0,
+    }
+
+    def open_arm(arm: str, idx: int) -> tuple[StepMarker, Any, Any, Any]:
+        """(marker, session for the figures or None, sampler or None, closer) of one block."""
+        if arm == "off":
+            return marker_off, None, None, None
+        if arm == "bare":
+            # The reference: a bare sampling thread (the synthetic device at a fixed level), no
+            # marks, no store; what DESIGN.md's "bare thread" figures measure.
+            backend = open_synthetic("synthetic", None, activity=1.0)
+            sampler = Sampler(backend.devices, HZ, source="synthetic")
+            sampler.start()
+            return marker_off, None, sampler, sampler.stop
+        if arm == "proc":
+            # The same bare sampler in a separate process (no GIL shared with training), woken
+            # for the block and stopped (SIGSTOP) outside it.
+            assert proc_sampler is not None
+            os.kill(proc_sampler.pid, signal.SIGCONT)
+            return marker_off, None, None, lambda: os.kill(proc_sampler.pid, signal.SIGSTOP)
+        if arm in ("marks", "sampler"):
+            # The session's pieces without its store and flusher: the marks (with the synthetic
+            # device's MarkActivity listener, as the session wires it) and, for "sampler", the
+            # bare sampler thread over the same backend.
+            backend = open_synthetic("synthetic", None, activity="marks")
+            rec = WindowRecorder()
+            rec.add_listener(getattr(backend, "mark_activity"))  # noqa: B009  # synthetic only
+            rec.set_labels(**dist.labels())
+            marker = StepMarker(
+                rec, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
+            )
+            if arm == "marks":
+                return marker, None, None, None
+            sampler = Sampler(backend.devices, HZ, source="synthetic")
+            sampler.start()
+            return marker, None, sampler, sampler.stop
+        t_s = time.perf_counter()
+        kwargs: dict[str, Any] = {
+            "backend": "synthetic",
+            "hz": HZ,
+            "rank": dist.rank,
+            "local_rank": dist.local_rank,
+            "world_size": dist.world_size,
+            "config": asdict(cfg),
+            "flush_interval_s": FLUSH_INTERVAL_S,
+            "backend_options": {"activity": "marks"},
+        }
+        kwargs.update(opts.get("session_options", {}))
+        session = TelemetrySession(out_root / f"block-{idx:04d}", **kwargs).start()
+        session.windows.set_labels(**dist.labels())
+        marker = StepMarker(
+            session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
+        )
+        acc["session_start_ms"].append((time.perf_counter() - t_s) * 1e3)
+        # "session": everything but the loop's per-step figures; "on": all of it, as run_rank.
+        return marker, (session if arm == "on" else None), session.sampler, session
+
+    # The garbage collector's work during timed steps, per arm (its pauses hold the GIL: the
+    # sampler thread waits them out, and window dicts kept until a flush make them longer).
+    gc_stats: dict[str, dict[str, float]] = {}
+    gc_state: dict[str, Any] = {"arm": None, "t0": 0.0}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if gc_state["arm"] is None:
+            return
+        if phase == "start":
+            gc_state["t0"] = time.perf_counter()
+            return
+        d = gc_stats.setdefault(
+            gc_state["arm"], {"gen0": 0, "gen1": 0, "gen2": 0, "ms": 0.0, "gen2_ms_max": 0.0}
+        )
+        dt = (time.perf_counter() - gc_state["t0"]) * 1e3
+        d[f"gen{info['generation']}"] += 1
+        d["ms"] += dt
+        if info["generation"] == 2:
+            d["gen2_ms_max"] = max(d["gen2_ms_max"], dt)
+
+    gc.callbacks.append(on_gc)
+
+    def run_block(arm: str, idx: int, timed: bool) -> list[list[float]]:
+        marker, fig_session, sampler, closer = open_arm(arm, idx)
+        config.timers = marker if marker.phases_on else None
+        time.sleep(rng.uniform(0.0, FLUSH_INTERVAL_S))  # every arm: uniform flusher phase
+        _t, pending = one_step(marker, fig_session, None)  # untimed lead-in
+        h = sampler.health if sampler is not None else None
+        h0 = {key: getattr(h, key) for key in health_keys} if h is not None else None
+        times: list[list[float]] = [[] for _ in TIMINGS]
+        gc_state["arm"] = arm if timed else None
+        prof = profiles.get(arm) if timed else None
+        if prof is not None:
+            prof.enable()
+        for _ in range(k):
+            t, pending = one_step(marker, fig_session, pending)
+            for lst, v in zip(times, t, strict=True):
+                lst.append(v)
+        if prof is not None:
+            prof.disable()
+        gc_state["arm"] = None
+        config.timers = None
+        if h is not None and h0 is not None and timed and arm == "on":
+            for key in health_keys:
+                acc["timed"][key] += getattr(h, key) - h0[key]
+        if isinstance(closer, TelemetrySession):
+            t_c = time.perf_counter()
+            closer.close("complete")
+            acc["session_close_ms"].append((time.perf_counter() - t_c) * 1e3)
+            if timed and arm == "on":
+                for key in health_keys:
+                    acc["session"][key] += getattr(closer.sampler.health, key)
+                acc["late_max_ns"] = max(acc["late_max_ns"], closer.sampler.health.late_max_ns)
+                acc["flushes"] += closer._flusher.flushes
+                acc["flush_ms_max"] = max(acc["flush_ms_max"], closer._flusher.flush_ns_max / 1e6)
+                acc["windows_recorded"] += closer.windows.total_recorded
+                acc["unmatched_marks"] += marker.unmatched
+            shutil.rmtree(out_root / f"block-{idx:04d}", ignore_errors=True)
+        elif closer is not None:
+            closer()
+        return times
+
+    arms = list(opts["arms"])
+    proc_sampler = None
+    if "proc" in arms:
+        proc_sampler = subprocess.Popen(
+            [sys.executable, "-c", PROC_SAMPLER, str(HZ)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc_sampler.stdout is not None
+        if proc_sampler.stdout.readline().strip() != "ready":
+            raise RuntimeError("the sampler process did not start")
+        os.kill(proc_sampler.pid, signal.SIGSTOP)
+    # --profile: cProfile of the training thread during the timed steps of each arm (it slows
+    # Python code several-fold, so its ratios are not the benchmark's; it says where time goes).
+    profiles = {arm: cProfile.Profile() for arm in arms} if opts.get("profile") else {}
+    t_begin = time.monotonic()
+    for _ in range(warmup):
+        one_step(marker_off, None, None)
+    for arm in arms:
+        run_block(arm, 9000 + len(arm), timed=False)  # warm every path (imports, Parquet writer)
+    by_arm: dict[str, list[list[list[float]]]] = {a: [[] for _ in TIMINGS] for a in arms}
+    on_first = 0
+    spinner_pid = opts.get("spinner_pid")
+    background: list[float] = []  # cores used by other processes during each round
+
+    def snapshot() -> tuple[int, int, int, int]:
+        spin = schedstat_ns(spinner_pid) if spinner_pid else 0
+        return time.monotonic_ns(), machine_busy_ns(), time.process_time_ns(), spin
+
+    for i in range(pairs_n):
+        order = arms[:]
+        rng.shuffle(order)
+        on_first += order.index("on") < order.index("off")
+        s0 = snapshot()
+        for j, arm in enumerate(order):
+            for which, lst in enumerate(run_block(arm, len(arms) * i + j, timed=True)):
+                by_arm[arm][which].append(lst)
+        s1 = snapshot()
+        other = (s1[1] - s0[1]) - (s1[2] - s0[2]) - (s1[3] - s0[3])
+        background.append(max(0.0, other / (s1[0] - s0[0])))
+    elapsed = time.monotonic() - t_begin
+    if proc_sampler is not None:
+        proc_sampler.kill()
+        proc_sampler.wait()
+    quiet = [i for i, bg in enumerate(background) if bg < QUIET_CORES]
+    shutdown_distributed()
+
+    def paired(
+        arm: str, which: int, rounds: list[int] | None = None
+    ) -> list[tuple[list[float], list[float]]]:
+        both = list(zip(by_arm[arm][which], by_arm["off"][which], strict=True))
+        return both if rounds is None else [both[i] for i in rounds]
+
+    def ratio(d: dict[str, int]) -> float:
+        return d["on_time"] / d["slots"] if d["slots"] else 1.0
+
+    return {
+        "config": opts["config"],
+        "pairs": pairs_n,
+        "block_steps": k,
+        "arms": arms,
+        "on_first": on_first,
+        **{t: summarize(paired("on", w)) for w, t in enumerate(TIMINGS)},
+        "background_cores_mean": statistics.fmean(background),
+        "background_cores_max": max(background),
+        "quiet_rounds": len(quiet),
+        "quiet": (
+            {
+                arm: {t: summarize(paired(arm, w, quiet)) for w, t in enumerate(TIMINGS)}
+                for arm in arms
+                if arm != "off"
+            }
+            if len(quiet) >= MIN_QUIET_ROUNDS
+            else None
+        ),
+        "decompose": {
+            arm: {t: summarize(paired(arm, w)) for w, t in enumerate(TIMINGS)}
+            for arm in arms
+            if arm not in ("on", "off")
+        },
+        "sampler": {
+            "deadline_ratio_timed": ratio(acc["timed"]),
+            "deadline_ratio_session": ratio(acc["session"]),
+            "slots_timed": acc["timed"]["slots"],
+            "missed_timed": acc["timed"]["deadlines_missed"],
+            "samples_timed": acc["timed"]["samples"],
+            "late_max_ms": acc["late_max_ns"] / 1e6,
+        },
+        "flusher": {"flushes": acc["flushes"], "flush_ms_max": acc["flush_ms_max"]},
+        "windows_recorded": acc["windows_recorded"],
+        "unmatched_marks": acc["unmatched_marks"],
+        "gc_per_100_steps": {
+            arm: {key: v * 100 / (pairs_n * k) if key != "gen2_ms_max" else v for key, v in d.items()}
+            for arm, d in gc_stats.items()
+        },
+        "profile": profile_report(profiles, pairs_n * k) if profiles else None,
+        "session_start_ms_median": statistics.median(acc["session_start_ms"]),
+        "session_close_ms_median": statistics.median(acc["session_close_ms"]),
+        "elapsed_s": elapsed,
+    }
+
+
+PROC_SAMPLER = """
+import sys, time
+from charllm_nemo.devices.factory import open_backend
+from charllm_nemo.telemetry.sampler import Sampler
+backend = open_backend("synthetic", None, activity=1.0)
+sampler = Sampler(backend.devices, float(sys.argv[1]), source="synthetic")
+sampler.start()
+print("ready", flush=True)
+while True:
+    time.sleep(0.5)
+    sampler.take_rows()
+"""
+
+PROFILE_FUNCS = {
+    # (file suffix, function): label
+    ("train/report.py", "figures_from_session"): "figures_from_session (per-step figures)",
+    ("telemetry/session.py", "step_figures"): "  session.step_figures",
+    ("telemetry/session.py", "live_samples"): "  session.live_samples",
+    ("telemetry/reader.py", "to_arrays"): "  reader.to_arrays",
+    ("telemetry/attribution.py", "attribute_windows"): "  attribution.attribute_windows",
+    ("telemetry/sampler.py", "rows_to_table"): "  sampler.rows_to_table (pending rows)",
+    ("train/marks.py", "_start"): "StepMarker._start (phase begin)",
+    ("train/marks.py", "_stop"): "StepMarker._stop (phase end, microbatch record)",
+    ("train/marks.py", "begin_step"): "StepMarker.begin_step",
+    ("train/marks.py", "end_step"): "StepMarker.end_step",
+    ("telemetry/windows.py", "begin"): "  WindowRecorder.begin",
+    ("telemetry/windows.py", "end"): "  WindowRecorder.end",
+    ("telemetry/windows.py", "record"): "  WindowRecorder.record",
+    ("devices/synthetic.py", "__call__"): "  MarkActivity listener",
+    ("train/report.py", "reduce_step"): "reduce_step (all_reduce, both arms)",
+}
+
+
+def profile_report(profiles: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Per arm: total profiled time per step and the cumulative time per step (ms) of the
+    telemetry functions that run on the training thread."""
+    import pstats
+
+    out: dict[str, Any] = {}
+    for arm, prof in profiles.items():
+        st = pstats.Stats(prof)
+        total = st.total_tt  # type: ignore[attr-defined]
+        funcs: dict[str, float] = {}
+        for (path, _line, fn), (_cc, _nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            for (suffix, name), label in PROFILE_FUNCS.items():
+                if fn == name and path.replace(os.sep, "/").endswith(suffix):
+                    funcs[label] = funcs.get(label, 0.0) + ct * 1e3 / steps
+        out[arm] = {"profiled_ms_per_step": total * 1e3 / steps, "ms_per_step": funcs}
+    return out
+
+
+# ============================================================================================
+# the parent: one child per configuration, the spinner for "busy"
+# ============================================================================================
+
+
+SPIN = (
+    "import os, sys\nif sys.argv[1]:\n    os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+    "while True:\n    pass\n"
+)
+
+
+def session_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (VALUE read as JSON when it parses, else a string) for TelemetrySession."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--session-option {item!r}: use KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+    )
+    opts = {
+        "config": name,
+        "pairs": args.pairs,
+        "block_steps": args.block_steps,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "out_dir": str(out_dir / name),
+        "arms": DECOMPOSE_ARMS if args.decompose else ["off", "bare", "on"],
+        "cpus": None,
+        "profile": args.profile,
+        "session_options": session_options(args.session_option),
+    }
+    spinner = None
+    if name == "busy":
+        cpus = sorted(os.sched_getaffinity(0))
+        spin_cpu = str(cpus[-1]) if args.busy_pin == "split" else ""
+        spinner = subprocess.Popen([sys.executable, "-c", SPIN, spin_cpu])
+        opts["spinner_pid"] = spinner.pid
+        if args.busy_pin == "split":
+            opts["cpus"] = cpus[:-1]
+        time.sleep(0.3)
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(opts)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        if spinner is not None:
+            spinner.terminate()
+            spinner.wait(5)
+    for line in proc.stdout.splitlines():
+        if line.startswith("WORKER_JSON "):
+            return json.loads(line[len("WORKER_JSON ") :])  # type: ignore[no-any-return]
+    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+    raise SystemExit(f"config {name}: the child printed no result (rc {proc.returncode})")
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """MET / MISSED when the 95 % interval of the median iteration ratio lies on one side of the
+    target. With other processes above BUSY_MACHINE_CORES on average, only the quiet rounds count
+    (INCONCLUSIVE when there are too few of them): load is not spread evenly between the arms, it
+    takes the free core away from the telemetry threads."""
+    stats = r["iteration"]
+    where = ""
+    if r["background_cores_mean"] > BUSY_MACHINE_CORES:
+        if r.get("quiet") is None:
+            return f"INCONCLUSIVE (other processes used {r['background_cores_mean']:.2f} cores)"
+        stats = r["quiet"]["on"]["iteration"]
+        where = f" (over the {r['quiet_rounds']} quiet rounds)"
+    lo, hi = stats["ratio_median_ci95"]
+    if hi <= TARGET_FREE:
+        return "MET" + where
+    if lo > TARGET_FREE:
+        return "MISSED" + where
+    return "INCONCLUSIVE (the interval straddles the target)" + where
+
+
+def fmt_ci(r: float, ci: list[float]) -> str:
+    return f"{r:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
+ARM_HELP = {
+    "on": "telemetry on, as run_rank (session + all windows + per-step figures)",
+    "bare": "a bare sampling thread at 100 Hz (synthetic device, fixed level): the reference",
+    "proc": "the same bare sampler in a separate process (SIGSTOPped outside its blocks)",
+    "marks": "StepMarker + WindowRecorder + MarkActivity listener, no thread",
+    "sampler": "marks + the sampler thread (no store, no flusher)",
+    "session": "the whole TelemetrySession, without the loop's per-step figures",
+}
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    hdr = (
+        f"{'config':<6} {'arm':<8} {'timing':<9} {'arm ms':>7} {'off ms':>7}  {'median ratio [95% CI]':<25} "
+        f"{'trimmed-mean ratio':<25} {'paired-block ratio':<25}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for name, r in results.items():
+        rows = [("on", r)] + [(arm, d) for arm, d in r.get("decompose", {}).items()]
+        for arm, d in rows:
+            for key in TIMINGS:
+                st = d[key]
+                print(
+                    f"{name:<6} {arm:<8} {key:<9} {st['median_on_ms']:7.2f} {st['median_off_ms']:7.2f}  "
+                    f"{fmt_ci(st['ratio_median'], st['ratio_median_ci95']):<25} "
+                    f"{fmt_ci(st['ratio_trimmed_mean'], st['ratio_trimmed_mean_ci95']):<25} "
+                    f"{fmt_ci(st['ratio_paired_mean'], st['ratio_paired_mean_ci95']):<25}"
+                )
+    print()
+    for name, r in results.items():
+        sm = r["sampler"]
+        print(
+            f"{name:<6} ON blocks: sampler deadline ratio {sm['deadline_ratio_timed']:.4f} over timed steps "
+            f"({sm['slots_timed']} slots, {sm['missed_timed']} skipped), "
+            f"{sm['deadline_ratio_session']:.4f} over whole sessions, late max {sm['late_max_ms']:.2f} ms; "
+            f"flushes {r['flusher']['flushes']} "
+            f"(max {r['flusher']['flush_ms_max']:.1f} ms); windows {r['windows_recorded']}, unmatched marks "
+            f"{r['unmatched_marks']}; session start {r['session_start_ms_median']:.1f} ms / close "
+            f"{r['session_close_ms_median']:.1f} ms (untimed); {r['pairs']} rounds x {len(r['arms'])} arms x "
+            f"{r['block_steps']} steps; child {r['elapsed_s']:.0f} s"
+        )
+    for name, r in results.items():
+        q = r.get("quiet")
+        qs = ""
+        if q is not None:
+            qs = "; quiet rounds only: " + ", ".join(
+                f"{arm} {d['iteration']['ratio_median']:.4f} [{d['iteration']['ratio_median_ci95'][0]:.4f}, "
+                f"{d['iteration']['ratio_median_ci95'][1]:.4f}]"
+                for arm, d in q.items()
+            )
+        print(
+            f"{name:<6} other processes: {r['background_cores_mean']:.2f} cores on average (max "
+            f"{r['background_cores_max']:.2f}); {r['quiet_rounds']}/{r['pairs']} rounds under {QUIET_CORES} "
+            f"cores{qs}"
+        )
+    for name, r in results.items():
+        parts = [
+            f"{arm} {d['gen0']:.0f}/{d['gen1']:.0f}/{d['gen2']:.1f} "
+            f"({d['ms']:.1f} ms, gen2 max {d['gen2_ms_max']:.0f} ms)"
+            for arm, d in sorted(r["gc_per_100_steps"].items())
+        ]
+        print(f"{name:<6} gc per 100 timed steps, gen0/gen1/gen2 (time): " + "; ".join(parts))
+    for name, r in results.items():
+        prof = r.get("profile")
+        if not prof:
+            continue
+        print(f"\n{name}: cProfile of the training thread, ms per timed step (profiler overhead included)")
+        arms_p = list(prof)
+        print(f"  {'':<48}" + "".join(f"{a:>9}" for a in arms_p))
+        print(
+            f"  {'all profiled time':<48}"
+            + "".join(f"{prof[a]['profiled_ms_per_step']:9.2f}" for a in arms_p)
+        )
+        for label in PROFILE_FUNCS.values():
+            vals = [prof[a]["ms_per_step"].get(label) for a in arms_p]
+            if any(v for v in vals):
+                print(f"  {label:<48}" + "".join(f"{(v or 0.0):9.3f}" for v in vals))
+    print()
+    for arm in ["on"] + [a for a in ARM_HELP if a != "on"]:
+        if any(arm == "on" or arm in r.get("decompose", {}) for r in results.values()):
+            print(f"  {arm:<8} {ARM_HELP[arm]}")
+    print(
+        "  iteration = perf_counter over the whole loop body; loop_step = the loop's own step window; "
+        "main_cpu = the training thread's CPU time (what the other threads and processes cannot lengthen "
+        "except through caches: the main thread's own extra work)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="~30 s: fewer pairs")
+    ap.add_argument("--pairs", type=int, default=None, help="ON/OFF block pairs per configuration")
+    ap.add_argument("--block-steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--configs", default="free,busy")
+    ap.add_argument("--json-only", action="store_true")
+    ap.add_argument(
+        "--decompose",
+        action="store_true",
+        help="add arms marks / sampler / session between off and on (where the overhead comes from)",
+    )
+    ap.add_argument(
+        "--busy-pin",
+        choices=("split", "none"),
+        default="split",
+        help="busy: spinner on the last core and the child on the others (split), or neither pinned",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the training thread in each arm's timed steps (ms per step of the telemetry calls)",
+    )
+    ap.add_argument(
+        "--session-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra TelemetrySession keyword for the on/session arms (repeatable), e.g. flush_interval_s=1.0",
+    )
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        res = worker(json.loads(args.worker))
+        sys.stdout.write("WORKER_JSON " + json.dumps(res) + "\n")
+        return
+    if args.pairs is None:
+        args.pairs = 5 if args.quick else 40
+    if args.seed is None:
+        args.seed = int(time.time())
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-train-telemetry-"))
+    results: dict[str, dict[str, Any]] = {}
+    t0 = time.monotonic()
+    try:
+        for name in args.configs.split(","):
+            results[name] = run_config(name, args, out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if not args.json_only:
+        print(
+            f"tiny_gpt on CPU, telemetry synthetic @ {HZ:g} Hz (step+microbatch+phase windows) vs off; "
+            f"{os.cpu_count()} CPUs; busy pinning {args.busy_pin}; seed {args.seed}; "
+            f"{time.monotonic() - t0:.0f} s"
+            + (f"; session options {session_options(args.session_option)}" if args.session_option else "")
+        )
+        print_table(results)
+        print()
+        for name in results:
+            r = results[name]
+            on = r["iteration"]["ratio_median"]
+            bare = r.get("decompose", {}).get("bare", {}).get("iteration", {}).get("ratio_median")
+            bare_s = f", bare thread in this run {bare:.4f}" if bare is not None else ""
+            lo, hi = r["iteration"]["ratio_median_ci95"]
+            line = (
+                f"{name}: iteration median ratio ON/OFF {on:.4f} [{lo:.4f}, {hi:.4f}]{bare_s} "
+                f"(DESIGN.md bare thread: "
+                f"{REFERENCE_BARE_THREAD.get(name, float('nan'))})"
+            )
+            if name == "free":
+                line += f"; target <= {TARGET_FREE}: {verdict(r)}"
+            print(line)
+    payload = {
+        "bench": "train_telemetry",
+        "model": "tiny_gpt",
+        "hz": HZ,
+        "target_free": TARGET_FREE,
+        "verdict_free": verdict(results["free"]) if "free" in results else None,
+        "reference_bare_thread": REFERENCE_BARE_THREAD,
+        "seed": args.seed,
+        "quick": args.quick,
+        "busy_pin": args.busy_pin,
+        "session_options": session_options(args.session_option),
+        "results": results,
+    }
+    print("BENCH_JSON " + json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()
