@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENTRY = Path(__file__).with_name("bench_sampler.py")  # what child processes run (``--worker NAME``)
 ROOT = Path(__file__).resolve().parent.parent
 ZEUS_STATS_ENV = "CHARLLM_BENCH_ZEUS_STATS_DIR"
 CALL_DELAY_US = 20
@@ -329,6 +328,7 @@ def make_workload(kind: str) -> tuple[Any, str]:
 def worker_deadlines(opts: dict[str, Any]) -> None:
     from charllm_nemo.devices.factory import open_backend
     from charllm_nemo.telemetry.sampler import Sampler
+    from charllm_nemo.telemetry.sampler_process import ProcessSampler
 
     work, label = make_workload(opts["workload"])
     backend = open_backend("nvml")
@@ -343,6 +343,7 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
     keys = [f"{mode}@{hz}Hz/{'both-busy' if busy else 'core-free'}" for hz, busy, mode in conds]
     segments: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     me = os.getpid()
+    startups: list[float] = []
 
     def ours_ns(extra_pid: int | None) -> int:
         pids = [me, spinner.pid] + ([extra_pid] if extra_pid else [])
@@ -356,31 +357,20 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
         for _ in range(opts["rounds"]):
             for (hz, busy, mode), key in zip(conds, keys, strict=True):
                 os.kill(spinner.pid, signal.SIGCONT if busy else signal.SIGSTOP)
-                proc = None
-                s = None
+                s: Sampler | ProcessSampler
                 if mode == "process":
-                    # Diagnostic: the same Sampler in its own process (no GIL shared with the work).
-                    proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(ENTRY),
-                            "--worker",
-                            "sampler-proc",
-                            "--opts",
-                            json.dumps({"hz": hz, "seconds": opts["segment_s"]}),
-                        ],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                    assert proc.stdout is not None
-                    ready = proc.stdout.readline()
-                    assert ready.startswith("READY"), ready
+                    # The real ProcessSampler: its child opens the NVML backend itself (on the
+                    # stand-in: it inherits LD_LIBRARY_PATH and FAKE_NVML_SCRIPT). start() returns
+                    # once it samples, before this segment's clock starts.
+                    s = ProcessSampler("nvml", [0], hz=hz, source="nvml")
+                    s.start()
+                    startups.append(s.health.startup_ns / 1e9)
                 else:
                     if mode == "thread-switch200us":
                         sys.setswitchinterval(0.0002)
                     s = Sampler(devices, hz=hz, source="nvml")
                     s.start()
-                extra_pid = proc.pid if proc is not None else None
+                extra_pid = s.pid if isinstance(s, ProcessSampler) else None
                 busy0, steal0 = machine_busy_ns()
                 mine0 = ours_ns(extra_pid)
                 t0 = time.perf_counter()
@@ -391,15 +381,10 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
                 elapsed = time.perf_counter() - t0
                 busy1, steal1 = machine_busy_ns()
                 mine1 = ours_ns(extra_pid)
-                if proc is not None:
-                    proc_out, _ = proc.communicate(timeout=30)
-                    h = json.loads(proc_out.split("RESULT ", 1)[1])
-                else:
-                    assert s is not None
-                    s.stop()
-                    s.take_rows()
-                    h = s.health.to_dict()
-                    sys.setswitchinterval(old_switch)
+                s.stop()
+                s.take_rows()
+                h = s.health.to_dict()
+                sys.setswitchinterval(old_switch)
                 segments[key].append(
                     {
                         "slots": h["slots"],
@@ -423,7 +408,15 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
         out[key] = summarize_segments(segs)
         quiet = [g for g in segs if g["background_ns"] / 1e9 / g["seconds"] < QUIET_CORES]
         out[key]["quiet"] = summarize_segments(quiet) if quiet else None
-    emit("RESULT", {"workload": label, "conditions": out, "switch_interval_s": old_switch})
+    emit(
+        "RESULT",
+        {
+            "workload": label,
+            "conditions": out,
+            "switch_interval_s": old_switch,
+            "process_startup_s": sorted(startups),
+        },
+    )
 
 
 QUIET_CORES = 0.25  # a segment counts as quiet when other processes used less than this
@@ -445,18 +438,3 @@ def summarize_segments(segs: list[dict[str, Any]]) -> dict[str, Any]:
         "background_cores": a["background_ns"] / 1e9 / seconds,
         "steal_cores": a["steal_ns"] / 1e9 / seconds,
     }
-
-
-def worker_sampler_proc(opts: dict[str, Any]) -> None:
-    """Our Sampler alone in a process for ``seconds`` (the 'separate process' diagnostic)."""
-    from charllm_nemo.devices.factory import open_backend
-    from charllm_nemo.telemetry.sampler import Sampler
-
-    backend = open_backend("nvml")
-    s = Sampler(backend.devices, hz=opts["hz"], source="nvml")
-    emit("READY", {})
-    s.start()
-    time.sleep(opts["seconds"])
-    s.stop()
-    backend.close()
-    emit("RESULT", s.health.to_dict())

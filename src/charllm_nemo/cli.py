@@ -40,12 +40,16 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         out,
         backend=args.backend,
         hz=args.hz,
+        sampler=args.sampler,
         config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
         backend_options=options,
     )
     n_dev = len(session.backend.devices)
-    print(f"sampling {n_dev} device(s) via {session.source} at {args.hz:g} Hz for {args.seconds:g} s: {out}")
     session.start()
+    print(
+        f"sampling {n_dev} device(s) via {session.source} at {args.hz:g} Hz in a "
+        f"{session.sampler_mode} for {args.seconds:g} s: {out}"
+    )
     t_end = time.monotonic() + args.seconds
     step = 0
     rec = session.windows
@@ -136,6 +140,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.devices.factory import BACKEND_NAMES
+    from charllm_nemo.telemetry.sampler_process import SAMPLER_MODES
 
     parser = argparse.ArgumentParser(prog="charllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -146,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="device backend (default: auto)")
     t.add_argument("--hz", type=float, default=100.0, help="sampling rate, 1-1000 Hz (default: 100)")
+    t.add_argument(
+        "--sampler",
+        default="auto",
+        choices=SAMPLER_MODES,
+        help="where the sampler runs (default: auto = a separate process above 200 Hz, else a thread)",
+    )
     t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
     t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")
     t.add_argument("--out", required=True, help="run directory to write")

@@ -18,7 +18,9 @@ The model (defaults loosely follow an H200 SXM):
 
 Activity comes from something real: the window marks the training loop reports (forward and
 backward = 1.0, optimizer = 0.5, inside a step otherwise = 0.3, no window = 0), or this
-process's CPU use, or a fixed number / callable for tests.
+process's CPU use, or a fixed number / callable for tests. When the device is read in a separate
+sampling process, the marks cross over as one shared float64 (:class:`SharedActivity`) and
+"this process" means the training process (``observe_pid``).
 """
 
 from __future__ import annotations
@@ -89,20 +91,60 @@ class MarkActivity:
 
 
 class CpuActivity:
-    """This process's CPU use since the last call, as a fraction of one core (0..1)."""
+    """CPU use since the last call, as a fraction of one core (0..1).
 
-    def __init__(self) -> None:
-        self._last_cpu = time.process_time_ns()
+    ``pid=None``: this process (``time.process_time_ns``, ns resolution, every call). ``pid=N``:
+    process N's user + system time from ``/proc/N/stat`` (the sampling process observing the
+    training process). Those count in clock ticks (10 ms), so the level is refreshed at most
+    every ``_PROC_REFRESH_NS`` and held in between; a process that is gone reads as idle.
+    """
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._stat = None if pid is None else f"/proc/{pid}/stat"
+        self._last_cpu = 0
+        self._last_cpu = self._cpu_ns()
         self._last_t = time.monotonic_ns()
+        self._level = 0.0
+
+    def _cpu_ns(self) -> int:
+        if self._stat is None:
+            return time.process_time_ns()
+        try:
+            with open(self._stat, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            # after "(comm)": state is field 3, utime field 14 and stime field 15 (proc(5))
+            return (int(fields[11]) + int(fields[12])) * _TICK_NS
+        except (OSError, ValueError, IndexError):
+            return self._last_cpu  # gone or unreadable: no new CPU time, i.e. idle
 
     def level(self, t_ns: int) -> float:
-        cpu = time.process_time_ns()
         dt = t_ns - self._last_t
-        if dt <= 0:
-            return 0.0
+        if dt <= 0 or (self._stat is not None and dt < _PROC_REFRESH_NS):
+            return self._level if self._stat is not None else 0.0
+        cpu = self._cpu_ns()
         frac = (cpu - self._last_cpu) / dt
         self._last_cpu, self._last_t = cpu, t_ns
-        return min(1.0, max(0.0, frac))
+        self._level = min(1.0, max(0.0, frac))
+        return self._level
+
+
+class SharedActivity:
+    """Activity written by another process: the sampling process's side of window marks.
+
+    In process mode (``telemetry.sampler=process``) the window marks happen in the training
+    process and the synthetic device is read in the sampling process. The training process
+    writes ``MarkActivity.level()`` into one float64 of the shared block on every mark; this
+    reads it back through ``read_level()``. NaN means no mark has arrived yet: the level then
+    comes from ``fallback`` (``auto``: the training process's CPU use; ``marks``: idle).
+    """
+
+    def __init__(self, read_level: Callable[[], float], fallback: Callable[[int], float]) -> None:
+        self._read = read_level
+        self._fallback = fallback
+
+    def level(self, t_ns: int) -> float:
+        value = self._read()
+        return self._fallback(t_ns) if value != value else value
 
 
 class SyntheticDevice:
@@ -114,8 +156,10 @@ class SyntheticDevice:
         activity: Callable[[int], float],
         params: SyntheticParams,
         clock: Callable[[], int] = time.monotonic_ns,
+        observe_pid: int | None = None,
     ) -> None:
         self.params = params
+        self._statm = "/proc/self/statm" if observe_pid is None else f"/proc/{observe_pid}/statm"
         self._activity = activity
         self._clock = clock
         self._lock = threading.Lock()
@@ -216,7 +260,7 @@ class SyntheticDevice:
                 self._viol_thermal_ns,  # violation_thermal_ns
                 100.0 * self._activity_level,  # util_gpu_pct
                 60.0 * self._activity_level,  # util_mem_pct
-                _rss_bytes(),  # mem_used_bytes: this process's resident memory, a real number
+                _rss_bytes(self._statm),  # mem_used_bytes: the observed process's resident memory
                 p.power_limit_w,  # power_limit_w
                 int(self._pcie_tx),  # pcie_tx_bytes
                 int(self._pcie_rx),  # pcie_rx_bytes
@@ -226,20 +270,23 @@ class SyntheticDevice:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_TICK_NS = 1_000_000_000 // (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+_PROC_REFRESH_NS = 100_000_000  # /proc CPU times tick every 10 ms: average over >= 100 ms
 _RSS_REFRESH_NS = 200_000_000  # reading /proc costs ~20 us: refresh 5x a second, not per sample
-_rss_cache: list[Any] = [0, None]
+_rss_cache: dict[str, tuple[int, int | None]] = {}
 
 
-def _rss_bytes() -> int | None:
+def _rss_bytes(statm: str = "/proc/self/statm") -> int | None:
     now = time.monotonic_ns()
-    if now - _rss_cache[0] < _RSS_REFRESH_NS:
-        return _rss_cache[1]  # type: ignore[no-any-return]
+    cached = _rss_cache.get(statm)
+    if cached is not None and now - cached[0] < _RSS_REFRESH_NS:
+        return cached[1]
     try:
-        with open("/proc/self/statm", "rb") as f:
+        with open(statm, "rb") as f:
             value: int | None = int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         value = None
-    _rss_cache[0], _rss_cache[1] = now, value
+    _rss_cache[statm] = (now, value)
     return value
 
 
@@ -256,7 +303,9 @@ class SyntheticBackend:
         pass
 
 
-def _activity_fn(spec: ActivitySpec) -> tuple[Callable[[int], float], MarkActivity | None]:
+def _activity_fn(
+    spec: ActivitySpec, observe_pid: int | None = None
+) -> tuple[Callable[[int], float], MarkActivity | None]:
     if callable(spec):
         return spec, None
     if isinstance(spec, (int, float)):
@@ -268,11 +317,11 @@ def _activity_fn(spec: ActivitySpec) -> tuple[Callable[[int], float], MarkActivi
         marks = MarkActivity()
         return (lambda _t: marks.level()), marks
     if spec == "cpu":
-        cpu = CpuActivity()
+        cpu = CpuActivity(observe_pid)
         return cpu.level, None
     if spec == "auto":
         marks = MarkActivity()
-        cpu = CpuActivity()
+        cpu = CpuActivity(observe_pid)
 
         def auto(t: int) -> float:
             return marks.level() if marks.seen_any else cpu.level(t)
@@ -290,12 +339,16 @@ def open_backend(
     activity: ActivitySpec = "auto",
     params: SyntheticParams | None = None,
     clock: Callable[[], int] = time.monotonic_ns,
+    observe_pid: int | None = None,
 ) -> SyntheticBackend:
     """Open ``count`` synthetic devices (or those at ``indices``).
 
     ``activity``: ``auto`` (window marks once any arrive, else this process's CPU use),
     ``marks``, ``cpu``, a fixed level in [0, 1], or ``f(t_mono_ns) -> level``. With marks, wire
     ``backend.mark_activity`` to ``WindowRecorder.add_listener`` (the session does this).
+    ``observe_pid``: the process whose CPU use (``cpu``, ``auto``) and resident memory
+    (``mem_used_bytes``) the model follows; None = this one. The sampling process passes the
+    training process, and a :class:`SharedActivity` level for ``marks`` / ``auto``.
     """
     if count < 1:
         raise ConfigError(f"synthetic count={count} must be >= 1")
@@ -303,6 +356,6 @@ def open_backend(
     bad = [i for i in idx if not 0 <= i < max(count, len(idx))]
     if bad:
         raise ConfigError(f"synthetic device indices {bad} are negative; use 0..{count - 1}")
-    fn, marks = _activity_fn(activity)
+    fn, marks = _activity_fn(activity, observe_pid)
     prm = params or SyntheticParams()
-    return SyntheticBackend([SyntheticDevice(i, fn, prm, clock) for i in idx], marks)
+    return SyntheticBackend([SyntheticDevice(i, fn, prm, clock, observe_pid) for i in idx], marks)

@@ -8,6 +8,10 @@ callback) hold.
         tel.windows.end(wid)
         figures = tel.step_figures(wid)   # None until the sampler has passed the step's end
 
+The sampler runs in a thread up to 200 Hz and in a separate sampling process above it
+(``sampler="auto"``; or ``"thread"`` / ``"process"``): a thread shares the GIL with training and
+misses most deadlines at 1 kHz while the main thread runs Python (docs/benchmarks.md, part b).
+
 Safe against a killed job: segments are flushed at least every second by a background thread;
 SIGTERM (what SLURM sends before SIGKILL) and normal exit (atexit) flush everything and mark
 the manifest complete / terminated.
@@ -36,8 +40,10 @@ import pyarrow as pa
 import charllm_nemo
 from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.reader import to_arrays
 from charllm_nemo.telemetry.sampler import Sampler, rows_to_table, validate_hz
+from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
 from charllm_nemo.telemetry.store import Flusher, RankStore, windows_to_table
 from charllm_nemo.telemetry.windows import WindowRecorder
 
@@ -98,6 +104,10 @@ class TelemetrySession:
     (see :func:`default_device_indices`) for a real backend, device 0 for synthetic.
     ``backend_options`` go to the backend (synthetic: ``activity``, ``params``, ``count``).
     ``live_window_s``: how many seconds of samples stay in memory for :meth:`step_figures`.
+    ``sampler``: ``auto`` (a separate sampling process above 200 Hz, a thread up to it),
+    ``thread`` or ``process``. In process mode the child opens the backend again by name; this
+    process keeps its own handle for the device identities (and falls back to a thread on it
+    if the sampling process cannot start).
     """
 
     def __init__(
@@ -115,24 +125,59 @@ class TelemetrySession:
         live_window_s: float = 120.0,
         backend_options: dict[str, Any] | None = None,
         handle_signals: bool = True,
+        sampler: str = "auto",
     ) -> None:
         self.hz = validate_hz(hz)
+        mode = resolve_sampler_mode(sampler, self.hz)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.out_dir = Path(out_dir)
         self.windows = WindowRecorder()
         self._handle_signals = handle_signals
+        options = dict(backend_options or {})
+        if mode == "process" and not isinstance(backend, str):
+            if sampler == "process":
+                raise ConfigError(
+                    "telemetry.sampler='process' needs a backend name (the sampling process opens it "
+                    "itself), not a Backend object; pass backend='nvml' / 'amdsmi' / 'synthetic' or "
+                    "use sampler='thread'"
+                )
+            mode = "thread"
         if isinstance(backend, str):
             indices = devices
             if indices is None and backend != "synthetic":
                 indices = default_device_indices(local_rank)
-            self.backend = self._open_backend(backend, indices, backend_options or {})
+            self.backend = self._open_backend(backend, indices, options)
         else:
             self.backend = backend
+        self.source = self.backend.name
+        self.sampler: Sampler | ProcessSampler
+        if mode == "process":
+            # The backend the parent ended up with (auto resolved, index fallback applied); the
+            # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
+            named = backend == self.source or self.source == "synthetic"
+            try:
+                self.sampler = ProcessSampler(
+                    self.source,
+                    [d.identity.index for d in self.backend.devices],
+                    options if named else {},
+                    self.hz,
+                    source=self.source,
+                )
+            except ConfigError as exc:
+                if sampler == "process":
+                    self.backend.close()
+                    raise
+                log.info("telemetry: sampling in a thread: %s", exc)
+                mode = "thread"
+        if mode == "thread":
+            self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+        self.sampler_mode = mode
         marks = getattr(self.backend, "mark_activity", None)
         if marks is not None:
             self.windows.add_listener(marks)
-        self.source = self.backend.name
-        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+            if isinstance(self.sampler, ProcessSampler):
+                publish = self.sampler.publish_activity
+                self.windows.add_listener(lambda _kind, _name, _begin: publish(marks.level()))
         self.store = RankStore(self.out_dir, rank, self._manifest(config))
         self._flusher = Flusher(self.flush, flush_interval_s)
         self._recent: deque[tuple[int, pa.Table]] = deque()
@@ -164,6 +209,7 @@ class TelemetrySession:
             "backend": self.source,
             "synthetic": self.source == "synthetic",
             "sampling_hz": self.hz,
+            "sampler_mode": self.sampler_mode,
             "devices": [d.identity.to_dict() for d in self.backend.devices],
             "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},
             "started_wall_ns": time.time_ns(),
@@ -179,6 +225,8 @@ class TelemetrySession:
             return self
         self._started = True
         self.sampler.start()
+        if isinstance(self.sampler, ProcessSampler) and not self.sampler.running:
+            self._fall_back_to_thread()
         self._flusher.start()
         atexit.register(self._atexit)
         if self._handle_signals and threading.current_thread() is threading.main_thread():
@@ -207,6 +255,7 @@ class TelemetrySession:
             status,
             {
                 "sampler": self.sampler.health.to_dict(),
+                "sampler_mode": self.sampler_mode,
                 "flusher": {
                     "flushes": self._flusher.flushes,
                     "errors": self._flusher.errors,
@@ -225,6 +274,21 @@ class TelemetrySession:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
             self._prev_sigterm = None
         atexit.unregister(self._atexit)
+
+    def _fall_back_to_thread(self) -> None:
+        """The sampling process did not start: sample in a thread on this process's backend."""
+        failed = self.sampler
+        reason = failed.health.stop_reason
+        failed.stop()
+        log.warning(
+            "telemetry: the sampling process did not start (%s); sampling in a thread instead", reason
+        )
+        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+        self.sampler_mode = "thread"
+        self.store.manifest["sampler_mode"] = "thread"
+        self.store.manifest["sampler_process_error"] = reason
+        self.store.write_manifest()
+        self.sampler.start()
 
     def _atexit(self) -> None:
         self.close("complete")

@@ -265,6 +265,7 @@ def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
         t.out_dir,
         backend=t.backend,
         hz=t.hz,
+        sampler=t.sampler,
         rank=dist.rank,
         local_rank=dist.local_rank,
         world_size=dist.world_size,

@@ -1,0 +1,164 @@
+"""The deadline loop every sampler runs, whichever thread or process it runs in.
+
+:class:`~charllm_nemo.telemetry.sampler.Sampler` (a daemon thread in the training process) and
+:class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` (a separate sampling process)
+both call :func:`run_sample_loop`; they differ only in where a row goes (``emit``), how the loop
+learns that it should stop (``should_stop``) and how it waits for the next deadline (``sleep``).
+
+This module imports only the standard library and the package's light modules (no pyarrow, no
+numpy), so that the sampling process starts quickly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from charllm_nemo.devices.base import Device
+from charllm_nemo.errors import ConfigError, DeviceLost
+
+log = logging.getLogger("charllm_nemo.sampler")
+
+MIN_HZ = 1.0
+MAX_HZ = 1000.0
+
+Row = tuple[int, int, int, int, tuple[Any, ...]]  # t_mono_ns, t_wall_ns, read_ns, device_index, reading
+
+
+def validate_hz(hz: float) -> float:
+    """Return ``hz`` as a float if within 1 Hz to 1 kHz, else raise ConfigError."""
+    try:
+        value = float(hz)
+    except (TypeError, ValueError):
+        raise ConfigError(f"telemetry.hz={hz!r} is not a number; use a rate in [1, 1000] Hz") from None
+    if not MIN_HZ <= value <= MAX_HZ:
+        raise ConfigError(
+            f"telemetry.hz={hz} is outside the supported range; use a rate in [{MIN_HZ:g}, {MAX_HZ:g}] Hz "
+            "(1 kHz is the most a Python sampler holds reliably; NVML's own power average is 1 s)"
+        )
+    return value
+
+
+@dataclass
+class SamplerHealth:
+    """The sampler's own record of how it did (counts, and ns of CLOCK_MONOTONIC)."""
+
+    hz: float
+    started_mono_ns: int = 0
+    stopped_mono_ns: int = 0
+    samples: int = 0
+    slots: int = 0  # deadlines that came due while running
+    on_time: int = 0  # samples started within half a period of their deadline
+    deadlines_missed: int = 0  # slots skipped entirely because the sampler was a period or more late
+    late_max_ns: int = 0
+    read_ns_total: int = 0
+    read_ns_max: int = 0
+    devices_lost: int = 0
+    errors: int = 0
+    stop_reason: str | None = None
+    rows_lost: int = 0  # process mode: rows the sampling process overwrote before they were taken
+    startup_ns: int = 0  # from start() until sampling could begin (process mode: spawn + imports + open)
+
+    def deadline_ratio(self) -> float:
+        """Fraction of due deadlines met on time (1.0 when none came due)."""
+        return self.on_time / self.slots if self.slots else 1.0
+
+    def read_ns_mean(self) -> float:
+        return self.read_ns_total / self.samples if self.samples else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["deadline_ratio"] = self.deadline_ratio()
+        d["read_ns_mean"] = self.read_ns_mean()
+        return d
+
+
+def run_sample_loop(
+    devices: Sequence[Device],
+    period_ns: int,
+    health: SamplerHealth,
+    emit: Callable[[Row], None],
+    should_stop: Callable[[], bool],
+    sleep: Callable[[float], object] = time.sleep,
+) -> None:
+    """Read every device once per ``period_ns`` until ``should_stop()`` (checked once per slot).
+
+    Deadlines are absolute (``deadline += period``); a loop a whole period or more behind skips
+    the lost slots (``deadlines_missed``) rather than bursting to catch up. Each reading goes to
+    ``emit((t_mono_ns, t_wall_ns, read_ns, device_index, reading))``; ``health`` is updated in
+    place; ``sleep(seconds)`` waits for the next deadline (it may return early). A device that
+    raises is dropped (DeviceLost: one error line; anything else: logged with its traceback);
+    with none left the loop ends. Never raises.
+    """
+    h = health
+    period = period_ns
+    half = period // 2
+    mono = time.monotonic_ns
+    live = [(d, d.identity.index) for d in devices]
+    h.started_mono_ns = deadline = mono()
+    try:
+        while live and not should_stop():
+            now = mono()
+            late = now - deadline
+            h.slots += 1
+            if late < half:
+                h.on_time += 1
+            if late > h.late_max_ns:
+                h.late_max_ns = late
+            _sample_once(live, h, emit)
+            deadline += period
+            now = mono()
+            if now - deadline >= period:
+                # A period or more behind: skip the lost slots rather than burst to catch up.
+                skipped = (now - deadline) // period
+                h.deadlines_missed += skipped
+                h.slots += skipped
+                deadline += skipped * period
+            wait = deadline - now
+            if wait > 0:
+                sleep(wait / 1e9)
+        if live:
+            # One last sample at stop, so a window that closed just before stop() is
+            # bracketed by samples on both sides and can be attributed.
+            _sample_once(live, h, emit)
+        if not live:
+            h.stop_reason = "no devices left"
+            log.error("telemetry sampler stopped: no device left to sample; training goes on")
+        else:
+            h.stop_reason = "stopped"
+    except Exception as exc:  # never propagate into the process
+        h.errors += 1
+        h.stop_reason = f"crashed: {exc!r}"
+        log.exception("telemetry sampler crashed; training goes on")
+    finally:
+        h.stopped_mono_ns = mono()
+
+
+def _sample_once(devices: list[tuple[Device, int]], h: SamplerHealth, emit: Callable[[Row], None]) -> None:
+    """Read every device once; a device that fails is removed from ``devices``."""
+    mono = time.monotonic_ns
+    for entry in tuple(devices):
+        dev, idx = entry
+        t0 = mono()
+        tw = time.time_ns()
+        try:
+            reading = dev.read()
+        except DeviceLost as exc:
+            h.devices_lost += 1
+            devices.remove(entry)
+            log.error("device %d lost (%s): sampling of it stopped; training goes on", idx, exc)
+            continue
+        except Exception as exc:  # a backend bug must not reach training
+            h.errors += 1
+            devices.remove(entry)
+            log.exception("device %d: unexpected error in read(), sampling of it stopped: %s", idx, exc)
+            continue
+        dt = mono() - t0
+        emit((t0, tw, dt, idx, reading))
+        h.samples += 1
+        h.read_ns_total += dt
+        if dt > h.read_ns_max:
+            h.read_ns_max = dt

@@ -1,0 +1,365 @@
+"""Sampling in a separate process: rows cross a shared-memory ring exactly, nothing is lost
+silently, and the sampling process never outlives the training process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.fakes import nvml_stub
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.join import attribute_run
+from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
+from charllm_nemo.telemetry.session import TelemetrySession
+
+SHM = Path("/dev/shm")
+
+
+def _value(reading, name):
+    return reading[METRIC_INDEX[name]]
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def test_synthetic_rows_cross_the_ring_with_their_values_and_monotonic_timestamps():
+    # Two modelled devices at full activity: capped at 700 W, 100 % busy; the model's nulls stay null.
+    s = ProcessSampler("synthetic", [0, 1], {"count": 2, "activity": 1.0}, hz=500)
+    t_before = time.monotonic_ns()
+    s.start()
+    assert s.running and s.health.startup_ns < 1e9
+    time.sleep(0.3)
+    first = s.take_rows()
+    time.sleep(0.1)
+    s.stop()
+    t_after = time.monotonic_ns()
+    rows = first + s.take_rows()
+    assert s.take_rows() == [] and not s.running
+    h = s.health
+    assert h.stop_reason == "stopped" and h.rows_lost == 0 and h.errors == 0
+    assert h.samples == len(rows) and 0.9 * 2 * 0.4 * 500 <= len(rows) <= 2 * 0.5 * 500
+    for dev in (0, 1):
+        mine = [r for r in rows if r[3] == dev]
+        t = np.array([r[0] for r in mine])
+        assert (np.diff(t) > 0).all() and t_before < t[0] and t[-1] < t_after  # one system-wide clock
+        assert abs(mine[-1][1] - time.time_ns()) < 5e9  # wall clock, for humans
+        assert all(r[2] > 0 for r in mine)  # read_ns
+        for r in mine[5:]:
+            reading = r[4]
+            assert len(reading) == len(METRICS)
+            assert _value(reading, "power_instant_w") == 700.0
+            assert _value(reading, "util_gpu_pct") == 100.0
+            assert _value(reading, "power_memory_w") is None and _value(reading, "nvlink_tx_bytes") is None
+            assert isinstance(_value(reading, "pcie_tx_bytes"), int)
+        energy = [_value(r[4], "energy_mj") for r in mine]
+        assert energy == sorted(energy) and energy[-1] > energy[0]
+
+
+_NVML_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from charllm_nemo.devices.factory import open_backend
+    from charllm_nemo.telemetry.sampler_process import ProcessSampler
+
+    expected = None
+    if sys.argv[1] == "values":
+        backend = open_backend("nvml", [0])
+        expected = backend.devices[0].read()
+        backend.close()
+    s = ProcessSampler("nvml", [0], hz=200)
+    s.start()
+    time.sleep(float(sys.argv[2]))
+    rows = s.take_rows()
+    running = s.running
+    s.stop()
+    rows += s.take_rows()
+    print("RESULT " + json.dumps({
+        "expected": expected, "readings": [r[4] for r in rows], "t": [r[0] for r in rows],
+        "running": running, "health": s.health.to_dict(), "exit": s._proc.returncode,
+    }))
+    """
+)
+
+
+def _run_nvml_child(tmp_path: Path, script: list[str], mode: str, seconds: float) -> dict:
+    pytest.importorskip("pynvml")
+    try:
+        env = nvml_stub.subprocess_env(script, tmp_dir=tmp_path)
+    except nvml_stub.StubUnavailable as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NVML_CHILD, mode, str(seconds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    result["stderr"] = proc.stderr
+    return result
+
+
+def test_nvml_stand_in_rows_are_exact_including_64_bit_counters_above_2_53(tmp_path):
+    # The child opens the real NVML backend on the stand-in (it inherits LD_LIBRARY_PATH and
+    # FAKE_NVML_SCRIPT); every row must equal a direct read, to the last bit of the counters.
+    big = 2**53 + 1  # 9007199254740993: a float64 would make it ...992
+    r = _run_nvml_child(
+        tmp_path,
+        [
+            "0 power_instant_mw 251234",
+            f"0 pcie_tx_bytes {big}",
+            f"0 pcie_rx_bytes {2**62 + 7}",
+            f"0 energy_mj {big + 2}",
+            "0 temp_memory_c NOT_SUPPORTED",
+        ],
+        "values",
+        0.3,
+    )
+    readings, expected = r["readings"], r["expected"]
+    assert len(readings) >= 30
+    assert all(reading == expected for reading in readings)
+    assert _value(expected, "pcie_tx_bytes") == big and _value(expected, "energy_mj") == big + 2
+    assert _value(expected, "pcie_rx_bytes") == 2**62 + 7
+    assert _value(expected, "temp_hbm_c") is None and _value(expected, "power_instant_w") == 251.234
+    assert (np.diff(r["t"]) > 0).all()
+    assert r["health"]["samples"] == len(readings) and r["health"]["stop_reason"] == "stopped"
+
+
+def test_a_lost_device_stops_the_sampling_process_and_health_says_so(tmp_path):
+    r = _run_nvml_child(tmp_path, ["0 lose_after_calls 250"], "lost", 0.6)
+    h = r["health"]
+    assert not r["running"] and r["exit"] == 0
+    assert h["devices_lost"] == 1 and h["stop_reason"] == "no devices left"
+    assert 0 < h["samples"] == len(r["readings"]) < 40  # ~9 calls per read
+    assert "lost" in r["stderr"]  # the child's one log line reaches the job's stderr
+
+
+def test_a_reader_lapped_by_the_ring_counts_what_it_lost():
+    s = ProcessSampler("synthetic", [0], {"activity": 0.5}, hz=1000, capacity=64)
+    s.start()
+    time.sleep(0.3)  # ~300 rows into a 64-row ring
+    taken = s.take_rows()
+    assert 0 < len(taken) <= 64
+    assert s.health.rows_lost >= 150
+    time.sleep(0.02)
+    taken += s.take_rows()
+    s.stop()
+    taken += s.take_rows()
+    h = s.health
+    # every row the child wrote was either handed over or counted as lost, none twice
+    assert len(taken) + h.rows_lost == h.samples
+    t = np.array([r[0] for r in taken])
+    assert (np.diff(t) > 0).all()
+
+
+def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks():
+    s = ProcessSampler("synthetic", [0], {"activity": "auto"}, hz=200)
+    s.start()
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:  # this process busy: the child sees it in /proc/<ppid>/stat
+        pass
+    t_busy = time.monotonic_ns()
+    time.sleep(0.5)
+    t_idle = time.monotonic_ns()
+    s.publish_activity(0.5)  # what the session does on every window mark
+    time.sleep(0.1)
+    s.stop()
+    rows = s.take_rows()
+    util = np.array([_value(r[4], "util_gpu_pct") for r in rows])
+    t = np.array([r[0] for r in rows])
+    busy = util[(t > t_busy - 300_000_000) & (t < t_busy)]
+    idle = util[(t > t_idle - 200_000_000) & (t < t_idle)]
+    assert np.median(busy) > 40 and np.median(idle) < 20
+    assert util[-5:].tolist() == [50.0] * 5
+
+
+def test_the_sampling_process_exits_and_unlinks_its_block_when_the_parent_is_killed():
+    code = (
+        "import time\n"
+        "from charllm_nemo.telemetry.sampler_process import ProcessSampler\n"
+        "s = ProcessSampler('synthetic', [0], {'activity': 1.0}, hz=1000)\n"
+        "s.start()\n"
+        "print(s.pid, s.shm_name, s.running, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid_s, name, running = parent.stdout.readline().split()
+        child = int(pid_s)
+        assert running == "True" and not _gone(child) and (SHM / name).exists()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert _wait_until(lambda: _gone(child), 3.0), "the sampling process outlived its parent"
+        assert _wait_until(lambda: not (SHM / name).exists(), 1.0), "shared memory left in /dev/shm"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_a_crashed_sampling_process_is_reported_and_its_block_still_unlinked():
+    s = ProcessSampler("synthetic", [0], {"activity": 1.0}, hz=500)
+    s.start()
+    time.sleep(0.1)
+    name, child = s.shm_name, s.pid
+    assert name is not None and child is not None
+    os.kill(child, signal.SIGKILL)
+    assert _wait_until(lambda: not s.running, 2.0)
+    assert s.health.stop_reason == "sampling process exited unexpectedly (exit code -9)"
+    assert len(s.take_rows()) > 10  # what it wrote before it died is still there
+    s.stop()
+    assert not (SHM / name).exists() and s.shm_name is None
+
+
+def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_path, monkeypatch):
+    import charllm_nemo.telemetry.sampler_process as sp
+
+    monkeypatch.setattr(sp, "_CHILD_CODE", "raise SystemExit(3)")
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=500, sampler="process", handle_signals=False
+    ) as tel:
+        assert tel.sampler_mode == "thread" and tel.sampler.running
+        time.sleep(0.1)
+    m = load_run(tmp_path).manifests[0]
+    assert m["sampler_mode"] == "thread" and m["sampler"]["samples"] > 20
+    assert "exit code 3" in m["sampler_process_error"]
+
+
+def test_the_sampling_process_imports_neither_torch_nor_numpy_nor_pyarrow():
+    # What the child imports before it samples: its own module, the factory and a backend.
+    code = (
+        "import sys\n"
+        "import charllm_nemo.telemetry.sampler_process, charllm_nemo.devices.factory\n"
+        "import charllm_nemo.devices.synthetic, charllm_nemo.devices.nvml\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'pyarrow') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_sampler_mode_auto_is_a_process_above_200_hz_and_unknown_modes_are_refused(tmp_path):
+    assert resolve_sampler_mode("auto", 1000) == "process"
+    assert resolve_sampler_mode("auto", 200) == "thread"
+    assert resolve_sampler_mode("thread", 1000) == "thread"
+    assert resolve_sampler_mode("process", 10) == "process"
+    with pytest.raises(ConfigError, match=r"telemetry\.sampler='fork'.*auto, thread, process"):
+        TelemetrySession(tmp_path, backend="synthetic", hz=100, sampler="fork")
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ConfigError, match="cannot cross into the sampling process"):
+        TelemetrySession(
+            tmp_path, backend="synthetic", hz=100, sampler="process", backend_options={"activity": abs}
+        )
+    tel = TelemetrySession(
+        tmp_path / "a", backend="synthetic", hz=1000, backend_options={"activity": abs}, handle_signals=False
+    )
+    assert tel.sampler_mode == "thread"  # auto: a callable activity cannot cross; stays in a thread
+    tel.close()
+
+
+def test_a_session_in_process_mode_stores_marked_steps_whose_marks_drive_the_model(tmp_path):
+    with TelemetrySession(
+        tmp_path,
+        backend="synthetic",
+        hz=1000,
+        backend_options={"activity": "marks"},
+        handle_signals=False,
+    ) as tel:
+        assert tel.sampler_mode == "process" and tel.sampler.running
+        for step in range(3):
+            with tel.windows.window("step", step=step):
+                t0 = time.monotonic_ns()
+                with tel.windows.window("phase", "forward", step=step, microbatch=0):
+                    time.sleep(0.06)
+                t1 = time.monotonic_ns()
+                with tel.windows.window("phase", "optimizer", step=step):
+                    time.sleep(0.04)
+            time.sleep(0.03)
+        live = tel.step_figures(t0, t1, wait_s=1.0)
+        assert live is not None and live[0]["power_avg_w"] == pytest.approx(700.0, rel=0.03)
+        child = tel.sampler.pid
+    assert child is not None and _wait_until(lambda: _gone(child), 2.0)
+    run = load_run(tmp_path)
+    m = run.manifests[0]
+    assert m["status"] == "complete" and m["sampler_mode"] == "process"
+    assert m["sampler"]["samples"] == run.samples.num_rows >= 300
+    assert m["sampler"]["rows_lost"] == 0 and m["sampler"]["startup_ns"] < 1e9
+    assert run.windows.num_rows == 9
+    t = run.samples.column("t_mono_ns").to_numpy()
+    assert (np.diff(t) > 0).all()
+    phases = attribute_run(run, ("phase",)).to_pylist()
+    forward = [p["power_avg_w"] for p in phases if p["name"] == "forward"]
+    optimizer = [p["power_avg_w"] for p in phases if p["name"] == "optimizer"]
+    # forward: activity 1.0, capped at 700 W; optimizer: 0.5 -> 75 + 0.5 * (760 - 75) = 417.5 W
+    assert all(p == pytest.approx(700.0, rel=0.03) for p in forward), forward
+    assert all(p == pytest.approx(417.5, rel=0.05) for p in optimizer), optimizer
+    assert not math.isnan(phases[0]["energy_j"])
+
+
+def test_sigkill_of_a_1khz_process_mode_run_loses_at_most_a_second_and_leaves_no_sampler(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic", "--hz", "1000",
+           "--sampler", "process", "--seconds", "30", "--step-s", "0.2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert _wait_until(lambda: len(list(out.glob("rank=0/samples-*.parquet"))) >= 3, 20.0)
+        children = _children(proc.pid)
+        blocks = list(SHM.glob(f"charllm-sampler-{proc.pid}-*"))
+        assert len(children) >= 1 and len(blocks) == 1
+        time.sleep(0.7)  # land somewhere between two flushes
+        killed_at = time.monotonic_ns()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = load_run(out)
+    assert run.manifests[0]["sampler_mode"] == "process" and run.manifests[0]["status"] == "running"
+    t = run.samples.column("t_mono_ns").to_numpy()
+    assert run.samples.num_rows >= 1000 and (np.diff(t) > 0).all()
+    lost_s = (killed_at - t.max()) / 1e9
+    assert 0 <= lost_s <= 1.0, f"lost {lost_s:.3f} s of samples"
+    assert run.windows.num_rows > 0
+    assert _wait_until(lambda: all(_gone(c) for c in children), 3.0)
+    assert _wait_until(lambda: not any(b.exists() for b in blocks), 1.0)
