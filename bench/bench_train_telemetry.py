@@ -168,17 +168,16 @@ def schedstat_ns(pid: int) -> int:
 
 
 def step_figures_function() -> Any:
-    """What the loop calls per step for the previous step's figures: ``figures_from_session``
-    (train/report.py before the sinks work), or ``rank_figures(session.step_figures(...))``."""
+    """What the loop calls per step for the previous step's figures:
+    ``rank_figures(session.step_figures(..., figures=CONSOLE_FIGURES))``."""
     from charllm_nemo.train import report
 
-    old = getattr(report, "figures_from_session", None)
-    if old is not None:
-        return old
     rank_figures = report.rank_figures
+    wanted = report.CONSOLE_FIGURES  # what the loop asks for with logger=console (the default)
 
     def figures(session: Any, t_begin_mono_ns: int, t_end_mono_ns: int, wait_s: float = 0.0) -> Any:
-        return rank_figures(session.step_figures(t_begin_mono_ns, t_end_mono_ns, wait_s=wait_s))
+        rows = session.step_figures(t_begin_mono_ns, t_end_mono_ns, wait_s=wait_s, figures=wanted)
+        return rank_figures(rows)
 
     return figures
 

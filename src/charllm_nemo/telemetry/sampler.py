@@ -23,7 +23,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from charllm_nemo.devices.base import Device
@@ -35,7 +37,7 @@ from charllm_nemo.telemetry.sample_loop import (
     run_sample_loop,
     validate_hz,
 )
-from charllm_nemo.telemetry.schema import METRICS
+from charllm_nemo.telemetry.schema import INT_NULL, METRICS
 
 __all__ = [
     "MAX_HZ",
@@ -143,3 +145,26 @@ def rows_to_table(rows: Sequence[Row], source: str) -> pa.Table:
     for i, m in enumerate(METRICS):
         columns.append(pa.array(by_metric[i], SAMPLES_SCHEMA.field(m.name).type))
     return pa.Table.from_arrays(columns, schema=SAMPLES_SCHEMA)
+
+
+def rows_to_arrays(rows: Sequence[Row]) -> dict[str, np.ndarray[Any, Any]]:
+    """Sampler rows -> numpy columns with the in-memory null convention (NaN floats, INT_NULL
+    ints), the form the attribution takes; no Arrow round trip (cheap for a step's few rows)."""
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    if not rows:
+        out["t_mono_ns"] = np.zeros(0, np.int64)
+        out["device_index"] = np.zeros(0, np.int64)
+        for m in METRICS:
+            out[m.name] = np.zeros(0, np.float64 if m.kind == "float" else np.int64)
+        return out
+    t_mono, _wall, _read, dev, readings = zip(*rows, strict=True)
+    out["t_mono_ns"] = np.fromiter(t_mono, np.int64, len(rows))
+    out["device_index"] = np.fromiter(dev, np.int64, len(rows))
+    by_metric = list(zip(*readings, strict=True))
+    for i, m in enumerate(METRICS):
+        col = by_metric[i]
+        if m.kind == "float":
+            out[m.name] = np.array(col, dtype=np.float64)  # None -> NaN
+        else:
+            out[m.name] = np.array([INT_NULL if v is None else v for v in col], dtype=np.int64)
+    return out

@@ -20,6 +20,7 @@ the manifest complete / terminated.
 from __future__ import annotations
 
 import atexit
+import bisect
 import logging
 import os
 import platform
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,8 +42,7 @@ import charllm_nemo
 from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.reader import to_arrays
-from charllm_nemo.telemetry.sampler import Sampler, rows_to_table, validate_hz
+from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
 from charllm_nemo.telemetry.store import Flusher, RankStore, windows_to_table
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -180,9 +180,11 @@ class TelemetrySession:
                 self.windows.add_listener(lambda _kind, _name, _begin: publish(marks.level()))
         self.store = RankStore(self.out_dir, rank, self._manifest(config))
         self._flusher = Flusher(self.flush, flush_interval_s)
-        self._recent: deque[tuple[int, pa.Table]] = deque()
+        # Raw rows of the last live_window_s seconds, for step_figures: kept as the sampler's
+        # tuples, so a live figure costs no Arrow round trip.
+        n_dev = max(1, len(self.backend.devices))
+        self._recent: deque[Row] = deque(maxlen=max(1024, int(live_window_s * self.hz * n_dev)))
         self._recent_lock = threading.Lock()
-        self._live_ns = int(live_window_s * 1e9)
         self._pending: list[tuple[str, pa.Table]] = []
         self._closed = False
         self._started = False
@@ -308,9 +310,9 @@ class TelemetrySession:
         """Write what was sampled and marked since the last flush (the flusher calls this)."""
         rows = self.sampler.take_rows()
         if rows:
-            table = rows_to_table(rows, self.source)
-            self._pending.append(("samples", table))
-            self._remember(table)
+            self._pending.append(("samples", rows_to_table(rows, self.source)))
+            with self._recent_lock:
+                self._recent.extend(rows)
         done = self.windows.drain()
         if done:
             self._pending.append(("windows", windows_to_table(done)))
@@ -319,32 +321,26 @@ class TelemetrySession:
             self.store.write_segment(kind, table)  # raises on a full disk: kept for the next try
             self._pending.pop(0)
 
-    def _remember(self, table: pa.Table) -> None:
-        t = table.column("t_mono_ns")
-        last = int(t[len(t) - 1].as_py())
-        with self._recent_lock:
-            self._recent.append((last, table))
-            while self._recent and last - self._recent[0][0] > self._live_ns:
-                self._recent.popleft()
-
     # -- live figures ----------------------------------------------------------------------
-    def live_samples(self, since_mono_ns: int = 0) -> pa.Table:
-        """Samples still in memory (flushed recently or not yet flushed) from ``since_mono_ns``."""
+    def live_rows(self, since_mono_ns: int = 0) -> list[Row]:
+        """Sampler rows still in memory (flushed recently or not yet) from ``since_mono_ns``."""
         with self._recent_lock:
-            tables = [tb for last, tb in self._recent if last >= since_mono_ns]
-        pending = self.sampler.peek_rows()
-        if pending:
-            tables.append(rows_to_table(pending, self.source))
-        if not tables:
-            return rows_to_table([], self.source)
-        return pa.concat_tables(tables)
+            recent = list(self._recent)
+        rows = recent + self.sampler.peek_rows()
+        first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
+        return rows[first:]
 
     def step_figures(
-        self, t_begin_mono_ns: int, t_end_mono_ns: int, wait_s: float = 0.0
+        self,
+        t_begin_mono_ns: int,
+        t_end_mono_ns: int,
+        wait_s: float = 0.0,
+        figures: Collection[str] | None = None,
     ) -> list[dict[str, Any]] | None:
         """Attribution of one window for each device on this rank, or None while the sampler has
         not yet taken a sample at or after ``t_end_mono_ns`` (ask again next step, or pass
-        ``wait_s`` to wait up to that long). Never blocks when ``wait_s`` is 0."""
+        ``wait_s`` to wait up to that long). Never blocks when ``wait_s`` is 0. ``figures``: the
+        attribution columns wanted (None = all); fewer figures cost less on the training thread."""
         from charllm_nemo.telemetry.attribution import attribute_windows
 
         deadline = time.monotonic() + wait_s
@@ -354,11 +350,10 @@ class TelemetrySession:
                     return None
                 break
             time.sleep(min(0.002, 1.0 / self.hz))
-        # Start well before the window, so the counter's tick before it is seen as a tick (the
-        # first sample of a slice never is) and live figures equal those from the stored run.
-        margin = max(2 * self.sampler.period_ns, 1_000_000_000)
-        table = self.live_samples(t_begin_mono_ns - margin)
-        arrays = to_arrays(table)
+        # Two periods before the window: every sample inside has its predecessor in the slice, so
+        # counter ticks inside are found as in the stored run (the first sample of a slice is
+        # never a tick), and live figures equal those computed later.
+        arrays = rows_to_arrays(self.live_rows(t_begin_mono_ns - 2 * self.sampler.period_ns))
         out = []
         win = {
             "t_begin_mono_ns": np.array([t_begin_mono_ns], np.int64),
@@ -368,8 +363,8 @@ class TelemetrySession:
             idx = dev.identity.index
             mask = arrays["device_index"] == idx
             per_dev = {k: v[mask] for k, v in arrays.items()}
-            figures = attribute_windows(per_dev, win)
-            row = {k: (v[0].item() if hasattr(v[0], "item") else v[0]) for k, v in figures.items()}
+            result = attribute_windows(per_dev, win, figures=figures)
+            row = {k: (v[0].item() if hasattr(v[0], "item") else v[0]) for k, v in result.items()}
             row["device_index"] = idx
             out.append(row)
         return out

@@ -32,6 +32,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.report import (
+    CONSOLE_FIGURES,
     Progress,
     RankFigures,
     StepSummary,
@@ -441,13 +442,24 @@ def _train(
     print_steps = cfg.logger.name != "none"
     # Per-rank figures travel to rank 0 (one fixed-size gather) only when a sink logs them.
     gather_figures = cfg.logger.name == "wandb" and session is not None
+    # Only what is reported is computed on the training thread: the console's five figures, or
+    # every per-rank figure W&B logs.
+    wanted_figures: tuple[str, ...] = CONSOLE_FIGURES
+    if gather_figures:
+        from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+
+        wanted_figures = STEP_FIGURE_KEYS
     pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
 
     def figures_of(window: tuple[StepSummary, int, int], wait_s: float = 0.0) -> tuple[Any, Any]:
         """This rank's figures of a finished step, and (gather_figures) all ranks' on rank 0."""
-        rows = session.step_figures(window[1], window[2], wait_s=wait_s) if session is not None else None
+        rows = (
+            session.step_figures(window[1], window[2], wait_s=wait_s, figures=wanted_figures)
+            if session is not None
+            else None
+        )
         gathered = None
         if gather_figures:
             from charllm_nemo.sinks.gather import gather_to_rank0

@@ -39,6 +39,16 @@ class RankFigures:
         return not math.isnan(self.energy_j)
 
 
+CONSOLE_FIGURES: tuple[str, ...] = (
+    "energy_j",
+    "power_avg_w",
+    "power_peak_w",
+    "temp_gpu_peak_c",
+    "throttle_any_limiting_s",
+)
+"""The attribution figures the per-step console line and summary.json use."""
+
+
 def rank_figures(rows: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None) -> RankFigures | None:
     """One rank's figures from its devices' attribution rows (``TelemetrySession.step_figures``);
     None while those are not available. Devices of a rank add up (energy, power) or take the
