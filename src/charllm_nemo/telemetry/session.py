@@ -308,11 +308,12 @@ class TelemetrySession:
     # -- flushing --------------------------------------------------------------------------
     def flush(self) -> None:
         """Write what was sampled and marked since the last flush (the flusher calls this)."""
-        rows = self.sampler.take_rows()
+        # Taken and remembered under one lock: live_rows() never sees a row in neither place.
+        with self._recent_lock:
+            rows = self.sampler.take_rows()
+            self._recent.extend(rows)
         if rows:
             self._pending.append(("samples", rows_to_table(rows, self.source)))
-            with self._recent_lock:
-                self._recent.extend(rows)
         done = self.windows.drain()
         if done:
             self._pending.append(("windows", windows_to_table(done)))
@@ -325,8 +326,7 @@ class TelemetrySession:
     def live_rows(self, since_mono_ns: int = 0) -> list[Row]:
         """Sampler rows still in memory (flushed recently or not yet) from ``since_mono_ns``."""
         with self._recent_lock:
-            recent = list(self._recent)
-        rows = recent + self.sampler.peek_rows()
+            rows = list(self._recent) + self.sampler.peek_rows()
         first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
         return rows[first:]
 

@@ -532,7 +532,9 @@ def _train(
             progress.update()
         if pending is not None:
             # The last step: wait (briefly) for a sample past its end, then one more reduction.
-            wait = 2.5 / max(cfg.telemetry.hz, 1e-3) + 0.05
+            # Once per run, so wait generously (a loaded node can delay the sampler by tens of
+            # ms); it returns as soon as a sample past the step's end exists.
+            wait = max(0.5, 5.0 / max(cfg.telemetry.hz, 1e-3))
             figures, gathered = figures_of(pending, wait_s=min(wait, 5.0))
             sums, maxes = reduce_step(
                 torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
