@@ -213,7 +213,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.train.presets import model_preset
     from charllm_nemo.train.report import StepSummary, reduce_step
 
-    figures_from_session = step_figures_function()
+    previous_step_figures = step_figures_function()
     from charllm_nemo.train.validate import validate
 
     rng = random.Random(opts["seed"])
@@ -286,7 +286,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
         if pending is not None and session is not None:
-            figures = figures_from_session(session, pending[1], pending[2])
+            figures = previous_step_figures(session, pending[1], pending[2])
         sums, maxes = reduce_step(
             torch,
             "cpu",
@@ -550,12 +550,11 @@ while True:
 
 PROFILE_FUNCS = {
     # (file suffix, function): label
-    ("train/report.py", "figures_from_session"): "figures_from_session (per-step figures)",
+    ("train/report.py", "rank_figures"): "rank_figures (per-step figures)",
     ("telemetry/session.py", "step_figures"): "  session.step_figures",
-    ("telemetry/session.py", "live_samples"): "  session.live_samples",
-    ("telemetry/reader.py", "to_arrays"): "  reader.to_arrays",
+    ("telemetry/session.py", "live_rows"): "  session.live_rows",
+    ("telemetry/sampler.py", "rows_to_arrays"): "  sampler.rows_to_arrays",
     ("telemetry/attribution.py", "attribute_windows"): "  attribution.attribute_windows",
-    ("telemetry/sampler.py", "rows_to_table"): "  sampler.rows_to_table (pending rows)",
     ("train/marks.py", "_start"): "StepMarker._start (phase begin)",
     ("train/marks.py", "_stop"): "StepMarker._stop (phase end, microbatch record)",
     ("train/marks.py", "begin_step"): "StepMarker.begin_step",

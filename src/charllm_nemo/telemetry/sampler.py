@@ -46,6 +46,7 @@ __all__ = [
     "Row",
     "Sampler",
     "SamplerHealth",
+    "rows_to_arrays",
     "rows_to_table",
     "validate_hz",
 ]

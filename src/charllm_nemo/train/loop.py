@@ -446,7 +446,8 @@ def _train(
     # every per-rank figure W&B logs.
     wanted_figures: tuple[str, ...] = CONSOLE_FIGURES
     if gather_figures:
-        from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+        from charllm_nemo.sinks.gather import gather_to_rank0
+        from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, pack_step_figures
 
         wanted_figures = STEP_FIGURE_KEYS
     pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
@@ -462,9 +463,6 @@ def _train(
         )
         gathered = None
         if gather_figures:
-            from charllm_nemo.sinks.gather import gather_to_rank0
-            from charllm_nemo.sinks.keys import pack_step_figures
-
             gathered = gather_to_rank0(pack_step_figures(rows), device=comm_device)
         return rank_figures(rows), gathered
 
