@@ -23,16 +23,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
-from charllm_nemo.telemetry.windows import WINDOW_COLUMNS
+from charllm_nemo.telemetry.windows import (
+    NULL,
+    RECORD_FIELDS,
+    RECORD_LEN,
+    RECORD_WINDOW,
+    STRING_FIELDS,
+    WINDOW_COLUMNS,
+    Record,
+)
 
 log = logging.getLogger("charllm_nemo.store")
 
@@ -59,8 +68,30 @@ def _windows_schema() -> pa.Schema:
 WINDOWS_SCHEMA: pa.Schema = _windows_schema()
 
 
+def records_to_table(records: np.ndarray[Any, Any] | Sequence[Record], names: Sequence[str]) -> pa.Table:
+    """Window records (``WindowRecorder`` records, or an int64 array of them, one per row) ->
+    an Arrow table with WINDOWS_SCHEMA. Vectorised: no Python work per window (and no
+    pyarrow.compute, whose first import costs ~0.2 s)."""
+    arr = np.asarray(records, dtype=np.int64).reshape(-1, RECORD_LEN)
+    arr = arr[arr[:, 0] == RECORD_WINDOW]
+    if arr.shape[0] == 0:
+        return WINDOWS_SCHEMA.empty_table()
+    text = np.asarray(list(names), dtype=object)
+    cols: list[pa.Array] = []
+    for j, field in enumerate(RECORD_FIELDS[1:], start=1):
+        col = arr[:, j]
+        typ = WINDOWS_SCHEMA.field(field).type
+        if field in STRING_FIELDS:
+            cols.append(pa.array(text[col], typ))
+        else:
+            null = col == NULL
+            values = col.astype(np.int32) if typ == pa.int32() else col
+            cols.append(pa.array(values, typ, mask=null if null.any() else None))
+    return pa.Table.from_arrays(cols, schema=WINDOWS_SCHEMA)
+
+
 def windows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Window rows (as WindowRecorder.drain returns them) -> Arrow table with WINDOWS_SCHEMA."""
+    """Window rows keyed by WINDOW_COLUMNS (``WindowRecorder.drain``) -> Arrow table with WINDOWS_SCHEMA."""
     if not rows:
         return WINDOWS_SCHEMA.empty_table()
     cols = [pa.array([r.get(c) for r in rows], WINDOWS_SCHEMA.field(c).type) for c in WINDOW_COLUMNS]
@@ -93,7 +124,7 @@ def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"rank={rank}"
 
 
-def _warm_up_parquet_writer() -> None:
+def warm_up_parquet_writer() -> None:
     """The first Parquet write in a process costs ~150 ms (lazy codec and writer set-up). Pay it
     at start, before the sampler runs, rather than in the first flush, where it would hold the
     GIL against the sampler and the training thread."""
@@ -102,40 +133,17 @@ def _warm_up_parquet_writer() -> None:
     pq.write_table(WINDOWS_SCHEMA.empty_table(), io.BytesIO(), **PARQUET_OPTIONS)
 
 
-class RankStore:
-    """Writes one rank's manifest and segments under ``RUN/rank=<rank>/``.
+class SegmentWriter:
+    """Writes numbered ``samples-NNNNNN.parquet`` / ``windows-NNNNNN.parquet`` segments into one
+    rank's folder, atomically, and counts them. Thread-safe. ``first_seq`` continues a
+    numbering another writer began (the training process after its telemetry process died)."""
 
-    Creating it checks the directory is writable and writes the manifest with
-    ``status="running"``; :meth:`close` rewrites it with the final status and counts.
-    """
-
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, manifest: dict[str, Any]) -> None:
-        self.dir = rank_dir(run_dir, rank)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / ".write-probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise StoreError(
-                f"telemetry output directory {self.dir} is not writable ({exc.strerror or exc}); "
-                "choose another with --out / telemetry.out_dir, or fix its permissions"
-            ) from exc
-        self.manifest: dict[str, Any] = {
-            "store_format": STORE_FORMAT_VERSION,
-            "status": "running",
-            **manifest,
-        }
-        self._seq = {"samples": 0, "windows": 0}
+    def __init__(self, folder: Path, first_seq: dict[str, int] | None = None) -> None:
+        self.dir = folder
+        self._seq = {"samples": 0, "windows": 0, **(first_seq or {})}
         self.rows_written = {"samples": 0, "windows": 0}
         self.bytes_written = 0
         self._lock = threading.Lock()
-        self.write_manifest()
-        _warm_up_parquet_writer()
-
-    def write_manifest(self) -> None:
-        data = json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode()
-        atomic_write_bytes(self.dir / "manifest.json", data)
 
     def write_segment(self, kind: str, table: pa.Table) -> Path | None:
         """Write one ``samples`` or ``windows`` segment; empty tables write nothing."""
@@ -150,13 +158,80 @@ class RankStore:
             self.bytes_written += path.stat().st_size
         return path
 
-    def close(self, status: str, extra: dict[str, Any] | None = None) -> None:
+    def counts(self) -> dict[str, Any]:
+        """What the manifest records at close: next segment numbers, rows and bytes written."""
+        return {
+            "segments": dict(self._seq),
+            "rows": dict(self.rows_written),
+            "bytes_written": self.bytes_written,
+        }
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` and check a file can be written there, or raise StoreError."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StoreError(
+            f"telemetry output directory {folder} is not writable ({exc.strerror or exc}); "
+            "choose another with --out / telemetry.out_dir, or fix its permissions"
+        ) from exc
+
+
+def finish_manifest(manifest: dict[str, Any], status: str, counts: dict[str, Any]) -> None:
+    """The fields a manifest gets at close (in place): status, end time, segment counts."""
+    manifest["status"] = status
+    manifest["ended_wall_ns"] = time.time_ns()
+    manifest.update(counts)
+
+
+class RankStore:
+    """One rank's folder ``RUN/rank=<rank>/``: its manifest and (``writes_segments``) its segments.
+
+    Creating it checks the directory is writable and writes the manifest with
+    ``status="running"``; :meth:`close` rewrites it with the final status and counts. A session
+    whose telemetry process writes the segments passes ``writes_segments=False`` and hands that
+    process's counts to :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        rank: int,
+        manifest: dict[str, Any],
+        *,
+        writes_segments: bool = True,
+    ) -> None:
+        self.dir = rank_dir(run_dir, rank)
+        check_writable(self.dir)
+        self.manifest: dict[str, Any] = {
+            "store_format": STORE_FORMAT_VERSION,
+            "status": "running",
+            **manifest,
+        }
+        self.segments = SegmentWriter(self.dir)
+        self.write_manifest()
+        if writes_segments:
+            warm_up_parquet_writer()
+
+    def write_manifest(self) -> None:
+        data = json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode()
+        atomic_write_bytes(self.dir / "manifest.json", data)
+
+    def write_segment(self, kind: str, table: pa.Table) -> Path | None:
+        """Write one ``samples`` or ``windows`` segment; empty tables write nothing."""
+        return self.segments.write_segment(kind, table)
+
+    def close(
+        self, status: str, extra: dict[str, Any] | None = None, counts: dict[str, Any] | None = None
+    ) -> None:
+        """Final manifest: ``extra`` fields, the status, and the segment counts (``counts``: those
+        of whoever wrote the segments; default this store's own)."""
         self.manifest.update(extra or {})
-        self.manifest["status"] = status
-        self.manifest["ended_wall_ns"] = time.time_ns()
-        self.manifest["segments"] = dict(self._seq)
-        self.manifest["rows"] = dict(self.rows_written)
-        self.manifest["bytes_written"] = self.bytes_written
+        finish_manifest(self.manifest, status, counts if counts is not None else self.segments.counts())
         self.write_manifest()
 
 

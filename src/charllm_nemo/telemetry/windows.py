@@ -4,8 +4,15 @@ A window is ``(kind, name, step, microbatch, t_begin_mono_ns, t_end_mono_ns, lab
 ``kind`` is ``step``, ``microbatch`` or ``phase``; a phase's ``name`` is ``forward``,
 ``backward``, ``optimizer`` or any free-form name (``pp-send``, ``grad-sync``, ...).
 
-Marks are cheap: ``begin`` and ``end`` take a clock reading and append to Python lists; the
-recorder never does I/O. The session drains finished windows to the store (``drain``).
+Marks are cheap, because they run on the training thread (~15 windows per step in a
+Megatron-Core loop): ``begin`` takes a clock reading and keeps a small list; ``end`` turns it
+into one **record**, a flat tuple of ints (:data:`RECORD_FIELDS`: strings as codes of the
+recorder's name table, :data:`NULL` for null), and hands it to the recorder's sink. The default
+sink keeps records in a list that the session's flusher drains; a session whose telemetry runs
+in its own process installs a sink that writes the record into shared memory, and that process
+stores it (telemetry/telemetry_process.py). Either way records become the windows table with
+one vectorised conversion (:func:`charllm_nemo.telemetry.store.records_to_table`).
+
 Timestamps are CLOCK_MONOTONIC ns, the same clock the sampler stamps samples with, so the two
 join on one machine whichever thread or process made them. A loop that times with CUDA events
 resolves them at step end and hands explicit timestamps to :meth:`WindowRecorder.record`.
@@ -13,9 +20,10 @@ resolves them at step end and hands explicit timestamps to :meth:`WindowRecorder
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +43,66 @@ WINDOW_COLUMNS: tuple[str, ...] = (
     "timing",
     *WINDOW_LABELS,
 )
+"""Columns of the windows table (docs/store.md)."""
+
+NULL = -(2**63)
+"""Null in a record (every record field is an int64)."""
+
+RECORD_WINDOW, RECORD_FIGURES = 0, 1
+"""Record types: a window, or a request for a window's live figures (telemetry process only)."""
+
+RECORD_FIELDS: tuple[str, ...] = ("record_type", *WINDOW_COLUMNS)
+"""A record: the record type, then WINDOW_COLUMNS with ``kind``, ``name`` and ``timing`` as
+codes of the recorder's :class:`NameTable`."""
+RECORD_LEN = len(RECORD_FIELDS)
+STRING_FIELDS: tuple[str, ...] = ("kind", "name", "timing")
+
+Record = tuple[int, ...]
+
+
+class NameTable:
+    """Strings of window records (kinds, names, timings) as small int codes, in first-seen order.
+    ``on_new(code, text)`` is called once per new string, before any record uses its code."""
+
+    def __init__(self, on_new: Callable[[int, str], None] | None = None) -> None:
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+        self._lock = threading.Lock()
+        self._on_new = on_new
+        for s in (*WINDOW_KINDS, "host", "cuda_event", "forward", "backward", "optimizer"):
+            self.code(s)
+
+    def code(self, text: str) -> int:
+        c = self.codes.get(text)
+        if c is not None:
+            return c
+        with self._lock:
+            c = self.codes.get(text)
+            if c is None:
+                c = len(self.names)
+                if self._on_new is not None:
+                    self._on_new(c, text)
+                self.names.append(text)
+                self.codes[text] = c
+        return c
+
+    def set_on_new(self, on_new: Callable[[int, str], None]) -> None:
+        """Install the publisher of new names and publish the ones known so far."""
+        with self._lock:
+            for c, text in enumerate(self.names):
+                on_new(c, text)
+            self._on_new = on_new
+
+
+def decode_record(rec: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+    """A record as a row dict keyed by WINDOW_COLUMNS (codes back to strings, NULL to None)."""
+    row: dict[str, Any] = {}
+    for field, v in zip(RECORD_FIELDS[1:], rec[1:], strict=True):
+        if field in STRING_FIELDS:
+            row[field] = names[v]
+        else:
+            row[field] = None if v == NULL else v
+    return row
 
 
 class WindowRecorder:
@@ -45,26 +113,56 @@ class WindowRecorder:
     """
 
     def __init__(self) -> None:
+        self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._next_id = 0
-        self._open: dict[int, dict[str, Any]] = {}
+        self._open: dict[int, list[Any]] = {}
         self._stack: list[int] = []
-        self._done: list[dict[str, Any]] = []
+        self._done: list[Record] = []
+        self._sink: Callable[[Record], None] = self._done.append
+        self.names = NameTable()
         self._labels: dict[str, int | None] = dict.fromkeys(WINDOW_LABELS)
+        self._label_values: tuple[int, ...] = (NULL,) * len(WINDOW_LABELS)
         self._listeners: list[Any] = []
+        self._host = self.names.code("host")
         self.total_recorded = 0
 
+    # -- configuration ---------------------------------------------------------------------
     def set_labels(self, **labels: int | None) -> None:
         unknown = set(labels) - set(WINDOW_LABELS)
         if unknown:
             raise ConfigError(f"unknown window label(s) {sorted(unknown)}; use {', '.join(WINDOW_LABELS)}")
         self._labels.update(labels)
+        self._label_values = tuple(NULL if v is None else int(v) for v in self._labels.values())
 
     def add_listener(self, fn: Any) -> None:
         """``fn(kind, name, is_begin)`` is called on every begin/end (the synthetic device uses
         this to follow the training phases). It must be cheap and must not raise."""
         self._listeners.append(fn)
 
+    def set_sink(self, sink: Callable[[Record], None]) -> None:
+        """Send every finished record to ``sink`` instead of the recorder's own list (records
+        already in the list are passed on first, in order)."""
+        with self._lock:
+            for rec in self._done:
+                sink(rec)
+            self._done.clear()
+            self._sink = sink
+
+    def reset_sink(self) -> None:
+        """Keep records in the recorder's own list again (:meth:`drain` takes them)."""
+        with self._lock:
+            self._sink = self._done.append
+
+    def _labels_with(self, labels: dict[str, int | None]) -> tuple[int, ...]:
+        if not labels:
+            return self._label_values
+        unknown = set(labels) - set(WINDOW_LABELS)
+        if unknown:
+            raise ConfigError(f"unknown window label(s) {sorted(unknown)}; use {', '.join(WINDOW_LABELS)}")
+        merged = {**self._labels, **labels}
+        return tuple(NULL if merged[k] is None else int(merged[k]) for k in WINDOW_LABELS)  # type: ignore[arg-type]
+
+    # -- marks -----------------------------------------------------------------------------
     def begin(
         self,
         kind: str,
@@ -80,43 +178,49 @@ class WindowRecorder:
             raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
         t = time.monotonic_ns() if t_mono_ns is None else t_mono_ns
         wall = time.time_ns()
+        name = name or kind
+        wid = next(self._ids)
         with self._lock:
-            wid = self._next_id
-            self._next_id += 1
-            row = {
-                "window_id": wid,
-                "parent_id": self._stack[-1] if self._stack else None,
-                "kind": kind,
-                "name": name or kind,
-                "step": step,
-                "microbatch": microbatch,
-                "t_begin_mono_ns": t,
-                "t_end_mono_ns": None,
-                "t_begin_wall_ns": wall,
-                "timing": "host",
-                **self._labels,
-                **labels,
-            }
-            self._open[wid] = row
+            parent = self._stack[-1] if self._stack else NULL
+            self._open[wid] = [kind, name, step, microbatch, t, wall, parent, self._labels_with(labels)]
             self._stack.append(wid)
         for fn in self._listeners:
-            fn(kind, row["name"], True)
+            fn(kind, name, True)
         return wid
 
     def end(self, window_id: int, *, t_mono_ns: int | None = None) -> None:
         """Close a window opened by :meth:`begin`. Ending an unknown id is ignored."""
         t = time.monotonic_ns() if t_mono_ns is None else t_mono_ns
         with self._lock:
-            row = self._open.pop(window_id, None)
-            if row is None:
+            entry = self._open.pop(window_id, None)
+            if entry is None:
                 return
-            if window_id in self._stack:
+            if self._stack and self._stack[-1] == window_id:
+                self._stack.pop()
+            elif window_id in self._stack:
                 self._stack.remove(window_id)
-            row["t_end_mono_ns"] = t
-            self._done.append(row)
+            self._sink(self._record(window_id, entry, t))
             self.total_recorded += 1
         for fn in self._listeners:
-            fn(row["kind"], row["name"], False)
+            fn(entry[0], entry[1], False)
+
+    def _record(self, wid: int, entry: list[Any], t_end: int) -> Record:
+        kind, name, step, mb, t0, wall, parent, labels = entry
+        code = self.names.code
+        return (
+            RECORD_WINDOW,
+            wid,
+            parent,
+            code(kind),
+            code(name),
+            NULL if step is None else step,
+            NULL if mb is None else mb,
+            t0,
+            t_end,
+            wall,
+            self._host,
+            *labels,
+        )
 
     @contextmanager
     def window(self, kind: str, name: str | None = None, **kw: Any) -> Iterator[int]:
@@ -143,35 +247,46 @@ class WindowRecorder:
         if kind not in WINDOW_KINDS:
             raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
         wall = time.time_ns() - (time.monotonic_ns() - t_begin_mono_ns)
+        code = self.names.code
+        wid = next(self._ids)
+        rec = (
+            RECORD_WINDOW,
+            wid,
+            NULL if parent_id is None else parent_id,
+            code(kind),
+            code(name or kind),
+            NULL if step is None else step,
+            NULL if microbatch is None else microbatch,
+            int(t_begin_mono_ns),
+            int(t_end_mono_ns),
+            wall,
+            code(timing),
+            *self._labels_with(labels),
+        )
         with self._lock:
-            wid = self._next_id
-            self._next_id += 1
-            self._done.append(
-                {
-                    "window_id": wid,
-                    "parent_id": parent_id,
-                    "kind": kind,
-                    "name": name or kind,
-                    "step": step,
-                    "microbatch": microbatch,
-                    "t_begin_mono_ns": int(t_begin_mono_ns),
-                    "t_end_mono_ns": int(t_end_mono_ns),
-                    "t_begin_wall_ns": wall,
-                    "timing": timing,
-                    **self._labels,
-                    **labels,
-                }
-            )
+            self._sink(rec)
             self.total_recorded += 1
         return wid
 
-    def drain(self) -> list[dict[str, Any]]:
-        """Take the finished windows recorded since the last drain (rows keyed by WINDOW_COLUMNS)."""
+    # -- taking what was recorded ----------------------------------------------------------
+    def drain_records(self) -> list[Record]:
+        """Take the finished records since the last drain (empty once a sink is installed)."""
         with self._lock:
-            done, self._done = self._done, []
+            done = self._done[:]
+            self._done.clear()
         return done
 
-    def open_windows(self) -> list[dict[str, Any]]:
-        """Windows begun and not yet ended (e.g. at SIGTERM): the store writes them with a null end."""
+    def drain(self) -> list[dict[str, Any]]:
+        """Take the finished windows since the last drain, as rows keyed by WINDOW_COLUMNS."""
+        names = self.names.names
+        return [decode_record(r, names) for r in self.drain_records()]
+
+    def open_records(self) -> list[Record]:
+        """Windows begun and not yet ended (e.g. at SIGTERM), as records with a NULL end."""
         with self._lock:
-            return [dict(r) for r in self._open.values()]
+            return [self._record(wid, entry, NULL) for wid, entry in self._open.items()]
+
+    def open_windows(self) -> list[dict[str, Any]]:
+        """Windows begun and not yet ended, as rows with ``t_end_mono_ns`` None."""
+        names = self.names.names
+        return [decode_record(r, names) for r in self.open_records()]
