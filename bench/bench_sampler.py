@@ -175,7 +175,7 @@ class Bench:
         seg = 0.5
         per_cond = 2.0 if self.quick else 5.0
         rounds = max(1, round(per_cond / seg))
-        # Next to the thread: the real ProcessSampler (what telemetry.sampler=auto uses above 200 Hz).
+        # Next to the thread: the real ProcessSampler (the sampling loop of telemetry.sampler=auto).
         process = [[hz, cores, "process"] for hz in (100, 1000) for cores in ("free", "busy")]
         runs: list[tuple[str, list[list[Any]]]] = [("mix", process)]
         if not self.quick:

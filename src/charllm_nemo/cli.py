@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampler",
         default="auto",
         choices=SAMPLER_MODES,
-        help="where the sampler runs (default: auto = a separate process above 200 Hz, else a thread)",
+        help="where sampling and storing run (default: auto = a telemetry process, else threads)",
     )
     t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
     t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")

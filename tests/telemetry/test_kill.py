@@ -1,5 +1,6 @@
-"""A real subprocess samples and writes; we kill it. SIGKILL may lose at most the last
-second; SIGTERM (what SLURM sends first) and a normal exit lose nothing."""
+"""A real subprocess samples and writes; we kill it. SIGKILL of everything may lose at most the
+last second; SIGKILL of the training process alone (process mode), SIGTERM (what SLURM sends
+first) and a normal exit lose nothing."""
 
 from __future__ import annotations
 
@@ -11,17 +12,25 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from charllm_nemo.telemetry.reader import load_run
 
 
-def _cmd(out: Path, seconds: float, step_s: float) -> list[str]:
+def _cmd(out: Path, seconds: float, step_s: float, sampler: str = "auto") -> list[str]:
     return [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic", "--hz", "100",
-            "--seconds", str(seconds), "--step-s", str(step_s), "--out", str(out)]  # fmt: skip
+            "--seconds", str(seconds), "--step-s", str(step_s), "--out", str(out),
+            "--sampler", sampler]  # fmt: skip
 
 
-def _start(out: Path, seconds: float = 30.0) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(_cmd(out, seconds, 0.2), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start(out: Path, seconds: float = 30.0, sampler: str = "auto") -> subprocess.Popen[bytes]:
+    # Its own session (process group), so that a test can kill the group as a cgroup kill would.
+    return subprocess.Popen(
+        _cmd(out, seconds, 0.2, sampler),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait_for_segments(out: Path, n: int, timeout: float = 20.0) -> None:
@@ -33,14 +42,39 @@ def _wait_for_segments(out: Path, n: int, timeout: float = 20.0) -> None:
     raise AssertionError(f"no {n} segments appeared in {out}")
 
 
-def test_sigkill_leaves_a_readable_run_missing_at_most_one_second(tmp_path):
-    out = tmp_path / "run"
-    proc = _start(out)
+def _kill_between_flushes(out: Path, proc: subprocess.Popen[bytes], group: bool) -> int:
     _wait_for_segments(out, 3)
     time.sleep(0.7)  # land somewhere between two flushes
     killed_at = time.monotonic_ns()  # CLOCK_MONOTONIC is system-wide: comparable with samples
-    proc.send_signal(signal.SIGKILL)
+    if group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+    return killed_at
+
+
+def _wait_for_status(out: Path, status: str, timeout: float = 10.0) -> None:
+    path = out / "rank=0" / "manifest.json"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if f'"status": "{status}"' in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never said status {status}")
+
+
+@pytest.mark.parametrize(
+    ("sampler", "group"),
+    [("thread", False), ("process", True)],
+    ids=["thread-mode", "process-mode-whole-group"],
+)
+def test_sigkill_of_everything_leaves_a_readable_run_missing_at_most_one_second(tmp_path, sampler, group):
+    # Thread mode: the training process holds everything. Process mode, group killed (a cgroup
+    # kill): both processes die at once. Either way at most one flush interval (0.5 s) is lost.
+    out = tmp_path / "run"
+    proc = _start(out, sampler=sampler)
+    killed_at = _kill_between_flushes(out, proc, group)
     run = load_run(out)
     t = run.samples.column("t_mono_ns").to_numpy()
     assert run.samples.num_rows >= 100
@@ -49,8 +83,30 @@ def test_sigkill_leaves_a_readable_run_missing_at_most_one_second(tmp_path):
     assert 0 <= lost_s <= 1.0, f"lost {lost_s:.3f} s of samples"
     # the writer never finished: the reader says so, and everything flushed is there
     assert run.manifests[0]["status"] == "running"
+    assert run.manifests[0]["sampler_mode"] == sampler
     assert any("running" in p for p in run.problems)
     assert run.windows.num_rows > 0
+
+
+def test_sigkill_of_the_training_process_alone_loses_nothing_it_marked(tmp_path):
+    # Process mode, only the training process killed (a segfault, the OOM killer): its telemetry
+    # process notices, stores every window finished before the death, and marks the manifest.
+    out = tmp_path / "run"
+    proc = _start(out, sampler="process")
+    killed_at = _kill_between_flushes(out, proc, group=False)
+    _wait_for_status(out, "killed")
+    run = load_run(out)
+    m = run.manifests[0]
+    t = run.samples.column("t_mono_ns").to_numpy()
+    assert (np.diff(t) > 0).all()
+    assert t.max() >= killed_at - 20_000_000  # sampled up to the kill (100 Hz: within 2 periods)
+    assert m["rows"] == {"samples": run.samples.num_rows, "windows": run.windows.num_rows}
+    assert "killed_note" in m and any("killed" in p for p in run.problems)
+    # Every phase that ended before the kill is there: the last stored window ends within one
+    # 0.2 s step of the kill, not a flush interval before it.
+    ends = run.windows.column("t_end_mono_ns").to_numpy()
+    assert (killed_at - ends.max()) / 1e9 < 0.2 + 0.05
+    assert not list(Path("/dev/shm").glob(f"charllm-sampler-{proc.pid}-*"))
 
 
 def test_sigterm_flushes_everything_and_marks_the_run_terminated(tmp_path):

@@ -253,9 +253,9 @@ def test_a_crashed_sampling_process_is_reported_and_its_block_still_unlinked():
 
 
 def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_path, monkeypatch):
-    import charllm_nemo.telemetry.sampler_process as sp
+    import charllm_nemo.telemetry.telemetry_process as tp
 
-    monkeypatch.setattr(sp, "_CHILD_CODE", "raise SystemExit(3)")
+    monkeypatch.setattr(tp, "CHILD_CODE", "raise SystemExit(3)")
     with TelemetrySession(
         tmp_path, backend="synthetic", hz=500, sampler="process", handle_signals=False
     ) as tel:
@@ -270,7 +270,7 @@ def test_the_sampling_process_imports_neither_torch_nor_numpy_nor_pyarrow():
     # What the child imports before it samples: its own module, the factory and a backend.
     code = (
         "import sys\n"
-        "import charllm_nemo.telemetry.sampler_process, charllm_nemo.devices.factory\n"
+        "import charllm_nemo.telemetry.telemetry_process, charllm_nemo.devices.factory\n"
         "import charllm_nemo.devices.synthetic, charllm_nemo.devices.nvml\n"
         "print(sorted(m for m in ('torch', 'numpy', 'pyarrow') if m in sys.modules))\n"
     )
@@ -279,9 +279,9 @@ def test_the_sampling_process_imports_neither_torch_nor_numpy_nor_pyarrow():
     assert proc.stdout.strip() == "[]"
 
 
-def test_sampler_mode_auto_is_a_process_above_200_hz_and_unknown_modes_are_refused(tmp_path):
+def test_sampler_mode_auto_is_a_process_at_every_rate_and_unknown_modes_are_refused(tmp_path):
     assert resolve_sampler_mode("auto", 1000) == "process"
-    assert resolve_sampler_mode("auto", 200) == "thread"
+    assert resolve_sampler_mode("auto", 1) == "process"
     assert resolve_sampler_mode("thread", 1000) == "thread"
     assert resolve_sampler_mode("process", 10) == "process"
     with pytest.raises(ConfigError, match=r"telemetry\.sampler='fork'.*auto, thread, process"):
@@ -363,3 +363,60 @@ def test_sigkill_of_a_1khz_process_mode_run_loses_at_most_a_second_and_leaves_no
     assert run.windows.num_rows > 0
     assert _wait_until(lambda: all(_gone(c) for c in children), 3.0)
     assert _wait_until(lambda: not any(b.exists() for b in blocks), 1.0)
+
+
+def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column(tmp_path):
+    steps = []
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, backend_options={"activity": "marks"}, handle_signals=False
+    ) as tel:
+        assert tel.sampler_mode == "process"
+        for step in range(4):
+            t0 = time.monotonic_ns()
+            wid = tel.windows.begin("step", step=step, t_mono_ns=t0)
+            with tel.windows.window("phase", "forward", step=step, microbatch=0):
+                time.sleep(0.03 + 0.02 * step)
+            t1 = time.monotonic_ns()
+            tel.windows.end(wid, t_mono_ns=t1)
+            tel.request_figures(t0, t1)  # as the loop does at step end
+            steps.append((t0, t1))
+        live = [tel.step_figures(t0, t1, wait_s=2.0) for t0, t1 in steps]
+        some = tel.step_figures(*steps[0], figures=["energy_j"])
+    assert some is not None and set(some[0]) == {"duration_s", "energy_j", "device_index"}
+    stored = attribute_run(load_run(tmp_path), ("step",)).to_pylist()
+    assert len(stored) == 4
+    for row, figs in zip(sorted(stored, key=lambda r: r["step"]), live, strict=True):
+        assert figs is not None and len(figs) == 1
+        for name, value in figs[0].items():
+            if name == "device_index":
+                continue
+            want = row[name]
+            if (isinstance(want, float) and math.isnan(want)) or want is None:
+                assert value is None or math.isnan(value), name
+            elif isinstance(want, float):
+                assert value == pytest.approx(want, rel=1e-9, abs=1e-9), name
+            else:
+                assert value == want, name
+    m = load_run(tmp_path).manifests[0]
+    assert m["store_process"]["figures_served"] >= 4 and m["flusher"]["where"] == "telemetry process"
+
+
+def test_a_telemetry_process_that_dies_loses_only_its_last_flush_of_samples_and_no_window(tmp_path):
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, backend_options={"activity": 1.0}, handle_signals=False
+    ) as tel:
+        time.sleep(0.7)  # at least one flush by the telemetry process
+        os.kill(tel.sampler.pid, signal.SIGKILL)
+        assert _wait_until(lambda: not tel.sampler.running, 2.0)
+        for step in range(3):  # the training process goes on marking into the ring
+            with tel.windows.window("step", step=step):
+                time.sleep(0.01)
+        assert tel.step_figures(0, 1) is None  # no figures without it, and no hang
+    run = load_run(tmp_path)
+    m = run.manifests[0]
+    assert m["status"] == "complete" and m["store_process"]["salvaged"] is True
+    assert m["store_process"]["done"] is False
+    assert run.windows.column("step").to_pylist() == [0, 1, 2]  # written by the training process
+    assert m["rows"] == {"samples": run.samples.num_rows, "windows": 3}
+    assert run.samples.num_rows >= 100  # everything the ring held, to the moment it died
+    assert "exited unexpectedly" in m["sampler"]["stop_reason"]

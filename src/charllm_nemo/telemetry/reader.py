@@ -106,6 +106,11 @@ def load_rank(run_dir: str | os.PathLike[str], rank: int) -> RankData:
             f"rank {rank}: manifest status is 'running': the process did not close the store "
             "(killed?); data up to the last flush is present"
         )
+    elif manifest.get("status") == "killed":
+        problems.append(
+            f"rank {rank}: the training process was killed; its telemetry process stored every "
+            "sample and every window finished before that (windows still open are missing)"
+        )
     samples = _read_segments(folder, "samples", SAMPLES_SCHEMA, problems)
     windows = _read_segments(folder, "windows", WINDOWS_SCHEMA, problems)
     return RankData(rank, manifest, samples, windows, problems)

@@ -1,12 +1,13 @@
-"""The background sampler: one per rank, a daemon thread with deadline-based sleep.
+"""The thread sampler: a daemon thread with deadline-based sleep, in the training process.
 
-Thread or process: a Python thread shares the GIL with the training thread, which can hold it
-for up to the interpreter's switch interval (5 ms). bench/bench_sampler.py (figures in
-docs/benchmarks.md) shows the thread meeting 100 % of its deadlines at 100 Hz with a core free,
-but only ~55 % at 1 kHz when the main thread runs Python, while the same loop in its own
-process meets 99.6-99.9 %. So the session samples in this thread up to 200 Hz and in a separate
-process (:mod:`charllm_nemo.telemetry.sampler_process`) above it (``telemetry.sampler``).
-Both run the one deadline loop in :mod:`charllm_nemo.telemetry.sample_loop`.
+A session uses it only where its telemetry process cannot run (``telemetry.sampler=thread``, a
+Backend object, a process that does not start): a Python thread shares the GIL with the
+training thread, which can hold it for up to the interpreter's switch interval (5 ms).
+bench/bench_sampler.py (figures in docs/benchmarks.md) shows the thread meeting 100 % of its
+deadlines at 100 Hz with a core free, but only ~55 % at 1 kHz when the main thread runs Python,
+while the same loop in its own process meets 99.6-99.9 %
+(:mod:`charllm_nemo.telemetry.sampler_process`). Both run the one deadline loop in
+:mod:`charllm_nemo.telemetry.sample_loop`.
 
 Hot path per sample: two clock reads, the backend's ``read()``, one more clock read and one
 ``list.append`` of a tuple. The backend's reading tuple is kept as it is; turning rows into
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ __all__ = [
     "Row",
     "Sampler",
     "SamplerHealth",
+    "columns_to_table",
     "rows_to_arrays",
     "rows_to_table",
     "validate_hz",
@@ -146,6 +148,27 @@ def rows_to_table(rows: Sequence[Row], source: str) -> pa.Table:
     for i, m in enumerate(METRICS):
         columns.append(pa.array(by_metric[i], SAMPLES_SCHEMA.field(m.name).type))
     return pa.Table.from_arrays(columns, schema=SAMPLES_SCHEMA)
+
+
+def columns_to_table(columns: Mapping[str, np.ndarray[Any, Any]], source: str) -> pa.Table:
+    """Numpy sample columns (the in-memory null convention: NaN floats, INT_NULL ints; keys: the
+    sample columns and every metric) -> an Arrow table with SAMPLES_SCHEMA. No per-row Python."""
+    n = len(columns["t_mono_ns"])
+    arrays: list[pa.Array] = [
+        pa.array(columns["t_mono_ns"], pa.int64()),
+        pa.array(columns["t_wall_ns"], pa.int64()),
+        pa.array(columns["read_ns"], pa.int64()),
+        pa.array(columns["device_index"], pa.int16()),
+        pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([source])),
+    ]
+    for m in METRICS:
+        col = columns[m.name]
+        if m.kind == "float":
+            arrays.append(pa.array(col, pa.float64(), from_pandas=True))  # NaN -> null
+        else:
+            null = col == INT_NULL
+            arrays.append(pa.array(col, pa.int64(), mask=null if null.any() else None))
+    return pa.Table.from_arrays(arrays, schema=SAMPLES_SCHEMA)
 
 
 def rows_to_arrays(rows: Sequence[Row]) -> dict[str, np.ndarray[Any, Any]]:

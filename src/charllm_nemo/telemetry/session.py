@@ -8,19 +8,28 @@ callback) hold.
         tel.windows.end(wid)
         figures = tel.step_figures(wid)   # None until the sampler has passed the step's end
 
-The sampler runs in a thread up to 200 Hz and in a separate sampling process above it
-(``sampler="auto"``; or ``"thread"`` / ``"process"``): a thread shares the GIL with training and
-misses most deadlines at 1 kHz while the main thread runs Python (docs/benchmarks.md, part b).
+Where the work happens (``sampler``):
 
-Safe against a killed job: segments are flushed at least every second by a background thread;
-SIGTERM (what SLURM sends before SIGKILL) and normal exit (atexit) flush everything and mark
-the manifest complete / terminated.
+* ``process`` (what ``auto`` gives for a backend named by a string): a **telemetry process**
+  beside this one samples the device, writes the Parquet segments and computes live figures
+  (telemetry/telemetry_process.py). This process only writes finished windows into shared
+  memory (~1 µs a window) and reads figures back: no thread here, no GIL shared with training.
+* ``thread`` (a Backend object, synthetic options that cannot cross into another process, or a
+  telemetry process that would not start): a sampler thread and a flusher thread in this
+  process, and live figures computed on the caller's thread.
+
+Safe against a killed job: segments are flushed every ``flush_interval_s`` (at least every
+second); SIGTERM (what SLURM sends before SIGKILL) and normal exit (atexit) flush everything and
+mark the manifest complete / terminated. In process mode a training process killed outright
+(SIGKILL, a segfault) loses nothing it had marked: its telemetry process flushes and marks the
+manifest ``killed``.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
+import itertools
 import logging
 import os
 import platform
@@ -43,8 +52,14 @@ from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
-from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
-from charllm_nemo.telemetry.store import Flusher, RankStore, windows_to_table
+from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler, resolve_sampler_mode
+from charllm_nemo.telemetry.store import (
+    Flusher,
+    RankStore,
+    rank_dir,
+    records_to_table,
+    warm_up_parquet_writer,
+)
 from charllm_nemo.telemetry.windows import WindowRecorder
 
 log = logging.getLogger("charllm_nemo.telemetry")
@@ -104,10 +119,9 @@ class TelemetrySession:
     (see :func:`default_device_indices`) for a real backend, device 0 for synthetic.
     ``backend_options`` go to the backend (synthetic: ``activity``, ``params``, ``count``).
     ``live_window_s``: how many seconds of samples stay in memory for :meth:`step_figures`.
-    ``sampler``: ``auto`` (a separate sampling process above 200 Hz, a thread up to it),
-    ``thread`` or ``process``. In process mode the child opens the backend again by name; this
-    process keeps its own handle for the device identities (and falls back to a thread on it
-    if the sampling process cannot start).
+    ``sampler``: ``auto`` (a telemetry process where one can be had, else a thread), ``process``
+    or ``thread`` (see the module doc). In process mode the telemetry process opens the backend
+    again by name; this process keeps its own handle for the device identities.
     """
 
     def __init__(
@@ -133,11 +147,13 @@ class TelemetrySession:
         self.out_dir = Path(out_dir)
         self.windows = WindowRecorder()
         self._handle_signals = handle_signals
+        self._flush_interval_s = flush_interval_s
+        self._live_window_s = live_window_s
         options = dict(backend_options or {})
         if mode == "process" and not isinstance(backend, str):
             if sampler == "process":
                 raise ConfigError(
-                    "telemetry.sampler='process' needs a backend name (the sampling process opens it "
+                    "telemetry.sampler='process' needs a backend name (the telemetry process opens it "
                     "itself), not a Backend object; pass backend='nvml' / 'amdsmi' / 'synthetic' or "
                     "use sampler='thread'"
                 )
@@ -162,6 +178,11 @@ class TelemetrySession:
                     options if named else {},
                     self.hz,
                     source=self.source,
+                    store={
+                        "rank_dir": rank_dir(self.out_dir, rank),
+                        "flush_interval_s": flush_interval_s,
+                        "live_window_s": live_window_s,
+                    },
                 )
             except ConfigError as exc:
                 if sampler == "process":
@@ -178,14 +199,18 @@ class TelemetrySession:
             if isinstance(self.sampler, ProcessSampler):
                 publish = self.sampler.publish_activity
                 self.windows.add_listener(lambda _kind, _name, _begin: publish(marks.level()))
-        self.store = RankStore(self.out_dir, rank, self._manifest(config))
+        self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
         self._flusher = Flusher(self.flush, flush_interval_s)
-        # Raw rows of the last live_window_s seconds, for step_figures: kept as the sampler's
-        # tuples, so a live figure costs no Arrow round trip.
+        # Thread mode: raw rows of the last live_window_s seconds, for step_figures, kept as the
+        # sampler's tuples, so a live figure costs no Arrow round trip.
         n_dev = max(1, len(self.backend.devices))
         self._recent: deque[Row] = deque(maxlen=max(1024, int(live_window_s * self.hz * n_dev)))
         self._recent_lock = threading.Lock()
         self._pending: list[tuple[str, pa.Table]] = []
+        # Process mode: figure requests sent, (t_begin, t_end) -> request number.
+        self._request_seq = itertools.count()
+        self._requests: dict[tuple[int, int], int] = {}
+        self._figure_columns: tuple[str, ...] = ()
         self._closed = False
         self._started = False
         self._prev_sigterm: Any = None
@@ -227,9 +252,21 @@ class TelemetrySession:
             return self
         self._started = True
         self.sampler.start()
-        if isinstance(self.sampler, ProcessSampler) and not self.sampler.running:
-            self._fall_back_to_thread()
-        self._flusher.start()
+        if isinstance(self.sampler, ProcessSampler):
+            if self.sampler.running and self.sampler.marks is not None:
+                marks = self.sampler.marks
+                self.sampler.names = self.windows.names.names
+                self.windows.names.set_on_new(marks.publish_name)
+                self.windows.set_sink(marks.emit)
+                self.store.manifest["sampler_process_pid"] = self.sampler.pid
+                self.store.write_manifest()
+                from charllm_nemo.telemetry.shm import figure_columns
+
+                self._figure_columns = figure_columns()
+            else:
+                self._fall_back_to_thread()
+        if self.sampler_mode == "thread":
+            self._flusher.start()
         atexit.register(self._atexit)
         if self._handle_signals and threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -247,26 +284,59 @@ class TelemetrySession:
         if self._closed:
             return
         self._closed = True
-        self.sampler.stop()
-        self._flusher.stop()
-        self._flusher.flush_once()
-        open_rows = self.windows.open_windows()
-        if open_rows:
-            self.store.write_segment("windows", windows_to_table(open_rows))
-        self.store.close(
-            status,
-            {
-                "sampler": self.sampler.health.to_dict(),
-                "sampler_mode": self.sampler_mode,
+        open_records = self.windows.open_records()
+        if isinstance(self.sampler, ProcessSampler):
+            marks = self.sampler.marks
+            if marks is not None:
+                for rec in open_records:
+                    marks.emit(rec)
+            # Marks after close are kept in the recorder, not sent to a block that is gone.
+            self.windows.reset_sink()
+            self.sampler.stop()
+            counts = self.sampler.store_counts()
+            extra = {
+                "flusher": {
+                    "flushes": counts.get("flushes", 0),
+                    "errors": counts.get("flush_errors", 0),
+                    "flush_ms_max": counts.get("flush_ms_max", 0.0),
+                    "interval_s": self._flush_interval_s,
+                    "where": "telemetry process",
+                },
+                "store_process": {
+                    k: counts.get(k)
+                    for k in ("done", "salvaged", "figures_served", "rows_lost", "marks_dropped")
+                    if k in counts
+                },
+            }
+            store_counts: dict[str, Any] | None = {
+                k: counts[k] for k in ("segments", "rows", "bytes_written") if k in counts
+            }
+        else:
+            self.sampler.stop()
+            self._flusher.stop()
+            self._flusher.flush_once()
+            if open_records:
+                self.store.write_segment("windows", records_to_table(open_records, self.windows.names.names))
+            extra = {
                 "flusher": {
                     "flushes": self._flusher.flushes,
                     "errors": self._flusher.errors,
                     "flush_ms_max": self._flusher.flush_ns_max / 1e6,
                     "interval_s": self._flusher.interval_s,
+                    "where": "training process",
                 },
+            }
+            store_counts = None
+        self.store.close(
+            status,
+            {
+                "sampler": self.sampler.health.to_dict(),
+                "sampler_mode": self.sampler_mode,
+                **extra,
                 "windows_recorded": self.windows.total_recorded,
-                "windows_open_at_close": len(open_rows),
+                "windows_open_at_close": len(open_records),
             },
+            counts=store_counts or None,
         )
         try:
             self.backend.close()
@@ -278,18 +348,19 @@ class TelemetrySession:
         atexit.unregister(self._atexit)
 
     def _fall_back_to_thread(self) -> None:
-        """The sampling process did not start: sample in a thread on this process's backend."""
+        """The telemetry process did not start: sample, store and compute figures here."""
         failed = self.sampler
         reason = failed.health.stop_reason
         failed.stop()
         log.warning(
-            "telemetry: the sampling process did not start (%s); sampling in a thread instead", reason
+            "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )
         self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
         self.sampler_mode = "thread"
         self.store.manifest["sampler_mode"] = "thread"
         self.store.manifest["sampler_process_error"] = reason
         self.store.write_manifest()
+        warm_up_parquet_writer()
         self.sampler.start()
 
     def _atexit(self) -> None:
@@ -305,18 +376,21 @@ class TelemetrySession:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    # -- flushing --------------------------------------------------------------------------
+    # -- flushing (thread mode) ------------------------------------------------------------
     def flush(self) -> None:
-        """Write what was sampled and marked since the last flush (the flusher calls this)."""
+        """Write what was sampled and marked since the last flush (the flusher calls this; in
+        process mode the telemetry process flushes and this does nothing)."""
+        if isinstance(self.sampler, ProcessSampler):
+            return
         # Taken and remembered under one lock: live_rows() never sees a row in neither place.
         with self._recent_lock:
             rows = self.sampler.take_rows()
             self._recent.extend(rows)
         if rows:
             self._pending.append(("samples", rows_to_table(rows, self.source)))
-        done = self.windows.drain()
+        done = self.windows.drain_records()
         if done:
-            self._pending.append(("windows", windows_to_table(done)))
+            self._pending.append(("windows", records_to_table(done, self.windows.names.names)))
         while self._pending:
             kind, table = self._pending[0]
             self.store.write_segment(kind, table)  # raises on a full disk: kept for the next try
@@ -324,11 +398,28 @@ class TelemetrySession:
 
     # -- live figures ----------------------------------------------------------------------
     def live_rows(self, since_mono_ns: int = 0) -> list[Row]:
-        """Sampler rows still in memory (flushed recently or not yet) from ``since_mono_ns``."""
+        """Sampler rows still in memory from ``since_mono_ns`` (thread mode: the last
+        ``live_window_s``; process mode: what the shared ring still holds, up to 16 s)."""
         with self._recent_lock:
             rows = list(self._recent) + self.sampler.peek_rows()
         first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
         return rows[first:]
+
+    def request_figures(self, t_begin_mono_ns: int, t_end_mono_ns: int) -> None:
+        """Ask for a window's figures ahead of :meth:`step_figures` (call it when the window
+        ends). In process mode the telemetry process computes them as soon as it has a sample
+        past the end, so the later :meth:`step_figures` only reads them (~10 µs); in thread
+        mode this does nothing. Cheap, never blocks."""
+        if not isinstance(self.sampler, ProcessSampler) or self.sampler.marks is None:
+            return
+        key = (t_begin_mono_ns, t_end_mono_ns)
+        if key in self._requests:
+            return
+        seq = next(self._request_seq)
+        self._requests[key] = seq
+        if len(self._requests) > 2 * FIGURE_SLOTS:  # answers that old are overwritten anyway
+            del self._requests[next(iter(self._requests))]
+        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns)
 
     def step_figures(
         self,
@@ -340,7 +431,11 @@ class TelemetrySession:
         """Attribution of one window for each device on this rank, or None while the sampler has
         not yet taken a sample at or after ``t_end_mono_ns`` (ask again next step, or pass
         ``wait_s`` to wait up to that long). Never blocks when ``wait_s`` is 0. ``figures``: the
-        attribution columns wanted (None = all); fewer figures cost less on the training thread."""
+        attribution columns wanted (None = all). In process mode the telemetry process computes
+        every figure (:meth:`request_figures`); in thread mode only those wanted are computed,
+        on this thread."""
+        if isinstance(self.sampler, ProcessSampler):
+            return self._process_figures(t_begin_mono_ns, t_end_mono_ns, wait_s, figures)
         from charllm_nemo.telemetry.attribution import attribute_windows
 
         deadline = time.monotonic() + wait_s
@@ -365,6 +460,35 @@ class TelemetrySession:
             per_dev = {k: v[mask] for k, v in arrays.items()}
             result = attribute_windows(per_dev, win, figures=figures)
             row = {k: (v[0].item() if hasattr(v[0], "item") else v[0]) for k, v in result.items()}
+            row["device_index"] = idx
+            out.append(row)
+        return out
+
+    def _process_figures(
+        self, t_begin: int, t_end: int, wait_s: float, figures: Collection[str] | None
+    ) -> list[dict[str, Any]] | None:
+        from charllm_nemo.telemetry.collector import decode_figures
+
+        assert isinstance(self.sampler, ProcessSampler)
+        self.request_figures(t_begin, t_end)
+        seq = self._requests.get((t_begin, t_end))
+        if seq is None:
+            return None
+        answer = self.sampler.read_figures(seq)
+        if answer is None and wait_s > 0:
+            deadline = time.monotonic() + wait_s
+            while answer is None and self.sampler.running and time.monotonic() < deadline:
+                time.sleep(0.002)
+                answer = self.sampler.read_figures(seq)
+        if answer is None:
+            return None
+        columns = self._figure_columns
+        keep = None if figures is None else {"duration_s", *figures}
+        out = []
+        for idx, values in answer[2]:
+            row = decode_figures(values, columns)
+            if keep is not None:
+                row = {k: v for k, v in row.items() if k in keep}
             row["device_index"] = idx
             out.append(row)
         return out

@@ -102,8 +102,8 @@ class TelemetryConfig:
     enabled: bool = True
     backend: str = "auto"  # auto | nvml | amdsmi | synthetic
     hz: float = 100.0
-    # Where the sampler runs: auto = a separate process above 200 Hz (a thread misses 1 kHz
-    # deadlines while training holds the GIL; docs/benchmarks.md part b), a thread up to it.
+    # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
+    # (no GIL shared with training; docs/telemetry.md), threads where none can start.
     sampler: str = "auto"  # auto | thread | process
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])

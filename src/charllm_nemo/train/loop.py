@@ -319,10 +319,11 @@ def run_rank(
 ) -> RankResult:
     """Train ``cfg`` on this rank; returns what it ran.
 
-    ``session``: a telemetry session (``.windows``: WindowRecorder, ``.step_figures(t_begin_ns,
-    t_end_ns, wait_s)``, ``.close()``) owned by the caller. None: with ``telemetry.enabled`` one
-    is opened here (charllm_nemo.telemetry.session.TelemetrySession, writing under
-    ``telemetry.out_dir``) and closed at the end; ``recorder`` (tests) instead gives a bare
+    ``session``: a telemetry session (``.windows``: WindowRecorder, ``.request_figures(t_begin_ns,
+    t_end_ns)``, ``.step_figures(t_begin_ns, t_end_ns, wait_s)``, ``.close()``) owned by the
+    caller. None: with ``telemetry.enabled`` one is opened here
+    (charllm_nemo.telemetry.session.TelemetrySession, writing under ``telemetry.out_dir``) and
+    closed at the end; ``recorder`` (tests) instead gives a bare
     WindowRecorder and no session. ``shutdown``: destroy the process groups at the end.
     """
     import torch
@@ -499,6 +500,9 @@ def _train(
                 bundle.scheduler.step(1)
             opt_timer.stop()
             timing = marker.end_step()
+            if session is not None:
+                # Ask now: a telemetry process computes the figures while the next step runs.
+                session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns)
 
             loss_sum = loss_tokens = 0.0
             if reports_loss and outputs:

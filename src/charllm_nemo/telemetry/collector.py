@@ -1,0 +1,333 @@
+"""The telemetry process's store and live figures: what it takes from the shared block.
+
+A :class:`Collector` reads the shared block (telemetry/shm.py): the sample ring that its own
+sampling loop fills, and the mark ring that the training process fills with finished windows
+and figure requests. On every :meth:`~Collector.tick` it takes the new samples (as numpy columns:
+no Python work per sample) and records, answers the figure requests whose window the samples
+have passed (the same :func:`~charllm_nemo.telemetry.attribution.attribute_windows` over the
+same samples the store gets, so live figures equal those computed later from the run
+directory), and every ``flush_interval_s`` writes one samples and one windows segment.
+
+It runs on a thread of the telemetry process (telemetry/telemetry_process.py); the training
+process runs one too, at close, only to salvage what a telemetry process that died left in the
+block (:func:`salvage`). Writing the store here keeps Arrow conversion, Parquet encoding and
+the attribution off the training process entirely: no GIL shared with training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows
+from charllm_nemo.telemetry.sampler import columns_to_table
+from charllm_nemo.telemetry.schema import METRICS
+from charllm_nemo.telemetry.shm import (
+    FLOAT_COLUMNS,
+    H_BYTES,
+    H_FIGURES_SERVED,
+    H_FLUSH_ERRORS,
+    H_FLUSH_NS_MAX,
+    H_FLUSHES,
+    H_MARK_WRITE,
+    H_MARKS_FLUSHED,
+    H_ROWS_LOST,
+    H_ROWS_SAMPLES,
+    H_ROWS_WINDOWS,
+    H_SAMPLES_FLUSHED,
+    H_SEG_SAMPLES,
+    H_SEG_WINDOWS,
+    INT_COLUMNS,
+    N_FLOAT,
+    N_INT,
+    Block,
+    figure_columns,
+    read_names,
+    ring_span,
+    still_valid,
+    write_figures,
+)
+from charllm_nemo.telemetry.store import SegmentWriter, atomic_write_bytes, finish_manifest, records_to_table
+from charllm_nemo.telemetry.windows import RECORD_FIGURES, RECORD_LEN
+
+log = logging.getLogger("charllm_nemo.telemetry")
+
+Columns = dict[str, np.ndarray[Any, Any]]
+
+AFTER_S = 1.0
+"""How far past a window's end live figures look for samples."""
+
+
+def encode_figures(result: dict[str, np.ndarray[Any, Any]], columns: tuple[str, ...]) -> list[float]:
+    """One window's attribution as float64 values in ``columns`` order (``energy_method`` as its
+    index in ENERGY_METHODS, booleans as 0 / 1); :func:`decode_figures` reverses it."""
+    out = []
+    for name in columns:
+        v = result[name][0]
+        out.append(float(ENERGY_METHODS.index(str(v))) if name == "energy_method" else float(v))
+    return out
+
+
+def decode_figures(values: list[float], columns: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, v in zip(columns, values, strict=True):
+        if name == "energy_method":
+            out[name] = ENERGY_METHODS[int(v)]
+        elif name == "interpolated":
+            out[name] = bool(v)
+        elif name == "n_samples":
+            out[name] = int(v)
+        else:
+            out[name] = v
+    return out
+
+
+class Collector:
+    """Takes samples and records from ``block`` and writes them under ``rank_dir``.
+
+    ``period_ns``: the sampling period (live figures slice samples from two periods before a
+    window). ``live_window_s``: how long samples stay in memory for figure requests. ``names``:
+    the record codes' strings (None: read from the block as the training process publishes them).
+    """
+
+    def __init__(
+        self,
+        block: Block,
+        rank_dir: Path,
+        *,
+        source: str,
+        period_ns: int,
+        flush_interval_s: float = 0.5,
+        live_window_s: float = 120.0,
+        names: list[str] | None = None,
+    ) -> None:
+        self.block = block
+        q, lay = block.q, block.layout
+        self.source = source
+        self.period_ns = period_ns
+        self.flush_interval_ns = int(flush_interval_s * 1e9)
+        self.live_window_ns = int(live_window_s * 1e9)
+        self.writer = SegmentWriter(rank_dir, {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]})
+        self.writer.rows_written = {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]}
+        self.writer.bytes_written = q[H_BYTES]
+        self._names_from_block = names is None
+        self.names: list[str] = [] if names is None else names
+        self.columns = figure_columns()
+        cap = lay.capacity
+        self._ints = np.frombuffer(block.mm, np.int64, N_INT * cap, lay.ring0 * 8).reshape(N_INT, cap)
+        self._floats = np.frombuffer(block.mm, np.float64, N_FLOAT * cap, lay.float_base(0) * 8).reshape(
+            N_FLOAT, cap
+        )
+        self._marks = np.frombuffer(
+            block.mm, np.int64, RECORD_LEN * lay.mark_capacity, lay.marks0 * 8
+        ).reshape(lay.mark_capacity, RECORD_LEN)
+        self._sample_idx = q[H_SAMPLES_FLUSHED]  # next ring row to take
+        self._mark_idx = q[H_MARKS_FLUSHED]  # next record to take
+        self._pending_samples: list[Columns] = []
+        self._pending_records: list[np.ndarray[Any, Any]] = []
+        self._history: deque[Columns] = deque()
+        self._requests: deque[tuple[int, int, int]] = deque()
+        self._last_t = 0
+        self._next_flush = time.monotonic_ns() + self.flush_interval_ns
+        self.flushes = q[H_FLUSHES]
+        self.flush_errors = q[H_FLUSH_ERRORS]
+        self.flush_ns_max = q[H_FLUSH_NS_MAX]
+        self.figures_served = q[H_FIGURES_SERVED]
+        self.rows_lost = q[H_ROWS_LOST]
+
+    def close(self) -> None:
+        """Drop the views into the block (the block cannot be closed while they exist)."""
+        del self._ints, self._floats, self._marks
+
+    # -- taking ----------------------------------------------------------------------------
+    def take_samples(self) -> None:
+        first, end, lost = ring_span(self.block, self._sample_idx)
+        self.rows_lost += lost
+        n = end - first
+        if n <= 0:
+            return
+        cap = self.block.layout.capacity
+        lo = first % cap
+        if lo + n <= cap:
+            ints, floats = self._ints[:, lo : lo + n].copy(), self._floats[:, lo : lo + n].copy()
+        else:
+            k = cap - lo
+            ints = np.concatenate([self._ints[:, lo:], self._ints[:, : n - k]], axis=1)
+            floats = np.concatenate([self._floats[:, lo:], self._floats[:, : n - k]], axis=1)
+        keep = still_valid(self.block, first, n)
+        if keep < n:  # overwritten while copied: the oldest rows are not the ones we wanted
+            self.rows_lost += n - keep
+            ints, floats = ints[:, n - keep :], floats[:, n - keep :]
+        self._sample_idx = end
+        if keep == 0:
+            return
+        chunk: Columns = {name: ints[j] for j, name in enumerate(INT_COLUMNS)}
+        chunk.update({name: floats[j] for j, name in enumerate(FLOAT_COLUMNS)})
+        self._pending_samples.append(chunk)
+        self._history.append(chunk)
+        self._last_t = int(chunk["t_mono_ns"][-1])
+        horizon = self._last_t - self.live_window_ns
+        while len(self._history) > 1 and self._history[0]["t_mono_ns"][-1] < horizon:
+            self._history.popleft()
+
+    def take_marks(self) -> None:
+        q = self.block.q
+        end = q[H_MARK_WRITE]
+        n = end - self._mark_idx
+        if n <= 0:
+            return
+        cap = self.block.layout.mark_capacity
+        lo = self._mark_idx % cap
+        if lo + n <= cap:
+            recs = self._marks[lo : lo + n].copy()
+        else:
+            recs = np.concatenate([self._marks[lo:], self._marks[: n - (cap - lo)]])
+        self._mark_idx = end
+        is_request = recs[:, 0] == RECORD_FIGURES
+        for seq, t0, t1 in recs[is_request][:, [1, 7, 8]].tolist():
+            self._requests.append((seq, t0, t1))
+        self._pending_records.append(recs[~is_request])
+
+    # -- live figures ----------------------------------------------------------------------
+    def _between(self, since_ns: int, until_ns: int) -> Columns:
+        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``, as one set of columns."""
+        chunks: list[Columns] = []
+        for chunk in reversed(self._history):
+            t = chunk["t_mono_ns"]
+            if t[0] > until_ns:
+                continue
+            chunks.append(chunk)
+            if t[0] < since_ns:
+                break
+        if not chunks:
+            empty: Columns = {name: np.zeros(0, np.int64) for name in INT_COLUMNS}
+            return empty | {name: np.zeros(0, np.float64) for name in FLOAT_COLUMNS}
+        chunks.reverse()
+        if len(chunks) == 1:
+            cols = chunks[0]
+        else:
+            cols = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+        t = cols["t_mono_ns"]
+        lo = int(np.searchsorted(t, since_ns, side="left"))
+        hi = int(np.searchsorted(t, until_ns, side="right"))
+        return {name: a[lo:hi] for name, a in cols.items()}
+
+    def figures(self, t_begin: int, t_end: int) -> list[tuple[int, list[float]]]:
+        """Every attribution figure of one window, per device, from the samples in memory: from
+        two periods before the window (so every sample inside has its predecessor and counter
+        ticks are found as in the stored run) to :data:`AFTER_S` after it (a metric missing from
+        the first samples past the end still finds its next value, as in the stored run)."""
+        cols = self._between(t_begin - 2 * self.period_ns, t_end + int(AFTER_S * 1e9))
+        win = {"t_begin_mono_ns": np.array([t_begin], np.int64), "t_end_mono_ns": np.array([t_end], np.int64)}
+        out = []
+        dev = cols["device_index"]
+        for idx in np.unique(dev).tolist():
+            mask = dev == idx
+            per_dev = {"t_mono_ns": cols["t_mono_ns"][mask]}
+            per_dev.update({m.name: cols[m.name][mask] for m in METRICS})
+            out.append((int(idx), encode_figures(attribute_windows(per_dev, win), self.columns)))
+        return out
+
+    def serve(self, final: bool = False) -> None:
+        """Answer the figure requests whose window the samples have passed (``final``: all)."""
+        while self._requests:
+            seq, t0, t1 = self._requests[0]
+            if not final and self._last_t < t1:
+                return
+            self._requests.popleft()
+            try:
+                write_figures(self.block, seq, t0, t1, self.figures(t0, t1))
+                self.figures_served += 1
+            except Exception:
+                log.exception("live figures of window [%d, %d] failed", t0, t1)
+
+    # -- storing ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write what was taken since the last flush: one samples and one windows segment."""
+        t0 = time.monotonic_ns()
+        try:
+            if self._pending_samples:
+                chunks = self._pending_samples
+                cols = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+                self.writer.write_segment("samples", columns_to_table(cols, self.source))
+                self._pending_samples = []
+            self.block.q[H_SAMPLES_FLUSHED] = self._sample_idx
+            if self._pending_records:
+                if self._names_from_block:
+                    read_names(self.block, self.names)
+                recs = np.concatenate(self._pending_records)
+                names = self.names + ["?"] * max(0, int(recs[:, 3:5].max(initial=0)) + 1 - len(self.names))
+                self.writer.write_segment("windows", records_to_table(recs, names))
+                self._pending_records = []
+            self.block.q[H_MARKS_FLUSHED] = self._mark_idx
+            self.flushes += 1
+        except Exception:
+            # Kept for the next try (a full disk may clear); the rings still hold it too.
+            self.flush_errors += 1
+            log.exception("telemetry flush failed; will retry at the next interval")
+        self.flush_ns_max = max(self.flush_ns_max, time.monotonic_ns() - t0)
+        self.publish()
+
+    def publish(self) -> None:
+        q = self.block.q
+        c = self.writer.counts()
+        q[H_SEG_SAMPLES], q[H_SEG_WINDOWS] = c["segments"]["samples"], c["segments"]["windows"]
+        q[H_ROWS_SAMPLES], q[H_ROWS_WINDOWS] = c["rows"]["samples"], c["rows"]["windows"]
+        q[H_BYTES] = c["bytes_written"]
+        q[H_FLUSHES], q[H_FLUSH_ERRORS], q[H_FLUSH_NS_MAX] = (
+            self.flushes,
+            self.flush_errors,
+            self.flush_ns_max,
+        )
+        q[H_FIGURES_SERVED], q[H_ROWS_LOST] = self.figures_served, self.rows_lost
+
+    def tick(self) -> None:
+        """Take, answer, and flush when due. Never raises."""
+        try:
+            self.take_samples()
+            self.take_marks()
+            self.serve()
+        except Exception:
+            log.exception("telemetry collector tick failed")
+        if time.monotonic_ns() >= self._next_flush:
+            self._next_flush = time.monotonic_ns() + self.flush_interval_ns
+            self.flush()
+
+    def finish(self) -> None:
+        """Take everything left, answer every request, flush."""
+        self.take_samples()
+        self.take_marks()
+        self.serve(final=True)
+        self.flush()
+
+
+def salvage(block: Block, rank_dir: Path, *, source: str, names: list[str]) -> dict[str, Any]:
+    """What a telemetry process that died left unwritten in ``block``: write it (the training
+    process calls this at close). Returns the store's counts, as :meth:`SegmentWriter.counts`."""
+    c = Collector(block, rank_dir, source=source, period_ns=1, names=names)
+    try:
+        c.take_samples()
+        c.take_marks()
+        c.flush()
+        return c.writer.counts()
+    finally:
+        c.close()
+
+
+def mark_manifest_killed(rank_dir: Path, counts: dict[str, Any], extra: dict[str, Any]) -> None:
+    """The training process died without closing its telemetry: say so in its manifest."""
+    path = rank_dir / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.exception("cannot read %s to mark it killed", path)
+        return
+    manifest.update(extra)
+    finish_manifest(manifest, "killed", counts)
+    atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode())

@@ -1,0 +1,444 @@
+"""The shared-memory block between a training process and its telemetry process.
+
+One POSIX shared-memory block per rank (``/dev/shm/charllm-sampler-<pid>-<hex>``), made the way
+``multiprocessing.shared_memory`` makes its blocks, with its ``_posixshmem`` module
+(telemetry/sampler_process.py says why not its class). Every field is an aligned int64 or
+float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
+
+* **header**, 128 words: magic, sizes, the sample ring's write counter, the process state and
+  stop request, start-up timestamps, the sampler's health counters, the synthetic device's
+  activity level (float64, NaN = no mark yet), the mark ring's counters and the store's counts
+  (``H_*`` below);
+* **message**, 1 KiB UTF-8: why the telemetry process stopped (a crash, a backend that would not
+  open);
+* **sample ring**, column-major, ``capacity`` rows: int64 columns ``t_mono_ns``, ``t_wall_ns``,
+  ``read_ns``, ``device_index`` and every int metric (null = INT_NULL), then one float64 column
+  per float metric (null = NaN). 64-bit counters stay int64 end to end. Written by the sampling
+  loop only;
+* **mark ring**, ``mark_capacity`` records of RECORD_LEN int64 words (telemetry/windows.py):
+  finished windows and figure requests, written by the training process only;
+* **names**, 16 KiB: the strings the records' codes stand for, appended as
+  ``<u16 length><utf-8>`` by the training process before the first record that uses them;
+* **figure slots**, ``fig_slots`` slots: the live figures of requested windows, written by the
+  telemetry process only: ``[seq + 1, t_begin, t_end, n_devices]`` then per device its index
+  and one float64 per :data:`FIGURE_COLUMNS` entry.
+
+Ordering. A writer stores a ring entry's words, then the ring's counter; a reader loads the
+counter, then the entries below it. A figure slot is written as a seqlock: its ``seq`` word is
+zeroed, the values stored, then ``seq`` stored; a reader loads ``seq``, the values, ``seq``
+again, and keeps the values only if both loads agree. This relies on aligned 8-byte stores and
+loads being single instructions (CPython's memoryview copies int64 / float64 items with a
+fixed-size 8-byte memcpy, in practice one ``mov`` / ``ldr`` / ``str``) and on the CPU keeping
+each side's stores, and loads, in program order, which x86-64 (TSO) guarantees. On a weakly
+ordered CPU (aarch64, e.g. Grace) nothing here issues a barrier, so a reader could in principle
+see a counter before the last stores of its entry; closing that needs a release store and an
+acquire load (a few lines of C), not done here.
+
+This module imports only the standard library and the package's light modules, so that the
+telemetry process starts sampling before it imports numpy or pyarrow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from charllm_nemo.telemetry.sample_loop import Row
+from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
+from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, Record
+
+MAGIC = 0x636C6D2D72696E67  # "clm-ring"
+
+# -- header words --------------------------------------------------------------------------------
+(H_MAGIC, H_CAPACITY, H_N_INT, H_N_FLOAT, H_WRITE_COUNT, H_STATE, H_STOP, H_PID) = range(8)
+(H_T_SPAWNED, H_T_MAIN, H_T_IMPORTED, H_T_OPENED, H_STOP_CODE, H_MSG_LEN) = range(8, 14)
+H_HEALTH = 16  # .. 26: HEALTH_FIELDS
+HEALTH_FIELDS = (
+    "started_mono_ns",
+    "stopped_mono_ns",
+    "samples",
+    "slots",
+    "on_time",
+    "deadlines_missed",
+    "late_max_ns",
+    "read_ns_total",
+    "read_ns_max",
+    "devices_lost",
+    "errors",
+)
+D_ACTIVITY = 40  # float64: the synthetic activity level the training process's marks set
+# The mark ring and the names (written by the training process).
+H_MARK_WRITE = 48  # records written
+H_MARKS_DROPPED = 49  # records the training process dropped because the ring was full
+H_NAMES_COUNT = 50  # names published
+H_NAMES_BYTES = 51  # bytes of the names area used
+# The store (written by the telemetry process).
+H_SVC_STATE = 56  # SVC_* below
+H_SAMPLES_FLUSHED = 57  # sample-ring index up to which samples are on disk
+H_MARKS_FLUSHED = 58  # mark-ring index up to which records are on disk (or served)
+H_SEG_SAMPLES = 59  # next samples segment number
+H_SEG_WINDOWS = 60  # next windows segment number
+H_ROWS_SAMPLES = 61
+H_ROWS_WINDOWS = 62
+H_BYTES = 63
+H_FLUSHES = 64
+H_FLUSH_ERRORS = 65
+H_FLUSH_NS_MAX = 66
+H_FIGURES_SERVED = 67
+H_ROWS_LOST = 68  # sample rows the store's reader lost (lapped by the sampling loop)
+H_WINDOWS_OPEN = 69  # windows written with a null end (open at close)
+HEADER_WORDS = 128
+
+MSG_OFFSET = HEADER_WORDS * 8
+MSG_SIZE = 1024
+NAMES_SIZE = 16 * 1024
+
+# H_STATE: the sampling loop.
+STARTING, RUNNING, STOPPED, FAILED = 0, 1, 2, 3
+# H_SVC_STATE: the store and figures service (0: the block has none: a bare sampler).
+SVC_NONE, SVC_STARTING, SVC_RUNNING, SVC_DONE, SVC_FAILED = 0, 1, 2, 3, 4
+
+INT_COLUMNS: tuple[str, ...] = ("t_mono_ns", "t_wall_ns", "read_ns", "device_index", *INT_METRICS)
+FLOAT_COLUMNS: tuple[str, ...] = FLOAT_METRICS
+INT_METRIC_POS = tuple(METRIC_INDEX[m] for m in INT_METRICS)
+FLOAT_METRIC_POS = tuple(METRIC_INDEX[m] for m in FLOAT_METRICS)
+N_INT, N_FLOAT = len(INT_COLUMNS), len(FLOAT_COLUMNS)
+
+FIG_HEAD = 4  # seq + 1, t_begin, t_end, n_devices
+
+
+def figure_columns() -> tuple[str, ...]:
+    """The figure slot's columns: every attribution column (imports attribution: numpy)."""
+    from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
+
+    return ATTRIBUTION_COLUMN_NAMES
+
+
+# A memoryview cast to "d": typeshed's memoryview.__setitem__ accepts only ints, so it is Any here.
+FloatView = Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the block's parts (in rows, records, slots) and the word offsets they give."""
+
+    capacity: int
+    mark_capacity: int = 0
+    fig_slots: int = 0
+    n_devices: int = 1
+    n_fig_columns: int = 0
+
+    @property
+    def ring0(self) -> int:
+        return (MSG_OFFSET + MSG_SIZE) // 8
+
+    def int_base(self, column: int) -> int:
+        return self.ring0 + column * self.capacity
+
+    def float_base(self, column: int) -> int:
+        return self.ring0 + (N_INT + column) * self.capacity
+
+    @property
+    def marks0(self) -> int:
+        return self.ring0 + (N_INT + N_FLOAT) * self.capacity
+
+    @property
+    def names_offset(self) -> int:
+        """Byte offset of the names area."""
+        return (self.marks0 + RECORD_LEN * self.mark_capacity) * 8
+
+    @property
+    def slot_words(self) -> int:
+        return FIG_HEAD + self.n_devices * (1 + self.n_fig_columns)
+
+    @property
+    def figs0(self) -> int:
+        return (self.names_offset + (NAMES_SIZE if self.mark_capacity else 0)) // 8
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole block."""
+        return (self.figs0 + self.fig_slots * self.slot_words) * 8
+
+
+class Block:
+    """An open block: the mmap and its int64 / float64 views."""
+
+    def __init__(self, mm: mmap.mmap, layout: Layout) -> None:
+        self.mm = mm
+        self.layout = layout
+        self.q: memoryview = memoryview(mm).cast("q")
+        self.d: FloatView = memoryview(mm).cast("d")
+
+    def close(self) -> None:
+        self.q.release()
+        self.d.release()
+        self.mm.close()
+
+    def message(self) -> str:
+        n = self.q[H_MSG_LEN]
+        return self.mm[MSG_OFFSET : MSG_OFFSET + n].decode("utf-8", "replace")
+
+    def set_message(self, text: str) -> None:
+        msg = text.encode("utf-8", "replace")[:MSG_SIZE]
+        self.mm[MSG_OFFSET : MSG_OFFSET + len(msg)] = msg
+        self.q[H_MSG_LEN] = len(msg)
+
+
+def _posixshmem() -> Any:
+    # The C module multiprocessing.shared_memory is built on (it has no type stubs).
+    return importlib.import_module("_posixshmem")
+
+
+def create(name: str, layout: Layout) -> Block:
+    """Create a zero-filled block (state STARTING, counters 0) with its header sizes set."""
+    fd = _posixshmem().shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, layout.size)
+        mm = mmap.mmap(fd, layout.size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    block = Block(mm, layout)
+    q = block.q
+    q[H_MAGIC], q[H_CAPACITY], q[H_N_INT], q[H_N_FLOAT] = MAGIC, layout.capacity, N_INT, N_FLOAT
+    block.d[D_ACTIVITY] = math.nan
+    return block
+
+
+def attach(name: str, layout: Layout) -> Block:
+    fd = _posixshmem().shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    block = Block(mm, layout)
+    if block.q[H_MAGIC] != MAGIC or block.q[H_CAPACITY] != layout.capacity or len(mm) != layout.size:
+        block.close()
+        raise ValueError(f"shared block {name} does not have the layout {layout}")
+    return block
+
+
+def unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem().shm_unlink("/" + name)
+
+
+# -- the sample ring ------------------------------------------------------------------------------
+
+
+class RingWriter:
+    """Writes sampler rows into the ring, then publishes the write counter (the loop's ``emit``)."""
+
+    def __init__(self, block: Block) -> None:
+        lay = block.layout
+        self.q, self.d, self.cap = block.q, block.d, lay.capacity
+        self.n = 0
+        self.bases = tuple(lay.int_base(c) for c in range(4))
+        self.ints = tuple((lay.int_base(4 + j), pos) for j, pos in enumerate(INT_METRIC_POS))
+        self.floats = tuple((lay.float_base(j), pos) for j, pos in enumerate(FLOAT_METRIC_POS))
+        self.bad_values = 0
+
+    def emit(self, row: Row) -> None:
+        t0, tw, dt, idx, reading = row
+        q, d = self.q, self.d
+        slot = self.n % self.cap
+        b0, b1, b2, b3 = self.bases
+        q[b0 + slot] = t0
+        q[b1 + slot] = tw
+        q[b2 + slot] = dt
+        q[b3 + slot] = idx
+        try:
+            for base, pos in self.ints:
+                v = reading[pos]
+                q[base + slot] = INT_NULL if v is None else v
+            for base, pos in self.floats:
+                v = reading[pos]
+                d[base + slot] = math.nan if v is None else v
+        except (TypeError, ValueError, OverflowError):
+            self._coerce(reading, slot)
+        self.n += 1
+        q[H_WRITE_COUNT] = self.n  # publish only after the whole row is in place
+
+    def _coerce(self, reading: tuple[Any, ...], slot: int) -> None:
+        """A backend returned a value of the wrong type: convert what converts, null the rest."""
+        for base, pos in self.ints:
+            try:
+                self.q[base + slot] = INT_NULL if reading[pos] is None else int(reading[pos])
+            except (TypeError, ValueError, OverflowError):
+                self.q[base + slot] = INT_NULL
+                self.bad_values += 1
+        for base, pos in self.floats:
+            try:
+                self.d[base + slot] = math.nan if reading[pos] is None else float(reading[pos])
+            except (TypeError, ValueError, OverflowError):
+                self.d[base + slot] = math.nan
+                self.bad_values += 1
+
+
+def ring_span(block: Block, first: int) -> tuple[int, int, int]:
+    """(first, end, lost): the ring indices readable from ``first`` up to the write counter now,
+    moved past rows already overwritten (``lost`` of them)."""
+    cap = block.layout.capacity
+    end = block.q[H_WRITE_COUNT]
+    lost = 0
+    if end - first > cap:
+        lost = end - cap - first
+        first = end - cap
+    return first, end, lost
+
+
+def still_valid(block: Block, first: int, n: int) -> int:
+    """How many of the ``n`` rows copied from ``first`` the writer cannot have overwritten while
+    they were copied (the slot of row i is reused by row i + capacity)."""
+    oldest_safe = block.q[H_WRITE_COUNT] - block.layout.capacity + 1
+    return n - min(max(oldest_safe - first, 0), n)
+
+
+def _column(view: Any, base: int, cap: int, first: int, n: int) -> list[Any]:
+    lo = first % cap
+    split = min(n, cap - lo)
+    values: list[Any] = view[base + lo : base + lo + split].tolist()
+    if split < n:
+        values += view[base : base + n - split].tolist()
+    return values
+
+
+def copy_rows(block: Block, first: int, end: int) -> list[Row]:
+    """Rows ``first`` .. ``end`` of the ring as sampler rows (None for null)."""
+    n = end - first
+    if n <= 0:
+        return []
+    lay, q, d = block.layout, block.q, block.d
+    cap = lay.capacity
+    t_mono, t_wall, read_ns, dev = (_column(q, lay.int_base(c), cap, first, n) for c in range(4))
+    metrics: list[list[Any]] = [[]] * len(METRICS)
+    for j, pos in enumerate(INT_METRIC_POS):
+        metrics[pos] = [None if v == INT_NULL else v for v in _column(q, lay.int_base(4 + j), cap, first, n)]
+    for j, pos in enumerate(FLOAT_METRIC_POS):
+        metrics[pos] = [None if v != v else v for v in _column(d, lay.float_base(j), cap, first, n)]
+    readings = list(zip(*metrics, strict=True))
+    return list(zip(t_mono, t_wall, read_ns, dev, readings, strict=True))
+
+
+# -- the mark ring and the names (training process -> telemetry process) ---------------------------
+
+
+class MarkWriter:
+    """The training process's side of the mark ring: the WindowRecorder's sink and the
+    publisher of its name table. Never blocks: a full ring drops the record and counts it."""
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+        lay = block.layout
+        self.cap = lay.mark_capacity
+        self.base = lay.marks0 * 8
+        self._pack = struct.Struct(f"<{RECORD_LEN}q").pack_into
+        self._lock = threading.Lock()
+        self._names_used = block.q[H_NAMES_BYTES]
+        self.dropped = 0
+        self.overflow_names = 0
+
+    def emit(self, rec: Record) -> None:
+        """Write one record (a window or a figure request); drop it if the ring is full."""
+        q = self.block.q
+        try:
+            with self._lock:
+                w = q[H_MARK_WRITE]
+                if w - q[H_MARKS_FLUSHED] >= self.cap:
+                    self.dropped += 1
+                    q[H_MARKS_DROPPED] = self.dropped
+                    return
+                self._pack(self.block.mm, self.base + (w % self.cap) * RECORD_LEN * 8, *rec)
+                q[H_MARK_WRITE] = w + 1
+        except ValueError:  # the block was released by a concurrent close: nowhere to write
+            self.dropped += 1
+
+    def publish_name(self, code: int, text: str) -> None:
+        """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""
+        data = text.encode("utf-8")[:4096]
+        q, lay = self.block.q, self.block.layout
+        with self._lock:
+            if q[H_NAMES_COUNT] != code:
+                return  # already published (a table re-installed on the same block)
+            if self._names_used + 2 + len(data) > NAMES_SIZE:
+                # Full: the code stays unpublished and the telemetry process stores "?" for it.
+                self.overflow_names += 1
+                data = b""
+            off = lay.names_offset + self._names_used
+            self.block.mm[off : off + 2 + len(data)] = struct.pack("<H", len(data)) + data
+            self._names_used += 2 + len(data)
+            q[H_NAMES_BYTES] = self._names_used
+            q[H_NAMES_COUNT] = code + 1
+
+    def request_figures(self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int) -> None:
+        """Ask the telemetry process for the figures of one window (answered in slot ``seq``)."""
+        rec = [NULL] * RECORD_LEN
+        rec[0], rec[1], rec[7], rec[8] = RECORD_FIGURES, seq, t_begin_mono_ns, t_end_mono_ns
+        self.emit(tuple(rec))
+
+
+def read_names(block: Block, known: list[str]) -> None:
+    """Extend ``known`` with the names published since (the telemetry process's side)."""
+    q, lay = block.q, block.layout
+    count = q[H_NAMES_COUNT]
+    if count <= len(known):
+        return
+    off = lay.names_offset
+    pos, i = 0, 0
+    while i < count:
+        (n,) = struct.unpack_from("<H", block.mm, off + pos)
+        if i >= len(known):
+            text = bytes(block.mm[off + pos + 2 : off + pos + 2 + n]).decode("utf-8", "replace")
+            known.append(text or "?")
+        pos += 2 + n
+        i += 1
+
+
+# -- figure slots (telemetry process -> training process) ------------------------------------------
+
+
+def write_figures(
+    block: Block, seq: int, t_begin: int, t_end: int, per_device: list[tuple[int, list[float]]]
+) -> None:
+    """Publish the figures of request ``seq`` into its slot (seqlock: see the module doc)."""
+    lay = block.layout
+    q, d = block.q, block.d
+    base = lay.figs0 + (seq % lay.fig_slots) * lay.slot_words
+    q[base] = 0
+    q[base + 1], q[base + 2], q[base + 3] = t_begin, t_end, min(len(per_device), lay.n_devices)
+    pos = base + FIG_HEAD
+    for idx, values in per_device[: lay.n_devices]:
+        q[pos] = idx
+        for j, v in enumerate(values):
+            d[pos + 1 + j] = v
+        pos += 1 + lay.n_fig_columns
+    q[base] = seq + 1
+
+
+def read_figures(block: Block, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
+    """(t_begin, t_end, [(device index, values)]) of request ``seq``, or None while its slot does
+    not hold it (not computed yet, being rewritten, or reused by a later request)."""
+    lay = block.layout
+    q, d = block.q, block.d
+    base = lay.figs0 + (seq % lay.fig_slots) * lay.slot_words
+    if q[base] != seq + 1:
+        return None
+    t0, t1, n = q[base + 1], q[base + 2], q[base + 3]
+    out = []
+    pos = base + FIG_HEAD
+    for _ in range(n):
+        out.append((q[pos], d[pos + 1 : pos + 1 + lay.n_fig_columns].tolist()))
+        pos += 1 + lay.n_fig_columns
+    if q[base] != seq + 1:
+        return None
+    return t0, t1, out

@@ -1,0 +1,277 @@
+"""The telemetry process: one per rank, beside the training process (the child's side).
+
+Started by :class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` as a fresh
+interpreter (``sys.executable -c``), it gets its configuration on stdin, attaches the shared
+block (telemetry/shm.py), opens the backend by name and runs the sampling loop
+(:func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`) on its main thread, writing rows
+into the sample ring. With a store configured (a telemetry session's process) a second thread
+runs a :class:`~charllm_nemo.telemetry.collector.Collector` every :data:`TICK_S`: it takes the
+samples and the training process's window records, answers figure requests, and writes the
+Parquet segments. A bare sampler (no store) imports neither numpy nor pyarrow, and samples ~50-75
+ms after it is started; with a store, numpy, pyarrow and the Parquet writer's warm-up come first
+(a few hundred ms, before the first sample, so that they never stall the sampling loop).
+
+The two threads share this process's GIL, not the training process's. The switch interval is
+set to :data:`SWITCH_INTERVAL_S` so that a collector busy in Python hands the GIL back to the
+sampling loop within a fraction of a 1 kHz period.
+
+Lifetime: it stops when told (stop request + its stdin closed, which also wakes it from its
+sleep), when the training process dies (EOF on stdin, or ``os.getppid()`` changing: checked
+every slot) or when no device is left. Whichever it is, the collector takes everything left,
+answers every request and flushes. When the training process died, it also marks that rank's
+manifest ``killed`` (what was marked before the death is on disk: nothing is lost but the windows
+still open) and unlinks the block itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from charllm_nemo.telemetry.sample_loop import SamplerHealth, run_sample_loop
+from charllm_nemo.telemetry.shm import (
+    D_ACTIVITY,
+    FAILED,
+    H_HEALTH,
+    H_PID,
+    H_STATE,
+    H_STOP,
+    H_STOP_CODE,
+    H_SVC_STATE,
+    H_T_IMPORTED,
+    H_T_MAIN,
+    H_T_OPENED,
+    HEALTH_FIELDS,
+    RUNNING,
+    STOPPED,
+    SVC_DONE,
+    SVC_FAILED,
+    SVC_RUNNING,
+    SVC_STARTING,
+    Block,
+    Layout,
+    RingWriter,
+    attach,
+    unlink,
+)
+
+log = logging.getLogger("charllm_nemo.sampler")
+
+TICK_S = 0.005
+"""How often the collector takes samples and records and answers figure requests."""
+SWITCH_INTERVAL_S = 0.0002
+"""This process's GIL switch interval (CPython's default is 5 ms: five periods at 1 kHz)."""
+STOP_CODES = {"stopped": 1, "no devices left": 2, "crashed": 3, "parent exited": 4, "backend open failed": 5}
+
+CHILD_CODE = (
+    "import time; t = time.monotonic_ns()\n"
+    "from charllm_nemo.telemetry.telemetry_process import child_main; child_main(t)"
+)
+
+
+def _read_config(fd: int) -> dict[str, Any]:
+    def exactly(n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = os.read(fd, n - got)
+            if not chunk:
+                raise EOFError("the training process closed the pipe before sending the configuration")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    (size,) = struct.unpack("<Q", exactly(8))
+    config: dict[str, Any] = pickle.loads(exactly(size))
+    return config
+
+
+def child_main(t_main: int = 0) -> None:
+    """Entry point of the telemetry process (``sys.executable -c``); the config arrives on stdin.
+    ``t_main``: CLOCK_MONOTONIC when the interpreter began running our code (before imports)."""
+    t_main = t_main or time.monotonic_ns()
+    # The job's Ctrl-C / SIGTERM goes to every process of the group: the parent decides when this
+    # one stops (it flushes first), and this one stops on its own if the parent dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    logging.basicConfig(
+        level=logging.WARNING, format="charllm-nemo telemetry process %(process)d: %(levelname)s %(message)s"
+    )
+    # The parent opened the same backend and has already said everything about it.
+    logging.getLogger("charllm_nemo.devices").setLevel(logging.ERROR)
+    config = _read_config(0)
+    block = attach(config["shm_name"], Layout(**config["layout"]))
+    q = block.q
+    q[H_PID] = os.getpid()
+    q[H_T_MAIN] = t_main
+    parent_gone = [False]
+    state, reason = FAILED, "crashed"
+    try:
+        state, reason = _run(config, block, parent_gone)
+    except BaseException as exc:  # report it in the block, whatever it was
+        reason = f"crashed: {exc!r}"
+        log.exception("telemetry process crashed")
+    finally:
+        block.set_message(reason)
+        q[H_STOP_CODE] = STOP_CODES.get(reason.split(":", 1)[0].split(" (", 1)[0], 3)
+        q[H_STATE] = state
+        if parent_gone[0] or os.getppid() != config["parent_pid"]:
+            unlink(config["shm_name"])
+        block.close()
+
+
+def _open(config: dict[str, Any], block: Block) -> Any:
+    from charllm_nemo.devices.factory import open_backend
+
+    block.q[H_T_IMPORTED] = time.monotonic_ns()
+    options = dict(config["options"])
+    parent = int(config["parent_pid"])
+    if config["observe_parent"]:
+        options["observe_pid"] = parent
+    if config["shared_activity"] is not None:
+        from charllm_nemo.devices.synthetic import CpuActivity, SharedActivity
+
+        d = block.d
+        fallback: Callable[[int], float] = (
+            CpuActivity(parent).level if config["shared_activity"] == "auto" else (lambda _t: 0.0)
+        )
+        options["activity"] = SharedActivity(lambda: d[D_ACTIVITY], fallback).level
+    return open_backend(config["backend"], config["devices"], **options)
+
+
+def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple[int, str]:
+    q = block.q
+    parent = int(config["parent_pid"])
+    try:
+        backend = _open(config, block)
+    except Exception as exc:
+        log.error("cannot open backend %r: %s", config["backend"], exc)
+        return FAILED, f"backend open failed: {exc}"
+    q[H_T_OPENED] = time.monotonic_ns()
+    health = SamplerHealth(hz=float(config["hz"]))
+    writer = RingWriter(block)
+    stdin_readable = [False]
+
+    def publish() -> None:
+        for i, field in enumerate(HEALTH_FIELDS):
+            q[H_HEALTH + i] = getattr(health, field)
+
+    def should_stop() -> bool:
+        publish()
+        if q[H_STOP] or stdin_readable[0]:
+            if not q[H_STOP]:
+                parent_gone[0] = True  # EOF without a stop request: the parent died
+            return True
+        if os.getppid() != parent:
+            parent_gone[0] = True
+            return True
+        return False
+
+    def sleep(seconds: float) -> None:
+        # Sleep on stdin: a stop (the parent closes it) or the parent's death (EOF) wakes us at once.
+        readable, _, _ = select.select([0], [], [], seconds)
+        if readable:
+            stdin_readable[0] = True
+
+    service = None
+    if config.get("store") is not None:
+        service = _Service(block, config)
+        service.start()
+    q[H_STATE] = RUNNING
+    try:
+        run_sample_loop(backend.devices, round(1e9 / health.hz), health, writer.emit, should_stop, sleep)
+    finally:
+        publish()
+        try:
+            backend.close()
+        except Exception:
+            log.exception("backend close failed")
+        if service is not None:
+            service.finish(parent_gone[0], health)
+    if writer.bad_values:
+        log.error("%d metric value(s) did not fit their column and were recorded as null", writer.bad_values)
+    store_error = f" ({service.error})" if service is not None and service.error else ""
+    if parent_gone[0]:
+        log.warning("the training process is gone: sampling stopped, everything taken was flushed")
+        return STOPPED, "parent exited" + store_error
+    return STOPPED, (health.stop_reason or "stopped") + store_error
+
+
+class _Service(threading.Thread):
+    """The collector's thread. Built before sampling starts: importing numpy and pyarrow and
+    warming up the Parquet writer hold the GIL for long stretches (C module init does not
+    switch), which would make the sampling loop miss its first ~0.3 s of deadlines."""
+
+    def __init__(self, block: Block, config: dict[str, Any]) -> None:
+        super().__init__(name="charllm-collector", daemon=True)
+        self.block = block
+        self.store: dict[str, Any] = config["store"]
+        self._stop_event = threading.Event()
+        self.collector: Any = None
+        self.error: str | None = None
+        block.q[H_SVC_STATE] = SVC_STARTING
+        try:
+            from charllm_nemo.telemetry.collector import Collector
+            from charllm_nemo.telemetry.store import warm_up_parquet_writer
+
+            warm_up_parquet_writer()
+            self.collector = Collector(
+                block,
+                Path(self.store["rank_dir"]),
+                source=self.store["source"],
+                period_ns=round(1e9 / float(config["hz"])),
+                flush_interval_s=float(self.store["flush_interval_s"]),
+                live_window_s=float(self.store["live_window_s"]),
+            )
+        except Exception as exc:
+            log.exception("telemetry store could not start; the training process will write what it can")
+            self.error = f"store failed: {exc!r}"
+            block.q[H_SVC_STATE] = SVC_FAILED
+
+    def run(self) -> None:
+        if self.collector is None:
+            return
+        self.block.q[H_SVC_STATE] = SVC_RUNNING
+        while not self._stop_event.wait(TICK_S):
+            self.collector.tick()
+
+    def finish(self, parent_gone: bool, health: SamplerHealth) -> None:
+        """Stop ticking, take and flush everything; if the parent died, mark its manifest."""
+        self._stop_event.set()
+        self.join(60.0)
+        c = self.collector
+        if c is None or self.is_alive():
+            return
+        try:
+            c.finish()
+            if parent_gone:
+                from charllm_nemo.telemetry.collector import mark_manifest_killed
+
+                mark_manifest_killed(
+                    Path(self.store["rank_dir"]),
+                    c.writer.counts(),
+                    {"sampler": health.to_dict(), "killed_note": KILLED_NOTE},
+                )
+            self.block.q[H_SVC_STATE] = SVC_DONE
+        except Exception as exc:
+            log.exception("telemetry store's final flush failed")
+            self.error = f"store failed: {exc!r}"
+            self.block.q[H_SVC_STATE] = SVC_FAILED
+        finally:
+            c.close()
+
+
+KILLED_NOTE = (
+    "the training process died without closing its telemetry; its telemetry process stored every "
+    "sample and every window finished before the death (windows still open then are missing)"
+)

@@ -1,0 +1,163 @@
+"""The telemetry process's side of the shared block, driven in one process: the rings carry
+samples and window records exactly, the collector stores them and answers figure requests with
+the very figures the stored run gives, and a full ring drops (and counts) instead of blocking."""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+from charllm_nemo.telemetry import shm
+from charllm_nemo.telemetry.attribution import attribute_windows
+from charllm_nemo.telemetry.collector import Collector, decode_figures, salvage
+from charllm_nemo.telemetry.reader import load_rank, to_arrays
+from charllm_nemo.telemetry.sampler import rows_to_arrays
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
+from charllm_nemo.telemetry.store import RankStore
+from charllm_nemo.telemetry.windows import WindowRecorder
+
+PERIOD = 10_000_000  # 100 Hz
+
+
+def _reading(t: int) -> tuple:
+    values: list = [None] * len(METRICS)
+    values[METRIC_INDEX["power_instant_w"]] = 300.0 + (t // PERIOD) % 7 * 10.0
+    values[METRIC_INDEX["energy_mj"]] = 10**12 + t // 5_000_000 // 10 * 10  # 64-bit, ticks every 50 ms
+    values[METRIC_INDEX["temp_gpu_c"]] = 60.0
+    values[METRIC_INDEX["throttle_reasons"]] = 0x4 if (t // PERIOD) % 5 == 0 else 0
+    return tuple(values)
+
+
+@pytest.fixture
+def block(tmp_path):
+    lay = shm.Layout(128, mark_capacity=8, fig_slots=4, n_devices=2, n_fig_columns=len(shm.figure_columns()))
+    name = f"charllm-test-{secrets.token_hex(4)}"
+    b = shm.create(name, lay)
+    yield b
+    b.close()
+    shm.unlink(name)
+
+
+def _collector(block, tmp_path, **kw) -> Collector:
+    RankStore(tmp_path, 0, {"rank": 0}, writes_segments=False)  # the manifest, as the session makes it
+    return Collector(block, tmp_path / "rank=0", source="test", period_ns=PERIOD, **kw)
+
+
+def _wire(block) -> tuple[shm.RingWriter, shm.MarkWriter, WindowRecorder]:
+    marks = shm.MarkWriter(block)
+    rec = WindowRecorder()
+    rec.names.set_on_new(marks.publish_name)
+    rec.set_sink(marks.emit)
+    return shm.RingWriter(block), marks, rec
+
+
+def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(block, tmp_path):
+    ring, marks, rec = _wire(block)
+    rows = []
+    for i in range(40):
+        t = 1_000_000_000 + i * PERIOD
+        for dev in (0, 1):
+            row = (t + dev, t + dev + 5, 1000, dev, _reading(t))
+            ring.emit(row)
+            rows.append(row)
+    w0, w1 = 1_000_000_000 + 3 * PERIOD + 123, 1_000_000_000 + 31 * PERIOD + 7
+    rec.record("step", None, w0, w1, step=0, timing="host")
+    rec.record("phase", "a-new-name", w0, w0 + 5, step=0, microbatch=2)
+    marks.request_figures(0, w0, w1)
+    c = _collector(block, tmp_path)
+    c.tick()
+    answer = shm.read_figures(block, 0)
+    c.finish()
+    c.close()
+    # stored exactly: 64-bit counters, nulls, both devices, and the window records
+    rd = load_rank(tmp_path, 0)
+    stored = to_arrays(rd.samples)
+    mine = rows_to_arrays(rows)
+    for name in ("t_mono_ns", "energy_mj", "throttle_reasons", "power_instant_w", "power_avg_w"):
+        np.testing.assert_array_equal(stored[name], mine[name])
+    assert rd.windows.column("name").to_pylist() == ["step", "a-new-name"]
+    assert rd.windows.column("microbatch").to_pylist() == [None, 2]
+    # the live figures are the attribution of the stored samples, every column
+    assert answer is not None and answer[:2] == (w0, w1)
+    columns = shm.figure_columns()
+    for dev, values in answer[2]:
+        live = decode_figures(values, columns)
+        per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
+        expected = attribute_windows(per_dev, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
+        for name in columns:
+            want = expected[name][0]
+            if isinstance(want, float) and np.isnan(want):
+                assert np.isnan(live[name]), name
+            else:  # the live slice starts later: prefix sums may round in the last bit
+                assert live[name] == pytest.approx(want, rel=1e-12, abs=1e-12), name
+    assert [d for d, _ in answer[2]] == [0, 1]
+    assert block.q[shm.H_ROWS_SAMPLES] == 80 and block.q[shm.H_FIGURES_SERVED] == 1
+
+
+def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
+    ring, marks, _rec = _wire(block)
+    c = _collector(block, tmp_path)
+    for i in range(5):
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    marks.request_figures(3, PERIOD, 6 * PERIOD)
+    c.tick()
+    assert shm.read_figures(block, 3) is None  # no sample at or after 60 ms yet
+    ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
+    c.tick()
+    assert shm.read_figures(block, 3) is not None
+    assert shm.read_figures(block, 7) is None  # slot 3 holds request 3, not request 7
+    c.close()
+
+
+def test_a_full_mark_ring_drops_and_counts_and_never_blocks(block):
+    _ring, marks, rec = _wire(block)
+    for step in range(12):  # the ring holds 8 records until the collector flushes
+        rec.record("step", None, step, step + 1, step=step)
+    assert marks.dropped == 4 == block.q[shm.H_MARKS_DROPPED]
+
+
+def test_a_lapped_ring_loses_the_oldest_rows_and_says_how_many(block, tmp_path):
+    ring, _marks, _rec = _wire(block)
+    c = _collector(block, tmp_path)
+    for i in range(300):  # 300 rows into a 128-row ring before the collector looks
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    c.finish()
+    c.close()
+    t = load_rank(tmp_path, 0).samples.column("t_mono_ns").to_pylist()
+    # the newest rows, minus the one slot the writer may have been overwriting while copied
+    assert t == [i * PERIOD for i in range(300 - len(t), 300)] and len(t) >= 127
+    assert block.q[shm.H_ROWS_LOST] == 300 - len(t)
+
+
+def test_salvage_writes_what_a_dead_collector_had_not_and_numbers_on(block, tmp_path):
+    ring, _marks, rec = _wire(block)
+    c = _collector(block, tmp_path)
+    for i in range(10):
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    rec.record("step", None, 0, 5 * PERIOD, step=0)
+    c.finish()  # one samples and one windows segment on disk
+    c.close()
+    for i in range(10, 25):  # then it "dies": these never reach its store
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    rec.record("step", None, 5 * PERIOD, 20 * PERIOD, step=1)
+    counts = salvage(block, tmp_path / "rank=0", source="test", names=rec.names.names)
+    assert counts["rows"] == {"samples": 25, "windows": 2}
+    assert counts["segments"] == {"samples": 2, "windows": 2}
+    rd = load_rank(tmp_path, 0)
+    assert rd.samples.column("t_mono_ns").to_pylist() == [i * PERIOD for i in range(25)]
+    assert rd.windows.column("step").to_pylist() == [0, 1]
+
+
+def test_names_beyond_the_names_area_are_stored_as_a_question_mark(block, tmp_path):
+    _ring, marks, rec = _wire(block)
+    long = "x" * 4000
+    for i in range(5):  # 5 x 4 KB > 16 KiB
+        rec.record("phase", f"{long}{i}", 0, 1)
+        c = _collector(block, tmp_path)
+        c.finish()
+        c.close()
+    assert marks.overflow_names >= 1
+    names = load_rank(tmp_path, 0).windows.column("name").to_pylist()
+    assert names[:3] == [f"{long}{i}" for i in range(3)] and names[-1] == "?"
