@@ -118,6 +118,21 @@ def test_a_full_mark_ring_drops_and_counts_and_never_blocks(block):
     assert marks.dropped == 4 == block.q[shm.H_MARKS_DROPPED]
 
 
+def test_a_filling_mark_ring_is_flushed_early_so_bursts_fit(block, tmp_path):
+    _ring, marks, rec = _wire(block)
+    c = _collector(block, tmp_path, flush_interval_s=1.0)
+    for step in range(3):  # more than a quarter of the 8-record ring, long before the interval
+        rec.record("step", None, step, step + 1, step=step)
+    c.tick()
+    assert block.q[shm.H_MARKS_FLUSHED] == 3
+    for step in range(3, 11):  # the whole ring is free again
+        rec.record("step", None, step, step + 1, step=step)
+    assert marks.dropped == 0
+    c.finish()
+    c.close()
+    assert load_rank(tmp_path, 0).windows.column("step").to_pylist() == list(range(11))
+
+
 def test_a_lapped_ring_loses_the_oldest_rows_and_says_how_many(block, tmp_path):
     ring, _marks, _rec = _wire(block)
     c = _collector(block, tmp_path)

@@ -67,12 +67,18 @@ _PHASE_ACTIVITY = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}
 
 
 class MarkActivity:
-    """Activity from the training loop's window marks (attach with WindowRecorder.add_listener)."""
+    """Activity from the training loop's window marks (attach with WindowRecorder.add_listener).
+
+    ``on_change(level)``, when set, is called whenever a mark changes the level (the session
+    uses it to publish the level to a synthetic device in its telemetry process): one call per
+    change, not per mark, since marks run on the training thread."""
 
     def __init__(self) -> None:
         self._phases: list[str] = []
         self._in_step = 0
         self.seen_any = False
+        self.on_change: Callable[[float], None] | None = None
+        self._published = -1.0
 
     def __call__(self, kind: str, name: str, is_begin: bool) -> None:
         self.seen_any = True
@@ -83,6 +89,11 @@ class MarkActivity:
                 self._phases.append(name)
             elif name in self._phases:
                 self._phases.remove(name)
+        if self.on_change is not None:
+            level = self.level()
+            if level != self._published:
+                self._published = level
+                self.on_change(level)
 
     def level(self) -> float:
         if self._phases:

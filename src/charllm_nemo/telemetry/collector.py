@@ -295,7 +295,10 @@ class Collector:
             self.serve()
         except Exception:
             log.exception("telemetry collector tick failed")
-        if time.monotonic_ns() >= self._next_flush:
+        # Records free their ring slots only once stored (so that a salvage finds them): flush
+        # early when the mark ring fills faster than the flush interval drains it.
+        unflushed = self._mark_idx - self.block.q[H_MARKS_FLUSHED]
+        if time.monotonic_ns() >= self._next_flush or unflushed > self.block.layout.mark_capacity // 4:
             self._next_flush = time.monotonic_ns() + self.flush_interval_ns
             self.flush()
 

@@ -197,8 +197,7 @@ class TelemetrySession:
         if marks is not None:
             self.windows.add_listener(marks)
             if isinstance(self.sampler, ProcessSampler):
-                publish = self.sampler.publish_activity
-                self.windows.add_listener(lambda _kind, _name, _begin: publish(marks.level()))
+                marks.on_change = self.sampler.publish_activity
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
         self._flusher = Flusher(self.flush, flush_interval_s)
         # Thread mode: raw rows of the last live_window_s seconds, for step_figures, kept as the
@@ -352,6 +351,9 @@ class TelemetrySession:
         failed = self.sampler
         reason = failed.health.stop_reason
         failed.stop()
+        marks = getattr(self.backend, "mark_activity", None)
+        if marks is not None:
+            marks.on_change = None  # the thread's device reads the marks directly
         log.warning(
             "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )

@@ -59,6 +59,10 @@ STRING_FIELDS: tuple[str, ...] = ("kind", "name", "timing")
 
 Record = tuple[int, ...]
 
+WALL_REFRESH_NS = 1_000_000_000
+"""How often a recorder re-reads the wall clock's offset from CLOCK_MONOTONIC (``t_begin_wall_ns``
+is for humans; it follows NTP slewing to within this interval)."""
+
 
 class NameTable:
     """Strings of window records (kinds, names, timings) as small int codes, in first-seen order.
@@ -125,6 +129,15 @@ class WindowRecorder:
         self._listeners: list[Any] = []
         self._host = self.names.code("host")
         self.total_recorded = 0
+        self._wall_offset = 0  # time_ns() - monotonic_ns(), refreshed every WALL_REFRESH_NS
+        self._wall_at = -WALL_REFRESH_NS
+
+    def _wall(self, t_mono: int) -> int:
+        """Wall-clock ns of a CLOCK_MONOTONIC time (one clock read a second, not one a mark)."""
+        if t_mono - self._wall_at >= WALL_REFRESH_NS:
+            self._wall_at = time.monotonic_ns()
+            self._wall_offset = time.time_ns() - self._wall_at
+        return t_mono + self._wall_offset
 
     # -- configuration ---------------------------------------------------------------------
     def set_labels(self, **labels: int | None) -> None:
@@ -177,7 +190,7 @@ class WindowRecorder:
         if kind not in WINDOW_KINDS:
             raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
         t = time.monotonic_ns() if t_mono_ns is None else t_mono_ns
-        wall = time.time_ns()
+        wall = self._wall(t)
         name = name or kind
         wid = next(self._ids)
         with self._lock:
@@ -246,7 +259,7 @@ class WindowRecorder:
         """Add a finished window with explicit timestamps (e.g. resolved from CUDA events)."""
         if kind not in WINDOW_KINDS:
             raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
-        wall = time.time_ns() - (time.monotonic_ns() - t_begin_mono_ns)
+        wall = self._wall(int(t_begin_mono_ns))
         code = self.names.code
         wid = next(self._ids)
         rec = (

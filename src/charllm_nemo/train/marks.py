@@ -72,7 +72,7 @@ def schedule_order(num_microbatches: int, num_chunks: int, group_size: int | Non
     return [(int(mb), int(chunk)) for mb, chunk in table]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Mark:
     kind: str
     name: str
@@ -99,19 +99,24 @@ class StepTiming:
 
 
 class _Timer:
-    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature."""
+    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature. The
+    timer's phase is classified once, when mcore first asks for the name; timers that are not
+    windows (``forward-backward``, ...) return at once."""
 
-    __slots__ = ("_marker", "_name")
+    __slots__ = ("_marker", "_name", "_phase")
 
     def __init__(self, marker: StepMarker, name: str) -> None:
         self._marker = marker
         self._name = name
+        self._phase = marker._classify(name)
 
     def start(self, barrier: bool = False) -> None:
-        self._marker._start(self._name)
+        if self._phase is not None:
+            self._marker._start(self._name, self._phase)
 
     def stop(self, barrier: bool = False) -> None:
-        self._marker._stop(self._name)
+        if self._phase is not None:
+            self._marker._stop(self._name)
 
 
 @dataclass
@@ -149,6 +154,7 @@ class StepMarker:
     ) -> None:
         self.recorder = recorder
         self.kinds = frozenset(kinds)
+        self._record_phases = "phase" in self.kinds
         self.cuda = cuda
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
@@ -271,11 +277,8 @@ class StepMarker:
             return name[len("charllm:") :]
         return None  # forward-backward (the whole schedule) and anything unknown: not a window
 
-    def _start(self, name: str) -> None:
+    def _start(self, name: str, phase: str) -> None:
         st = self._state
-        phase = self._classify(name)
-        if phase is None:
-            return
         if st is None:
             self.unmatched += 1
             return
@@ -293,17 +296,20 @@ class StepMarker:
             st.first_begin[mb] = t
         vpp_chunk = chunk if self.num_chunks > 1 else None
         mark = _Mark("phase", phase, mb, vpp_chunk, t)
-        if not self.cuda and "phase" in self.kinds:
-            labels = {"vpp_chunk": vpp_chunk} if vpp_chunk is not None else {}
-            mark.wid = self.recorder.begin("phase", phase, step=st.step, microbatch=mb, t_mono_ns=t, **labels)
+        if not self.cuda and self._record_phases:
+            if vpp_chunk is None:
+                mark.wid = self.recorder.begin("phase", phase, step=st.step, microbatch=mb, t_mono_ns=t)
+            else:
+                mark.wid = self.recorder.begin(
+                    "phase", phase, step=st.step, microbatch=mb, t_mono_ns=t, vpp_chunk=vpp_chunk
+                )
         self._open[name] = mark
 
     def _stop(self, name: str) -> None:
         mark = self._open.pop(name, None)
         st = self._state
         if mark is None or st is None:
-            if self._classify(name) is not None:
-                self.unmatched += 1
+            self.unmatched += 1
             return
         t = self._now()
         mark.end = t
