@@ -1,10 +1,35 @@
 """Training-step cost of telemetry: tiny_gpt on CPU, telemetry at 100 Hz (all windows) vs off.
 
-Run:  .venv/bin/python bench/bench_train_telemetry.py [--quick] [--decompose] [--profile] [--json-only]
+Run:  .venv/bin/python bench/bench_train_telemetry.py [--quick] [--interleave step|block]
+      [--order abba|random] [--decompose] [--profile] [--json-only]
 
 What is compared, in ONE process with ONE model (built once, the way ``train/loop.py::_train``
-builds it, and stepped by a copy of its loop body): rounds of blocks of ``--block-steps`` timed
-steps, one block per arm, the order of the arms inside each round drawn at random:
+builds it, and stepped by a copy of its loop body), in one of two ways.
+
+``--interleave step`` (the default; the headline ON/OFF comparison): ONE ``TelemetrySession`` for
+the whole measurement (synthetic backend, ``activity="marks"``, 100 Hz, all window kinds,
+``sampler="process"`` unless --session-option says otherwise; a session that does not sample in
+a separate process is refused: a thread cannot be paused), opened once before the timed steps and
+closed after them. Steps alternate between the arms, every step timed: ABBA quads (on, off, off,
+on, on, off, off, on, ...; ``--order abba``, the default) or adjacent pairs in a random order
+(``--order random``). The switch happens between steps, outside the timed region:
+
+* ``on``:  SIGCONT to the telemetry process, ``config.timers`` = the session's ``StepMarker``
+  (step, microbatch, phase); after ``end_step`` the step's window goes to
+  ``session.request_figures`` when the session has it, and the previous ON step's figures are
+  asked for (``session.step_figures`` -> ``rank_figures``), as the loop does.
+* ``off``: SIGSTOP to the telemetry process (frozen: it uses no CPU), ``config.timers = None``,
+  a ``StepMarker`` with no kinds, no figures: ``run_rank`` with ``telemetry.enabled=false``.
+
+Statistics over units (ABBA quads, or pairs): ratio of the medians and of the 10 % trimmed means
+of ON over OFF step times, 95 % bootstrap intervals resampling whole units, and the geometric
+mean of the per-unit ratios with a t interval; steps right after a switch against the others
+(what a switch costs); the load of other processes per segment of ~32 steps. No bare-thread
+reference in this mode.
+
+``--interleave block`` (the original design; ``--decompose`` needs it): rounds of blocks of
+``--block-steps`` timed steps, one block per arm, the order of the arms inside each round drawn
+at random:
 
 * ``on``:  a fresh ``TelemetrySession`` (synthetic backend, ``activity="marks"``, 100 Hz, the
   default 0.5 s flusher) started before the block and closed after it; its WindowRecorder gets
@@ -23,30 +48,32 @@ steps, one block per arm, the order of the arms inside each round drawn at rando
 
 Session start/stop is outside the timed steps (their times are printed). Each block begins with
 a pause drawn from U[0, flush interval) (every arm, so the flusher's phase relative to the timed
-steps is uniform, as in a long run) and one untimed lead-in step. Three timings per step:
-``iteration`` = ``time.perf_counter()`` around the whole loop body (marks, forward/backward of
-every microbatch, optimizer, the previous step's figures, the step's all_reduce): the headline;
-``loop_step`` = the loop's own step window (``StepTiming.seconds``: no figures, no reduction);
-``main_cpu`` = the training thread's CPU time (``time.thread_time``): its own extra work, which
-other threads and processes lengthen only through caches, so the least noisy of the three.
+steps is uniform, as in a long run) and one untimed lead-in step.
+
+Three timings per step, in both modes: ``iteration`` = ``time.perf_counter()`` around the whole
+loop body (marks, forward/backward of every microbatch, optimizer, the previous step's figures,
+the step's all_reduce): the headline; ``loop_step`` = the loop's own step window
+(``StepTiming.seconds``: no figures, no reduction); ``main_cpu`` = the training thread's CPU
+time (``time.thread_time``): its own extra work, which other threads and processes lengthen only
+through caches, so the least noisy of the three.
 
 Two configurations, each in its own child process, one after the other:
 
 * ``free``: ``OMP_NUM_THREADS=1`` + ``torch.set_num_threads(1)``, nothing else started: one core
-  is left for the sampler and flusher threads, as on a GPU node (target ratio <= 1.005).
+  is left for the telemetry threads or process, as on a GPU node (target ratio <= 1.005).
 * ``busy``: the same, plus a process spinning pure Python on the last core, started before the
   child and stopped after it; the child is pinned to the other core(s) (``--busy-pin split``;
   ``none`` pins neither, and then the scheduler sometimes puts the training thread next to the
-  spinner: bimodal step times).
+  spinner: bimodal step times). A telemetry or sampling process inherits the child's pinning.
 
-Figures: ON/OFF (arm/OFF) ratio of the medians and of the 10 % trimmed means of step times, each
-with a 95 % bootstrap interval over rounds (rounds resampled whole, so slow drifts stay paired),
-and the mean of the per-round ratios of block medians with a t interval; the sampler's deadline
-ratio (SamplerHealth) over the timed steps of ON blocks and over whole ON sessions; the load of
-other processes during each round (/proc/stat minus this child and the spinner) and the ratios
-over the quiet rounds only; garbage-collector work per arm; with ``--profile``, a cProfile of the
-training thread per arm. The last line printed is ``BENCH_JSON {...}``. docs/bench-train.md says
-how to read it.
+Block-mode figures: ON/OFF (arm/OFF) ratio of the medians and of the 10 % trimmed means of step
+times, each with a 95 % bootstrap interval over rounds (rounds resampled whole, so slow drifts
+stay paired), and the mean of the per-round ratios of block medians with a t interval; the
+sampler's deadline ratio (SamplerHealth) over the timed steps of ON blocks and over whole ON
+sessions; the load of other processes during each round (/proc/stat minus this child and the
+spinner) and the ratios over the quiet rounds only; garbage-collector work per arm; with
+``--profile``, a cProfile of the training thread per arm (both modes). The last line printed is
+``BENCH_JSON {...}``. docs/bench-train.md says how to read it.
 
 This machine has 2 cores and is shared and noisy: only side-by-side ratios mean something, and a
 verdict is given only when other processes stayed under 0.3 cores on average.
@@ -65,6 +92,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +108,15 @@ MIN_QUIET_ROUNDS = 10
 TIMINGS = ("iteration", "loop_step", "main_cpu")
 DECOMPOSE_ARMS = ["off", "bare", "proc", "marks", "sampler", "session", "on"]
 BUSY_MACHINE_CORES = 0.3  # mean load of other processes above which no verdict is given
+# --interleave step
+STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (~40-85 ms a step)
+STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
+SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
+ORDERS = ("abba", "random")
+
+
+class BenchRefused(Exception):
+    """The worker cannot measure what was asked (the message says why); no traceback."""
 
 
 # ============================================================================================
@@ -121,6 +158,47 @@ def paired_ratio(pairs: list[tuple[list[float], list[float]]]) -> tuple[float, f
         return m, m, m
     half = 1.96 * statistics.stdev(rs) / len(rs) ** 0.5
     return m, m - half, m + half
+
+
+def t975(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (Cornish-Fisher
+    expansion around the normal one: within 0.2 % from df = 5 on)."""
+    z = 1.959964
+    if df <= 0:
+        return float("inf")
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def summarize_units(units: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
+    """--interleave step: ``units`` are ABBA quads (2 ON + 2 OFF steps) or adjacent pairs.
+    Ratios of the pooled medians and trimmed means with 95 % bootstrap intervals resampling whole
+    units, and the geometric mean of the per-unit ratios (mean log ON - mean log OFF of each
+    unit, exponentiated) with a 95 % t interval over units."""
+    import math
+
+    on = [x for u in units for x in u[0]]
+    off = [x for u in units for x in u[1]]
+    med_lo, med_hi = bootstrap_ci(units, statistics.median)
+    tm_lo, tm_hi = bootstrap_ci(units, trimmed_mean)
+    logs = [
+        statistics.fmean(math.log(x) for x in u[0]) - statistics.fmean(math.log(x) for x in u[1])
+        for u in units
+    ]
+    m = statistics.fmean(logs)
+    half = t975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5 if len(logs) > 1 else 0.0
+    return {
+        "steps_on": len(on),
+        "steps_off": len(off),
+        "median_on_ms": statistics.median(on) * 1e3,
+        "median_off_ms": statistics.median(off) * 1e3,
+        "ratio_median": pooled_ratio(units, statistics.median),
+        "ratio_median_ci95": [med_lo, med_hi],
+        "ratio_trimmed_mean": pooled_ratio(units, trimmed_mean),
+        "ratio_trimmed_mean_ci95": [tm_lo, tm_hi],
+        "ratio_paired_mean": math.exp(m),
+        "ratio_paired_mean_ci95": [math.exp(m - half), math.exp(m + half)],
+        "units": len(units),
+    }
 
 
 def summarize(pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
@@ -165,6 +243,15 @@ def schedstat_ns(pid: int) -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU ns of every live thread of process ``pid`` (/proc/PID/task/*/schedstat)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    return sum(schedstat_ns(int(tid)) for tid in tids)
 
 
 def step_figures_function() -> Any:
@@ -219,9 +306,12 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(opts["seed"])
     pairs_n, k = opts["pairs"], opts["block_steps"]
     warmup = opts["warmup"]
+    step_mode = opts.get("interleave", "block") == "step"
     per_block = k + 1  # + the untimed lead-in step
     n_arms = len(opts["arms"])
     total_steps = warmup + (n_arms * pairs_n + n_arms) * per_block + 2  # + one warm-up block per arm
+    if step_mode:
+        total_steps = warmup + 4 * STEP_WARM_QUADS + 2 * pairs_n + 8
     out_root = Path(opts["out_dir"])
     cfg = TrainConfig(
         model=model_preset("tiny_gpt"),
@@ -255,10 +345,14 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     )
 
     step_counter = [0]
+    fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
-    def one_step(marker: StepMarker, session: Any, pending: Any) -> tuple[tuple[float, float, float], Any]:
+    def one_step(
+        marker: StepMarker, session: Any, pending: Any, request: Any = None
+    ) -> tuple[tuple[float, float, float], Any]:
         """The body of _train's step loop (minus the console line).
-        ((wall s, loop step window s, main-thread CPU s), pending)."""
+        ((wall s, loop step window s, main-thread CPU s), pending). ``request``: the session's
+        ``request_figures`` (step mode, where the session has it), called with this step's window."""
         step = step_counter[0]
         step_counter[0] += 1
         c0 = time.thread_time_ns()
@@ -282,11 +376,16 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             bundle.scheduler.step(1)
         opt_timer.stop()
         timing = marker.end_step()
+        if request is not None:
+            request(timing.t_begin_mono_ns, timing.t_end_mono_ns)
+            fig_counts["requested"] += 1
         tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
         if pending is not None and session is not None:
             figures = previous_step_figures(session, pending[1], pending[2])
+            fig_counts["asked"] += 1
+            fig_counts["not_ready"] += figures is None
         sums, maxes = reduce_step(
             torch,
             "cpu",
@@ -318,6 +417,22 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         "session_close_ms": [],
         "unmatched_marks": 0,
     }
+
+    def session_kwargs(**defaults: Any) -> dict[str, Any]:
+        """The ON arm's TelemetrySession keywords; ``defaults`` and then --session-option on top."""
+        kwargs: dict[str, Any] = {
+            "backend": "synthetic",
+            "hz": HZ,
+            "rank": dist.rank,
+            "local_rank": dist.local_rank,
+            "world_size": dist.world_size,
+            "config": asdict(cfg),
+            "flush_interval_s": FLUSH_INTERVAL_S,
+            "backend_options": {"activity": "marks"},
+            **defaults,
+        }
+        kwargs.update(opts.get("session_options", {}))
+        return kwargs
 
     def open_arm(arm: str, idx: int) -> tuple[StepMarker, Any, Any, Any]:
         """(marker, session for the figures or None, sampler or None, closer) of one block."""
@@ -353,18 +468,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             sampler.start()
             return marker, None, sampler, sampler.stop
         t_s = time.perf_counter()
-        kwargs: dict[str, Any] = {
-            "backend": "synthetic",
-            "hz": HZ,
-            "rank": dist.rank,
-            "local_rank": dist.local_rank,
-            "world_size": dist.world_size,
-            "config": asdict(cfg),
-            "flush_interval_s": FLUSH_INTERVAL_S,
-            "backend_options": {"activity": "marks"},
-        }
-        kwargs.update(opts.get("session_options", {}))
-        session = TelemetrySession(out_root / f"block-{idx:04d}", **kwargs).start()
+        session = TelemetrySession(out_root / f"block-{idx:04d}", **session_kwargs()).start()
         session.windows.set_labels(**dist.labels())
         marker = StepMarker(
             session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
@@ -395,6 +499,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
 
     gc.callbacks.append(on_gc)
 
+    own_children_ns = [0]  # CPU of the ON sessions' own processes, summed when each closes
+
     def run_block(arm: str, idx: int, timed: bool) -> list[list[float]]:
         marker, fig_session, sampler, closer = open_arm(arm, idx)
         config.timers = marker if marker.phases_on else None
@@ -416,9 +522,15 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         gc_state["arm"] = None
         config.timers = None
         if h is not None and h0 is not None and timed and arm == "on":
+            h = sampler.health  # a process sampler's health is a snapshot: read it again
             for key in health_keys:
                 acc["timed"][key] += getattr(h, key) - h0[key]
         if isinstance(closer, TelemetrySession):
+            # A session's own process (a sampling / telemetry process, where the session has one)
+            # is not "other processes": its CPU until now counts with this child's.
+            tp_pid = getattr(closer.sampler, "pid", None)
+            if tp_pid:
+                own_children_ns[0] += process_cpu_ns(tp_pid)
             t_c = time.perf_counter()
             closer.close("complete")
             acc["session_close_ms"].append((time.perf_counter() - t_c) * 1e3)
@@ -426,14 +538,254 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 for key in health_keys:
                     acc["session"][key] += getattr(closer.sampler.health, key)
                 acc["late_max_ns"] = max(acc["late_max_ns"], closer.sampler.health.late_max_ns)
-                acc["flushes"] += closer._flusher.flushes
-                acc["flush_ms_max"] = max(acc["flush_ms_max"], closer._flusher.flush_ns_max / 1e6)
+                fl = getattr(closer, "_flusher", None)  # gone where the telemetry process flushes
+                if fl is not None:
+                    acc["flushes"] += fl.flushes
+                    acc["flush_ms_max"] = max(acc["flush_ms_max"], fl.flush_ns_max / 1e6)
                 acc["windows_recorded"] += closer.windows.total_recorded
                 acc["unmatched_marks"] += marker.unmatched
             shutil.rmtree(out_root / f"block-{idx:04d}", ignore_errors=True)
         elif closer is not None:
             closer()
         return times
+
+    def step_interleave() -> dict[str, Any]:
+        """--interleave step: ONE session for the whole measurement, its sampler in a separate
+        process; steps alternate between ON and OFF (ABBA quads or random pairs), every step
+        timed, the switch (SIGCONT / SIGSTOP of the telemetry process, config.timers) between
+        steps, outside the timed region."""
+        t_s = time.perf_counter()
+        session = TelemetrySession(out_root / "steps", **session_kwargs(sampler="process")).start()
+        session_start_ms = (time.perf_counter() - t_s) * 1e3
+        pid = getattr(session.sampler, "pid", None)
+        if session.sampler_mode != "process" or pid is None:
+            mode = session.sampler_mode
+            session.close("complete")
+            raise BenchRefused(
+                f"--interleave step needs the session's sampler in a separate process (it is "
+                f"SIGSTOPped during OFF steps; a sampling thread inside the training process cannot be "
+                f"paused), but this session samples in a {mode!r} "
+                f"(session options {opts.get('session_options') or {}}); drop --session-option "
+                f"sampler=..., or use --interleave block"
+            )
+        session.windows.set_labels(**dist.labels())
+        marker_on = StepMarker(
+            session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
+        )
+        request = getattr(session, "request_figures", None)  # being added in src/: use it if there
+        # Python threads the session left in this process (a flusher, in the src of 2026-12): they
+        # are not paused for OFF steps, so whatever they do lands on both arms.
+        threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        flusher = getattr(session, "_flusher", None)
+        if not any("flush" in n for n in threads):
+            flusher = None
+        running = [True]
+
+        def switch(arm: str) -> None:
+            """Between steps: freeze / wake the telemetry process and swap the loop's timers."""
+            if arm == "off" and running[0]:
+                os.kill(pid, signal.SIGSTOP)
+                running[0] = False
+            elif arm == "on" and not running[0]:
+                os.kill(pid, signal.SIGCONT)
+                running[0] = True
+            config.timers = marker_on if arm == "on" else None
+
+        def wait_stopped(timeout_s: float = 1.0) -> bool:
+            """Whether the telemetry process reached state T (stopped) within ``timeout_s``."""
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                            return True
+                except OSError:
+                    return False
+                time.sleep(0.001)
+            return False
+
+        # The order of the arms, in units: "abba" = quads on,off,off,on repeated (on,off,off,on,
+        # on,off,off,on,...): each arm has exactly half of its steps right after a switch, and a
+        # linear drift within a quad cancels; "random" = pairs, each on,off or off,on at random.
+        if opts["order"] == "abba":
+            n_units = (pairs_n + 1) // 2
+            plan = [["on", "off", "off", "on"] for _ in range(n_units)]
+        else:
+            n_units = pairs_n
+            plan = [rng.sample(["on", "off"], 2) for _ in range(n_units)]
+        unit_steps = len(plan[0])
+        units_per_segment = max(1, SEGMENT_STEPS // unit_steps)
+        profiles_s = {arm: cProfile.Profile() for arm in ("off", "on")} if opts.get("profile") else {}
+        spinner_pid = opts.get("spinner_pid")
+
+        def snapshot() -> tuple[int, int, int, int]:
+            others = (schedstat_ns(spinner_pid) if spinner_pid else 0) + process_cpu_ns(pid)
+            return time.monotonic_ns(), machine_busy_ns(), time.process_time_ns(), others
+
+        records: list[tuple[int, str, bool, tuple[float, float, float]]] = []
+        background: list[float] = []
+        cover = {"samples": 0, "ns": 0}
+        pending_on: Any = None
+        current = "on"
+        stopped_ok = True
+        tp_cpu_ns = 0
+        t_begin = time.monotonic()
+        try:
+            # Warm-up, untimed: OFF steps, then ABBA quads (imports and first calls on the ON path).
+            switch("off")
+            stopped_ok = wait_stopped()
+            current = "off"
+            for _ in range(warmup):
+                one_step(marker_off, None, None)
+            for arm in ["on", "off", "off", "on"] * STEP_WARM_QUADS:
+                switch(arm)
+                current = arm
+                if arm == "on":
+                    _t, pending_on = one_step(marker_on, session, pending_on, request)
+                else:
+                    one_step(marker_off, None, None)
+            fig_counts.update(asked=0, not_ready=0, requested=0)
+            s_prev = snapshot()
+            tp_cpu0 = process_cpu_ns(pid)  # the telemetry process's CPU: it runs only while ON
+            for u, order in enumerate(plan):
+                for arm in order:
+                    after_switch = arm != current
+                    switch(arm)
+                    current = arm
+                    prof = profiles_s.get(arm)
+                    if arm == "on":
+                        h0 = session.sampler.health.samples
+                        c0 = time.monotonic_ns()
+                        gc_state["arm"] = arm
+                        if prof is not None:
+                            prof.enable()
+                        t, pending_on = one_step(marker_on, session, pending_on, request)
+                        if prof is not None:
+                            prof.disable()
+                        gc_state["arm"] = None
+                        cover["ns"] += time.monotonic_ns() - c0
+                        cover["samples"] += session.sampler.health.samples - h0
+                    else:
+                        gc_state["arm"] = arm
+                        if prof is not None:
+                            prof.enable()
+                        t, _pending = one_step(marker_off, None, None)
+                        if prof is not None:
+                            prof.disable()
+                        gc_state["arm"] = None
+                    records.append((u, arm, after_switch, t))
+                if (u + 1) % units_per_segment == 0 or u == n_units - 1:
+                    s1 = snapshot()
+                    other = (s1[1] - s_prev[1]) - (s1[2] - s_prev[2]) - (s1[3] - s_prev[3])
+                    background.append(max(0.0, other / max(1, s1[0] - s_prev[0])))
+                    s_prev = s1
+            tp_cpu_ns = process_cpu_ns(pid) - tp_cpu0
+        finally:
+            switch("on")  # never leave the telemetry process frozen
+            config.timers = None
+        elapsed = time.monotonic() - t_begin
+        flushes = (flusher.flushes, flusher.flush_ns_max / 1e6) if flusher is not None else None
+        t_c = time.perf_counter()
+        session.close("complete")
+        session_close_ms = (time.perf_counter() - t_c) * 1e3
+        if flusher is not None:
+            flushes = (flusher.flushes, flusher.flush_ns_max / 1e6)
+        health = session.sampler.health
+        windows_recorded = session.windows.total_recorded
+        shutil.rmtree(out_root / "steps", ignore_errors=True)
+        shutdown_distributed()
+
+        def units_of(which: int, keep: set[int] | None = None) -> list[tuple[list[float], list[float]]]:
+            out: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n_units)]
+            for u, arm, _sw, t in records:
+                out[u][0 if arm == "on" else 1].append(t[which])
+            return [x for i, x in enumerate(out) if keep is None or i in keep]
+
+        quiet_segments = [i for i, bg in enumerate(background) if bg < QUIET_CORES]
+        quiet_units = {u for u in range(n_units) if u // units_per_segment in set(quiet_segments)}
+
+        def switch_ratio(arm: str) -> dict[str, Any]:
+            after = [t[0] for _u, a, sw, t in records if a == arm and sw]
+            steady = [t[0] for _u, a, sw, t in records if a == arm and not sw]
+            if not after or not steady:
+                return {"after_switch": len(after), "steady": len(steady), "ratio_median": None}
+            return {
+                "after_switch": len(after),
+                "steady": len(steady),
+                "ratio_median": statistics.median(after) / statistics.median(steady),
+            }
+
+        def steady_units(which: int) -> list[tuple[list[float], list[float]]]:
+            """Per unit, its steps that do NOT follow a switch (ABBA: the first ON, the second OFF),
+            units with both arms only: the ON/OFF comparison without any wake-up cost."""
+            out: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n_units)]
+            for u, arm, sw, t in records:
+                if not sw:
+                    out[u][0 if arm == "on" else 1].append(t[which])
+            return [x for x in out if x[0] and x[1]]
+
+        steady = steady_units(0)
+        steps_per_arm = sum(1 for r in records if r[1] == "on")
+        on_s = sum(t[0] for _u, arm, _sw, t in records if arm == "on")
+        return {
+            "config": opts["config"],
+            "interleave": "step",
+            "order": opts["order"],
+            "pairs": steps_per_arm,
+            "units": n_units,
+            "unit_steps": unit_steps,
+            "segment_units": units_per_segment,
+            "segments": len(background),
+            "arms": ["off", "on"],
+            **{t: summarize_units(units_of(w)) for w, t in enumerate(TIMINGS)},
+            "background_cores_mean": statistics.fmean(background),
+            "background_cores_max": max(background),
+            "quiet_rounds": len(quiet_segments),
+            "quiet": (
+                {"on": {t: summarize_units(units_of(w, quiet_units)) for w, t in enumerate(TIMINGS)}}
+                if len(quiet_segments) >= MIN_QUIET_ROUNDS
+                else None
+            ),
+            "switch": {arm: switch_ratio(arm) for arm in ("on", "off")},
+            "steady_iteration": summarize_units(steady) if len(steady) >= 2 else None,
+            "sampler": {
+                "mode": session.sampler_mode,
+                "stopped_state_seen": stopped_ok,
+                "samples_on": cover["samples"],
+                "expected_on": cover["ns"] / 1e9 * HZ,
+                "coverage_on": cover["samples"] / (cover["ns"] / 1e9 * HZ) if cover["ns"] else None,
+                "process_cpu_ms_per_on_step": tp_cpu_ns / 1e6 / steps_per_arm,
+                "process_cores_while_on": tp_cpu_ns / 1e9 / on_s if on_s else None,
+                "samples_session": health.samples,
+                "rows_lost": health.rows_lost,
+                "stop_reason": health.stop_reason,
+            },
+            "figures": {
+                "request_figures": request is not None,
+                "requested": fig_counts["requested"],
+                "asked": fig_counts["asked"],
+                "not_ready": fig_counts["not_ready"],
+            },
+            "threads": threads,
+            "flusher": (
+                {"thread_in_training_process": True, "flushes": flushes[0], "flush_ms_max": flushes[1]}
+                if flushes is not None
+                else {"thread_in_training_process": False}
+            ),
+            "windows_recorded": windows_recorded,
+            "unmatched_marks": marker_on.unmatched,
+            "gc_per_100_steps": {
+                arm: {key: v * 100 / steps_per_arm if key != "gen2_ms_max" else v for key, v in d.items()}
+                for arm, d in gc_stats.items()
+            },
+            "profile": profile_report(profiles_s, steps_per_arm) if profiles_s else None,
+            "session_start_ms_median": session_start_ms,
+            "session_close_ms_median": session_close_ms,
+            "elapsed_s": elapsed,
+        }
+
+    if step_mode:
+        return step_interleave()
 
     arms = list(opts["arms"])
     proc_sampler = None
@@ -459,8 +811,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     background: list[float] = []  # cores used by other processes during each round
 
     def snapshot() -> tuple[int, int, int, int]:
-        spin = schedstat_ns(spinner_pid) if spinner_pid else 0
-        return time.monotonic_ns(), machine_busy_ns(), time.process_time_ns(), spin
+        ours = schedstat_ns(spinner_pid) if spinner_pid else 0
+        ours += own_children_ns[0] + (process_cpu_ns(proc_sampler.pid) if proc_sampler is not None else 0)
+        return time.monotonic_ns(), machine_busy_ns(), time.process_time_ns(), ours
 
     for i in range(pairs_n):
         order = arms[:]
@@ -631,7 +984,13 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "warmup": args.warmup,
         "seed": args.seed,
         "out_dir": str(out_dir / name),
-        "arms": DECOMPOSE_ARMS if args.decompose else ["off", "bare", "on"],
+        "arms": ["off", "on"]
+        if args.interleave == "step"
+        else DECOMPOSE_ARMS
+        if args.decompose
+        else ["off", "bare", "on"],
+        "interleave": args.interleave,
+        "order": args.order,
         "cpus": None,
         "profile": args.profile,
         "session_options": session_options(args.session_option),
@@ -661,6 +1020,8 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
     for line in proc.stdout.splitlines():
         if line.startswith("WORKER_JSON "):
             return json.loads(line[len("WORKER_JSON ") :])  # type: ignore[no-any-return]
+        if line.startswith("WORKER_REFUSED "):
+            raise SystemExit(f"config {name}: {line[len('WORKER_REFUSED ') :]}")
     sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
     raise SystemExit(f"config {name}: the child printed no result (rc {proc.returncode})")
 
@@ -676,13 +1037,18 @@ def verdict(r: dict[str, Any]) -> str:
         if r.get("quiet") is None:
             return f"INCONCLUSIVE (other processes used {r['background_cores_mean']:.2f} cores)"
         stats = r["quiet"]["on"]["iteration"]
-        where = f" (over the {r['quiet_rounds']} quiet rounds)"
+        where = f" (over the {r['quiet_rounds']} quiet {rounds_word(r)})"
     lo, hi = stats["ratio_median_ci95"]
     if hi <= TARGET_FREE:
         return "MET" + where
     if lo > TARGET_FREE:
         return "MISSED" + where
     return "INCONCLUSIVE (the interval straddles the target)" + where
+
+
+def rounds_word(r: dict[str, Any]) -> str:
+    """What the load of other processes was measured over: block rounds or step-mode segments."""
+    return "segments" if r.get("interleave") == "step" else "rounds"
 
 
 def fmt_ci(r: float, ci: list[float]) -> str:
@@ -702,7 +1068,7 @@ ARM_HELP = {
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     hdr = (
         f"{'config':<6} {'arm':<8} {'timing':<9} {'arm ms':>7} {'off ms':>7}  {'median ratio [95% CI]':<25} "
-        f"{'trimmed-mean ratio':<25} {'paired-block ratio':<25}"
+        f"{'trimmed-mean ratio':<25} {'paired ratio':<25}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -719,6 +1085,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                 )
     print()
     for name, r in results.items():
+        if r.get("interleave") == "step":
+            print_step_details(name, r)
+            continue
         sm = r["sampler"]
         print(
             f"{name:<6} ON blocks: sampler deadline ratio {sm['deadline_ratio_timed']:.4f} over timed steps "
@@ -734,15 +1103,15 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         q = r.get("quiet")
         qs = ""
         if q is not None:
-            qs = "; quiet rounds only: " + ", ".join(
+            qs = f"; quiet {rounds_word(r)} only: " + ", ".join(
                 f"{arm} {d['iteration']['ratio_median']:.4f} [{d['iteration']['ratio_median_ci95'][0]:.4f}, "
                 f"{d['iteration']['ratio_median_ci95'][1]:.4f}]"
                 for arm, d in q.items()
             )
         print(
             f"{name:<6} other processes: {r['background_cores_mean']:.2f} cores on average (max "
-            f"{r['background_cores_max']:.2f}); {r['quiet_rounds']}/{r['pairs']} rounds under {QUIET_CORES} "
-            f"cores{qs}"
+            f"{r['background_cores_max']:.2f}); {r['quiet_rounds']}/{r.get('segments', r['pairs'])} "
+            f"{rounds_word(r)} under {QUIET_CORES} cores{qs}"
         )
     for name, r in results.items():
         parts = [
@@ -775,13 +1144,108 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         "main_cpu = the training thread's CPU time (what the other threads and processes cannot lengthen "
         "except through caches: the main thread's own extra work)"
     )
+    if any(r.get("interleave") == "step" for r in results.values()):
+        print(
+            "  step mode: one session, its telemetry process SIGSTOPped for OFF steps; median ratio and "
+            "trimmed-mean ratio with 95 % bootstrap intervals over whole ABBA quads (or pairs); paired "
+            "ratio = geometric mean of the per-quad (per-pair) ON/OFF ratios, 95 % t interval"
+        )
+    else:
+        print("  paired ratio = mean of the per-round ratios of block medians, 95 % t interval")
+
+
+def print_step_details(name: str, r: dict[str, Any]) -> None:
+    """Step mode: what the session did, the switches, the figures."""
+    sm, fg, fl, sw = r["sampler"], r["figures"], r["flusher"], r["switch"]
+    cov = sm["coverage_on"]
+    unit = "ABBA quads" if r["unit_steps"] == 4 else "random pairs"
+    print(
+        f"{name:<6} step mode: {r['pairs']} ON + {r['pairs']} OFF steps in {r['units']} {unit}, all timed; "
+        f"telemetry process ({sm['mode']}) stopped for OFF steps"
+        + ("" if sm["stopped_state_seen"] else " (NOT SEEN IN STATE T)")
+        + f"; samples during ON steps {sm['samples_on']} of {sm['expected_on']:.0f} due at {HZ:g} Hz"
+        + (f" ({cov:.3f})" if cov is not None else "")
+        + f", rows lost {sm['rows_lost']}; its CPU {sm['process_cpu_ms_per_on_step']:.2f} ms per ON step "
+        f"({sm['process_cores_while_on']:.3f} cores while ON); windows {r['windows_recorded']}, "
+        f"unmatched marks {r['unmatched_marks']}; session start {r['session_start_ms_median']:.1f} ms / "
+        f"close {r['session_close_ms_median']:.1f} ms (untimed); child {r['elapsed_s']:.0f} s"
+    )
+    req = (
+        f"request_figures called {fg['requested']} times"
+        if fg["request_figures"]
+        else "no session.request_figures in this src"
+    )
+    fls = "Python threads in the training process besides the main one: " + (
+        ", ".join(r["threads"]) if r["threads"] else "none"
+    )
+    if r["threads"]:
+        fls += " (not paused: they also run during OFF steps)"
+    if fl["thread_in_training_process"]:
+        fls += f"; flusher: {fl['flushes']} flushes, max {fl['flush_ms_max']:.1f} ms"
+    print(
+        f"{name:<6} figures of the previous ON step asked {fg['asked']} times, {fg['not_ready']} not ready; "
+        f"{req}; {fls}"
+    )
+
+    def sr(d: dict[str, Any]) -> str:
+        v = d["ratio_median"]
+        return f"{v:.4f}" if v is not None else "n/a"
+
+    st = r.get("steady_iteration")
+    steady_s = (
+        f"; iteration ON/OFF over the steps not right after a switch only: "
+        f"{fmt_ci(st['ratio_median'], st['ratio_median_ci95'])}"
+        if st
+        else ""
+    )
+    print(
+        f"{name:<6} switch cost, median of steps right after a switch / of steps after one of the same "
+        f"arm: ON {sr(sw['on'])} ({sw['on']['after_switch']}/{sw['on']['steady']} steps), "
+        f"OFF {sr(sw['off'])} ({sw['off']['after_switch']}/{sw['off']['steady']} steps){steady_s}"
+    )
+
+
+def step_summary_line(name: str, r: dict[str, Any]) -> str:
+    """The headline of one configuration in step mode: ON/OFF figures and (free) the verdict."""
+    it, cpu = r["iteration"], r["main_cpu"]
+    unit = "quad" if r["unit_steps"] == 4 else "pair"
+    line = (
+        f"{name}: iteration ON/OFF median ratio {fmt_ci(it['ratio_median'], it['ratio_median_ci95'])}, "
+        f"per-{unit} geometric mean {fmt_ci(it['ratio_paired_mean'], it['ratio_paired_mean_ci95'])}, "
+        f"trimmed mean {fmt_ci(it['ratio_trimmed_mean'], it['ratio_trimmed_mean_ci95'])}; "
+        f"main_cpu median ratio {fmt_ci(cpu['ratio_median'], cpu['ratio_median_ci95'])}; "
+        f"ON {it['median_on_ms']:.2f} ms / OFF {it['median_off_ms']:.2f} ms, {r['pairs']} steps per arm"
+    )
+    if name == "free":
+        line += f"; target <= {TARGET_FREE}: {verdict(r)}"
+    return line
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~30 s: fewer pairs")
-    ap.add_argument("--pairs", type=int, default=None, help="ON/OFF block pairs per configuration")
-    ap.add_argument("--block-steps", type=int, default=5)
+    ap.add_argument(
+        "--interleave",
+        choices=("step", "block"),
+        default=None,
+        help="step (default): ON and OFF alternate step by step in one session whose telemetry process "
+        "is SIGSTOPped for OFF steps; block: rounds of --block-steps blocks per arm, a fresh session "
+        "per ON block, with the bare-thread reference (the default with --decompose)",
+    )
+    ap.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="abba",
+        help="step mode: ABBA quads (on,off,off,on, ...; default) or pairs in a random order",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help=f"ON/OFF pairs per configuration: of steps in step mode (default {STEP_PAIRS['full']}, "
+        f"--quick {STEP_PAIRS['quick']}), of blocks (rounds) in block mode (default 40, --quick 5)",
+    )
+    ap.add_argument("--block-steps", type=int, default=5, help="block mode: timed steps per block")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--configs", default="free,busy")
@@ -812,11 +1276,29 @@ def main() -> None:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        res = worker(json.loads(args.worker))
+        try:
+            res = worker(json.loads(args.worker))
+        except BenchRefused as exc:
+            sys.stdout.write(f"WORKER_REFUSED {exc}\n")
+            raise SystemExit(2) from None
         sys.stdout.write("WORKER_JSON " + json.dumps(res) + "\n")
         return
+    if args.interleave is None:
+        args.interleave = "block" if args.decompose else "step"
+    if args.decompose and args.interleave == "step":
+        ap.error("--decompose needs --interleave block (its arms are whole blocks)")
     if args.pairs is None:
-        args.pairs = 5 if args.quick else 40
+        if args.interleave == "step":
+            args.pairs = STEP_PAIRS["quick" if args.quick else "full"]
+        else:
+            args.pairs = 5 if args.quick else 40
+    if args.pairs < 2:
+        ap.error("--pairs must be at least 2")
+    if args.interleave == "step" and session_options(args.session_option).get("sampler") == "thread":
+        ap.error(
+            "--interleave step pauses the telemetry process (SIGSTOP) for OFF steps; a sampler thread "
+            "cannot be paused: drop --session-option sampler=thread, or use --interleave block"
+        )
     if args.seed is None:
         args.seed = int(time.time())
     out_dir = Path(tempfile.mkdtemp(prefix="bench-train-telemetry-"))
@@ -831,13 +1313,21 @@ def main() -> None:
         print(
             f"tiny_gpt on CPU, telemetry synthetic @ {HZ:g} Hz (step+microbatch+phase windows) vs off; "
             f"{os.cpu_count()} CPUs; busy pinning {args.busy_pin}; seed {args.seed}; "
-            f"{time.monotonic() - t0:.0f} s"
+            f"{time.monotonic() - t0:.0f} s; "
+            + (
+                f"interleave step ({'ABBA quads' if args.order == 'abba' else 'random pairs'})"
+                if args.interleave == "step"
+                else f"interleave block ({args.block_steps} steps)"
+            )
             + (f"; session options {session_options(args.session_option)}" if args.session_option else "")
         )
         print_table(results)
         print()
         for name in results:
             r = results[name]
+            if r.get("interleave") == "step":
+                print(step_summary_line(name, r))
+                continue
             on = r["iteration"]["ratio_median"]
             bare = r.get("decompose", {}).get("bare", {}).get("iteration", {}).get("ratio_median")
             bare_s = f", bare thread in this run {bare:.4f}" if bare is not None else ""
@@ -860,6 +1350,9 @@ def main() -> None:
         "seed": args.seed,
         "quick": args.quick,
         "busy_pin": args.busy_pin,
+        "interleave": args.interleave,
+        "order": args.order if args.interleave == "step" else None,
+        "pairs": args.pairs,
         "session_options": session_options(args.session_option),
         "results": results,
     }

@@ -13,7 +13,7 @@ Where the work happens (``sampler``):
 * ``process`` (what ``auto`` gives for a backend named by a string): a **telemetry process**
   beside this one samples the device, writes the Parquet segments and computes live figures
   (telemetry/telemetry_process.py). This process only writes finished windows into shared
-  memory (~1 µs a window) and reads figures back: no thread here, no GIL shared with training.
+  memory (~3 µs a window, begin to end) and reads figures back: no thread here, no GIL shared with training.
 * ``thread`` (a Backend object, synthetic options that cannot cross into another process, or a
   telemetry process that would not start): a sampler thread and a flusher thread in this
   process, and live figures computed on the caller's thread.
