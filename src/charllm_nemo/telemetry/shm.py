@@ -93,7 +93,6 @@ H_FLUSH_ERRORS = 65
 H_FLUSH_NS_MAX = 66
 H_FIGURES_SERVED = 67
 H_ROWS_LOST = 68  # sample rows the store's reader lost (lapped by the sampling loop)
-H_WINDOWS_OPEN = 69  # windows written with a null end (open at close)
 HEADER_WORDS = 128
 
 MSG_OFFSET = HEADER_WORDS * 8
