@@ -46,7 +46,7 @@ def replay_step(marker: Any, session: Any, step: int, n_micro: int, previous: An
     opt.start()
     opt.stop()
     timing = marker.end_step()
-    session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns)
+    session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns, _wanted())
     if previous is not None:
         figures(session.step_figures(previous[0], previous[1], figures=_wanted()))
     return (timing.t_begin_mono_ns, timing.t_end_mono_ns)

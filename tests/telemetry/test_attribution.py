@@ -27,6 +27,7 @@ from charllm_nemo.telemetry.schema import (
     FLOAT_METRICS,
     INT_METRICS,
     INT_NULL,
+    LIMITING_REASONS,
     THROTTLE_BITS,
     THROTTLE_REASONS,
 )
@@ -334,6 +335,25 @@ def test_throttle_bit_set_for_0_3_s_inside_a_1_s_window() -> None:
     # the hold is intersected with the window: [0.3, 0.45] s sees 0.15 s of sw_power_cap
     flags = (mask & THROTTLE_BITS["sw_power_cap"]) != 0
     assert held_time(t, flags, 3 * S // 10, 45 * S // 100)[0] == pytest.approx(0.15, abs=1e-12)
+
+
+def test_every_throttle_reason_at_once_equals_each_reason_on_its_own() -> None:
+    # attribute_windows computes all reasons in one pass (one column per bit); held_time does one.
+    rng = np.random.default_rng(7)
+    t = np.cumsum(rng.integers(5_000_000, 15_000_000, 200)).astype(np.int64)
+    mask = rng.integers(0, 1 << 12, t.size).astype(np.int64)
+    mask[rng.random(t.size) < 0.1] = INT_NULL  # nulls are skipped, as for one reason
+    t0 = rng.integers(t[0], t[-1], 40)
+    t1 = np.minimum(t0 + rng.integers(0, 400_000_000, 40), t[-1] + 1)  # some past the last sample
+    windows = {"t_begin_mono_ns": t0, "t_end_mono_ns": t1}
+    got = attribute_windows({"t_mono_ns": t, "throttle_reasons": mask}, windows)
+    ok = mask != INT_NULL
+    for name, bit in THROTTLE_REASONS:
+        alone = held_time(t[ok], (mask[ok] & bit) != 0, t0, t1)
+        np.testing.assert_array_equal(got[f"throttle_{name}_s"], alone)
+    limiting = (mask[ok][:, None] & np.array([THROTTLE_BITS[n] for n in LIMITING_REASONS])).any(axis=1)
+    np.testing.assert_array_equal(got["throttle_any_limiting_s"], held_time(t[ok], limiting, t0, t1))
+    assert np.isnan(got["throttle_idle_s"]).any() and not np.isnan(got["throttle_idle_s"]).all()
 
 
 def test_64_bit_traffic_counter_gives_exact_integer_deltas() -> None:

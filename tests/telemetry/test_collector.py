@@ -176,3 +176,31 @@ def test_names_beyond_the_names_area_are_stored_as_a_question_mark(block, tmp_pa
     assert marks.overflow_names >= 1
     names = load_rank(tmp_path, 0).windows.column("name").to_pylist()
     assert names[:3] == [f"{long}{i}" for i in range(3)] and names[-1] == "?"
+
+
+def test_a_request_computes_only_the_figures_its_mask_names(block, tmp_path):
+    ring, marks, _rec = _wire(block)
+    for i in range(12):
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    wanted = ("duration_s", "energy_j", "throttle_any_limiting_s")
+    marks.request_figures(0, PERIOD, 6 * PERIOD, shm.figure_mask(wanted))
+    marks.request_figures(1, PERIOD, 6 * PERIOD)  # no mask: every figure
+    c = _collector(block, tmp_path)
+    c.tick()
+    c.close()
+    columns = shm.figure_columns()
+    some, every = shm.read_figures(block, 0), shm.read_figures(block, 1)
+    assert some is not None and every is not None
+    values = dict(zip(columns, some[2][0][1], strict=True))
+    assert [n for n in columns if not np.isnan(values[n])] == list(wanted)  # the others: not computed
+    full = decode_figures(every[2][0][1], columns)
+    assert decode_figures(some[2][0][1], columns, keep=wanted) == {n: full[n] for n in wanted}
+    assert full["throttle_any_limiting_s"] > 0 and not np.isnan(full["temp_gpu_peak_c"])
+
+
+def test_figure_masks_round_trip_and_reject_unknown_names():
+    assert shm.mask_figures(shm.figure_mask(None)) is None
+    assert shm.mask_figures(shm.figure_mask(["power_peak_w", "energy_j"])) == ("energy_j", "power_peak_w")
+    assert len(shm.figure_columns()) < 63  # one int64 record field holds the mask
+    with pytest.raises(ValueError, match="power_peak"):
+        shm.figure_mask(["power_peak"])

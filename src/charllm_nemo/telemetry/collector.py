@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from charllm_nemo.telemetry.shm import (
     N_INT,
     Block,
     figure_columns,
+    mask_figures,
     read_names,
     ring_span,
     still_valid,
@@ -66,17 +69,26 @@ AFTER_S = 1.0
 
 def encode_figures(result: dict[str, np.ndarray[Any, Any]], columns: tuple[str, ...]) -> list[float]:
     """One window's attribution as float64 values in ``columns`` order (``energy_method`` as its
-    index in ENERGY_METHODS, booleans as 0 / 1); :func:`decode_figures` reverses it."""
+    index in ENERGY_METHODS, booleans as 0 / 1, a column not in ``result`` as NaN);
+    :func:`decode_figures` reverses it."""
     out = []
     for name in columns:
+        if name not in result:
+            out.append(math.nan)
+            continue
         v = result[name][0]
         out.append(float(ENERGY_METHODS.index(str(v))) if name == "energy_method" else float(v))
     return out
 
 
-def decode_figures(values: list[float], columns: tuple[str, ...]) -> dict[str, Any]:
+def decode_figures(
+    values: list[float], columns: tuple[str, ...], keep: Collection[str] | None = None
+) -> dict[str, Any]:
+    """The figures :func:`encode_figures` encoded; only those in ``keep`` (None = all)."""
     out: dict[str, Any] = {}
     for name, v in zip(columns, values, strict=True):
+        if keep is not None and name not in keep:
+            continue
         if name == "energy_method":
             out[name] = ENERGY_METHODS[int(v)]
         elif name == "interpolated":
@@ -132,7 +144,7 @@ class Collector:
         self._pending_samples: list[Columns] = []
         self._pending_records: list[np.ndarray[Any, Any]] = []
         self._history: deque[Columns] = deque()
-        self._requests: deque[tuple[int, int, int]] = deque()
+        self._requests: deque[tuple[int, int, int, int]] = deque()  # seq, t_begin, t_end, mask
         self._last_t = 0
         self._next_flush = time.monotonic_ns() + self.flush_interval_ns
         self.flushes = q[H_FLUSHES]
@@ -190,8 +202,8 @@ class Collector:
             recs = np.concatenate([self._marks[lo:], self._marks[: n - (cap - lo)]])
         self._mark_idx = end
         is_request = recs[:, 0] == RECORD_FIGURES
-        for seq, t0, t1 in recs[is_request][:, [1, 7, 8]].tolist():
-            self._requests.append((seq, t0, t1))
+        for seq, mask, t0, t1 in recs[is_request][:, [1, 2, 7, 8]].tolist():
+            self._requests.append((seq, t0, t1, mask))
         self._pending_records.append(recs[~is_request])
 
     # -- live figures ----------------------------------------------------------------------
@@ -218,11 +230,14 @@ class Collector:
         hi = int(np.searchsorted(t, until_ns, side="right"))
         return {name: a[lo:hi] for name, a in cols.items()}
 
-    def figures(self, t_begin: int, t_end: int) -> list[tuple[int, list[float]]]:
-        """Every attribution figure of one window, per device, from the samples in memory: from
-        two periods before the window (so every sample inside has its predecessor and counter
-        ticks are found as in the stored run) to :data:`AFTER_S` after it (a metric missing from
-        the first samples past the end still finds its next value, as in the stored run)."""
+    def figures(
+        self, t_begin: int, t_end: int, figures: Collection[str] | None = None
+    ) -> list[tuple[int, list[float]]]:
+        """The attribution figures of one window (``figures``: those wanted, None = all; the
+        others are NaN), per device, from the samples in memory: from two periods before the
+        window (so every sample inside has its predecessor and counter ticks are found as in the
+        stored run) to :data:`AFTER_S` after it (a metric missing from the first samples past
+        the end still finds its next value, as in the stored run)."""
         cols = self._between(t_begin - 2 * self.period_ns, t_end + int(AFTER_S * 1e9))
         win = {"t_begin_mono_ns": np.array([t_begin], np.int64), "t_end_mono_ns": np.array([t_end], np.int64)}
         out = []
@@ -231,18 +246,19 @@ class Collector:
             mask = dev == idx
             per_dev = {"t_mono_ns": cols["t_mono_ns"][mask]}
             per_dev.update({m.name: cols[m.name][mask] for m in METRICS})
-            out.append((int(idx), encode_figures(attribute_windows(per_dev, win), self.columns)))
+            result = attribute_windows(per_dev, win, figures=figures)
+            out.append((int(idx), encode_figures(result, self.columns)))
         return out
 
     def serve(self, final: bool = False) -> None:
         """Answer the figure requests whose window the samples have passed (``final``: all)."""
         while self._requests:
-            seq, t0, t1 = self._requests[0]
+            seq, t0, t1, mask = self._requests[0]
             if not final and self._last_t < t1:
                 return
             self._requests.popleft()
             try:
-                write_figures(self.block, seq, t0, t1, self.figures(t0, t1))
+                write_figures(self.block, seq, t0, t1, self.figures(t0, t1, mask_figures(mask)))
                 self.figures_served += 1
             except Exception:
                 log.exception("live figures of window [%d, %d] failed", t0, t1)

@@ -53,6 +53,7 @@ from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler, resolve_sampler_mode
+from charllm_nemo.telemetry.shm import figure_mask
 from charllm_nemo.telemetry.store import (
     Flusher,
     RankStore,
@@ -208,7 +209,9 @@ class TelemetrySession:
         self._pending: list[tuple[str, pa.Table]] = []
         # Process mode: figure requests sent, (t_begin, t_end) -> request number.
         self._request_seq = itertools.count()
-        self._requests: dict[tuple[int, int], int] = {}
+        # (t_begin, t_end) -> (slot seq, the figures asked for; None = all)
+        self._requests: dict[tuple[int, int], tuple[int, frozenset[str] | None]] = {}
+        self._masks: dict[tuple[str, ...] | None, tuple[int, frozenset[str] | None]] = {}
         self._figure_columns: tuple[str, ...] = ()
         self._closed = False
         self._started = False
@@ -407,21 +410,39 @@ class TelemetrySession:
         first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
         return rows[first:]
 
-    def request_figures(self, t_begin_mono_ns: int, t_end_mono_ns: int) -> None:
+    def request_figures(
+        self, t_begin_mono_ns: int, t_end_mono_ns: int, figures: Collection[str] | None = None
+    ) -> None:
         """Ask for a window's figures ahead of :meth:`step_figures` (call it when the window
-        ends). In process mode the telemetry process computes them as soon as it has a sample
-        past the end, so the later :meth:`step_figures` only reads them (~10 µs); in thread
-        mode this does nothing. Cheap, never blocks."""
+        ends, with the ``figures`` that step_figures will want; None = all). In process mode the
+        telemetry process computes them as soon as it has a sample past the end, so the later
+        :meth:`step_figures` only reads them (~10 µs); in thread mode this does nothing. Cheap,
+        never blocks; asking again for a window already asked for, with no figure beyond those
+        asked for then, does nothing."""
         if not isinstance(self.sampler, ProcessSampler) or self.sampler.marks is None:
             return
+        mask, wanted = self._mask_of(figures)
         key = (t_begin_mono_ns, t_end_mono_ns)
-        if key in self._requests:
-            return
+        asked = self._requests.get(key)
+        if asked is not None:
+            if asked[1] is None or (wanted is not None and wanted <= asked[1]):
+                return
+            # More figures than asked for: ask again for the union (a new slot).
+            mask, wanted = self._mask_of(None if wanted is None else tuple(sorted(wanted | asked[1])))
         seq = next(self._request_seq)
-        self._requests[key] = seq
+        self._requests[key] = (seq, wanted)
         if len(self._requests) > 2 * FIGURE_SLOTS:  # answers that old are overwritten anyway
             del self._requests[next(iter(self._requests))]
-        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns)
+        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns, mask)
+
+    def _mask_of(self, figures: Collection[str] | None) -> tuple[int, frozenset[str] | None]:
+        """A request's mask and figure set (``duration_s`` always included), cached per set."""
+        key = None if figures is None else tuple(figures)
+        hit = self._masks.get(key)
+        if hit is None:
+            wanted = None if figures is None else frozenset({"duration_s", *figures})
+            hit = self._masks[key] = (figure_mask(wanted), wanted)
+        return hit
 
     def step_figures(
         self,
@@ -472,10 +493,11 @@ class TelemetrySession:
         from charllm_nemo.telemetry.collector import decode_figures
 
         assert isinstance(self.sampler, ProcessSampler)
-        self.request_figures(t_begin, t_end)
-        seq = self._requests.get((t_begin, t_end))
-        if seq is None:
+        self.request_figures(t_begin, t_end, figures)
+        asked = self._requests.get((t_begin, t_end))
+        if asked is None:
             return None
+        seq = asked[0]
         answer = self.sampler.read_figures(seq)
         if answer is None and wait_s > 0:
             deadline = time.monotonic() + wait_s
@@ -484,13 +506,10 @@ class TelemetrySession:
                 answer = self.sampler.read_figures(seq)
         if answer is None:
             return None
-        columns = self._figure_columns
         keep = None if figures is None else {"duration_s", *figures}
         out = []
         for idx, values in answer[2]:
-            row = decode_figures(values, columns)
-            if keep is not None:
-                row = {k: v for k, v in row.items() if k in keep}
+            row = decode_figures(values, self._figure_columns, keep)
             row["device_index"] = idx
             out.append(row)
         return out

@@ -47,6 +47,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,25 @@ def figure_columns() -> tuple[str, ...]:
     from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 
     return ATTRIBUTION_COLUMN_NAMES
+
+
+def figure_mask(figures: Collection[str] | None) -> int:
+    """A figure request's mask: bit i set = ``figure_columns()[i]`` wanted; NULL = all of them.
+    Unknown names raise ValueError."""
+    if figures is None:
+        return NULL
+    columns = figure_columns()
+    unknown = set(figures) - set(columns)
+    if unknown:
+        raise ValueError(f"unknown attribution figure(s) {sorted(unknown)}; see ATTRIBUTION_COLUMN_NAMES")
+    return sum(1 << i for i, name in enumerate(columns) if name in figures)
+
+
+def mask_figures(mask: int) -> tuple[str, ...] | None:
+    """The figures a request's mask asks for (None = all): the inverse of :func:`figure_mask`."""
+    if mask == NULL:
+        return None
+    return tuple(name for i, name in enumerate(figure_columns()) if mask >> i & 1)
 
 
 # A memoryview cast to "d": typeshed's memoryview.__setitem__ accepts only ints, so it is Any here.
@@ -379,10 +399,12 @@ class MarkWriter:
             q[H_NAMES_BYTES] = self._names_used
             q[H_NAMES_COUNT] = code + 1
 
-    def request_figures(self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int) -> None:
-        """Ask the telemetry process for the figures of one window (answered in slot ``seq``)."""
+    def request_figures(self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int, mask: int = NULL) -> None:
+        """Ask the telemetry process for the figures of one window (answered in slot ``seq``):
+        those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure)."""
         rec = [NULL] * RECORD_LEN
-        rec[0], rec[1], rec[7], rec[8] = RECORD_FIGURES, seq, t_begin_mono_ns, t_end_mono_ns
+        rec[0], rec[1], rec[2] = RECORD_FIGURES, seq, mask
+        rec[7], rec[8] = t_begin_mono_ns, t_end_mono_ns
         self.emit(tuple(rec))
 
 

@@ -320,7 +320,7 @@ def run_rank(
     """Train ``cfg`` on this rank; returns what it ran.
 
     ``session``: a telemetry session (``.windows``: WindowRecorder, ``.request_figures(t_begin_ns,
-    t_end_ns)``, ``.step_figures(t_begin_ns, t_end_ns, wait_s)``, ``.close()``) owned by the
+    t_end_ns, figures)``, ``.step_figures(t_begin_ns, t_end_ns, wait_s, figures)``, ``.close()``) owned by the
     caller. None: with ``telemetry.enabled`` one is opened here
     (charllm_nemo.telemetry.session.TelemetrySession, writing under ``telemetry.out_dir``) and
     closed at the end; ``recorder`` (tests) instead gives a bare
@@ -502,7 +502,7 @@ def _train(
             timing = marker.end_step()
             if session is not None:
                 # Ask now: a telemetry process computes the figures while the next step runs.
-                session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns)
+                session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns, wanted_figures)
 
             loss_sum = loss_tokens = 0.0
             if reports_loss and outputs:
