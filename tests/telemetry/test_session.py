@@ -44,6 +44,26 @@ def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
         assert 300 * d < e < 700 * d
 
 
+def test_a_session_closed_mid_step_stores_what_the_step_marked(tmp_path):
+    # A StepMarker records a step's windows at step end; a session closed before that (SIGTERM,
+    # an exception) still stores the finished phases, and the step and the running phase as open.
+    from charllm_nemo.train.marks import StepMarker
+
+    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, handle_signals=False).start()
+    marker = StepMarker(tel.windows, num_microbatches=2)
+    marker.begin_step(0)
+    marker("forward-compute").start()
+    marker("forward-compute").stop()
+    marker("backward-compute").start()
+    tel.close("terminated")
+    run = load_run(tmp_path)
+    rows = sorted(run.windows.to_pylist(), key=lambda r: r["t_begin_mono_ns"])
+    assert [(r["kind"], r["name"], r["t_end_mono_ns"] is None) for r in rows] == [
+        ("step", "step", True), ("phase", "forward", False), ("phase", "backward", True),
+    ]  # fmt: skip
+    assert run.manifests[0]["windows_open_at_close"] == 2
+
+
 def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by_default(tmp_path):
     with TelemetrySession(
         tmp_path, backend="synthetic", hz=100, backend_options={"activity": 1.0}, handle_signals=False

@@ -158,3 +158,49 @@ def test_interleaved_order_assigns_chunks() -> None:
     # A microbatch window closes with its last backward (chunk 0 runs backward last).
     mbs = {r["microbatch"]: r for r in rows if r["kind"] == "microbatch"}
     assert sorted(mbs) == [0, 1, 2, 3]
+
+
+def test_host_marks_are_noted_live_and_recorded_at_step_end() -> None:
+    # Between two pieces of training work a mark only notes its time (cheap with cold caches);
+    # the step's windows reach the recorder, and its sink, at end_step. Listeners hear it live.
+    rec = WindowRecorder()
+    seen: list[tuple[str, str, bool]] = []
+    rec.add_listener(lambda kind, name, is_begin: seen.append((kind, name, is_begin)))
+    marker = StepMarker(rec, num_microbatches=1)
+    marker.begin_step(0)
+    marker("forward-compute").start()
+    marker("forward-compute").stop()
+    assert rec.drain_records() == [] and rec.total_recorded == 0
+    assert seen == [("step", "step", True), ("phase", "forward", True), ("phase", "forward", False)]
+    marker("backward-compute").start()
+    marker("backward-compute").stop()
+    marker.end_step()
+    assert seen[-1] == ("step", "step", False)
+    assert sorted((r["kind"], r["name"]) for r in rec.drain()) == [
+        ("microbatch", "microbatch"), ("phase", "backward"), ("phase", "forward"), ("step", "step"),
+    ]  # fmt: skip
+
+
+def test_a_step_cut_short_hands_over_what_it_marked_with_the_rest_open() -> None:
+    # What the session does at close (SIGTERM, an exception) in the middle of a step.
+    rec = WindowRecorder()
+    marker = StepMarker(rec, num_microbatches=2)
+    marker.begin_step(7)
+    marker("forward-compute").start()
+    marker("forward-compute").stop()
+    marker("backward-compute").start()
+    marker("backward-compute").stop()  # microbatch 0 complete
+    marker("forward-compute").start()  # microbatch 1's forward: still running
+    rec.flush_pending()
+    done = rec.drain()
+    assert sorted((r["kind"], r["name"], r["microbatch"]) for r in done) == [
+        ("microbatch", "microbatch", 0), ("phase", "backward", 0), ("phase", "forward", 0),
+    ]  # fmt: skip
+    still_open = rec.open_windows()
+    assert sorted((r["kind"], r["name"], r["microbatch"]) for r in still_open) == [
+        ("phase", "forward", 1), ("step", "step", None),
+    ]  # fmt: skip
+    step_id = next(r["window_id"] for r in still_open if r["kind"] == "step")
+    assert all(r["parent_id"] == step_id for r in done) and all(r["step"] == 7 for r in done + still_open)
+    rec.flush_pending()  # nothing twice
+    assert rec.drain() == [] and len(rec.open_windows()) == 2

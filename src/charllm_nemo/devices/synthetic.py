@@ -71,10 +71,13 @@ class MarkActivity:
 
     ``on_change(level)``, when set, is called whenever a mark changes the level (the session
     uses it to publish the level to a synthetic device in its telemetry process): one call per
-    change, not per mark, since marks run on the training thread."""
+    change, not per mark, since marks run on the training thread. The level is the highest
+    activity of the phases open (:data:`_PHASE_ACTIVITY`, 0.7 for other phases), 0.3 inside a
+    step between phases, 0 outside steps; kept as counts per activity, so a mark costs a few
+    dictionary operations."""
 
     def __init__(self) -> None:
-        self._phases: list[str] = []
+        self._open: dict[float, int] = {}  # activity -> phases open with it
         self._in_step = 0
         self.seen_any = False
         self.on_change: Callable[[float], None] | None = None
@@ -85,10 +88,12 @@ class MarkActivity:
         if kind == "step":
             self._in_step += 1 if is_begin else -1
         elif kind == "phase":
-            if is_begin:
-                self._phases.append(name)
-            elif name in self._phases:
-                self._phases.remove(name)
+            a = _PHASE_ACTIVITY.get(name, 0.7)
+            n = self._open.get(a, 0) + (1 if is_begin else -1)
+            if n > 0:
+                self._open[a] = n
+            else:
+                self._open.pop(a, None)
         if self.on_change is not None:
             level = self.level()
             if level != self._published:
@@ -96,8 +101,8 @@ class MarkActivity:
                 self.on_change(level)
 
     def level(self) -> float:
-        if self._phases:
-            return max(_PHASE_ACTIVITY.get(p, 0.7) for p in self._phases)
+        if self._open:
+            return max(self._open)
         return 0.3 if self._in_step > 0 else 0.0
 
 

@@ -363,8 +363,10 @@ class ProcessSampler:
         """Set the activity level a synthetic device in the child follows (cheap; never raises)."""
         block = self._block
         if block is not None:
-            with contextlib.suppress(ValueError, TypeError):  # released by a concurrent stop()
+            try:  # noqa: SIM105 (contextlib.suppress costs more, and this runs on the training thread)
                 block.d[D_ACTIVITY] = float(level)
+            except (ValueError, TypeError):  # released by a concurrent stop()
+                pass
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:

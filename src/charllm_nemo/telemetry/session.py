@@ -286,6 +286,10 @@ class TelemetrySession:
         if self._closed:
             return
         self._closed = True
+        try:  # a step in progress (SIGTERM, an exception): its marks so far, before the open windows
+            self.windows.flush_pending()
+        except Exception:
+            log.exception("could not record the marks of the step in progress")
         open_records = self.windows.open_records()
         if isinstance(self.sampler, ProcessSampler):
             marks = self.sampler.marks

@@ -127,6 +127,7 @@ class WindowRecorder:
         self._labels: dict[str, int | None] = dict.fromkeys(WINDOW_LABELS)
         self._label_values: tuple[int, ...] = (NULL,) * len(WINDOW_LABELS)
         self._listeners: list[Any] = []
+        self._pending_sources: list[Callable[[], None]] = []
         self._host = self.names.code("host")
         self.total_recorded = 0
         self._wall_offset = 0  # time_ns() - monotonic_ns(), refreshed every WALL_REFRESH_NS
@@ -151,6 +152,27 @@ class WindowRecorder:
         """``fn(kind, name, is_begin)`` is called on every begin/end (the synthetic device uses
         this to follow the training phases). It must be cheap and must not raise."""
         self._listeners.append(fn)
+
+    @property
+    def listeners(self) -> list[Any]:
+        """The listeners (the live list: read it, add with :meth:`add_listener`)."""
+        return self._listeners
+
+    def notify(self, kind: str, name: str, is_begin: bool) -> None:
+        """Tell the listeners of a begin / end that is not (yet) a window here: a marker that
+        records its windows later (train/marks.py) calls this as its marks happen."""
+        for fn in self._listeners:
+            fn(kind, name, is_begin)
+
+    def add_pending_source(self, flush: Callable[[], None]) -> None:
+        """``flush()`` hands this recorder the windows someone holds back (a StepMarker records
+        a step's windows at step end); :meth:`flush_pending` calls it, e.g. at session close."""
+        self._pending_sources.append(flush)
+
+    def flush_pending(self) -> None:
+        """Have every pending source (:meth:`add_pending_source`) record what it holds."""
+        for flush in self._pending_sources:
+            flush()
 
     def set_sink(self, sink: Callable[[Record], None]) -> None:
         """Send every finished record to ``sink`` instead of the recorder's own list (records

@@ -25,18 +25,25 @@ What becomes a window (docs/training-internals.md has the picture):
 Parents: a phase's and a microbatch's ``parent_id`` is its step's window; a phase's microbatch is
 its ``microbatch`` column (overlapping microbatch windows cannot all be on the recorder's stack).
 
-Timing. Host (CPU runs): marks are taken as they happen with ``WindowRecorder.begin``/``end``
-(so the recorder's listeners, e.g. the synthetic device, follow the phases live); microbatch
-windows are added with ``record`` when their last backward ends. CUDA: every mark records a CUDA
-event; at step end one ``torch.cuda.synchronize()`` resolves them, relative to an anchor event
-recorded at step begin right after the previous step's sync, paired with ``time.monotonic_ns()``
-then; all windows go in with ``record(..., timing="cuda_event")``. No per-microbatch sync.
+Timing. A timer's ``start`` / ``stop`` only append (timer, begin?, clock reading) to the step's
+log: they run between two pieces of training work, when the CPU caches hold the training's data
+and not this code, and there every line they touch costs (on a tiny CPU model here, a mark that
+built and stored its window as it happened took 10-50 µs; noting it takes a few). At
+:meth:`StepMarker.end_step` the log becomes the step's windows, recorded in one go. The clock
+is ``time.monotonic_ns()`` on CPU runs (timing ``host``) and a CUDA event on GPU runs, resolved
+at step end by one ``torch.cuda.synchronize()`` relative to an anchor event recorded at step
+begin, right after the previous step's sync, paired with ``time.monotonic_ns()`` then (timing
+``cuda_event``); no per-microbatch sync. The recorder's listeners (the synthetic device follows
+the phases) are told of every begin and end as it happens. A session closed in the middle of a
+step (SIGTERM, an exception) gets what the step marked so far (:meth:`StepMarker.flush_pending`);
+a SIGKILL of the training process loses the windows of the step in progress.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -72,17 +79,6 @@ def schedule_order(num_microbatches: int, num_chunks: int, group_size: int | Non
     return [(int(mb), int(chunk)) for mb, chunk in table]
 
 
-@dataclass(slots=True)
-class _Mark:
-    kind: str
-    name: str
-    microbatch: int | None
-    chunk: int | None
-    begin: Any  # host: ns (int); cuda: an Event
-    end: Any = None
-    wid: int | None = None
-
-
 @dataclass
 class StepTiming:
     """What :meth:`StepMarker.end_step` returns: the step's window id (None when step windows
@@ -101,7 +97,11 @@ class StepTiming:
 class _Timer:
     """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature. The
     timer's phase is classified once, when mcore first asks for the name; timers that are not
-    windows (``forward-backward``, ...) return at once."""
+    windows (``forward-backward``, ...) return at once.
+
+    ``start`` / ``stop`` run between two pieces of training work, when the caches hold the
+    training's data and little of this code: they only append (timer, begin?, clock) to the
+    step's log, and the windows are built from the log at step end."""
 
     __slots__ = ("_marker", "_name", "_phase")
 
@@ -112,25 +112,41 @@ class _Timer:
 
     def start(self, barrier: bool = False) -> None:
         if self._phase is not None:
-            self._marker._start(self._name, self._phase)
+            m = self._marker
+            if m._state is None:
+                m.unmatched += 1
+                return
+            m._log.append((self, True, m._clock()))
+            for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
+                fn("phase", self._phase, True)
 
     def stop(self, barrier: bool = False) -> None:
         if self._phase is not None:
-            self._marker._stop(self._name)
+            m = self._marker
+            if m._state is None:
+                m.unmatched += 1
+                return
+            m._log.append((self, False, m._clock()))
+            for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
+                fn("phase", self._phase, False)
 
 
 @dataclass
 class _StepState:
     step: int
-    wid: int | None
     t0_ns: int
     anchor: Any = None
-    fwd_k: int = 0
-    bwd_k: int = 0
-    first_begin: dict[int, Any] = field(default_factory=dict)
-    backwards_left: dict[int, int] = field(default_factory=dict)
-    marks: list[_Mark] = field(default_factory=list)
-    mb_spans: list[tuple[int, Any, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Windows:
+    """A step's log turned into windows: phases (name, microbatch, vpp chunk, begin, end) in the
+    order they began, microbatch spans (microbatch, first forward begin, last backward end), and
+    the phases begun and not ended (name, microbatch, vpp chunk, begin)."""
+
+    phases: list[tuple[str, int | None, int | None, Any, Any]]
+    spans: list[tuple[int, Any, Any]]
+    still_open: list[tuple[str, int | None, int | None, Any]]
 
 
 class StepMarker:
@@ -159,12 +175,15 @@ class StepMarker:
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
         self._order = schedule_order(num_microbatches, num_chunks, group_size)
-        self._open: dict[str, _Mark] = {}
+        self._log: list[tuple[_Timer, bool, Any]] = []  # the step's marks: (timer, begin?, clock)
+        self._clock: Callable[[], Any] = self._cuda_event if cuda else time.monotonic_ns
         self._timers: dict[str, _Timer] = {}
         self._state: _StepState | None = None
         self._events: list[Any] = []
         self._next_event = 0
         self.unmatched = 0  # stops without a start, or marks outside a step (should stay 0)
+        self._listeners = recorder.listeners  # the live list: listeners added later are seen
+        recorder.add_pending_source(self.flush_pending)
 
     # -- config.timers protocol -----------------------------------------------------------------
     def __call__(self, name: str, log_level: int | None = None) -> _Timer:
@@ -178,9 +197,8 @@ class StepMarker:
         return "phase" in self.kinds or "microbatch" in self.kinds
 
     # -- clock ----------------------------------------------------------------------------------
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.monotonic_ns()
+    def _cuda_event(self) -> Any:
+        """Record the next of the step's reusable CUDA events (the clock of a CUDA run)."""
         import torch
 
         if self._next_event == len(self._events):
@@ -194,33 +212,31 @@ class StepMarker:
     def begin_step(self, step: int) -> None:
         """Call right before zeroing grads; on CUDA right after the previous step's sync."""
         self._next_event = 0
-        self._open.clear()
-        anchor = self._now() if self.cuda else None
-        t0 = time.monotonic_ns()
-        wid = None
-        if "step" in self.kinds and not self.cuda:
-            wid = self.recorder.begin("step", step=step, t_mono_ns=t0)
-        self._state = _StepState(step=step, wid=wid, t0_ns=t0, anchor=anchor)
-        self._state.backwards_left = dict.fromkeys(range(self.num_microbatches), self.num_chunks)
+        self._log.clear()
+        anchor = self._clock() if self.cuda else None
+        self._state = _StepState(step=step, t0_ns=time.monotonic_ns(), anchor=anchor)
+        if self._listeners:
+            self.recorder.notify("step", "step", True)
 
     def phase(self, name: str) -> _Timer:
         """A free-form phase timer for the loop's own phases (``optimizer``)."""
         return self(f"charllm:{name}")
 
     def end_step(self) -> StepTiming:
-        """Close the step; on CUDA synchronize once and resolve every mark of the step."""
+        """Close the step and record its windows from its log; on CUDA synchronize once first
+        and resolve every mark of the step."""
         st = self._state
         if st is None:
             raise RuntimeError("end_step() without begin_step()")
         self._state = None
         if not self.cuda:
             t1 = time.monotonic_ns()
-            if st.wid is not None:
-                self.recorder.end(st.wid, t_mono_ns=t1)
-            return StepTiming(st.step, st.wid, st.t0_ns, t1)
+            if self._listeners:
+                self.recorder.notify("step", "step", False)
+            return StepTiming(st.step, self._record_step(st, t1, int, "host"), st.t0_ns, t1)
         import torch
 
-        end_ev = self._now()
+        end_ev = self._clock()
         torch.cuda.synchronize()
         t1_host = time.monotonic_ns()
 
@@ -228,40 +244,90 @@ class StepMarker:
             ms: float = st.anchor.elapsed_time(ev)
             return st.t0_ns + round(ms * 1e6)
 
-        t1 = max(to_ns(end_ev), st.t0_ns)
-        t1 = min(t1, t1_host)
+        t1 = min(max(to_ns(end_ev), st.t0_ns), t1_host)
+        wid = self._record_step(st, t1, to_ns, "cuda_event")
+        return StepTiming(st.step, wid, st.t0_ns, t1)
+
+    def _windows(self) -> _Windows:
+        """The step's log as windows: each stop pairs with its timer's open start; the k-th
+        forward (backward) of the step is the schedule's k-th (with the chunk order reversed);
+        a microbatch spans its first forward begin to its last backward end."""
+        order, n_order, n_chunks = self._order, len(self._order), self.num_chunks
+        fwd_k = bwd_k = 0
+        first_begin: dict[int, Any] = {}
+        backwards_left = dict.fromkeys(range(self.num_microbatches), n_chunks)
+        open_: dict[str, tuple[int, str, int | None, int | None, Any]] = {}
+        phases: list[tuple[int, str, int | None, int | None, Any, Any]] = []
+        spans: list[tuple[int, Any, Any]] = []
+        for pos, (timer, is_begin, t) in enumerate(self._log):
+            phase = timer._phase
+            assert phase is not None
+            if is_begin:
+                mb: int | None = None
+                chunk: int | None = None
+                if phase == "forward":
+                    mb, chunk = order[fwd_k % n_order]
+                    fwd_k += 1
+                    first_begin.setdefault(mb, t)
+                elif phase == "backward":
+                    mb, fchunk = order[bwd_k % n_order]
+                    chunk = n_chunks - 1 - fchunk
+                    bwd_k += 1
+                open_[timer._name] = (pos, phase, mb, chunk if n_chunks > 1 else None, t)
+                continue
+            begun = open_.pop(timer._name, None)
+            if begun is None:
+                self.unmatched += 1
+                continue
+            phases.append((*begun, t))
+            mb = begun[2]
+            if phase == "backward" and mb is not None:
+                left = backwards_left.get(mb, 1) - 1
+                backwards_left[mb] = left
+                if left == 0 and mb in first_begin:
+                    spans.append((mb, first_begin[mb], t))
+        phases.sort(key=lambda p: p[0])
+        still_open = sorted(open_.values(), key=lambda p: p[0])
+        return _Windows([p[1:] for p in phases], spans, [p[1:] for p in still_open])
+
+    def _record_step(self, st: _StepState, t1: int | None, to_ns: Any, timing: str) -> int | None:
+        """Record the step's windows (step, microbatches, phases) with times ``to_ns(clock)``.
+        ``t1`` None: the step is still running (:meth:`flush_pending`); it and its phases still
+        open become open windows."""
+        w = self._windows()
+        self._log.clear()
+        rec = self.recorder.record
         wid = None
         if "step" in self.kinds:
-            wid = self.recorder.record("step", "step", st.t0_ns, t1, step=st.step, timing="cuda_event")
+            if t1 is None:
+                wid = self.recorder.begin("step", step=st.step, t_mono_ns=st.t0_ns)
+            else:
+                wid = rec("step", "step", st.t0_ns, t1, step=st.step, timing=timing)
         if "microbatch" in self.kinds:
-            for mb, b, e in st.mb_spans:
-                self.recorder.record(
-                    "microbatch",
-                    "microbatch",
-                    to_ns(b),
-                    to_ns(e),
-                    step=st.step,
-                    microbatch=mb,
-                    timing="cuda_event",
-                    parent_id=wid,
-                )
-        if "phase" in self.kinds:
-            for m in st.marks:
-                if m.end is None:
-                    continue
-                labels = {"vpp_chunk": m.chunk} if m.chunk is not None else {}
-                self.recorder.record(
-                    "phase",
-                    m.name,
-                    to_ns(m.begin),
-                    to_ns(m.end),
-                    step=st.step,
-                    microbatch=m.microbatch,
-                    timing="cuda_event",
-                    parent_id=wid,
-                    **labels,
-                )
-        return StepTiming(st.step, wid, st.t0_ns, t1)
+            for span_mb, b, e in w.spans:
+                rec("microbatch", "microbatch", to_ns(b), to_ns(e), step=st.step, microbatch=span_mb,
+                    timing=timing, parent_id=wid)  # fmt: skip
+        if self._record_phases:
+            for name, mb, chunk, b, e in w.phases:
+                labels = {} if chunk is None else {"vpp_chunk": chunk}
+                rec("phase", name, to_ns(b), to_ns(e), step=st.step, microbatch=mb, timing=timing,
+                    parent_id=wid, **labels)  # fmt: skip
+            if t1 is None:
+                for name, mb, chunk, b in w.still_open:
+                    labels = {} if chunk is None else {"vpp_chunk": chunk}
+                    self.recorder.begin("phase", name, step=st.step, microbatch=mb, t_mono_ns=b, **labels)
+        return wid
+
+    def flush_pending(self) -> None:
+        """Hand the recorder what the step in progress has marked so far (host timing only; the
+        session calls this at close, e.g. on SIGTERM): the phases and microbatches that ended as
+        finished windows, the step and the phases still open as open ones (NULL end). The step
+        then records nothing more."""
+        st = self._state
+        if st is None or self.cuda:
+            return
+        self._state = None
+        self._record_step(st, None, int, "host")
 
     # -- timer callbacks ------------------------------------------------------------------------
     def _classify(self, name: str) -> str | None:
@@ -276,62 +342,3 @@ class StepMarker:
         if name.startswith("charllm:"):
             return name[len("charllm:") :]
         return None  # forward-backward (the whole schedule) and anything unknown: not a window
-
-    def _start(self, name: str, phase: str) -> None:
-        st = self._state
-        if st is None:
-            self.unmatched += 1
-            return
-        mb: int | None = None
-        chunk: int | None = None
-        if phase == "forward":
-            mb, chunk = self._order[st.fwd_k % len(self._order)]
-            st.fwd_k += 1
-        elif phase == "backward":
-            mb, fchunk = self._order[st.bwd_k % len(self._order)]
-            chunk = self.num_chunks - 1 - fchunk
-            st.bwd_k += 1
-        t = self._now()
-        if phase == "forward" and mb is not None and mb not in st.first_begin:
-            st.first_begin[mb] = t
-        vpp_chunk = chunk if self.num_chunks > 1 else None
-        mark = _Mark("phase", phase, mb, vpp_chunk, t)
-        if not self.cuda and self._record_phases:
-            if vpp_chunk is None:
-                mark.wid = self.recorder.begin("phase", phase, step=st.step, microbatch=mb, t_mono_ns=t)
-            else:
-                mark.wid = self.recorder.begin(
-                    "phase", phase, step=st.step, microbatch=mb, t_mono_ns=t, vpp_chunk=vpp_chunk
-                )
-        self._open[name] = mark
-
-    def _stop(self, name: str) -> None:
-        mark = self._open.pop(name, None)
-        st = self._state
-        if mark is None or st is None:
-            self.unmatched += 1
-            return
-        t = self._now()
-        mark.end = t
-        if self.cuda:
-            st.marks.append(mark)
-        elif mark.wid is not None:
-            self.recorder.end(mark.wid, t_mono_ns=t)
-        if mark.name == "backward" and mark.microbatch is not None:
-            left = st.backwards_left.get(mark.microbatch, 1) - 1
-            st.backwards_left[mark.microbatch] = left
-            if left == 0 and mark.microbatch in st.first_begin:
-                span = (mark.microbatch, st.first_begin[mark.microbatch], t)
-                if self.cuda:
-                    st.mb_spans.append(span)
-                elif "microbatch" in self.kinds:
-                    self.recorder.record(
-                        "microbatch",
-                        "microbatch",
-                        span[1],
-                        span[2],
-                        step=st.step,
-                        microbatch=span[0],
-                        timing="host",
-                        parent_id=st.wid,
-                    )
