@@ -49,7 +49,7 @@ def _wire(block) -> tuple[shm.RingWriter, shm.MarkWriter, WindowRecorder]:
     marks = shm.MarkWriter(block)
     rec = WindowRecorder()
     rec.names.set_on_new(marks.publish_name)
-    rec.set_sink(marks.emit)
+    rec.set_sink(marks.emit_many)
     return shm.RingWriter(block), marks, rec
 
 

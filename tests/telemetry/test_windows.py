@@ -56,7 +56,7 @@ def test_a_sink_gets_every_record_in_order_including_those_recorded_before_it():
     rec = WindowRecorder()
     rec.record("step", None, 1, 2, step=0)
     got: list[tuple[int, ...]] = []
-    rec.set_sink(got.append)
+    rec.set_sink(got.extend)
     rec.record("step", None, 3, 4, step=1)
     assert [r[5] for r in got] == [0, 1] and rec.drain_records() == []
     rec.reset_sink()
@@ -64,12 +64,36 @@ def test_a_sink_gets_every_record_in_order_including_those_recorded_before_it():
     assert [r["step"] for r in rec.drain()] == [2]
 
 
+def test_a_step_and_its_windows_recorded_in_one_go_equal_those_recorded_one_by_one():
+    one, batch = WindowRecorder(), WindowRecorder()
+    for r in (one, batch):
+        r.set_labels(pp_stage=1, tp_rank=0)
+    sent: list[list[tuple[int, ...]]] = []
+    batch.set_sink(lambda recs: sent.append(list(recs)))
+    wid = one.record("step", None, 100, 900, step=3, timing="host")
+    one.record("microbatch", None, 110, 500, step=3, microbatch=0, timing="host", parent_id=wid)
+    one.record("phase", "forward", 110, 200, step=3, microbatch=0, timing="host", parent_id=wid, vpp_chunk=1)
+    one.record("phase", "optimizer", 600, 800, step=3, timing="host", parent_id=wid)
+    children = [("microbatch", "microbatch", 110, 500, 0, None), ("phase", "forward", 110, 200, 0, 1),
+                ("phase", "optimizer", 600, 800, None, None)]  # fmt: skip
+    assert batch.record_step(3, 100, 900, children, timing="host") == 0
+    assert len(sent) == 2 and len(sent[1]) == 3  # the step, then its windows in one call of the sink
+    got, want = [r for recs in sent for r in recs], one.drain_records()
+    wall = 9  # t_begin_wall_ns: each recorder reads its own wall-clock offset
+    assert [r[:wall] + r[wall + 1 :] for r in got] == [r[:wall] + r[wall + 1 :] for r in want]
+    assert len({r[wall] - r[7] for r in got}) == 1
+    with pytest.raises(ConfigError, match="window kind"):
+        batch.record_step(4, 1, 2, [("stage", "x", 1, 2, None, None)], timing="host")
+    assert batch.record_step(5, 1000, None, [], timing="host") is not None  # still running: open
+    assert [w["step"] for w in batch.open_windows()] == [5]
+
+
 def test_new_names_are_published_before_a_record_uses_them():
     rec = WindowRecorder()
     published: list[tuple[int, str]] = []
     sent: list[tuple[int, ...]] = []
     rec.names.set_on_new(lambda code, text: published.append((code, text)))
-    rec.set_sink(lambda r: sent.append(r) or None)
+    rec.set_sink(sent.extend)
     known = len(published)
     rec.record("phase", "grad-sync", 1, 2)
     assert published[known:] == [(known, "grad-sync")]

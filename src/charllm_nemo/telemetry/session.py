@@ -259,7 +259,7 @@ class TelemetrySession:
                 marks = self.sampler.marks
                 self.sampler.names = self.windows.names.names
                 self.windows.names.set_on_new(marks.publish_name)
-                self.windows.set_sink(marks.emit)
+                self.windows.set_sink(marks.emit_many)
                 self.store.manifest["sampler_process_pid"] = self.sampler.pid
                 self.store.write_manifest()
                 from charllm_nemo.telemetry.shm import figure_columns

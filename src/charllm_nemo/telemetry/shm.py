@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,18 +369,27 @@ class MarkWriter:
 
     def emit(self, rec: Record) -> None:
         """Write one record (a window or a figure request); drop it if the ring is full."""
+        self.emit_many((rec,))
+
+    def emit_many(self, recs: Sequence[Record]) -> None:
+        """Write records in order (the WindowRecorder's sink); those that do not fit in the ring
+        are dropped and counted."""
         q = self.block.q
         try:
             with self._lock:
                 w = q[H_MARK_WRITE]
-                if w - q[H_MARKS_FLUSHED] >= self.cap:
-                    self.dropped += 1
+                room = self.cap - (w - q[H_MARKS_FLUSHED])
+                if room < len(recs):
+                    self.dropped += len(recs) - max(room, 0)
                     q[H_MARKS_DROPPED] = self.dropped
-                    return
-                self._pack(self.block.mm, self.base + (w % self.cap) * RECORD_LEN * 8, *rec)
-                q[H_MARK_WRITE] = w + 1
+                    recs = recs[: max(room, 0)]
+                mm, pack, base, cap, size = self.block.mm, self._pack, self.base, self.cap, RECORD_LEN * 8
+                for rec in recs:
+                    pack(mm, base + (w % cap) * size, *rec)
+                    w += 1
+                q[H_MARK_WRITE] = w
         except ValueError:  # the block was released by a concurrent close: nowhere to write
-            self.dropped += 1
+            self.dropped += len(recs)
 
     def publish_name(self, code: int, text: str) -> None:
         """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""

@@ -122,7 +122,7 @@ class WindowRecorder:
         self._open: dict[int, list[Any]] = {}
         self._stack: list[int] = []
         self._done: list[Record] = []
-        self._sink: Callable[[Record], None] = self._done.append
+        self._sink: Callable[[Sequence[Record]], None] = self._done.extend
         self.names = NameTable()
         self._labels: dict[str, int | None] = dict.fromkeys(WINDOW_LABELS)
         self._label_values: tuple[int, ...] = (NULL,) * len(WINDOW_LABELS)
@@ -174,19 +174,19 @@ class WindowRecorder:
         for flush in self._pending_sources:
             flush()
 
-    def set_sink(self, sink: Callable[[Record], None]) -> None:
-        """Send every finished record to ``sink`` instead of the recorder's own list (records
-        already in the list are passed on first, in order)."""
+    def set_sink(self, sink: Callable[[Sequence[Record]], None]) -> None:
+        """Send finished records to ``sink`` (a sequence of records per call, in order) instead of
+        the recorder's own list (records already in the list are passed on first)."""
         with self._lock:
-            for rec in self._done:
-                sink(rec)
+            if self._done:
+                sink(self._done[:])
             self._done.clear()
             self._sink = sink
 
     def reset_sink(self) -> None:
         """Keep records in the recorder's own list again (:meth:`drain` takes them)."""
         with self._lock:
-            self._sink = self._done.append
+            self._sink = self._done.extend
 
     def _labels_with(self, labels: dict[str, int | None]) -> tuple[int, ...]:
         if not labels:
@@ -234,7 +234,7 @@ class WindowRecorder:
                 self._stack.pop()
             elif window_id in self._stack:
                 self._stack.remove(window_id)
-            self._sink(self._record(window_id, entry, t))
+            self._sink((self._record(window_id, entry, t),))
             self.total_recorded += 1
         for fn in self._listeners:
             fn(entry[0], entry[1], False)
@@ -299,8 +299,49 @@ class WindowRecorder:
             *self._labels_with(labels),
         )
         with self._lock:
-            self._sink(rec)
+            self._sink((rec,))
             self.total_recorded += 1
+        return wid
+
+    def record_step(
+        self,
+        step: int,
+        t_begin_mono_ns: int,
+        t_end_mono_ns: int | None,
+        children: Sequence[tuple[str, str, int, int, int | None, int | None]],
+        *,
+        timing: str,
+        step_window: bool = True,
+    ) -> int | None:
+        """Record a step and its finished windows in one go (what :meth:`record` does for each,
+        with one lock and one call of the sink). ``children``: (kind, name, t_begin, t_end,
+        microbatch, vpp_chunk); their parent is the step's window. ``step_window`` False: no step
+        window (the children have no parent). ``t_end_mono_ns`` None: the step is still running
+        and is begun as an open window (:meth:`begin`) instead. Returns the step's window id."""
+        code = self.names.code
+        wid = None
+        if step_window:
+            if t_end_mono_ns is None:
+                wid = self.begin("step", step=step, t_mono_ns=t_begin_mono_ns)
+            else:
+                wid = self.record("step", "step", t_begin_mono_ns, t_end_mono_ns, step=step, timing=timing)
+        parent = NULL if wid is None else wid
+        timing_code = code(timing)
+        labels = self._label_values
+        at = WINDOW_LABELS.index("vpp_chunk")
+        wall_offset = self._wall(t_begin_mono_ns) - t_begin_mono_ns
+        recs = []
+        for kind, name, t0, t1, mb, chunk in children:
+            if kind not in WINDOW_KINDS:
+                raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
+            lab = labels if chunk is None else (*labels[:at], chunk, *labels[at + 1 :])
+            recs.append(
+                (RECORD_WINDOW, next(self._ids), parent, code(kind), code(name), step,
+                 NULL if mb is None else mb, t0, t1, t0 + wall_offset, timing_code, *lab)
+            )  # fmt: skip
+        with self._lock:
+            self._sink(recs)
+            self.total_recorded += len(recs)
         return wid
 
     # -- taking what was recorded ----------------------------------------------------------

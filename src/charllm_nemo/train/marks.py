@@ -291,31 +291,23 @@ class StepMarker:
         return _Windows([p[1:] for p in phases], spans, [p[1:] for p in still_open])
 
     def _record_step(self, st: _StepState, t1: int | None, to_ns: Any, timing: str) -> int | None:
-        """Record the step's windows (step, microbatches, phases) with times ``to_ns(clock)``.
-        ``t1`` None: the step is still running (:meth:`flush_pending`); it and its phases still
-        open become open windows."""
+        """Record the step's windows (step, microbatches, phases) with times ``to_ns(clock)``, in
+        one go. ``t1`` None: the step is still running (:meth:`flush_pending`); it and its phases
+        still open become open windows."""
         w = self._windows()
         self._log.clear()
-        rec = self.recorder.record
-        wid = None
-        if "step" in self.kinds:
-            if t1 is None:
-                wid = self.recorder.begin("step", step=st.step, t_mono_ns=st.t0_ns)
-            else:
-                wid = rec("step", "step", st.t0_ns, t1, step=st.step, timing=timing)
+        children: list[tuple[str, str, int, int, int | None, int | None]] = []
         if "microbatch" in self.kinds:
-            for span_mb, b, e in w.spans:
-                rec("microbatch", "microbatch", to_ns(b), to_ns(e), step=st.step, microbatch=span_mb,
-                    timing=timing, parent_id=wid)  # fmt: skip
+            children += [("microbatch", "microbatch", to_ns(b), to_ns(e), mb, None) for mb, b, e in w.spans]
         if self._record_phases:
-            for name, mb, chunk, b, e in w.phases:
+            children += [("phase", name, to_ns(b), to_ns(e), mb, chunk) for name, mb, chunk, b, e in w.phases]
+        wid = self.recorder.record_step(
+            st.step, st.t0_ns, t1, children, timing=timing, step_window="step" in self.kinds
+        )
+        if t1 is None and self._record_phases:
+            for name, mb, chunk, b in w.still_open:
                 labels = {} if chunk is None else {"vpp_chunk": chunk}
-                rec("phase", name, to_ns(b), to_ns(e), step=st.step, microbatch=mb, timing=timing,
-                    parent_id=wid, **labels)  # fmt: skip
-            if t1 is None:
-                for name, mb, chunk, b in w.still_open:
-                    labels = {} if chunk is None else {"vpp_chunk": chunk}
-                    self.recorder.begin("phase", name, step=st.step, microbatch=mb, t_mono_ns=b, **labels)
+                self.recorder.begin("phase", name, step=st.step, microbatch=mb, t_mono_ns=b, **labels)
         return wid
 
     def flush_pending(self) -> None:
