@@ -113,6 +113,7 @@ STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (
 STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
 SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
 ORDERS = ("abba", "random")
+CONTRASTS = ("all", "thread", "process")
 
 
 class BenchRefused(Exception):
@@ -254,6 +255,63 @@ def process_cpu_ns(pid: int) -> int:
     return sum(schedstat_ns(int(tid)) for tid in tids)
 
 
+def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[str, list[int]], Any]:
+    """--time-calls: wrap every telemetry call the ON steps make on the training thread (the
+    marker's begin_step / end_step and its timers' start / stop, request_figures, step_figures) so
+    that each call's perf_counter_ns duration is kept, in the step, with the caches as training
+    leaves them. Returns (durations per call name, the wrapped request_figures). The wrappers
+    cost a few hundred ns a call themselves, on ON steps only."""
+    from charllm_nemo.train import marks
+
+    names = ("begin_step", "timer start", "timer stop", "end_step", "request_figures", "step_figures")
+    calls: dict[str, list[int]] = {name: [] for name in names}
+
+    def timed(fn: Any, into: list[int]) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                into.append(time.perf_counter_ns() - t)
+
+        return wrapper
+
+    marker.begin_step = timed(marker.begin_step, calls["begin_step"])
+    marker.end_step = timed(marker.end_step, calls["end_step"])
+    session.step_figures = timed(session.step_figures, calls["step_figures"])
+    for method, key in (("start", "timer start"), ("stop", "timer stop")):
+        plain = getattr(marks._Timer, method)
+
+        def timer_method(
+            self: Any, barrier: bool = False, plain: Any = plain, into: list[int] = calls[key]
+        ) -> Any:
+            if self._marker is not marker or self._phase is None:  # not a window: returns at once
+                return plain(self, barrier)
+            t = time.perf_counter_ns()
+            try:
+                return plain(self, barrier)
+            finally:
+                into.append(time.perf_counter_ns() - t)
+
+        setattr(marks._Timer, method, timer_method)
+    return calls, (timed(request, calls["request_figures"]) if request is not None else None)
+
+
+def calls_report(calls: dict[str, list[int]]) -> dict[str, Any]:
+    """Per call: how many, median and mean µs, and µs per ON step; the total per ON step."""
+    steps = max(1, len(calls["begin_step"]))
+    out: dict[str, Any] = {}
+    for name, ns in calls.items():
+        if ns:
+            out[name] = {
+                "n": len(ns),
+                "median_us": statistics.median(ns) / 1e3,
+                "mean_us": statistics.fmean(ns) / 1e3,
+                "us_per_step": sum(ns) / 1e3 / steps,
+            }
+    return {"per_call": out, "us_per_step": sum(v["us_per_step"] for v in out.values()), "steps": steps}
+
+
 def step_figures_function() -> Any:
     """What the loop calls per step for the previous step's figures:
     ``rank_figures(session.step_figures(..., figures=CONSOLE_FIGURES))``."""
@@ -298,7 +356,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.train.marks import StepMarker
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
-    from charllm_nemo.train.report import StepSummary, reduce_step
+    from charllm_nemo.train.report import CONSOLE_FIGURES, StepSummary, reduce_step
 
     previous_step_figures = step_figures_function()
     from charllm_nemo.train.validate import validate
@@ -376,8 +434,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             bundle.scheduler.step(1)
         opt_timer.stop()
         timing = marker.end_step()
-        if request is not None:
-            request(timing.t_begin_mono_ns, timing.t_end_mono_ns)
+        if request is not None:  # with the figures the loop asks for (logger=console)
+            request(timing.t_begin_mono_ns, timing.t_end_mono_ns, CONSOLE_FIGURES)
             fig_counts["requested"] += 1
         tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
@@ -573,6 +631,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
         )
         request = getattr(session, "request_figures", None)  # being added in src/: use it if there
+        call_ns: dict[str, list[int]] | None = None
+        if opts.get("time_calls"):
+            call_ns, request = time_telemetry_calls(marker_on, session, request)
         # Python threads the session left in this process (a flusher, in the src of 2026-12): they
         # are not paused for OFF steps, so whatever they do lands on both arms.
         threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
@@ -580,16 +641,22 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         if not any("flush" in n for n in threads):
             flusher = None
         running = [True]
+        # --contrast: what differs between the arms. "all": the telemetry process (frozen in OFF
+        # steps) and the training thread's calls (none in OFF steps); "thread": only the calls (the
+        # process runs throughout); "process": only the process (the calls in every step).
+        contrast = opts.get("contrast", "all")
+        freeze = contrast in ("all", "process")
+        calls_off = contrast == "process"
 
         def switch(arm: str) -> None:
             """Between steps: freeze / wake the telemetry process and swap the loop's timers."""
-            if arm == "off" and running[0]:
+            if arm == "off" and running[0] and freeze:
                 os.kill(pid, signal.SIGSTOP)
                 running[0] = False
             elif arm == "on" and not running[0]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
-            config.timers = marker_on if arm == "on" else None
+            config.timers = marker_on if arm == "on" or calls_off else None
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:
             """Whether the telemetry process reached state T (stopped) within ``timeout_s``."""
@@ -633,10 +700,13 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         try:
             # Warm-up, untimed: OFF steps, then ABBA quads (imports and first calls on the ON path).
             switch("off")
-            stopped_ok = wait_stopped()
+            stopped_ok = wait_stopped() if freeze else True
             current = "off"
             for _ in range(warmup):
-                one_step(marker_off, None, None)
+                if calls_off:
+                    _t, pending_on = one_step(marker_on, session, pending_on, request)
+                else:
+                    one_step(marker_off, None, None)
             for arm in ["on", "off", "off", "on"] * STEP_WARM_QUADS:
                 switch(arm)
                 current = arm
@@ -669,7 +739,10 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        t, _pending = one_step(marker_off, None, None)
+                        if calls_off:  # --contrast process: the OFF step makes the ON step's calls
+                            t, pending_on = one_step(marker_on, session, pending_on, request)
+                        else:
+                            t, _pending = one_step(marker_off, None, None)
                         if prof is not None:
                             prof.disable()
                         gc_state["arm"] = None
@@ -680,6 +753,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                     background.append(max(0.0, other / max(1, s1[0] - s_prev[0])))
                     s_prev = s1
             tp_cpu_ns = process_cpu_ns(pid) - tp_cpu0
+            if opts.get("dump_steps"):
+                steps = [[u, arm, sw, list(t)] for u, arm, sw, t in records]
+                Path(opts["dump_steps"]).write_text(json.dumps(steps))
         finally:
             switch("on")  # never leave the telemetry process frozen
             config.timers = None
@@ -731,6 +807,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             "config": opts["config"],
             "interleave": "step",
             "order": opts["order"],
+            "contrast": contrast,
             "pairs": steps_per_arm,
             "units": n_units,
             "unit_steps": unit_steps,
@@ -779,6 +856,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 for arm, d in gc_stats.items()
             },
             "profile": profile_report(profiles_s, steps_per_arm) if profiles_s else None,
+            "calls": calls_report(call_ns) if call_ns is not None else None,
             "session_start_ms_median": session_start_ms,
             "session_close_ms_median": session_close_ms,
             "elapsed_s": elapsed,
@@ -994,6 +1072,9 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "cpus": None,
         "profile": args.profile,
         "session_options": session_options(args.session_option),
+        "contrast": args.contrast,
+        "time_calls": args.time_calls,
+        "dump_steps": str(Path(args.dump_steps).with_suffix(f".{name}.json")) if args.dump_steps else None,
     }
     spinner = None
     if name == "busy":
@@ -1031,6 +1112,8 @@ def verdict(r: dict[str, Any]) -> str:
     target. With other processes above BUSY_MACHINE_CORES on average, only the quiet rounds count
     (INCONCLUSIVE when there are too few of them): load is not spread evenly between the arms, it
     takes the free core away from the telemetry threads."""
+    if r.get("contrast", "all") != "all":
+        return f"NOT JUDGED (contrast {r['contrast']}: one part of the overhead, not all of it)"
     stats = r["iteration"]
     where = ""
     if r["background_cores_mean"] > BUSY_MACHINE_CORES:
@@ -1161,8 +1244,13 @@ def print_step_details(name: str, r: dict[str, Any]) -> None:
     unit = "ABBA quads" if r["unit_steps"] == 4 else "random pairs"
     print(
         f"{name:<6} step mode: {r['pairs']} ON + {r['pairs']} OFF steps in {r['units']} {unit}, all timed; "
-        f"telemetry process ({sm['mode']}) stopped for OFF steps"
-        + ("" if sm["stopped_state_seen"] else " (NOT SEEN IN STATE T)")
+        + (
+            f"telemetry process ({sm['mode']}) running throughout, OFF steps without the telemetry calls"
+            if r.get("contrast") == "thread"
+            else f"telemetry process ({sm['mode']}) stopped for OFF steps"
+            + (", which make the ON steps' telemetry calls" if r.get("contrast") == "process" else "")
+            + ("" if sm["stopped_state_seen"] else " (NOT SEEN IN STATE T)")
+        )
         + f"; samples during ON steps {sm['samples_on']} of {sm['expected_on']:.0f} due at {HZ:g} Hz"
         + (f" ({cov:.3f})" if cov is not None else "")
         + f", rows lost {sm['rows_lost']}; its CPU {sm['process_cpu_ms_per_on_step']:.2f} ms per ON step "
@@ -1186,6 +1274,18 @@ def print_step_details(name: str, r: dict[str, Any]) -> None:
         f"{name:<6} figures of the previous ON step asked {fg['asked']} times, {fg['not_ready']} not ready; "
         f"{req}; {fls}"
     )
+    calls = r.get("calls")
+    if calls:
+        on_ms = r["iteration"]["median_on_ms"]
+        parts = ", ".join(
+            f"{k} {v['us_per_step']:.0f} ({v['n'] / calls['steps']:.0f} x {v['median_us']:.1f})"
+            for k, v in calls["per_call"].items()
+        )
+        print(
+            f"{name:<6} telemetry calls on the training thread, in the step: {calls['us_per_step']:.0f} µs "
+            f"per ON step ({calls['us_per_step'] / 10 / on_ms:.2f} % of its median); µs per step "
+            f"(calls x median µs): {parts}"
+        )
 
     def sr(d: dict[str, Any]) -> str:
         v = d["ratio_median"]
@@ -1273,6 +1373,27 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra TelemetrySession keyword for the on/session arms (repeatable), e.g. flush_interval_s=1.0",
     )
+    ap.add_argument(
+        "--contrast",
+        choices=CONTRASTS,
+        default="all",
+        help="step mode: what the OFF steps leave out. all (default): the telemetry process (frozen) and "
+        "the training thread's telemetry calls; thread: only the calls (the process runs throughout); "
+        "process: only the process (the calls in every step)",
+    )
+    ap.add_argument(
+        "--time-calls",
+        action="store_true",
+        help="step mode: time every telemetry call of the ON steps on the training thread, in the step "
+        "(per call and per step; the wrappers add a few hundred ns a call to ON steps)",
+    )
+    ap.add_argument(
+        "--dump-steps",
+        default=None,
+        metavar="FILE",
+        help="step mode: write every timed step (unit, arm, right after a switch, [iteration, loop_step, "
+        "main_cpu] s) to FILE with the configuration's name before the suffix",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -1299,6 +1420,11 @@ def main() -> None:
             "--interleave step pauses the telemetry process (SIGSTOP) for OFF steps; a sampler thread "
             "cannot be paused: drop --session-option sampler=thread, or use --interleave block"
         )
+    if args.interleave != "step" and (args.contrast != "all" or args.dump_steps or args.time_calls):
+        ap.error(
+            "--contrast, --time-calls and --dump-steps are step-mode options "
+            "(drop --interleave block / --decompose)"
+        )
     if args.seed is None:
         args.seed = int(time.time())
     out_dir = Path(tempfile.mkdtemp(prefix="bench-train-telemetry-"))
@@ -1320,6 +1446,7 @@ def main() -> None:
                 else f"interleave block ({args.block_steps} steps)"
             )
             + (f"; session options {session_options(args.session_option)}" if args.session_option else "")
+            + (f"; contrast {args.contrast}" if args.interleave == "step" else "")
         )
         print_table(results)
         print()
@@ -1352,6 +1479,7 @@ def main() -> None:
         "busy_pin": args.busy_pin,
         "interleave": args.interleave,
         "order": args.order if args.interleave == "step" else None,
+        "contrast": args.contrast if args.interleave == "step" else None,
         "pairs": args.pairs,
         "session_options": session_options(args.session_option),
         "results": results,

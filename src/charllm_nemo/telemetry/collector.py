@@ -16,6 +16,7 @@ the attribution off the training process entirely: no GIL shared with training.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -85,19 +86,26 @@ def decode_figures(
     values: list[float], columns: tuple[str, ...], keep: Collection[str] | None = None
 ) -> dict[str, Any]:
     """The figures :func:`encode_figures` encoded; only those in ``keep`` (None = all)."""
+    if len(values) != len(columns):
+        raise ValueError(f"{len(values)} figure values for {len(columns)} columns")
     out: dict[str, Any] = {}
-    for name, v in zip(columns, values, strict=True):
-        if keep is not None and name not in keep:
-            continue
-        if name == "energy_method":
-            out[name] = ENERGY_METHODS[int(v)]
-        elif name == "interpolated":
-            out[name] = bool(v)
-        elif name == "n_samples":
-            out[name] = int(v)
-        else:
-            out[name] = v
+    for i, name, convert in _picker(columns, None if keep is None else frozenset(keep)):
+        v = values[i]
+        out[name] = v if convert is None else convert(v)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _picker(columns: tuple[str, ...], keep: frozenset[str] | None) -> tuple[tuple[int, str, Any], ...]:
+    """(position, name, conversion or None) of the columns to decode (the training thread decodes
+    a step's figures once a step: worked out once per set)."""
+    convert: dict[str, Any] = {
+        "energy_method": lambda v: ENERGY_METHODS[int(v)],
+        "interpolated": bool,
+        "n_samples": int,
+    }
+    wanted = [(i, name) for i, name in enumerate(columns) if keep is None or name in keep]
+    return tuple((i, name, convert.get(name)) for i, name in wanted)
 
 
 class Collector:

@@ -51,6 +51,7 @@ import charllm_nemo
 from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.collector import decode_figures
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler, resolve_sampler_mode
 from charllm_nemo.telemetry.shm import figure_mask
@@ -494,8 +495,6 @@ class TelemetrySession:
     def _process_figures(
         self, t_begin: int, t_end: int, wait_s: float, figures: Collection[str] | None
     ) -> list[dict[str, Any]] | None:
-        from charllm_nemo.telemetry.collector import decode_figures
-
         assert isinstance(self.sampler, ProcessSampler)
         self.request_figures(t_begin, t_end, figures)
         asked = self._requests.get((t_begin, t_end))
@@ -510,7 +509,7 @@ class TelemetrySession:
                 answer = self.sampler.read_figures(seq)
         if answer is None:
             return None
-        keep = None if figures is None else {"duration_s", *figures}
+        keep = self._mask_of(figures)[1]  # the figures wanted and duration_s, or None: all
         out = []
         for idx, values in answer[2]:
             row = decode_figures(values, self._figure_columns, keep)
