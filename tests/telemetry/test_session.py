@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -120,3 +121,25 @@ def test_importing_the_package_needs_no_vendor_or_framework_library():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_path):
+    # The telemetry process inherits the rank's CPU mask: with one CPU it shares it with training.
+    code = (
+        "import os, sys\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from charllm_nemo.telemetry.session import TelemetrySession\n"
+        "with TelemetrySession(sys.argv[1], backend='synthetic', hz=50, handle_signals=False):\n"
+        "    pass\n"
+    )
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cmd = [sys.executable, "-c", code, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "may run on CPU" in proc.stderr and "--cpus-per-task=2" in proc.stderr
+    cpus = load_run(tmp_path).manifests[0]["cpu_affinity"]
+    assert len(cpus) == 1
+    with TelemetrySession(tmp_path / "wide", backend="synthetic", hz=50, handle_signals=False):
+        pass
+    assert load_run(tmp_path / "wide").manifests[0]["cpu_affinity"] == sorted(os.sched_getaffinity(0))
