@@ -441,7 +441,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
         if pending is not None and session is not None:
-            figures = previous_step_figures(session, pending[1], pending[2])
+            # as the loop: up to two sampling periods if not ready (they always were here)
+            figures = previous_step_figures(session, pending[1], pending[2], wait_s=min(2.0 / HZ, 0.05))
             fig_counts["asked"] += 1
             fig_counts["not_ready"] += figures is None
         sums, maxes = reduce_step(

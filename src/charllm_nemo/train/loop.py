@@ -452,6 +452,7 @@ def _train(
 
         wanted_figures = STEP_FIGURE_KEYS
     pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
+    late_wait_s = min(2.0 / max(cfg.telemetry.hz, 1e-3), 0.05)
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
 
@@ -511,7 +512,9 @@ def _train(
             figures: RankFigures | None = None
             gathered = None
             if pending is not None:
-                figures, gathered = figures_of(pending)
+                # Ready long since, unless the telemetry process is starved of CPU (every core
+                # busy): then wait up to two sampling periods rather than drop the step's figures.
+                figures, gathered = figures_of(pending, wait_s=late_wait_s)
             sums, maxes = reduce_step(
                 torch,
                 comm_device,
