@@ -54,7 +54,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler, resolve_sampler_mode
-from charllm_nemo.telemetry.shm import figure_mask
+from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
     Flusher,
     RankStore,
@@ -264,8 +264,6 @@ class TelemetrySession:
                 self.windows.set_sink(marks.emit_many)
                 self.store.manifest["sampler_process_pid"] = self.sampler.pid
                 self.store.write_manifest()
-                from charllm_nemo.telemetry.shm import figure_columns
-
                 self._figure_columns = figure_columns()
             else:
                 self._fall_back_to_thread()
