@@ -405,6 +405,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     step_counter = [0]
     fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
+    late_wait_s = [min(2.0 / HZ, 0.05)]  # the loop's wait for figures not ready; 0 while frozen
+
     def one_step(
         marker: StepMarker, session: Any, pending: Any, request: Any = None
     ) -> tuple[tuple[float, float, float], Any]:
@@ -441,8 +443,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
         if pending is not None and session is not None:
-            # as the loop: up to two sampling periods if not ready (they always were here)
-            figures = previous_step_figures(session, pending[1], pending[2], wait_s=min(2.0 / HZ, 0.05))
+            # as the loop: up to two sampling periods if not ready; not while the telemetry process
+            # is frozen (--contrast process: OFF steps), when they cannot become ready
+            figures = previous_step_figures(session, pending[1], pending[2], wait_s=late_wait_s[0])
             fig_counts["asked"] += 1
             fig_counts["not_ready"] += figures is None
         sums, maxes = reduce_step(
@@ -657,6 +660,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             elif arm == "on" and not running[0]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
+            late_wait_s[0] = min(2.0 / HZ, 0.05) if running[0] else 0.0
             config.timers = marker_on if arm == "on" or calls_off else None
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:
