@@ -405,7 +405,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     step_counter = [0]
     fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
-    late_wait_s = [min(2.0 / HZ, 0.05)]  # the loop's wait for figures not ready; 0 while frozen
+    # The loop's wait for figures not ready (two sampling periods, at most 50 ms); 0 while the
+    # telemetry process is frozen. Step mode sets it from its session's rate.
+    late_wait_s = [min(2.0 / HZ, 0.05)]
 
     def one_step(
         marker: StepMarker, session: Any, pending: Any, request: Any = None
@@ -660,7 +662,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             elif arm == "on" and not running[0]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
-            late_wait_s[0] = min(2.0 / HZ, 0.05) if running[0] else 0.0
+            late_wait_s[0] = min(2.0 / session.hz, 0.05) if running[0] else 0.0
             config.timers = marker_on if arm == "on" or calls_off else None
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:
