@@ -352,7 +352,13 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.telemetry.windows import WindowRecorder
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
-    from charllm_nemo.train.loop import _forward_step, init_distributed, rank_env, shutdown_distributed
+    from charllm_nemo.train.loop import (
+        _forward_step,
+        init_distributed,
+        late_wait,
+        rank_env,
+        shutdown_distributed,
+    )
     from charllm_nemo.train.marks import StepMarker
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
@@ -405,9 +411,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     step_counter = [0]
     fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
-    # The loop's wait for figures not ready (two sampling periods, at most 50 ms); 0 while the
-    # telemetry process is frozen. Step mode sets it from its session's rate.
-    late_wait_s = [min(2.0 / HZ, 0.05)]
+    # The loop's wait for figures overdue (train.loop.late_wait), at the session's sampling
+    # period; none while the telemetry process is frozen (step mode sets both).
+    late = {"period_ns": 1e9 / HZ, "frozen": False}
 
     def one_step(
         marker: StepMarker, session: Any, pending: Any, request: Any = None
@@ -445,9 +451,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
         if pending is not None and session is not None:
-            # as the loop: up to two sampling periods if not ready; not while the telemetry process
-            # is frozen (--contrast process: OFF steps), when they cannot become ready
-            figures = previous_step_figures(session, pending[1], pending[2], wait_s=late_wait_s[0])
+            # as the loop; not while the telemetry process is frozen (they cannot become ready)
+            wait_s = 0.0 if late["frozen"] else late_wait(pending[2], late["period_ns"])
+            figures = previous_step_figures(session, pending[1], pending[2], wait_s=wait_s)
             fig_counts["asked"] += 1
             fig_counts["not_ready"] += figures is None
         sums, maxes = reduce_step(
@@ -662,7 +668,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             elif arm == "on" and not running[0]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
-            late_wait_s[0] = min(2.0 / session.hz, 0.05) if running[0] else 0.0
+            late["period_ns"], late["frozen"] = 1e9 / session.hz, not running[0]
             config.timers = marker_on if arm == "on" or calls_off else None
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:

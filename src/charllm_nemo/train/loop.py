@@ -58,6 +58,17 @@ class RankEnv:
     master_port: int
 
 
+def late_wait(t_end_mono_ns: int, period_ns: float) -> float:
+    """How long the loop may wait for the figures of a step that ended at ``t_end_mono_ns``.
+    They are due once two sampling periods have passed since (a sample past the end, then the
+    telemetry process's answer); ready by then unless that process is starved of CPU (every core
+    busy with training), and then waiting up to two more periods (at most 50 ms) beats dropping
+    them. Not yet due (a step shorter than two periods): 0, no wait; they are dropped."""
+    if time.monotonic_ns() - t_end_mono_ns < 2 * period_ns:
+        return 0.0
+    return min(2 * period_ns / 1e9, 0.05)
+
+
 def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
     """RANK / WORLD_SIZE / LOCAL_RANK (torchrun, ``launcher=local``), else SLURM_PROCID /
     SLURM_NTASKS / SLURM_LOCALID (srun), else a single process. MASTER_ADDR defaults to
@@ -452,7 +463,7 @@ def _train(
 
         wanted_figures = STEP_FIGURE_KEYS
     pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
-    late_wait_s = min(2.0 / max(cfg.telemetry.hz, 1e-3), 0.05)
+    period_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
 
@@ -512,9 +523,7 @@ def _train(
             figures: RankFigures | None = None
             gathered = None
             if pending is not None:
-                # Ready long since, unless the telemetry process is starved of CPU (every core
-                # busy): then wait up to two sampling periods rather than drop the step's figures.
-                figures, gathered = figures_of(pending, wait_s=late_wait_s)
+                figures, gathered = figures_of(pending, wait_s=late_wait(pending[2], period_ns))
             sums, maxes = reduce_step(
                 torch,
                 comm_device,
