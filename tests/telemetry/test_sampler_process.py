@@ -337,7 +337,7 @@ def test_a_session_in_process_mode_stores_marked_steps_whose_marks_drive_the_mod
     assert not math.isnan(phases[0]["energy_j"])
 
 
-def test_sigkill_of_a_1khz_process_mode_run_loses_at_most_a_second_and_leaves_no_sampler(tmp_path):
+def test_sigkill_of_the_training_process_of_a_1khz_run_loses_no_sample_and_leaves_no_sampler(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic", "--hz", "1000",
            "--sampler", "process", "--seconds", "30", "--step-s", "0.2", "--out", str(out)]  # fmt: skip
@@ -354,16 +354,17 @@ def test_sigkill_of_a_1khz_process_mode_run_loses_at_most_a_second_and_leaves_no
     finally:
         if proc.poll() is None:
             proc.kill()
+    # The telemetry process notices, stores what it has, marks the manifest and goes.
+    assert _wait_until(lambda: all(_gone(c) for c in children), 3.0)
+    assert _wait_until(lambda: not any(b.exists() for b in blocks), 1.0)
     run = load_run(out)
-    assert run.manifests[0]["sampler_mode"] == "process" and run.manifests[0]["status"] == "running"
+    assert run.manifests[0]["sampler_mode"] == "process" and run.manifests[0]["status"] == "killed"
     t = run.samples.column("t_mono_ns").to_numpy()
     assert run.samples.num_rows >= 1000 and (np.diff(t) > 0).all()
     # Negative: the telemetry process outlives its parent by a few ms and samples until it notices.
     lost_s = (killed_at - t.max()) / 1e9
-    assert -1.0 <= lost_s <= 1.0, f"lost {lost_s:.3f} s of samples"
+    assert -1.0 <= lost_s <= 0.05, f"lost {lost_s:.3f} s of samples"
     assert run.windows.num_rows > 0
-    assert _wait_until(lambda: all(_gone(c) for c in children), 3.0)
-    assert _wait_until(lambda: not any(b.exists() for b in blocks), 1.0)
 
 
 def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column(tmp_path):
