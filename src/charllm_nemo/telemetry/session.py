@@ -310,9 +310,8 @@ class TelemetrySession:
         open_records = self.windows.open_records()
         if isinstance(self.sampler, ProcessSampler):
             marks = self.sampler.marks
-            if marks is not None:
-                for rec in open_records:
-                    marks.emit(rec)
+            if marks is not None and open_records:
+                marks.emit_many(open_records)
             # Marks after close are kept in the recorder, not sent to a block that is gone.
             self.windows.reset_sink()
             self.sampler.stop()
