@@ -313,9 +313,10 @@ class WindowRecorder:
         timing: str,
         step_window: bool = True,
     ) -> int | None:
-        """Record a step and its finished windows in one go (what :meth:`record` does for each,
-        with one lock and one call of the sink). ``children``: (kind, name, t_begin, t_end,
-        microbatch, vpp_chunk); their parent is the step's window. ``step_window`` False: no step
+        """Record a step and its finished windows: the step as :meth:`record` does, then the
+        children as :meth:`record` would, under one lock and in one call of the sink.
+        ``children``: (kind, name, t_begin, t_end, microbatch, vpp_chunk); their parent is the
+        step's window. ``step_window`` False: no step
         window (the children have no parent). ``t_end_mono_ns`` None: the step is still running
         and is begun as an open window (:meth:`begin`) instead. Returns the step's window id."""
         code = self.names.code
