@@ -22,6 +22,7 @@ from charllm_nemo.telemetry.attribution import (
     held_time,
     integrate_power,
     prepare_samples,
+    sample_columns,
 )
 from charllm_nemo.telemetry.schema import (
     FLOAT_METRICS,
@@ -489,3 +490,77 @@ def test_asking_for_a_few_figures_gives_the_same_values_and_computes_only_those(
         assert np.array_equal(part[name], full[name], equal_nan=True), name
     with pytest.raises(ValueError, match="unknown attribution figure"):
         attribute_windows(samples, windows, figures=("energy_kwh",))
+
+
+def every_case_trace() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Every metric over 4 s at ~10 ms with nulls, resets and gaps, so that the windows (open,
+    reversed, zero-length, short, long, outside the samples) meet every energy method: the
+    counter until 1 s (with a reset at 0.5 s), instant power until 2 s, averaged power until 3 s,
+    nothing after."""
+    rng = np.random.default_rng(11)
+    n = 400
+    t = np.cumsum(rng.integers(8 * MS, 12 * MS, n)).astype(np.int64)
+    samples: dict[str, np.ndarray] = {"t_mono_ns": t}
+    for name in FLOAT_METRICS:
+        v = rng.uniform(50.0, 700.0, n)
+        v[rng.random(n) < 0.1] = np.nan
+        samples[name] = v
+    samples["power_instant_w"][t >= 2 * S] = np.nan
+    samples["power_avg_w"][t >= 3 * S] = np.nan
+    for name in INT_METRICS:
+        if name == "throttle_reasons":
+            c = rng.integers(0, 1024, n)
+        else:
+            c = np.cumsum(rng.integers(0, 5000, n)) + 2**40
+            c[n // 3 :] -= 2**39  # a reset
+        c = c.astype(np.int64)
+        c[rng.random(n) < 0.1] = INT_NULL
+        samples[name] = c
+    e = (np.cumsum(rng.integers(0, 3, n)) // 2 * 1000 + 10**9).astype(np.int64)  # ticks now and then
+    e[t >= S // 2] -= 10**8  # a reset
+    e[t >= S] = INT_NULL
+    samples["energy_mj"] = e
+    m = 300
+    begin = rng.integers(-S // 10, 41 * S // 10, m)
+    end = begin + rng.integers(-5 * MS, 400 * MS, m)
+    end[::17] = begin[::17]  # zero-length
+    begin[5::41] = INT_NULL  # open
+    end[7::43] = INT_NULL
+    return samples, {"t_begin_mono_ns": begin, "t_end_mono_ns": end}
+
+
+@pytest.mark.parametrize("figure", ATTRIBUTION_COLUMN_NAMES)
+def test_one_figure_alone_and_from_its_sample_columns_equals_the_full_computation(figure: str) -> None:
+    # What the live figures rely on: attribute_windows skips what was not asked for, and the
+    # collector passes only sample_columns(figures); neither may change a value.
+    samples, windows = every_case_trace()
+    full = attribute_windows(samples, windows)
+    assert set(full["energy_method"]) == set(ENERGY_METHODS)  # the trace meets every case
+    alone = attribute_windows(samples, windows, figures=[figure])
+    columns = sample_columns([figure])
+    assert columns[0] == "t_mono_ns" and set(columns) <= set(samples)
+    narrow = attribute_windows({c: samples[c] for c in columns}, windows, figures=[figure])
+    for out in (alone, narrow):
+        assert list(out) == [figure]
+        assert np.array_equal(out[figure], full[figure], equal_nan=full[figure].dtype.kind == "f"), figure
+
+
+def test_sample_columns_name_what_the_figures_read() -> None:
+    assert sample_columns(["duration_s", "coverage"]) == ("t_mono_ns",)
+    assert sample_columns(["power_peak_w", "temp_hbm_peak_c"]) == (
+        "t_mono_ns",
+        "power_instant_w",
+        "temp_hbm_c",
+    )
+    assert sample_columns(["energy_j"]) == ("t_mono_ns", "energy_mj", "power_avg_w", "power_instant_w")
+    unread = {"t_mono_ns", *FLOAT_METRICS, *INT_METRICS} - set(sample_columns())
+    assert unread == {
+        "util_gpu_pct",
+        "util_mem_pct",
+        "mem_used_bytes",
+        "power_limit_w",
+        "power_memory_w",
+        "clock_mem_mhz",
+    }
+    with pytest.raises(ValueError, match="unknown attribution figure"):
+        sample_columns(["energy_kwh"])

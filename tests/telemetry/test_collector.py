@@ -53,12 +53,13 @@ def _wire(block) -> tuple[shm.RingWriter, shm.MarkWriter, WindowRecorder]:
     return shm.RingWriter(block), marks, rec
 
 
-def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(block, tmp_path):
+@pytest.mark.parametrize("devices", [(0, 1), (0,)], ids=["two-devices", "one-device"])
+def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(block, tmp_path, devices):
     ring, marks, rec = _wire(block)
     rows = []
     for i in range(40):
         t = 1_000_000_000 + i * PERIOD
-        for dev in (0, 1):
+        for dev in devices:
             row = (t + dev, t + dev + 5, 1000, dev, _reading(t))
             ring.emit(row)
             rows.append(row)
@@ -92,8 +93,8 @@ def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(bloc
                 assert np.isnan(live[name]), name
             else:  # the live slice starts later: prefix sums may round in the last bit
                 assert live[name] == pytest.approx(want, rel=1e-12, abs=1e-12), name
-    assert [d for d, _ in answer[2]] == [0, 1]
-    assert block.q[shm.H_ROWS_SAMPLES] == 80 and block.q[shm.H_FIGURES_SERVED] == 1
+    assert [d for d, _ in answer[2]] == list(devices)
+    assert block.q[shm.H_ROWS_SAMPLES] == 40 * len(devices) and block.q[shm.H_FIGURES_SERVED] == 1
 
 
 def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):

@@ -80,6 +80,48 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 ATTRIBUTION_COLUMN_NAMES: tuple[str, ...] = tuple(c[0] for c in ATTRIBUTION_COLUMNS)
 
+_ENERGY_FIGURES: Final = ("energy_j", "energy_method", "power_avg_w", "power_timeline_avg_w")
+
+
+def _reads(figure: str) -> tuple[str, ...]:
+    """The sample metrics one attribution column is computed from (none: time alone)."""
+    if figure in _ENERGY_FIGURES:
+        return ("power_instant_w", "power_avg_w", "energy_mj")
+    if figure == "power_peak_w":
+        return ("power_instant_w",)
+    if figure.startswith("temp_"):
+        return (figure.removesuffix("_peak_c") + "_c",)
+    if figure.startswith("clock_sm_"):
+        return ("clock_sm_mhz",)
+    if figure.startswith("throttle_"):
+        return ("throttle_reasons",)
+    if figure.startswith("violation_"):
+        return (figure.removesuffix("_s") + "_ns",)
+    if figure in _TRAFFIC_COUNTERS:
+        return (figure,)
+    return ()
+
+
+_READS: Final = {name: _reads(name) for name in ATTRIBUTION_COLUMN_NAMES}
+
+
+def _check_figures(figures: Collection[str] | None) -> set[str]:
+    wanted = set(ATTRIBUTION_COLUMN_NAMES) if figures is None else set(figures)
+    unknown = wanted - set(ATTRIBUTION_COLUMN_NAMES)
+    if unknown:
+        raise ValueError(f"unknown attribution figure(s) {sorted(unknown)}; see ATTRIBUTION_COLUMN_NAMES")
+    return wanted
+
+
+def sample_columns(figures: Collection[str] | None = None) -> tuple[str, ...]:
+    """The sample columns (``t_mono_ns`` and the metrics) that :func:`attribute_windows` reads for
+    ``figures`` (None: every column). A caller holding many metrics can pass only these: a
+    metric left out counts as null, which changes none of these figures (a test checks it
+    column by column). Unknown names raise ValueError."""
+    wanted = _check_figures(figures)
+    metrics = {m for name in wanted for m in _READS[name]}
+    return ("t_mono_ns", *sorted(metrics))
+
 
 # --------------------------------------------------------------------------------------------
 # Input normalisation
@@ -490,10 +532,7 @@ def attribute_windows(
     hardware counter only for windows holding at least that many counter ticks (see
     :data:`MIN_COUNTER_TICKS`); shorter ones use the instant-power timeline.
     """
-    wanted = set(ATTRIBUTION_COLUMN_NAMES) if figures is None else set(figures)
-    unknown = wanted - set(ATTRIBUTION_COLUMN_NAMES)
-    if unknown:
-        raise ValueError(f"unknown attribution figure(s) {sorted(unknown)}; see ATTRIBUTION_COLUMN_NAMES")
+    wanted = _check_figures(figures)
 
     def want(*names: str) -> bool:
         return not wanted.isdisjoint(names)
@@ -516,57 +555,62 @@ def attribute_windows(
         c = _as_int64(cols[name]) if name in cols else np.full(t.size, INT_NULL, dtype=np.int64)
         return _int_timeline(t, c)
 
-    # Coverage, over all samples whatever their metrics hold.
-    lo = np.searchsorted(t, t0, side="left")
-    hi = np.searchsorted(t, t1, side="left")
-    n_in = (hi - lo).astype(np.int64)
-    coverage = np.zeros(m)
-    many = n_in >= 2
-    if many.any():
-        spanned = (t[hi[many] - 1] - t[lo[many]]).astype(np.float64) / NS_PER_S
-        coverage[many] = spanned / dur_s[many]
-    gap_max = np.full(m, np.nan)
-    if t.size >= 2:
-        glo = np.maximum(np.searchsorted(t, t0, side="right") - 1, 0)
-        ghi = np.minimum(hi, t.size - 1)
-        touch = ghi > glo
-        if touch.any():
-            gaps = np.diff(t).astype(np.float64) / NS_PER_S
-            gap_max[touch] = _range_reduce(np.maximum, gaps, glo[touch], ghi[touch])
-    bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
-    out["n_samples"] = np.where(valid, n_in, 0)
-    out["coverage"] = np.where(valid, coverage, np.nan)
-    out["interpolated"] = valid & bracketed & (n_in < 2)
-    out["sample_gap_max_s"] = np.where(valid, gap_max, np.nan)
+    if want("n_samples", "coverage", "interpolated", "sample_gap_max_s"):
+        # Coverage, over all samples whatever their metrics hold.
+        lo = np.searchsorted(t, t0, side="left")
+        hi = np.searchsorted(t, t1, side="left")
+        n_in = (hi - lo).astype(np.int64)
+        coverage = np.zeros(m)
+        many = n_in >= 2
+        if many.any():
+            spanned = (t[hi[many] - 1] - t[lo[many]]).astype(np.float64) / NS_PER_S
+            coverage[many] = spanned / dur_s[many]
+        gap_max = np.full(m, np.nan)
+        if t.size >= 2:
+            glo = np.maximum(np.searchsorted(t, t0, side="right") - 1, 0)
+            ghi = np.minimum(hi, t.size - 1)
+            touch = ghi > glo
+            if touch.any():
+                gaps = np.diff(t).astype(np.float64) / NS_PER_S
+                gap_max[touch] = _range_reduce(np.maximum, gaps, glo[touch], ghi[touch])
+        bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
+        out["n_samples"] = np.where(valid, n_in, 0)
+        out["coverage"] = np.where(valid, coverage, np.nan)
+        out["interpolated"] = valid & bracketed & (n_in < 2)
+        out["sample_gap_max_s"] = np.where(valid, gap_max, np.nan)
 
-    # Energy: counter, else instant power, else vendor-averaged power.
     instant = floats("power_instant_w")
-    averaged = floats("power_avg_w")
-    e_instant = instant.integral(t0, t1)
-    e_averaged = averaged.integral(t0, t1)
-    edge_power = instant if instant.t.size >= 2 else (averaged if averaged.t.size >= 2 else None)
-    e_counter = _counter_energy(*ints("energy_mj"), t0, t1, min_counter_ticks, edge_power)
-    use_counter = ~np.isnan(e_counter)
-    use_instant = ~use_counter & ~np.isnan(e_instant)
-    use_averaged = ~use_counter & ~use_instant & ~np.isnan(e_averaged)
-    energy = np.where(use_counter, e_counter, np.where(use_instant, e_instant, e_averaged))
-    method = np.full(m, "none", dtype=_METHOD_DTYPE)
-    method[use_counter] = "counter"
-    method[use_instant] = "power_trapezoid"
-    method[use_averaged] = "power_avg_trapezoid"
-    method[~valid] = "invalid"
-    out["energy_j"] = energy
-    out["energy_method"] = method
-    timeline = instant if instant.t.size >= 2 else averaged
-    timeline_avg = timeline.mean(t0, t1)
-    power_avg = np.full(m, np.nan)
-    pos = dur_s > 0
-    power_avg[pos] = energy[pos] / dur_s[pos]
-    zero = ~pos & ~np.isnan(energy)  # zero-length window: the power at that instant
-    power_avg[zero] = timeline_avg[zero]
-    out["power_avg_w"] = power_avg
-    out["power_timeline_avg_w"] = timeline_avg
-    out["power_peak_w"] = instant.extreme(np.maximum, t0, t1)
+    if want(*_ENERGY_FIGURES):
+        # Energy: counter, else instant power, else vendor-averaged power. Each fallback is
+        # computed only when a window is left without energy by the ones before it.
+        averaged = floats("power_avg_w")
+        edge_power = instant if instant.t.size >= 2 else (averaged if averaged.t.size >= 2 else None)
+        energy = _counter_energy(*ints("energy_mj"), t0, t1, min_counter_ticks, edge_power)
+        method = np.full(m, "none", dtype=_METHOD_DTYPE)
+        method[~np.isnan(energy)] = "counter"
+        for series, name in ((instant, "power_trapezoid"), (averaged, "power_avg_trapezoid")):
+            left = np.isnan(energy)
+            if not left.any():
+                break
+            fallback = series.integral(t0, t1)
+            use = left & ~np.isnan(fallback)
+            energy[use] = fallback[use]
+            method[use] = name
+        method[~valid] = "invalid"
+        out["energy_j"] = energy
+        out["energy_method"] = method
+        timeline = instant if instant.t.size >= 2 else averaged
+        power_avg = np.full(m, np.nan)
+        pos = dur_s > 0
+        power_avg[pos] = energy[pos] / dur_s[pos]
+        zero = ~pos & ~np.isnan(energy)  # zero-length window: the power at that instant
+        if want("power_timeline_avg_w") or zero.any():
+            timeline_avg = timeline.mean(t0, t1)
+            power_avg[zero] = timeline_avg[zero]
+            out["power_timeline_avg_w"] = timeline_avg
+        out["power_avg_w"] = power_avg
+    if want("power_peak_w"):
+        out["power_peak_w"] = instant.extreme(np.maximum, t0, t1)
 
     for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
         if want(f"{name}_peak_c"):

@@ -22,15 +22,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows
+from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows, sample_columns
 from charllm_nemo.telemetry.sampler import columns_to_table
-from charllm_nemo.telemetry.schema import METRICS
 from charllm_nemo.telemetry.shm import (
     FLOAT_COLUMNS,
     H_BYTES,
@@ -215,8 +214,9 @@ class Collector:
         self._pending_records.append(recs[~is_request])
 
     # -- live figures ----------------------------------------------------------------------
-    def _between(self, since_ns: int, until_ns: int) -> Columns:
-        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``, as one set of columns."""
+    def _between(self, since_ns: int, until_ns: int, names: Sequence[str]) -> Columns:
+        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``: the columns ``names``
+        (which include ``t_mono_ns``)."""
         chunks: list[Columns] = []
         for chunk in reversed(self._history):
             t = chunk["t_mono_ns"]
@@ -226,13 +226,12 @@ class Collector:
             if t[0] < since_ns:
                 break
         if not chunks:
-            empty: Columns = {name: np.zeros(0, np.int64) for name in INT_COLUMNS}
-            return empty | {name: np.zeros(0, np.float64) for name in FLOAT_COLUMNS}
+            return {name: np.zeros(0, np.int64 if name in INT_COLUMNS else np.float64) for name in names}
         chunks.reverse()
         if len(chunks) == 1:
-            cols = chunks[0]
+            cols = {name: chunks[0][name] for name in names}
         else:
-            cols = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+            cols = {name: np.concatenate([c[name] for c in chunks]) for name in names}
         t = cols["t_mono_ns"]
         lo = int(np.searchsorted(t, since_ns, side="left"))
         hi = int(np.searchsorted(t, until_ns, side="right"))
@@ -246,14 +245,15 @@ class Collector:
         window (so every sample inside has its predecessor and counter ticks are found as in the
         stored run) to :data:`AFTER_S` after it (a metric missing from the first samples past
         the end still finds its next value, as in the stored run)."""
-        cols = self._between(t_begin - 2 * self.period_ns, t_end + int(AFTER_S * 1e9))
+        names = ("device_index", *sample_columns(figures))  # the figures' metrics only
+        cols = self._between(t_begin - 2 * self.period_ns, t_end + int(AFTER_S * 1e9), names)
         win = {"t_begin_mono_ns": np.array([t_begin], np.int64), "t_end_mono_ns": np.array([t_end], np.int64)}
         out = []
-        dev = cols["device_index"]
-        for idx in np.unique(dev).tolist():
-            mask = dev == idx
-            per_dev = {"t_mono_ns": cols["t_mono_ns"][mask]}
-            per_dev.update({m.name: cols[m.name][mask] for m in METRICS})
+        dev = cols.pop("device_index")
+        devices = np.unique(dev).tolist()
+        for idx in devices:
+            # One device per rank is the common case: its columns as they are, no masks.
+            per_dev = cols if len(devices) == 1 else {name: a[dev == idx] for name, a in cols.items()}
             result = attribute_windows(per_dev, win, figures=figures)
             out.append((int(idx), encode_figures(result, self.columns)))
         return out
