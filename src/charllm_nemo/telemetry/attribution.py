@@ -401,8 +401,10 @@ def _counter_energy(
     inner[drops[last] - drops[first] > 0] = np.nan
     res = np.full(first.shape, np.nan)
     if edges is not None:
-        a, b = t0[use], t1[use]
-        res = inner + edges.integral(a, tt[first]) + edges.integral(tt[last], b)
+        # The two edges (begin -> first tick, last tick -> end) in one call.
+        k = first.size
+        both = edges.integral(np.concatenate((t0[use], tt[last])), np.concatenate((tt[first], t1[use])))
+        res = inner + both[:k] + both[k:]
     missing = np.isnan(res) & ~np.isnan(inner)
     if missing.any():
         idx = np.flatnonzero(use)[missing]
@@ -436,7 +438,9 @@ def _held(t: IntArray, flags: BoolArray, t0: IntArray, t1: IntArray) -> FloatArr
             into = into[:, None]
         return held_ns[i] + np.where(flags[i], into, 0)
 
-    out[ok] = (upto(t1[ok]) - upto(t0[ok])).astype(np.float64) / NS_PER_S
+    k = int(np.count_nonzero(ok))
+    held = upto(np.concatenate((t1[ok], t0[ok])))  # both edges in one pass
+    out[ok] = (held[:k] - held[k:]).astype(np.float64) / NS_PER_S
     return out
 
 
@@ -638,7 +642,9 @@ def attribute_windows(
         if want(name):
             out[name] = _delta(*ints(name), t0, t1)
 
-    for name, a in out.items():
-        if a.dtype == np.float64 and name != "duration_s":
-            a[~valid] = np.nan
+    invalid = ~valid
+    if invalid.any():
+        for name, a in out.items():
+            if a.dtype == np.float64 and name != "duration_s":
+                a[invalid] = np.nan
     return {name: out[name] for name in ATTRIBUTION_COLUMN_NAMES if name in wanted}

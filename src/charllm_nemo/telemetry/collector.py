@@ -250,7 +250,7 @@ class Collector:
         win = {"t_begin_mono_ns": np.array([t_begin], np.int64), "t_end_mono_ns": np.array([t_end], np.int64)}
         out = []
         dev = cols.pop("device_index")
-        devices = np.unique(dev).tolist()
+        devices = [int(dev[0])] if dev.size and (dev == dev[0]).all() else np.unique(dev).tolist()
         for idx in devices:
             # One device per rank is the common case: its columns as they are, no masks.
             per_dev = cols if len(devices) == 1 else {name: a[dev == idx] for name, a in cols.items()}
