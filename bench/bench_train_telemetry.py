@@ -337,7 +337,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     import cProfile
     import gc
     import math
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     if opts["cpus"]:
         os.sched_setaffinity(0, set(opts["cpus"]))
@@ -378,7 +378,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         total_steps = warmup + 4 * STEP_WARM_QUADS + 2 * pairs_n + 8
     out_root = Path(opts["out_dir"])
     cfg = TrainConfig(
-        model=model_preset("tiny_gpt"),
+        model=replace(model_preset("tiny_gpt"), **opts.get("model_overrides", {})),
         batch=BatchConfig(micro_batch_size=1, global_batch_size=4, train_steps=total_steps),
         telemetry=TelemetryConfig(enabled=True, backend="synthetic", hz=HZ, out_dir=str(out_root)),
         launch=LaunchConfig(device="cpu"),
@@ -818,6 +818,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         on_s = sum(t[0] for _u, arm, _sw, t in records if arm == "on")
         return {
             "config": opts["config"],
+            "model_overrides": opts.get("model_overrides", {}),
             "interleave": "step",
             "order": opts["order"],
             "contrast": contrast,
@@ -935,6 +936,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "config": opts["config"],
+        "model_overrides": opts.get("model_overrides", {}),
         "pairs": pairs_n,
         "block_steps": k,
         "arms": arms,
@@ -1054,6 +1056,21 @@ def session_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def model_overrides(items: list[str]) -> dict[str, Any]:
+    """--model-set KEY=VALUE pairs: tiny_gpt's ModelConfig fields to change (VALUE read as JSON)."""
+    from dataclasses import fields
+
+    from charllm_nemo.train.config import ModelConfig
+
+    out = session_options(items)
+    known = {f.name for f in fields(ModelConfig)} - {"name"}
+    unknown = sorted(set(out) - known)
+    if unknown:
+        fields_s = ", ".join(sorted(known))
+        raise SystemExit(f"--model-set {', '.join(unknown)}: not a model field; use one of {fields_s}")
+    return out
+
+
 def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(
@@ -1085,6 +1102,7 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "cpus": None,
         "profile": args.profile,
         "session_options": session_options(args.session_option),
+        "model_overrides": model_overrides(args.model_set),
         "contrast": args.contrast,
         "time_calls": args.time_calls,
         "dump_steps": str(Path(args.dump_steps).with_suffix(f".{name}.json")) if args.dump_steps else None,
@@ -1127,6 +1145,8 @@ def verdict(r: dict[str, Any]) -> str:
     takes the free core away from the telemetry threads."""
     if r.get("contrast", "all") != "all":
         return f"NOT JUDGED (contrast {r['contrast']}: one part of the overhead, not all of it)"
+    if r.get("model_overrides"):
+        return "NOT JUDGED (--model-set: the target is for tiny_gpt as it is)"
     stats = r["iteration"]
     where = ""
     if r["background_cores_mean"] > BUSY_MACHINE_CORES:
@@ -1387,6 +1407,14 @@ def main() -> None:
         help="extra TelemetrySession keyword for the on/session arms (repeatable), e.g. flush_interval_s=1.0",
     )
     ap.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a field of tiny_gpt's model config (repeatable), e.g. hidden_size=256: how the "
+        "ratio moves with the step's length (no verdict then)",
+    )
+    ap.add_argument(
         "--contrast",
         choices=CONTRASTS,
         default="all",
@@ -1450,7 +1478,8 @@ def main() -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
     if not args.json_only:
         print(
-            f"tiny_gpt on CPU, telemetry synthetic @ {HZ:g} Hz (step+microbatch+phase windows) vs off; "
+            f"tiny_gpt{f' with {model_overrides(args.model_set)}' if args.model_set else ''} on CPU, "
+            f"telemetry synthetic @ {HZ:g} Hz (step+microbatch+phase windows) vs off; "
             f"{os.cpu_count()} CPUs; busy pinning {args.busy_pin}; seed {args.seed}; "
             f"{time.monotonic() - t0:.0f} s; "
             + (
@@ -1483,6 +1512,7 @@ def main() -> None:
     payload = {
         "bench": "train_telemetry",
         "model": "tiny_gpt",
+        "model_overrides": model_overrides(args.model_set),
         "hz": HZ,
         "target_free": TARGET_FREE,
         "verdict_free": verdict(results["free"]) if "free" in results else None,
