@@ -1102,7 +1102,7 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "cpus": None,
         "profile": args.profile,
         "session_options": session_options(args.session_option),
-        "model_overrides": model_overrides(args.model_set),
+        "model_overrides": args.model_overrides,
         "contrast": args.contrast,
         "time_calls": args.time_calls,
         "dump_steps": str(Path(args.dump_steps).with_suffix(f".{name}.json")) if args.dump_steps else None,
@@ -1437,6 +1437,7 @@ def main() -> None:
     )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.model_overrides = model_overrides(args.model_set)
     if args.worker is not None:
         try:
             res = worker(json.loads(args.worker))
@@ -1478,7 +1479,7 @@ def main() -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
     if not args.json_only:
         print(
-            f"tiny_gpt{f' with {model_overrides(args.model_set)}' if args.model_set else ''} on CPU, "
+            f"tiny_gpt{f' with {args.model_overrides}' if args.model_overrides else ''} on CPU, "
             f"telemetry synthetic @ {HZ:g} Hz (step+microbatch+phase windows) vs off; "
             f"{os.cpu_count()} CPUs; busy pinning {args.busy_pin}; seed {args.seed}; "
             f"{time.monotonic() - t0:.0f} s; "
@@ -1512,7 +1513,7 @@ def main() -> None:
     payload = {
         "bench": "train_telemetry",
         "model": "tiny_gpt",
-        "model_overrides": model_overrides(args.model_set),
+        "model_overrides": args.model_overrides,
         "hz": HZ,
         "target_free": TARGET_FREE,
         "verdict_free": verdict(results["free"]) if "free" in results else None,
