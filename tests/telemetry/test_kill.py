@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.reader import load_run
 
 
@@ -86,6 +87,16 @@ def test_sigkill_of_everything_leaves_a_readable_run_missing_at_most_one_second(
     assert run.manifests[0]["sampler_mode"] == sampler
     assert any("running" in p for p in run.problems)
     assert run.windows.num_rows > 0
+    if sampler == "process":
+        # Nobody was left to unlink the shared block; the next sampling process's sweep does.
+        left = sorted(Path(shm.SHM_DIR).glob(f"{shm.BLOCK_PREFIX}{proc.pid}-*"))
+        assert len(left) == 1
+        end = time.monotonic() + 5.0  # the killed telemetry process may take a moment to go
+        swept: list[str] = []
+        while time.monotonic() < end and left[0].name not in swept:
+            swept += shm.sweep_stale()
+            time.sleep(0.05)
+        assert left[0].name in swept and not left[0].exists()
 
 
 def test_sigkill_of_the_training_process_alone_loses_nothing_it_marked(tmp_path):

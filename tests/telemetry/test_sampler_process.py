@@ -18,6 +18,7 @@ import pytest
 from tests.fakes import nvml_stub
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
@@ -236,6 +237,36 @@ def test_the_sampling_process_exits_and_unlinks_its_block_when_the_parent_is_kil
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_blocks_of_runs_killed_whole_are_swept_and_every_other_block_is_kept():
+    dead, other_dead = _dead_pid(), _dead_pid()
+    lay = shm.Layout(64)
+    cases = {  # name -> (the telemetry process's pid in the header, swept?)
+        f"charllm-sampler-{dead}-0000aaa1": (0, True),  # owner dead, child never started
+        f"charllm-sampler-{dead}-0000aaa2": (other_dead, True),  # owner and child dead
+        f"charllm-sampler-{dead}-0000aaa3": (os.getpid(), False),  # child alive: still flushing
+        shm.block_name(os.getpid()): (0, False),  # owner alive
+        f"charllm-samplers-{dead}-0000aaa4": (0, False),  # not one of ours
+    }
+    try:
+        for name, (child, _swept) in cases.items():
+            block = shm.create(name, lay)
+            block.q[shm.H_PID] = child
+            block.close()
+        removed = shm.sweep_stale()
+        mine = {n for n in removed if n in cases}
+        assert mine == {n for n, (_c, swept) in cases.items() if swept}
+        assert all((SHM / n).exists() != swept for n, (_c, swept) in cases.items())
+    finally:
+        for name in cases:
+            shm.unlink(name)
 
 
 def test_a_crashed_sampling_process_is_reported_and_its_block_still_unlinked():

@@ -28,8 +28,9 @@ is ~50 ms synthetic, ~75 ms NVML here (``ProcessSampler.startup`` has the parts)
 Lifetime: see telemetry/telemetry_process.py. The parent unlinks the block on ``stop()`` and at
 exit, also when the child crashed; a child whose parent died unlinks it itself. Only when both
 die by SIGKILL (a cgroup kill) can a block stay in /dev/shm (``charllm-sampler-<parent
-pid>-<hex>``). ``multiprocessing.shared_memory.SharedMemory`` is not used because on Python <
-3.13 it registers every block with a resource-tracker process (one more process per rank, and
+pid>-<hex>``); the next sampling process this user starts on the node removes it
+(``shm.sweep_stale``). ``multiprocessing.shared_memory.SharedMemory`` is not used because on
+Python < 3.13 it registers every block with a resource-tracker process (one more process per rank, and
 in a child that attaches, a tracker of its own that unlinks the block when the child exits); at
 a parent's SIGKILL that tracker's clean-up races the child's and prints warnings.
 """
@@ -42,7 +43,6 @@ import logging
 import math
 import os
 import pickle
-import secrets
 import subprocess
 import sys
 import threading
@@ -185,7 +185,14 @@ class ProcessSampler:
             return
         t0 = time.monotonic_ns()
         self._owner_pid = os.getpid()
-        name = f"charllm-sampler-{os.getpid()}-{secrets.token_hex(4)}"
+        stale = shm.sweep_stale()
+        if stale:
+            log.warning(
+                "telemetry: removed %d shared-memory block(s) of runs killed with SIGKILL: %s",
+                len(stale),
+                ", ".join(stale),
+            )
+        name = shm.block_name(os.getpid())
         try:
             block = shm.create(name, self.layout)  # zero-filled: state STARTING, counters 0
         except OSError as exc:

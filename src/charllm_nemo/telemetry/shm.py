@@ -45,6 +45,8 @@ import importlib
 import math
 import mmap
 import os
+import re
+import secrets
 import struct
 import threading
 from collections.abc import Collection, Sequence
@@ -250,6 +252,66 @@ def attach(name: str, layout: Layout) -> Block:
 def unlink(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         _posixshmem().shm_unlink("/" + name)
+
+
+SHM_DIR = "/dev/shm"
+BLOCK_PREFIX = "charllm-sampler-"
+_BLOCK_NAME = re.compile(re.escape(BLOCK_PREFIX) + r"(\d+)-[0-9a-f]+")
+
+
+def block_name(owner_pid: int) -> str:
+    """A new block's name: ``charllm-sampler-<training process pid>-<8 hex digits>``."""
+    return f"{BLOCK_PREFIX}{owner_pid}-{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed process whose parent died
+    too may stay a zombie where nothing reaps orphans, e.g. a container without an init)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Unlink this user's blocks that nobody will unlink: those whose training process (the pid
+    in the name) and telemetry process (the header's ``H_PID``, 0 until it started) are both
+    gone, which happens only when both died by SIGKILL at once (a cgroup kill). Each such block
+    would otherwise hold its size of RAM in the tmpfs until the node reboots. Returns the names
+    removed. A process that still maps a block keeps its mapping when the name goes, so even a
+    misjudged block (a pid namespace that hides a live owner) loses nothing once its telemetry
+    process has attached."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    uid, removed = os.getuid(), []
+    for entry in entries:
+        m = _BLOCK_NAME.fullmatch(entry)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_uid != uid:
+                    continue
+                head = f.read(8 * (H_PID + 1))
+        except OSError:
+            continue
+        if len(head) == 8 * (H_PID + 1) and _alive(struct.unpack_from("<q", head, 8 * H_PID)[0]):
+            continue
+        unlink(entry)
+        removed.append(entry)
+    return removed
 
 
 # -- the sample ring ------------------------------------------------------------------------------
