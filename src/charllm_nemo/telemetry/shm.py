@@ -282,7 +282,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+def sweep_stale() -> list[str]:
     """Unlink this user's blocks that nobody will unlink: those whose training process (the pid
     in the name) and telemetry process (the header's ``H_PID``, 0 until it started) are both
     gone, which happens only when both died by SIGKILL at once (a cgroup kill). Each such block
@@ -291,7 +291,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     misjudged block (a pid namespace that hides a live owner) loses nothing once its telemetry
     process has attached."""
     try:
-        entries = os.listdir(directory)
+        entries = os.listdir(SHM_DIR)
     except OSError:
         return []
     uid, removed = os.getuid(), []
@@ -299,7 +299,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         m = _BLOCK_NAME.fullmatch(entry)
         if m is None or _alive(int(m.group(1))):
             continue
-        path = os.path.join(directory, entry)
+        path = os.path.join(SHM_DIR, entry)
         try:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_uid != uid:
