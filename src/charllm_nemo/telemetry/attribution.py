@@ -105,7 +105,8 @@ def _reads(figure: str) -> tuple[str, ...]:
 _READS: Final = {name: _reads(name) for name in ATTRIBUTION_COLUMN_NAMES}
 
 
-def _check_figures(figures: Collection[str] | None) -> set[str]:
+def check_figures(figures: Collection[str] | None) -> set[str]:
+    """The attribution columns named (None: all of them); unknown names raise ValueError."""
     wanted = set(ATTRIBUTION_COLUMN_NAMES) if figures is None else set(figures)
     unknown = wanted - set(ATTRIBUTION_COLUMN_NAMES)
     if unknown:
@@ -118,7 +119,7 @@ def sample_columns(figures: Collection[str] | None = None) -> tuple[str, ...]:
     ``figures`` (None: every column). A caller holding many metrics can pass only these: a
     metric left out counts as null, which changes none of these figures (a test checks it
     column by column). Unknown names raise ValueError."""
-    wanted = _check_figures(figures)
+    wanted = check_figures(figures)
     metrics = {m for name in wanted for m in _READS[name]}
     return ("t_mono_ns", *sorted(metrics))
 
@@ -536,7 +537,7 @@ def attribute_windows(
     hardware counter only for windows holding at least that many counter ticks (see
     :data:`MIN_COUNTER_TICKS`); shorter ones use the instant-power timeline.
     """
-    wanted = _check_figures(figures)
+    wanted = check_figures(figures)
 
     def want(*names: str) -> bool:
         return not wanted.isdisjoint(names)

@@ -30,9 +30,9 @@ exit, also when the child crashed; a child whose parent died unlinks it itself. 
 die by SIGKILL (a cgroup kill) can a block stay in /dev/shm (``charllm-sampler-<parent
 pid>-<hex>``); the next sampling process this user starts on the node removes it
 (``shm.sweep_stale``). ``multiprocessing.shared_memory.SharedMemory`` is not used because on
-Python < 3.13 it registers every block with a resource-tracker process (one more process per rank, and
-in a child that attaches, a tracker of its own that unlinks the block when the child exits); at
-a parent's SIGKILL that tracker's clean-up races the child's and prints warnings.
+Python < 3.13 it registers every block with a resource-tracker process (one more process per
+rank, and in a child that attaches, a tracker of its own that unlinks the block when the child
+exits); at a parent's SIGKILL that tracker's clean-up races the child's and prints warnings.
 """
 
 from __future__ import annotations

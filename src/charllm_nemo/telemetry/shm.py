@@ -128,11 +128,10 @@ def figure_mask(figures: Collection[str] | None) -> int:
     Unknown names raise ValueError."""
     if figures is None:
         return NULL
-    columns = figure_columns()
-    unknown = set(figures) - set(columns)
-    if unknown:
-        raise ValueError(f"unknown attribution figure(s) {sorted(unknown)}; see ATTRIBUTION_COLUMN_NAMES")
-    return sum(1 << i for i, name in enumerate(columns) if name in figures)
+    from charllm_nemo.telemetry.attribution import check_figures
+
+    wanted = check_figures(figures)
+    return sum(1 << i for i, name in enumerate(figure_columns()) if name in wanted)
 
 
 def mask_figures(mask: int) -> tuple[str, ...] | None:
