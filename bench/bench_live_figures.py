@@ -7,7 +7,8 @@ the samples it holds in memory around the step's window and attributes them
 (telemetry/attribution.py). This bench builds that state exactly: a shared block, the sampler's
 ring filled at 100 Hz with every metric an NVML device reports (energy counter ticking every
 other sample, a throttle mask, 64-bit traffic counters), taken by a real ``Collector`` one sample
-per take as its 5 ms tick does, 10 s of history. Then it times ``Collector.figures`` for a 34 ms
+per take (the most chunks a live slice can meet: the collector now takes a step's samples at
+once, when a request wakes it), 10 s of history. Then it times ``Collector.figures`` for a 34 ms
 window that ended one sample before the newest (a tiny_gpt step on this VM, answered as soon as a
 sample past its end arrived), for the figures the console asks for (``CONSOLE_FIGURES``) and for
 every figure (what ``logger=wandb`` asks for), with ``--devices`` devices per rank.

@@ -13,6 +13,8 @@ run ``--rounds`` times, in turn):
 * ``none``: the side process sleeps (the control: expect 1.000);
 * ``wake``: wakes every 1 ms and does nothing (timer wake-ups, scheduler, the VM's IPIs);
 * ``spin``: a pure-Python busy loop of 150 µs every 5 ms (CPU time, almost no memory);
+* ``hog``: a pure-Python busy loop that never sleeps (a whole core of CPU time, almost no
+  memory: if it slows training, the two vCPUs share more than caches, e.g. one physical core);
 * ``mem``: 150 µs of ``b += 1`` over a 4 MB numpy array every 5 ms (memory traffic);
 * ``py``: 330 µs of dict / list / sort work in pure Python every 34 ms;
 * ``fig``: one live figure computation (``attribute_windows`` of the console's five figures over
@@ -63,6 +65,7 @@ LOADS = {
         "import time\nwhile True:\n    t = time.perf_counter()\n"
         "    while time.perf_counter() - t < 150e-6:\n        pass\n    time.sleep(0.005)"
     ),
+    "hog": "while True:\n    pass",
     "mem": (
         "import time, numpy as np\nb = np.ones(4 * 131072)\nwhile True:\n    t = time.perf_counter()\n"
         "    while time.perf_counter() - t < 150e-6:\n        b += 1.0\n    time.sleep(0.005)"

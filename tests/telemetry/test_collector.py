@@ -102,12 +102,16 @@ def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
     c = _collector(block, tmp_path)
     for i in range(5):
         ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    assert not c.has_work()  # samples alone: the collector may sleep until its flush
     marks.request_figures(3, PERIOD, 6 * PERIOD)
+    assert c.has_work()  # a record to take
     c.tick()
     assert shm.read_figures(block, 3) is None  # no sample at or after 60 ms yet
+    assert c.has_work()  # the request waits: every slot wakes the collector to try again
     ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
     c.tick()
     assert shm.read_figures(block, 3) is not None
+    assert not c.has_work()
     assert shm.read_figures(block, 7) is None  # slot 3 holds request 3, not request 7
     c.close()
 

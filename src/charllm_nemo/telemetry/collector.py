@@ -311,6 +311,16 @@ class Collector:
         )
         q[H_FIGURES_SERVED], q[H_ROWS_LOST] = self.figures_served, self.rows_lost
 
+    def has_work(self) -> bool:
+        """Whether a :meth:`tick` now would do more than flush: the training process wrote records
+        since the last take, or figure requests wait for a sample past their window. Two reads
+        of the block: the sampling loop asks this after every slot."""
+        return bool(self._requests) or self.block.q[H_MARK_WRITE] != self._mark_idx
+
+    def until_flush_s(self) -> float:
+        """Seconds until the next flush is due (0 when overdue)."""
+        return max(0.0, (self._next_flush - time.monotonic_ns()) / 1e9)
+
     def tick(self) -> None:
         """Take, answer, and flush when due. Never raises."""
         try:

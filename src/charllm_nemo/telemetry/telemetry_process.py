@@ -5,9 +5,13 @@ interpreter (``sys.executable -c``), it gets its configuration on stdin, attache
 block (telemetry/shm.py), opens the backend by name and runs the sampling loop
 (:func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`) on its main thread, writing rows
 into the sample ring. With a store configured (a telemetry session's process) a second thread
-runs a :class:`~charllm_nemo.telemetry.collector.Collector` every :data:`TICK_S`: it takes the
-samples and the training process's window records, answers figure requests, and writes the
-Parquet segments. A bare sampler (no store) imports neither numpy nor pyarrow, and samples ~50-75
+runs a :class:`~charllm_nemo.telemetry.collector.Collector`: it takes the samples and the
+training process's window records, answers figure requests, and writes the Parquet segments.
+The collector sleeps until it has work: the sampling loop wakes it after a slot when the
+training process wrote records or figure requests wait (a request can be answered only once a
+sample past its window exists), and its own timeout wakes it when a flush is due. An idle
+training process costs the collector one wake-up per flush, not one per tick. A bare sampler
+(no store) imports neither numpy nor pyarrow, and samples ~50-75
 ms after it is started; with a store, numpy, pyarrow and the Parquet writer's warm-up come first
 (a few hundred ms, before the first sample, so that they never stall the sampling loop).
 
@@ -67,8 +71,8 @@ from charllm_nemo.telemetry.shm import (
 
 log = logging.getLogger("charllm_nemo.sampler")
 
-TICK_S = 0.005
-"""How often the collector takes samples and records and answers figure requests."""
+MAX_SLEEP_S = 0.1
+"""The longest the collector sleeps without being woken (its flush timer is usually shorter)."""
 SWITCH_INTERVAL_S = 0.0002
 """This process's GIL switch interval (CPython's default is 5 ms: five periods at 1 kHz)."""
 STOP_CODES = {"stopped": 1, "no devices left": 2, "crashed": 3, "parent exited": 4, "backend open failed": 5}
@@ -168,6 +172,8 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
 
     def should_stop() -> bool:
         publish()
+        if service is not None:
+            service.nudge()
         if q[H_STOP] or stdin_readable[0]:
             if not q[H_STOP]:
                 parent_gone[0] = True  # EOF without a stop request: the parent died
@@ -183,7 +189,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
         if readable:
             stdin_readable[0] = True
 
-    service = None
+    service: _Service | None = None
     if config.get("store") is not None:
         service = _Service(block, config)
         service.start()
@@ -217,6 +223,7 @@ class _Service(threading.Thread):
         self.block = block
         self.store: dict[str, Any] = config["store"]
         self._stop_event = threading.Event()
+        self._wake = threading.Event()
         self.collector: Any = None
         self.error: str | None = None
         block.q[H_SVC_STATE] = SVC_STARTING
@@ -238,16 +245,29 @@ class _Service(threading.Thread):
             self.error = f"store failed: {exc!r}"
             block.q[H_SVC_STATE] = SVC_FAILED
 
+    def nudge(self) -> None:
+        """Wake the collector if it has work (the sampling loop calls this after every slot, once
+        that slot's samples are in the ring)."""
+        c = self.collector
+        if c is not None and c.has_work():
+            self._wake.set()
+
     def run(self) -> None:
-        if self.collector is None:
+        c = self.collector
+        if c is None:
             return
         self.block.q[H_SVC_STATE] = SVC_RUNNING
-        while not self._stop_event.wait(TICK_S):
-            self.collector.tick()
+        while True:
+            self._wake.wait(min(c.until_flush_s(), MAX_SLEEP_S))
+            self._wake.clear()
+            if self._stop_event.is_set():
+                return
+            c.tick()
 
     def finish(self, parent_gone: bool, health: SamplerHealth) -> None:
         """Stop ticking, take and flush everything; if the parent died, mark its manifest."""
         self._stop_event.set()
+        self._wake.set()
         self.join(60.0)
         c = self.collector
         if c is None or self.is_alive():
