@@ -612,7 +612,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 if fl is not None:
                     acc["flushes"] += fl.flushes
                     acc["flush_ms_max"] = max(acc["flush_ms_max"], fl.flush_ns_max / 1e6)
-                acc["windows_recorded"] += closer.windows.total_recorded
+                acc["windows_recorded"] += closer.store.manifest["windows_recorded"]
                 acc["unmatched_marks"] += marker.unmatched
             shutil.rmtree(out_root / f"block-{idx:04d}", ignore_errors=True)
         elif closer is not None:
@@ -780,7 +780,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         if flusher is not None:
             flushes = (flusher.flushes, flusher.flush_ns_max / 1e6)
         health = session.sampler.health
-        windows_recorded = session.windows.total_recorded
+        windows_recorded = session.store.manifest["windows_recorded"]  # made here or in its process
         shutil.rmtree(out_root / "steps", ignore_errors=True)
         shutdown_distributed()
 

@@ -209,3 +209,100 @@ def test_figure_masks_round_trip_and_reject_unknown_names():
     assert len(shm.figure_columns()) < 63  # one int64 record field holds the mask
     with pytest.raises(ValueError, match="power_peak"):
         shm.figure_mask(["power_peak"])
+
+
+class _Clock:
+    """A deterministic CLOCK_MONOTONIC for marks.py: 1 µs further at every reading."""
+
+    def __init__(self) -> None:
+        self.t = 10**9
+
+    def monotonic_ns(self) -> int:
+        self.t += 1000
+        return self.t
+
+
+def _mark_steps(marker, steps: int, n_forward: int, after_step=lambda: None) -> None:
+    """Steps as mcore marks them without pipelining (plus a p2p timer and the loop's optimizer),
+    then one cut short in its second forward."""
+    for step in range(steps):
+        marker.begin_step(step)
+        for _ in range(n_forward):
+            marker("forward-compute").start()
+            marker("forward-compute").stop()
+            marker("forward-send").start()
+            marker("forward-send").stop()
+        for _ in range(n_forward):
+            marker("backward-compute").start()
+            marker("backward-compute").stop()
+        marker("backward-compute").stop()  # a stop without its start: counted, never logged
+        marker("all-grads-sync").start()
+        marker("all-grads-sync").stop()
+        opt = marker.phase("optimizer")
+        opt.start()
+        opt.stop()
+        marker.end_step()
+        after_step()
+    marker.begin_step(steps)
+    marker("forward-compute").start()
+    marker("forward-compute").stop()
+    marker("forward-compute").start()
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["plain", "virtual-pipeline"])
+def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tmp_path, monkeypatch, chunks):
+    # Process mode: the training thread ships each step's raw log and the collector makes its
+    # windows. Thread mode: the windows are made in process. Same marks, same clock: the stored
+    # windows must be the in-process ones, ids, parents, microbatches and chunks included.
+    from charllm_nemo.train import marks as marks_module
+    from charllm_nemo.train.marks import StepMarker
+
+    if chunks > 1:
+        pytest.importorskip("megatron.core")
+    # A step log takes 5 records (9 with chunks): a 12-record ring wraps within most of them.
+    lay = shm.Layout(128, mark_capacity=12, fig_slots=4, n_devices=1, n_fig_columns=len(shm.figure_columns()))
+    name = f"charllm-test-{secrets.token_hex(4)}"
+    block = shm.create(name, lay)
+    try:
+        _ring, writer, shipped = _wire(block)
+        shipped.log_sink = writer.emit_step_log
+        here = WindowRecorder()
+        c = _collector(block, tmp_path)
+        out = {}
+        for rec in (shipped, here):
+            rec.set_labels(pp_stage=1, tp_rank=0, dp_rank=2)
+            monkeypatch.setattr(marks_module, "time", _Clock())
+            group = 2 if chunks > 1 else None
+            marker = StepMarker(rec, num_microbatches=4, num_chunks=chunks, group_size=group)
+            _mark_steps(marker, 5, 4 * chunks, after_step=c.tick if rec is shipped else lambda: None)
+            rec.flush_pending()  # the session's close: the cut-short step is made here in both
+            out[id(rec)] = marker
+        assert block.q[shm.H_MARK_WRITE] > lay.mark_capacity  # the ring wrapped
+        c.finish()
+        c.close()
+    finally:
+        block.close()
+        shm.unlink(name)
+    assert shipped.steps_shipped == 5 and here.steps_shipped == 0
+    assert out[id(shipped)].unmatched == out[id(here)].unmatched == 5
+    assert writer.dropped == 0
+    stored = load_rank(tmp_path, 0).windows.to_pylist()
+    for row in stored:
+        row.pop("t_begin_wall_ns")
+    made = here.drain()
+    for row in made:
+        row.pop("t_begin_wall_ns")
+    # per step: itself, 4 microbatches, 4 * chunks forwards, sends and backwards, grad sync and
+    # optimizer; then the cut-short step's one finished forward
+    assert len(made) == 5 * (1 + 4 + 12 * chunks + 2) + 1
+    key = lambda r: r["window_id"]  # noqa: E731
+    assert sorted(stored, key=key) == sorted(made, key=key)
+    if chunks > 1:
+        assert {r["vpp_chunk"] for r in made if r["name"] == "forward"} == {0, 1}
+
+
+def test_a_step_log_that_does_not_fit_is_dropped_whole_and_counted(block):
+    _ring, marks, _rec = _wire(block)  # 8 records
+    marks.emit_step_log(list(range(5 * 17)))  # 6 records: fits
+    marks.emit_step_log(list(range(5 * 17)))  # 6 more: 2 free, dropped whole
+    assert block.q[shm.H_MARK_WRITE] == 6 and marks.dropped == 6 == block.q[shm.H_MARKS_DROPPED]

@@ -45,24 +45,36 @@ def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
         assert 300 * d < e < 700 * d
 
 
-def test_a_session_closed_mid_step_stores_what_the_step_marked(tmp_path):
-    # A StepMarker records a step's windows at step end; a session closed before that (SIGTERM,
-    # an exception) still stores the finished phases, and the step and the running phase as open.
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_a_session_closed_mid_step_stores_what_the_step_marked(tmp_path, sampler):
+    # A StepMarker records a step's windows at step end (in process mode, the telemetry process
+    # makes them from the step's log); a session closed before that (SIGTERM, an exception)
+    # still stores the finished phases, and the step and the running phase as open.
     from charllm_nemo.train.marks import StepMarker
 
-    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, handle_signals=False).start()
-    marker = StepMarker(tel.windows, num_microbatches=2)
-    marker.begin_step(0)
-    marker("forward-compute").start()
-    marker("forward-compute").stop()
-    marker("backward-compute").start()
+    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, sampler=sampler, handle_signals=False)
+    tel.start()
+    assert tel.sampler_mode == sampler
+    marker = StepMarker(tel.windows, num_microbatches=1)
+    for step in (0, 1):
+        marker.begin_step(step)
+        marker("forward-compute").start()
+        marker("forward-compute").stop()
+        marker("backward-compute").start()
+        if step == 0:
+            marker("backward-compute").stop()
+            marker.end_step()
     tel.close("terminated")
+    assert tel.windows.steps_shipped == (1 if sampler == "process" else 0)
     run = load_run(tmp_path)
-    rows = sorted(run.windows.to_pylist(), key=lambda r: r["t_begin_mono_ns"])
-    assert [(r["kind"], r["name"], r["t_end_mono_ns"] is None) for r in rows] == [
-        ("step", "step", True), ("phase", "forward", False), ("phase", "backward", True),
+    rows = sorted(run.windows.to_pylist(), key=lambda r: (r["step"], r["t_begin_mono_ns"], r["kind"]))
+    assert [(r["step"], r["kind"], r["name"], r["t_end_mono_ns"] is None) for r in rows] == [
+        (0, "step", "step", False), (0, "microbatch", "microbatch", False), (0, "phase", "forward", False),
+        (0, "phase", "backward", False),
+        (1, "step", "step", True), (1, "phase", "forward", False), (1, "phase", "backward", True),
     ]  # fmt: skip
     assert run.manifests[0]["windows_open_at_close"] == 2
+    assert run.manifests[0]["windows_recorded"] == 5
 
 
 def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by_default(tmp_path):

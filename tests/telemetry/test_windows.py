@@ -9,6 +9,8 @@ import time
 import pytest
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry import steplog
+from charllm_nemo.telemetry.steplog import mark_key
 from charllm_nemo.telemetry.store import records_to_table, windows_to_table
 from charllm_nemo.telemetry.windows import NULL, RECORD_LEN, WindowRecorder, decode_record
 
@@ -64,28 +66,34 @@ def test_a_sink_gets_every_record_in_order_including_those_recorded_before_it():
     assert [r["step"] for r in rec.drain()] == [2]
 
 
-def test_a_step_and_its_windows_recorded_in_one_go_equal_those_recorded_one_by_one():
+def test_a_step_log_makes_the_windows_recorded_one_by_one_and_survives_packing():
+    # The same step marked by hand (record) and as a StepMarker's flat log (steplog): equal
+    # records, window ids included; and the log packed for the mark ring unpacks unchanged.
     one, batch = WindowRecorder(), WindowRecorder()
     for r in (one, batch):
         r.set_labels(pp_stage=1, tp_rank=0)
-    sent: list[list[tuple[int, ...]]] = []
-    batch.set_sink(lambda recs: sent.append(list(recs)))
     wid = one.record("step", None, 100, 900, step=3, timing="host")
     one.record("microbatch", None, 110, 500, step=3, microbatch=0, timing="host", parent_id=wid)
-    one.record("phase", "forward", 110, 200, step=3, microbatch=0, timing="host", parent_id=wid, vpp_chunk=1)
+    one.record("phase", "forward", 110, 200, step=3, microbatch=0, timing="host", parent_id=wid)
+    one.record("phase", "backward", 300, 500, step=3, microbatch=0, timing="host", parent_id=wid)
     one.record("phase", "optimizer", 600, 800, step=3, timing="host", parent_id=wid)
-    children = [("microbatch", "microbatch", 110, 500, 0, None), ("phase", "forward", 110, 200, 0, 1),
-                ("phase", "optimizer", 600, 800, None, None)]  # fmt: skip
-    assert batch.record_step(3, 100, 900, children, timing="host") == 0
-    assert len(sent) == 2 and len(sent[1]) == 3  # the step, then its windows in one call of the sink
-    got, want = [r for recs in sent for r in recs], one.drain_records()
+    code = batch.names.code
+    fwd, bwd, opt = (code(n) for n in ("forward", "backward", "optimizer"))
+    marks = [mark_key(fwd, 0, True), 110, mark_key(fwd, 0, False), 200,
+             mark_key(bwd, 1, True), 300, mark_key(bwd, 1, False), 500,
+             mark_key(opt, 2, True), 600, mark_key(opt, 2, False), 800]  # fmt: skip
+    kinds = steplog.KIND_MICROBATCH | steplog.KIND_PHASE
+    step_id = batch.reserve_ids(1)
+    first = batch.reserve_ids(steplog.ids_needed(len(marks), 1, kinds))
+    log = steplog.StepLog(3, 100, 900, batch.wall_offset(100), code("host"), step_id, None, first,
+                          1, 1, kinds, batch.label_values, [], marks)  # fmt: skip
+    assert steplog.unpack(steplog.pack(log)) == log
+    made, still_open = steplog.step_records(log)
+    assert still_open == []
     wall = 9  # t_begin_wall_ns: each recorder reads its own wall-clock offset
-    assert [r[:wall] + r[wall + 1 :] for r in got] == [r[:wall] + r[wall + 1 :] for r in want]
-    assert len({r[wall] - r[7] for r in got}) == 1
-    with pytest.raises(ConfigError, match="window kind"):
-        batch.record_step(4, 1, 2, [("stage", "x", 1, 2, None, None)], timing="host")
-    assert batch.record_step(5, 1000, None, [], timing="host") is not None  # still running: open
-    assert [w["step"] for w in batch.open_windows()] == [5]
+    want = one.drain_records()
+    assert [r[:wall] + r[wall + 1 :] for r in made] == [r[:wall] + r[wall + 1 :] for r in want]
+    assert len({r[wall] - r[7] for r in made}) == 1
 
 
 def test_new_names_are_published_before_a_record_uses_them():

@@ -56,8 +56,9 @@ from charllm_nemo.telemetry.shm import (
     still_valid,
     write_figures,
 )
+from charllm_nemo.telemetry.steplog import step_records, unpack
 from charllm_nemo.telemetry.store import SegmentWriter, atomic_write_bytes, finish_manifest, records_to_table
-from charllm_nemo.telemetry.windows import RECORD_FIGURES, RECORD_LEN
+from charllm_nemo.telemetry.windows import RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, RECORD_WINDOW
 
 log = logging.getLogger("charllm_nemo.telemetry")
 
@@ -208,10 +209,34 @@ class Collector:
         else:
             recs = np.concatenate([self._marks[lo:], self._marks[: n - (cap - lo)]])
         self._mark_idx = end
-        is_request = recs[:, 0] == RECORD_FIGURES
-        for seq, mask, t0, t1 in recs[is_request][:, [1, 2, 7, 8]].tolist():
-            self._requests.append((seq, t0, t1, mask))
-        self._pending_records.append(recs[~is_request])
+        # Window records are stored as they are; a figure request is queued; a step log (several
+        # records, its later ones holding arbitrary ints) becomes its windows' records.
+        types = recs[:, 0].tolist()
+        i, run = 0, 0  # run: where the current run of window records began
+        while i < n:
+            kind = types[i]
+            if kind == RECORD_WINDOW:
+                i += 1
+                continue
+            if i > run:
+                self._pending_records.append(recs[run:i])
+            if kind == RECORD_FIGURES:
+                seq, mask, t0, t1 = (int(v) for v in recs[i, [1, 2, 7, 8]])
+                self._requests.append((seq, t0, t1, mask))
+                i += 1
+            elif kind == RECORD_STEP_LOG:
+                size = int(recs[i, 1])
+                rows = -(-(size + 2) // RECORD_LEN)
+                made, _ = step_records(unpack(recs[i : i + rows].ravel()[2 : 2 + size].tolist()))
+                if made:
+                    self._pending_records.append(np.array(made, np.int64))
+                i += rows
+            else:
+                log.error("unknown record type %d in the mark ring: records %d.. skipped", kind, i)
+                i = n
+            run = i
+        if n > run:
+            self._pending_records.append(recs[run:n])
 
     # -- live figures ----------------------------------------------------------------------
     def _between(self, since_ns: int, until_ns: int, names: Sequence[str]) -> Columns:

@@ -262,6 +262,7 @@ class TelemetrySession:
                 self.sampler.names = self.windows.names.names
                 self.windows.names.set_on_new(marks.publish_name)
                 self.windows.set_sink(marks.emit_many)
+                self.windows.log_sink = marks.emit_step_log  # steps' windows are made there
                 self.store.manifest["sampler_process_pid"] = self.sampler.pid
                 self.store.write_manifest()
                 self._figure_columns = figure_columns()
@@ -314,6 +315,7 @@ class TelemetrySession:
                 marks.emit_many(open_records)
             # Marks after close are kept in the recorder, not sent to a block that is gone.
             self.windows.reset_sink()
+            self.windows.log_sink = None
             self.sampler.stop()
             counts = self.sampler.store_counts()
             extra = {
@@ -333,6 +335,9 @@ class TelemetrySession:
             store_counts: dict[str, Any] | None = {
                 k: counts[k] for k in ("segments", "rows", "bytes_written") if k in counts
             }
+            # Steps' windows are made in the telemetry process: count what it stored.
+            stored = counts.get("rows", {}).get("windows")
+            recorded = self.windows.total_recorded if stored is None else stored - len(open_records)
         else:
             self.sampler.stop()
             self._flusher.stop()
@@ -349,13 +354,14 @@ class TelemetrySession:
                 },
             }
             store_counts = None
+            recorded = self.windows.total_recorded
         self.store.close(
             status,
             {
                 "sampler": self.sampler.health.to_dict(),
                 "sampler_mode": self.sampler_mode,
                 **extra,
-                "windows_recorded": self.windows.total_recorded,
+                "windows_recorded": recorded,
                 "windows_open_at_close": len(open_records),
             },
             counts=store_counts or None,

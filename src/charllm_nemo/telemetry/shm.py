@@ -16,7 +16,9 @@ float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
   per float metric (null = NaN). 64-bit counters stay int64 end to end. Written by the sampling
   loop only;
 * **mark ring**, ``mark_capacity`` records of RECORD_LEN int64 words (telemetry/windows.py):
-  finished windows and figure requests, written by the training process only;
+  finished windows, figure requests and step logs, written by the training process only. A
+  step log (telemetry/steplog.py) fills whole consecutive records: ``[RECORD_STEP_LOG, n]``,
+  then the ``n`` ints of ``steplog.pack``, zero-padded to a record boundary;
 * **names**, 16 KiB: the strings the records' codes stand for, appended as
   ``<u16 length><utf-8>`` by the training process before the first record that uses them;
 * **figure slots**, ``fig_slots`` slots: the live figures of requested windows, written by the
@@ -55,7 +57,7 @@ from typing import Any
 
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
-from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, Record
+from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
 
 MAGIC = 0x636C6D2D72696E67  # "clm-ring"
 
@@ -423,6 +425,7 @@ class MarkWriter:
         self.cap = lay.mark_capacity
         self.base = lay.marks0 * 8
         self._pack = struct.Struct(f"<{RECORD_LEN}q").pack_into
+        self._packers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._names_used = block.q[H_NAMES_BYTES]
         self.dropped = 0
@@ -451,6 +454,36 @@ class MarkWriter:
                 q[H_MARK_WRITE] = w
         except ValueError:  # the block was released by a concurrent close: nowhere to write
             self.dropped += len(recs)
+
+    def emit_step_log(self, ints: Sequence[int]) -> None:
+        """Write a step's packed log (steplog.pack) as one run of consecutive records; drop it
+        (counting its records) if the ring lacks room for all of them."""
+        data = [RECORD_STEP_LOG, len(ints), *ints]
+        n = -(-len(data) // RECORD_LEN)
+        data += [0] * (n * RECORD_LEN - len(data))
+        q = self.block.q
+        try:
+            with self._lock:
+                w = q[H_MARK_WRITE]
+                if self.cap - (w - q[H_MARKS_FLUSHED]) < n:
+                    self.dropped += n
+                    q[H_MARKS_DROPPED] = self.dropped
+                    return
+                lo = w % self.cap
+                k = min(n, self.cap - lo)  # records before the ring's end; the rest wrap to 0
+                self._packer(k)(self.block.mm, self.base + lo * RECORD_LEN * 8, *data[: k * RECORD_LEN])
+                if k < n:
+                    self._packer(n - k)(self.block.mm, self.base, *data[k * RECORD_LEN :])
+                q[H_MARK_WRITE] = w + n
+        except ValueError:  # the block was released by a concurrent close: nowhere to write
+            self.dropped += n
+
+    def _packer(self, n: int) -> Any:
+        """``pack_into`` for ``n`` records (cached per count)."""
+        p = self._packers.get(n)
+        if p is None:
+            p = self._packers[n] = struct.Struct(f"<{n * RECORD_LEN}q").pack_into
+        return p
 
     def publish_name(self, code: int, text: str) -> None:
         """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""

@@ -20,7 +20,6 @@ resolves them at step end and hands explicit timestamps to :meth:`WindowRecorder
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,8 +47,13 @@ WINDOW_COLUMNS: tuple[str, ...] = (
 NULL = -(2**63)
 """Null in a record (every record field is an int64)."""
 
-RECORD_WINDOW, RECORD_FIGURES = 0, 1
-"""Record types: a window, or a request for a window's live figures (telemetry process only)."""
+RECORD_WINDOW, RECORD_FIGURES, RECORD_STEP_LOG = 0, 1, 2
+"""Record types: a window, a request for a window's live figures, a step's raw marks
+(telemetry/steplog.py; these two only in the mark ring to a telemetry process)."""
+
+SEEDED_NAMES: tuple[str, ...] = (*WINDOW_KINDS, "host", "cuda_event", "forward", "backward", "optimizer")
+"""The first codes of every :class:`NameTable`, in order: the same in every process, so a reader
+of records recognises them without the table."""
 
 RECORD_FIELDS: tuple[str, ...] = ("record_type", *WINDOW_COLUMNS)
 """A record: the record type, then WINDOW_COLUMNS with ``kind``, ``name`` and ``timing`` as
@@ -73,7 +77,7 @@ class NameTable:
         self.names: list[str] = []
         self._lock = threading.Lock()
         self._on_new = on_new
-        for s in (*WINDOW_KINDS, "host", "cuda_event", "forward", "backward", "optimizer"):
+        for s in SEEDED_NAMES:
             self.code(s)
 
     def code(self, text: str) -> int:
@@ -117,12 +121,16 @@ class WindowRecorder:
     """
 
     def __init__(self) -> None:
-        self._ids = itertools.count()
+        self._next_id = 0  # window ids, taken under the lock
         self._lock = threading.Lock()
         self._open: dict[int, list[Any]] = {}
         self._stack: list[int] = []
         self._done: list[Record] = []
         self._sink: Callable[[Sequence[Record]], None] = self._done.extend
+        self.log_sink: Callable[[Sequence[int]], None] | None = None
+        """Where a StepMarker sends a step's raw log (telemetry/steplog.py) instead of making its
+        windows here: the telemetry process's mark ring (set by the session in process mode)."""
+        self.steps_shipped = 0
         self.names = NameTable()
         self._labels: dict[str, int | None] = dict.fromkeys(WINDOW_LABELS)
         self._label_values: tuple[int, ...] = (NULL,) * len(WINDOW_LABELS)
@@ -214,8 +222,9 @@ class WindowRecorder:
         t = time.monotonic_ns() if t_mono_ns is None else t_mono_ns
         wall = self._wall(t)
         name = name or kind
-        wid = next(self._ids)
         with self._lock:
+            wid = self._next_id
+            self._next_id += 1
             parent = self._stack[-1] if self._stack else NULL
             self._open[wid] = [kind, name, step, microbatch, t, wall, parent, self._labels_with(labels)]
             self._stack.append(wid)
@@ -283,7 +292,7 @@ class WindowRecorder:
             raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
         wall = self._wall(int(t_begin_mono_ns))
         code = self.names.code
-        wid = next(self._ids)
+        wid = self.reserve_ids(1)
         rec = (
             RECORD_WINDOW,
             wid,
@@ -303,47 +312,34 @@ class WindowRecorder:
             self.total_recorded += 1
         return wid
 
-    def record_step(
-        self,
-        step: int,
-        t_begin_mono_ns: int,
-        t_end_mono_ns: int | None,
-        children: Sequence[tuple[str, str, int, int, int | None, int | None]],
-        *,
-        timing: str,
-        step_window: bool = True,
-    ) -> int | None:
-        """Record a step and its finished windows: the step as :meth:`record` does, then the
-        children as :meth:`record` would, under one lock and in one call of the sink.
-        ``children``: (kind, name, t_begin, t_end, microbatch, vpp_chunk); their parent is the
-        step's window. ``step_window`` False: no step
-        window (the children have no parent). ``t_end_mono_ns`` None: the step is still running
-        and is begun as an open window (:meth:`begin`) instead. Returns the step's window id."""
-        code = self.names.code
-        wid = None
-        if step_window:
-            if t_end_mono_ns is None:
-                wid = self.begin("step", step=step, t_mono_ns=t_begin_mono_ns)
-            else:
-                wid = self.record("step", "step", t_begin_mono_ns, t_end_mono_ns, step=step, timing=timing)
-        parent = NULL if wid is None else wid
-        timing_code = code(timing)
-        labels = self._label_values
-        at = WINDOW_LABELS.index("vpp_chunk")
-        wall_offset = self._wall(t_begin_mono_ns) - t_begin_mono_ns
-        recs = []
-        for kind, name, t0, t1, mb, chunk in children:
-            if kind not in WINDOW_KINDS:
-                raise ConfigError(f"window kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
-            lab = labels if chunk is None else (*labels[:at], chunk, *labels[at + 1 :])
-            recs.append(
-                (RECORD_WINDOW, next(self._ids), parent, code(kind), code(name), step,
-                 NULL if mb is None else mb, t0, t1, t0 + wall_offset, timing_code, *lab)
-            )  # fmt: skip
+    def reserve_ids(self, n: int) -> int:
+        """Take ``n`` consecutive window ids; returns the first (a StepMarker reserves a step's
+        ids before its windows are made, here or in the telemetry process)."""
+        with self._lock:
+            first = self._next_id
+            self._next_id += n
+        return first
+
+    def wall_offset(self, t_mono_ns: int) -> int:
+        """``t_begin_wall_ns - t_begin_mono_ns`` for a window beginning at ``t_mono_ns``."""
+        return self._wall(t_mono_ns) - t_mono_ns
+
+    @property
+    def label_values(self) -> tuple[int, ...]:
+        """The labels every window gets, as record ints (NULL for null), in WINDOW_LABELS order."""
+        return self._label_values
+
+    def emit_records(self, recs: Sequence[Record]) -> None:
+        """Hand finished records (made elsewhere, e.g. from a step's log) to the sink in one call."""
         with self._lock:
             self._sink(recs)
             self.total_recorded += len(recs)
-        return wid
+
+    def ship_step_log(self, ints: Sequence[int]) -> None:
+        """Send a step's packed log (steplog.pack) to :attr:`log_sink`."""
+        assert self.log_sink is not None
+        self.log_sink(ints)
+        self.steps_shipped += 1
 
     # -- taking what was recorded ----------------------------------------------------------
     def drain_records(self) -> list[Record]:

@@ -25,11 +25,13 @@ What becomes a window (docs/training-internals.md has the picture):
 Parents: a phase's and a microbatch's ``parent_id`` is its step's window; a phase's microbatch is
 its ``microbatch`` column (overlapping microbatch windows cannot all be on the recorder's stack).
 
-Timing. A timer's ``start`` / ``stop`` only append (timer, begin?, clock reading) to the step's
-log: they run between two pieces of training work, when the CPU caches hold the training's data
-and not this code, and there every line they touch costs (on a tiny CPU model here, a mark that
-built and stored its window as it happened took 10-50 µs; noting it takes a few). At
-:meth:`StepMarker.end_step` the log becomes the step's windows, recorded in one go. The clock
+Timing. A timer's ``start`` / ``stop`` only append (key, clock reading) to the step's flat log
+(telemetry/steplog.py): they run between two pieces of training work, when the CPU caches hold
+the training's data and not this code, and there every line they touch costs (on a tiny CPU
+model here, a mark that built and stored its window as it happened took 10-50 µs; noting it
+takes a few). At :meth:`StepMarker.end_step` the log becomes the step's windows, in one go: in
+the telemetry process when the session has one (the training thread only copies the log into
+the shared mark ring), else here. The clock
 is ``time.monotonic_ns()`` on CPU runs (timing ``host``) and a CUDA event on GPU runs, resolved
 at step end by one ``torch.cuda.synchronize()`` relative to an anchor event recorded at step
 begin, right after the previous step's sync, paired with ``time.monotonic_ns()`` then (timing
@@ -46,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from charllm_nemo.telemetry import steplog
+from charllm_nemo.telemetry.steplog import KIND_MICROBATCH, KIND_PHASE, StepLog, mark_key
 from charllm_nemo.telemetry.windows import WindowRecorder
 
 P2P_TIMERS: frozenset[str] = frozenset(
@@ -100,34 +104,44 @@ class _Timer:
     windows (``forward-backward``, ...) return at once.
 
     ``start`` / ``stop`` run between two pieces of training work, when the caches hold the
-    training's data and little of this code: they only append (timer, begin?, clock) to the
-    step's log, and the windows are built from the log at step end. Both are spelled out, not
-    calls of one helper: a call fewer per mark."""
+    training's data and little of this code: they only append (key, clock) to the step's flat
+    log, and the windows are made from the log at step end. A stop is logged only while its
+    timer is open in this step (else it is counted in ``unmatched``), so that whoever makes the
+    windows never meets one. Both are spelled out, not calls of one helper: a call fewer per
+    mark."""
 
-    __slots__ = ("_marker", "_name", "_phase")
+    __slots__ = ("_k_begin", "_k_end", "_marker", "_name", "_open_in", "_phase")
 
-    def __init__(self, marker: StepMarker, name: str) -> None:
+    def __init__(self, marker: StepMarker, name: str, index: int) -> None:
         self._marker = marker
         self._name = name
         self._phase = marker._classify(name)
+        code = 0 if self._phase is None else marker.recorder.names.code(self._phase)
+        self._k_begin = mark_key(code, index, True)
+        self._k_end = mark_key(code, index, False)
+        self._open_in: _StepState | None = None  # the step in which the timer was started
 
     def start(self, barrier: bool = False) -> None:
         if self._phase is not None:
             m = self._marker
-            if m._state is None:
+            st = m._state
+            if st is None:
                 m.unmatched += 1
                 return
-            m._log.append((self, True, m._clock()))
+            self._open_in = st
+            m._log.extend((self._k_begin, m._clock()))
             for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
                 fn("phase", self._phase, True)
 
     def stop(self, barrier: bool = False) -> None:
         if self._phase is not None:
             m = self._marker
-            if m._state is None:
+            st = m._state
+            if st is None or self._open_in is not st:
                 m.unmatched += 1
                 return
-            m._log.append((self, False, m._clock()))
+            self._open_in = None
+            m._log.extend((self._k_end, m._clock()))
             for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
                 fn("phase", self._phase, False)
 
@@ -137,17 +151,6 @@ class _StepState:
     step: int
     t0_ns: int
     anchor: Any = None
-
-
-@dataclass
-class _Windows:
-    """A step's log turned into windows: phases (name, microbatch, vpp chunk, begin, end) in the
-    order they began, microbatch spans (microbatch, first forward begin, last backward end), and
-    the phases begun and not ended (name, microbatch, vpp chunk, begin)."""
-
-    phases: list[tuple[str, int | None, int | None, Any, Any]]
-    spans: list[tuple[int, Any, Any]]
-    still_open: list[tuple[str, int | None, int | None, Any]]
 
 
 class StepMarker:
@@ -175,8 +178,14 @@ class StepMarker:
         self.cuda = cuda
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
-        self._order = schedule_order(num_microbatches, num_chunks, group_size)
-        self._log: list[tuple[_Timer, bool, Any]] = []  # the step's marks: (timer, begin?, clock)
+        order = schedule_order(num_microbatches, num_chunks, group_size) if num_chunks > 1 else []
+        self._order_flat: tuple[int, ...] = tuple(v for pair in order for v in pair)
+        self._kinds_mask = (KIND_MICROBATCH if "microbatch" in self.kinds else 0) | (
+            KIND_PHASE if self._record_phases else 0
+        )
+        self._host = recorder.names.code("host")
+        self._cuda_timing = recorder.names.code("cuda_event")
+        self._log: list[Any] = []  # the step's marks, flat: key, clock, key, clock, ...
         self._clock: Callable[[], Any] = self._cuda_event if cuda else time.monotonic_ns
         self._timers: dict[str, _Timer] = {}
         self._state: _StepState | None = None
@@ -190,7 +199,7 @@ class StepMarker:
     def __call__(self, name: str, log_level: int | None = None) -> _Timer:
         timer = self._timers.get(name)
         if timer is None:
-            timer = self._timers[name] = _Timer(self, name)
+            timer = self._timers[name] = _Timer(self, name, len(self._timers))
         return timer
 
     @property
@@ -213,7 +222,7 @@ class StepMarker:
     def begin_step(self, step: int) -> None:
         """Call right before zeroing grads; on CUDA right after the previous step's sync."""
         self._next_event = 0
-        self._log.clear()
+        self._log = []
         anchor = self._clock() if self.cuda else None
         self._state = _StepState(step=step, t0_ns=time.monotonic_ns(), anchor=anchor)
         if self._listeners:
@@ -234,82 +243,49 @@ class StepMarker:
             t1 = time.monotonic_ns()
             if self._listeners:
                 self.recorder.notify("step", "step", False)
-            return StepTiming(st.step, self._record_step(st, t1, int, "host"), st.t0_ns, t1)
+            return StepTiming(st.step, self._record_step(st, t1, self._host), st.t0_ns, t1)
         import torch
 
         end_ev = self._clock()
         torch.cuda.synchronize()
         t1_host = time.monotonic_ns()
+        log = self._log
+        anchor, t0 = st.anchor, st.t0_ns
+        log[1::2] = [t0 + round(anchor.elapsed_time(ev) * 1e6) for ev in log[1::2]]
+        t1 = min(max(t0 + round(anchor.elapsed_time(end_ev) * 1e6), t0), t1_host)
+        return StepTiming(st.step, self._record_step(st, t1, self._cuda_timing), t0, t1)
 
-        def to_ns(ev: Any) -> int:
-            ms: float = st.anchor.elapsed_time(ev)
-            return st.t0_ns + round(ms * 1e6)
-
-        t1 = min(max(to_ns(end_ev), st.t0_ns), t1_host)
-        wid = self._record_step(st, t1, to_ns, "cuda_event")
-        return StepTiming(st.step, wid, st.t0_ns, t1)
-
-    def _windows(self) -> _Windows:
-        """The step's log as windows: each stop pairs with its timer's open start; the k-th
-        forward (backward) of the step is the schedule's k-th (with the chunk order reversed);
-        a microbatch spans its first forward begin to its last backward end."""
-        order, n_order, n_chunks = self._order, len(self._order), self.num_chunks
-        fwd_k = bwd_k = 0
-        first_begin: dict[int, Any] = {}
-        backwards_left = dict.fromkeys(range(self.num_microbatches), n_chunks)
-        open_: dict[str, tuple[int, str, int | None, int | None, Any]] = {}
-        phases: list[tuple[int, str, int | None, int | None, Any, Any]] = []
-        spans: list[tuple[int, Any, Any]] = []
-        for pos, (timer, is_begin, t) in enumerate(self._log):
-            phase = timer._phase
-            assert phase is not None
-            if is_begin:
-                mb: int | None = None
-                chunk: int | None = None
-                if phase == "forward":
-                    mb, chunk = order[fwd_k % n_order]
-                    fwd_k += 1
-                    first_begin.setdefault(mb, t)
-                elif phase == "backward":
-                    mb, fchunk = order[bwd_k % n_order]
-                    chunk = n_chunks - 1 - fchunk
-                    bwd_k += 1
-                open_[timer._name] = (pos, phase, mb, chunk if n_chunks > 1 else None, t)
-                continue
-            begun = open_.pop(timer._name, None)
-            if begun is None:
-                self.unmatched += 1
-                continue
-            phases.append((*begun, t))
-            mb = begun[2]
-            if phase == "backward" and mb is not None:
-                left = backwards_left.get(mb, 1) - 1
-                backwards_left[mb] = left
-                if left == 0 and mb in first_begin:
-                    spans.append((mb, first_begin[mb], t))
-        phases.sort(key=lambda p: p[0])
-        still_open = sorted(open_.values(), key=lambda p: p[0])
-        return _Windows([p[1:] for p in phases], spans, [p[1:] for p in still_open])
-
-    def _record_step(self, st: _StepState, t1: int | None, to_ns: Any, timing: str) -> int | None:
-        """Record the step's windows (step, microbatches, phases) with times ``to_ns(clock)``, in
-        one go. ``t1`` None: the step is still running (:meth:`flush_pending`); it and its phases
-        still open become open windows."""
-        w = self._windows()
-        self._log.clear()
-        children: list[tuple[str, str, int, int, int | None, int | None]] = []
-        if "microbatch" in self.kinds:
-            children += [("microbatch", "microbatch", to_ns(b), to_ns(e), mb, None) for mb, b, e in w.spans]
-        if self._record_phases:
-            children += [("phase", name, to_ns(b), to_ns(e), mb, chunk) for name, mb, chunk, b, e in w.phases]
-        wid = self.recorder.record_step(
-            st.step, st.t0_ns, t1, children, timing=timing, step_window="step" in self.kinds
-        )
+    def _record_step(self, st: _StepState, t1: int | None, timing: int) -> int | None:
+        """Record the step's windows from its log (times in ns by now): send the log to the
+        telemetry process when the recorder has a log sink, else make the windows here. ``t1``
+        None: the step is still running (:meth:`flush_pending`); it and its phases still open
+        become open windows (made here). Returns the step window's id."""
+        rec, log = self.recorder, self._log
+        self._log = []
+        step_window = "step" in self.kinds
+        if t1 is None:
+            parent = rec.begin("step", step=st.step, t_mono_ns=st.t0_ns) if step_window else None
+            wid = None
+        else:
+            parent = None
+            wid = rec.reserve_ids(1) if step_window else None
+        n_ids = steplog.ids_needed(len(log), self.num_microbatches, self._kinds_mask)
+        first = rec.reserve_ids(n_ids) if n_ids else 0
+        slog = StepLog(
+            st.step, st.t0_ns, t1, rec.wall_offset(st.t0_ns), timing, wid, parent, first,
+            self.num_microbatches, self.num_chunks, self._kinds_mask, rec.label_values, self._order_flat, log,
+        )  # fmt: skip
+        if rec.log_sink is not None and t1 is not None:
+            rec.ship_step_log(steplog.pack(slog))
+            return wid
+        records, still_open = steplog.step_records(slog)
+        rec.emit_records(records)
         if t1 is None and self._record_phases:
-            for name, mb, chunk, b in w.still_open:
+            names = rec.names.names
+            for code, mb, chunk, b in still_open:
                 labels = {} if chunk is None else {"vpp_chunk": chunk}
-                self.recorder.begin("phase", name, step=st.step, microbatch=mb, t_mono_ns=b, **labels)
-        return wid
+                rec.begin("phase", names[code], step=st.step, microbatch=mb, t_mono_ns=b, **labels)
+        return wid if t1 is not None else parent
 
     def flush_pending(self) -> None:
         """Hand the recorder what the step in progress has marked so far (host timing only; the
@@ -320,7 +296,7 @@ class StepMarker:
         if st is None or self.cuda:
             return
         self._state = None
-        self._record_step(st, None, int, "host")
+        self._record_step(st, None, self._host)
 
     # -- timer callbacks ------------------------------------------------------------------------
     def _classify(self, name: str) -> str | None:
