@@ -152,7 +152,9 @@ def test_a_lapped_ring_loses_the_oldest_rows_and_says_how_many(block, tmp_path):
 
 
 def test_salvage_writes_what_a_dead_collector_had_not_and_numbers_on(block, tmp_path):
-    ring, _marks, rec = _wire(block)
+    from charllm_nemo.train.marks import StepMarker
+
+    ring, marks, rec = _wire(block)
     c = _collector(block, tmp_path)
     for i in range(10):
         ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
@@ -162,12 +164,19 @@ def test_salvage_writes_what_a_dead_collector_had_not_and_numbers_on(block, tmp_
     for i in range(10, 25):  # then it "dies": these never reach its store
         ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
     rec.record("step", None, 5 * PERIOD, 20 * PERIOD, step=1)
+    rec.log_sink = marks.emit_step_log  # and a step whose windows the telemetry process makes
+    marker = StepMarker(rec, num_microbatches=1, kinds=("step", "phase"))
+    marker.begin_step(2)
+    marker("forward-compute").start()
+    marker("forward-compute").stop()
+    marker.end_step()
     counts = salvage(block, tmp_path / "rank=0", source="test", names=rec.names.names)
-    assert counts["rows"] == {"samples": 25, "windows": 2}
+    assert counts["rows"] == {"samples": 25, "windows": 4}
     assert counts["segments"] == {"samples": 2, "windows": 2}
     rd = load_rank(tmp_path, 0)
     assert rd.samples.column("t_mono_ns").to_pylist() == [i * PERIOD for i in range(25)]
-    assert rd.windows.column("step").to_pylist() == [0, 1]
+    assert rd.windows.column("step").to_pylist() == [0, 1, 2, 2]
+    assert rd.windows.column("name").to_pylist()[2:] == ["step", "forward"]
 
 
 def test_names_beyond_the_names_area_are_stored_as_a_question_mark(block, tmp_path):

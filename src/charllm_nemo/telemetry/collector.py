@@ -1,8 +1,9 @@
 """The telemetry process's store and live figures: what it takes from the shared block.
 
 A :class:`Collector` reads the shared block (telemetry/shm.py): the sample ring that its own
-sampling loop fills, and the mark ring that the training process fills with finished windows
-and figure requests. On every :meth:`~Collector.tick` it takes the new samples (as numpy columns:
+sampling loop fills, and the mark ring that the training process fills with finished windows,
+figure requests and steps' raw mark logs (whose windows it makes: telemetry/steplog.py). On
+every :meth:`~Collector.tick` it takes the new samples (as numpy columns:
 no Python work per sample) and records, answers the figure requests whose window the samples
 have passed (the same :func:`~charllm_nemo.telemetry.attribution.attribute_windows` over the
 same samples the store gets, so live figures equal those computed later from the run

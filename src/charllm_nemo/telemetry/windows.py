@@ -11,7 +11,10 @@ recorder's name table, :data:`NULL` for null), and hands it to the recorder's si
 sink keeps records in a list that the session's flusher drains; a session whose telemetry runs
 in its own process installs a sink that writes the record into shared memory, and that process
 stores it (telemetry/telemetry_process.py). Either way records become the windows table with
-one vectorised conversion (:func:`charllm_nemo.telemetry.store.records_to_table`).
+one vectorised conversion (:func:`charllm_nemo.telemetry.store.records_to_table`). The trainer's
+StepMarker does less still per mark: it logs a step's marks and makes (or, given a
+:attr:`WindowRecorder.log_sink`, has the telemetry process make) the step's records at step end
+(telemetry/steplog.py).
 
 Timestamps are CLOCK_MONOTONIC ns, the same clock the sampler stamps samples with, so the two
 join on one machine whichever thread or process made them. A loop that times with CUDA events
@@ -307,9 +310,7 @@ class WindowRecorder:
             code(timing),
             *self._labels_with(labels),
         )
-        with self._lock:
-            self._sink((rec,))
-            self.total_recorded += 1
+        self.emit_records((rec,))
         return wid
 
     def reserve_ids(self, n: int) -> int:

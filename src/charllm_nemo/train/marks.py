@@ -262,15 +262,16 @@ class StepMarker:
         become open windows (made here). Returns the step window's id."""
         rec, log = self.recorder, self._log
         self._log = []
-        step_window = "step" in self.kinds
-        if t1 is None:
-            parent = rec.begin("step", step=st.step, t_mono_ns=st.t0_ns) if step_window else None
-            wid = None
-        else:
-            parent = None
-            wid = rec.reserve_ids(1) if step_window else None
         n_ids = steplog.ids_needed(len(log), self.num_microbatches, self._kinds_mask)
-        first = rec.reserve_ids(n_ids) if n_ids else 0
+        wid = parent = None
+        if "step" not in self.kinds:
+            first = rec.reserve_ids(n_ids)
+        elif t1 is None:  # the step begun as an open window, its finished children under it
+            parent = rec.begin("step", step=st.step, t_mono_ns=st.t0_ns)
+            first = rec.reserve_ids(n_ids)
+        else:  # the step's own id, then its children's
+            wid = rec.reserve_ids(1 + n_ids)
+            first = wid + 1
         slog = StepLog(
             st.step, st.t0_ns, t1, rec.wall_offset(st.t0_ns), timing, wid, parent, first,
             self.num_microbatches, self.num_chunks, self._kinds_mask, rec.label_values, self._order_flat, log,
