@@ -87,6 +87,8 @@ def test_a_rank_with_two_devices_adds_energy_and_power_and_takes_the_worst_peak(
     assert math.isnan(f["nvlink_tx_bytes"])
     assert all(math.isnan(v) for v in combine_devices(None).values())
     assert combine_devices(a)["energy_j"] == 10.0  # one row as a mapping
+    few = ("temp_gpu_peak_c", "energy_j")  # what the console asks for: those, combined alike
+    assert combine_devices([a, b], few) == {name: f[name] for name in few}
 
 
 def test_rank_keys_omit_what_is_not_known_instead_of_logging_zero():

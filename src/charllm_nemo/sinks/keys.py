@@ -86,18 +86,21 @@ def _combine(name: str, values: list[float]) -> float:
     return max(values)
 
 
-def combine_devices(rows: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None) -> dict[str, float]:
+def combine_devices(
+    rows: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None, names: Sequence[str] = STEP_FIGURE_KEYS
+) -> dict[str, float]:
     """One rank's figures from its devices' attribution rows (``TelemetrySession.step_figures``).
 
-    Every key of :data:`STEP_FIGURE_KEYS`, NaN where no device knows it. ``rows`` None (figures
-    not available yet) or empty gives all NaN.
+    Every key of ``names`` (default :data:`STEP_FIGURE_KEYS`; the training loop's console asks
+    for its five, once a step), NaN where no device knows it. ``rows`` None (figures not
+    available yet) or empty gives all NaN.
     """
     if rows is None:
         rows = []
     elif isinstance(rows, Mapping):
         rows = [rows]
     out: dict[str, float] = {}
-    for name in STEP_FIGURE_KEYS:
+    for name in names:
         vals = [v for r in rows if (v := finite(r.get(name))) is not None]
         out[name] = _combine(name, vals)
     return out

@@ -57,7 +57,7 @@ def rank_figures(rows: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None) -
 
     if rows is None:
         return None
-    f = combine_devices(rows)
+    f = combine_devices(rows, CONSOLE_FIGURES)
     return RankFigures(
         energy_j=f["energy_j"],
         power_avg_w=f["power_avg_w"],
