@@ -16,8 +16,9 @@ on, on, off, off, on, ...; ``--order abba``, the default) or adjacent pairs in a
 
 * ``on``:  SIGCONT to the telemetry process, ``config.timers`` = the session's ``StepMarker``
   (step, microbatch, phase); after ``end_step`` the step's window goes to
-  ``session.request_figures`` when the session has it, and the previous ON step's figures are
-  asked for (``session.step_figures`` -> ``rank_figures``), as the loop does.
+  ``session.request_figures`` when the session has it, and an earlier ON step's figures are
+  asked for (``session.step_figures`` -> ``rank_figures``), as the loop does: the previous
+  step's, or for short steps those of the step ``lag`` ON steps back (train.loop.PendingSteps).
 * ``off``: SIGSTOP to the telemetry process (frozen: it uses no CPU), ``config.timers = None``,
   a ``StepMarker`` with no kinds, no figures: ``run_rank`` with ``telemetry.enabled=false``.
 
@@ -35,7 +36,7 @@ at random:
   default 0.5 s flusher) started before the block and closed after it; its WindowRecorder gets
   the run's labels, and a ``StepMarker`` with all window kinds (step, microbatch, phase) on it is
   installed as ``config.timers``, as ``run_rank`` wires them; every step also asks the session
-  for the previous step's figures (``session.step_figures`` -> ``rank_figures``), as the loop does.
+  for an earlier step's figures (``session.step_figures`` -> ``rank_figures``), as the loop does.
 * ``off``: no session, no sampler or flusher thread, ``config.timers = None``, a ``StepMarker``
   with no kinds (what ``run_rank`` does with ``telemetry.enabled=false``: no windows, no marks).
 * ``bare``: a bare sampling thread (``Sampler`` at 100 Hz over a synthetic device at a fixed
@@ -51,7 +52,7 @@ a pause drawn from U[0, flush interval) (every arm, so the flusher's phase relat
 steps is uniform, as in a long run) and one untimed lead-in step.
 
 Three timings per step, in both modes: ``iteration`` = ``time.perf_counter()`` around the whole
-loop body (marks, forward/backward of every microbatch, optimizer, the previous step's figures,
+loop body (marks, forward/backward of every microbatch, optimizer, an earlier step's figures,
 the step's all_reduce): the headline; ``loop_step`` = the loop's own step window
 (``StepTiming.seconds``: no figures, no reduction); ``main_cpu`` = the training thread's CPU
 time (``time.thread_time``): its own extra work, which other threads and processes lengthen only
@@ -353,9 +354,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.loop import (
+        PendingSteps,
         _forward_step,
         init_distributed,
-        late_wait,
         rank_env,
         shutdown_distributed,
     )
@@ -411,16 +412,17 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     step_counter = [0]
     fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
-    # The loop's wait for figures overdue (train.loop.late_wait), at the session's sampling
+    # The loop's wait for figures overdue (train.loop.PendingSteps.wait_s), at the session's sampling
     # period; none while the telemetry process is frozen (step mode sets both).
     late = {"period_ns": 1e9 / HZ, "frozen": False}
 
     def one_step(
-        marker: StepMarker, session: Any, pending: Any, request: Any = None
-    ) -> tuple[tuple[float, float, float], Any]:
-        """The body of _train's step loop (minus the console line).
-        ((wall s, loop step window s, main-thread CPU s), pending). ``request``: the session's
-        ``request_figures`` (step mode, where the session has it), called with this step's window."""
+        marker: StepMarker, session: Any, pending: PendingSteps, request: Any = None
+    ) -> tuple[float, float, float]:
+        """The body of _train's step loop (minus the console line): (wall s, loop step window s,
+        main-thread CPU s). ``pending``: the loop's steps waiting for their figures (taken from
+        and added to; the same lag as the loop's). ``request``: the session's ``request_figures``
+        (step mode, where the session has it), called with this step's window."""
         step = step_counter[0]
         step_counter[0] += 1
         c0 = time.thread_time_ns()
@@ -445,15 +447,16 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         opt_timer.stop()
         timing = marker.end_step()
         if request is not None:  # with the figures the loop asks for (logger=console)
-            request(timing.t_begin_mono_ns, timing.t_end_mono_ns, CONSOLE_FIGURES)
+            request(timing.t_begin_mono_ns, timing.t_end_mono_ns, CONSOLE_FIGURES, batch=pending.lag)
             fig_counts["requested"] += 1
         tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
         loss_sum, loss_tokens = float(tot[0]), float(tot[1])
         figures = None
-        if pending is not None and session is not None:
+        due = pending.due() if session is not None else None
+        if due is not None:
             # as the loop; not while the telemetry process is frozen (they cannot become ready)
-            wait_s = 0.0 if late["frozen"] else late_wait(pending[2], late["period_ns"])
-            figures = previous_step_figures(session, pending[1], pending[2], wait_s=wait_s)
+            wait_s = 0.0 if late["frozen"] else pending.wait_s(due, late["period_ns"])
+            figures = previous_step_figures(session, due[1], due[2], wait_s=wait_s)
             fig_counts["asked"] += 1
             fig_counts["not_ready"] += figures is None
         sums, maxes = reduce_step(
@@ -467,13 +470,11 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
         gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
         summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
+        if session is not None:
+            pending.add((summary, timing.t_begin_mono_ns, timing.t_end_mono_ns), maxes["step_time_s"])
         t1 = time.perf_counter()
         c1 = time.thread_time_ns()
-        return (t1 - t0, timing.seconds, (c1 - c0) / 1e9), (
-            summary,
-            timing.t_begin_mono_ns,
-            timing.t_end_mono_ns,
-        )
+        return t1 - t0, timing.seconds, (c1 - c0) / 1e9
 
     health_keys = ("slots", "on_time", "deadlines_missed", "samples")
     acc: dict[str, Any] = {
@@ -575,7 +576,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         marker, fig_session, sampler, closer = open_arm(arm, idx)
         config.timers = marker if marker.phases_on else None
         time.sleep(rng.uniform(0.0, FLUSH_INTERVAL_S))  # every arm: uniform flusher phase
-        _t, pending = one_step(marker, fig_session, None)  # untimed lead-in
+        pending = PendingSteps()
+        one_step(marker, fig_session, pending)  # untimed lead-in
         h = sampler.health if sampler is not None else None
         h0 = {key: getattr(h, key) for key in health_keys} if h is not None else None
         times: list[list[float]] = [[] for _ in TIMINGS]
@@ -584,7 +586,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         if prof is not None:
             prof.enable()
         for _ in range(k):
-            t, pending = one_step(marker, fig_session, pending)
+            t = one_step(marker, fig_session, pending)
             for lst, v in zip(times, t, strict=True):
                 lst.append(v)
         if prof is not None:
@@ -705,7 +707,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         records: list[tuple[int, str, bool, tuple[float, float, float]]] = []
         background: list[float] = []
         cover = {"samples": 0, "ns": 0}
-        pending_on: Any = None
+        pending_on = PendingSteps()  # the ON steps'; OFF steps have no figures
         current = "on"
         stopped_ok = True
         tp_cpu_ns = 0
@@ -717,16 +719,16 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             current = "off"
             for _ in range(warmup):
                 if calls_off:
-                    _t, pending_on = one_step(marker_on, session, pending_on, request)
+                    one_step(marker_on, session, pending_on, request)
                 else:
-                    one_step(marker_off, None, None)
+                    one_step(marker_off, None, PendingSteps())
             for arm in ["on", "off", "off", "on"] * STEP_WARM_QUADS:
                 switch(arm)
                 current = arm
                 if arm == "on":
-                    _t, pending_on = one_step(marker_on, session, pending_on, request)
+                    one_step(marker_on, session, pending_on, request)
                 else:
-                    one_step(marker_off, None, None)
+                    one_step(marker_off, None, PendingSteps())
             fig_counts.update(asked=0, not_ready=0, requested=0)
             s_prev = snapshot()
             tp_cpu0 = process_cpu_ns(pid)  # the telemetry process's CPU: it runs only while ON
@@ -742,7 +744,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        t, pending_on = one_step(marker_on, session, pending_on, request)
+                        t = one_step(marker_on, session, pending_on, request)
                         if prof is not None:
                             prof.disable()
                         gc_state["arm"] = None
@@ -753,9 +755,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         if prof is not None:
                             prof.enable()
                         if calls_off:  # --contrast process: the OFF step makes the ON step's calls
-                            t, pending_on = one_step(marker_on, session, pending_on, request)
+                            t = one_step(marker_on, session, pending_on, request)
                         else:
-                            t, _pending = one_step(marker_off, None, None)
+                            t = one_step(marker_off, None, PendingSteps())
                         if prof is not None:
                             prof.disable()
                         gc_state["arm"] = None
@@ -894,7 +896,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     profiles = {arm: cProfile.Profile() for arm in arms} if opts.get("profile") else {}
     t_begin = time.monotonic()
     for _ in range(warmup):
-        one_step(marker_off, None, None)
+        one_step(marker_off, None, PendingSteps())
     for arm in arms:
         run_block(arm, 9000 + len(arm), timed=False)  # warm every path (imports, Parquet writer)
     by_arm: dict[str, list[list[list[float]]]] = {a: [[] for _ in TIMINGS] for a in arms}
@@ -1304,7 +1306,7 @@ def print_step_details(name: str, r: dict[str, Any]) -> None:
     if fl["thread_in_training_process"]:
         fls += f"; flusher: {fl['flushes']} flushes, max {fl['flush_ms_max']:.1f} ms"
     print(
-        f"{name:<6} figures of the previous ON step asked {fg['asked']} times, {fg['not_ready']} not ready; "
+        f"{name:<6} figures of earlier ON steps asked {fg['asked']} times, {fg['not_ready']} not ready; "
         f"{req}; {fls}"
     )
     calls = r.get("calls")

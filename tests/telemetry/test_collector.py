@@ -11,7 +11,7 @@ import pytest
 
 from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.attribution import attribute_windows
-from charllm_nemo.telemetry.collector import Collector, decode_figures, salvage
+from charllm_nemo.telemetry.collector import MAX_HOLD_NS, Collector, decode_figures, salvage
 from charllm_nemo.telemetry.reader import load_rank, to_arrays
 from charllm_nemo.telemetry.sampler import rows_to_arrays
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
@@ -107,8 +107,9 @@ def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
     assert c.has_work()  # a record to take
     c.tick()
     assert shm.read_figures(block, 3) is None  # no sample at or after 60 ms yet
-    assert c.has_work()  # the request waits: every slot wakes the collector to try again
+    assert not c.has_work()  # nothing to do until a sample reaches the window's end
     ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
+    assert c.has_work()
     c.tick()
     assert shm.read_figures(block, 3) is not None
     assert not c.has_work()
@@ -315,3 +316,51 @@ def test_a_step_log_that_does_not_fit_is_dropped_whole_and_counted(block):
     marks.emit_step_log(list(range(5 * 17)))  # 6 records: fits
     marks.emit_step_log(list(range(5 * 17)))  # 6 more: 2 free, dropped whole
     assert block.q[shm.H_MARK_WRITE] == 6 and marks.dropped == 6 == block.q[shm.H_MARKS_DROPPED]
+
+
+def test_requests_in_a_batch_are_answered_together_and_equal_one_by_one(block, tmp_path):
+    # A loop that reads a step's figures a few steps later asks with batch=k: the collector
+    # answers k requests in one computation once the samples pass the k-th window, or the
+    # oldest alone once it has waited (k + 1) window lengths past its end.
+    ring, marks, _rec = _wire(block)
+    c = _collector(block, tmp_path)
+    step = 3 * PERIOD  # 30 ms steps, 100 Hz
+    windows = [(PERIOD + k * step + 1234, PERIOD + (k + 1) * step) for k in range(4)]
+    for seq, (t0, t1) in enumerate(windows):
+        marks.request_figures(seq, t0, t1, batch=3)
+
+    def sample_until(t: int) -> None:  # 100 Hz samples until one at or after t
+        while block.q[shm.H_WRITE_COUNT] == 0 or shm.newest_t(block) < t:
+            n = block.q[shm.H_WRITE_COUNT]
+            ring.emit((n * PERIOD, 0, 0, 0, _reading(n * PERIOD)))
+
+    sample_until(windows[1][1])  # two of three answerable: held
+    c.tick()
+    assert shm.read_figures(block, 0) is None and not c.has_work()
+    sample_until(windows[2][1])
+    assert c.has_work()
+    c.tick()
+    answers = [shm.read_figures(block, seq) for seq in range(4)]
+    assert all(a is not None for a in answers[:3]) and answers[3] is None
+    for (t0, t1), answer in zip(windows, answers[:3], strict=False):
+        alone = c.figures(t0, t1)[0][1]
+        assert answer[:2] == (t0, t1)
+        np.testing.assert_allclose(answer[2][0][1], alone, rtol=1e-12, atol=1e-12)
+    # The fourth is alone now: answered once the samples are 4 window lengths past its end.
+    t0, t1 = windows[3]
+    sample_until(t1 + 4 * (t1 - t0) - PERIOD)
+    c.tick()
+    assert shm.read_figures(block, 3) is None
+    sample_until(t1 + 4 * (t1 - t0))
+    c.tick()
+    assert shm.read_figures(block, 3) is not None
+    # A long window (a slow step) is held MAX_HOLD_NS at most, not (batch + 1) of its lengths.
+    t0, t1 = t1, t1 + 10 * MAX_HOLD_NS
+    marks.request_figures(4, t0, t1, batch=8)
+    sample_until(t1 + MAX_HOLD_NS - PERIOD)
+    c.tick()
+    assert shm.read_figures(block, 4) is None
+    sample_until(t1 + MAX_HOLD_NS)
+    c.tick()
+    assert shm.read_figures(block, 4) is not None
+    c.close()

@@ -40,3 +40,41 @@ def test_the_loop_waits_for_figures_only_once_they_are_overdue():
     # long overdue at 10 Hz: capped at 50 ms; 1 kHz: two periods, 2 ms
     assert late_wait(now - 1_000_000_000, 100_000_000) == 0.05
     assert late_wait(now - 30_000_000, 1_000_000) == 0.002
+
+
+def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_rank():
+    import math
+    import time
+
+    from charllm_nemo.train.loop import FIGURES_BATCH_S, MAX_FIGURES_LAG, PendingSteps
+    from charllm_nemo.train.report import StepSummary
+
+    def step(i: int, t_end: int) -> tuple[StepSummary, int, int]:
+        return StepSummary(step=i, loss=None, step_time_s=0.03), t_end - 30_000_000, t_end
+
+    now = time.monotonic_ns()
+    p = PendingSteps()
+    reported = []
+    for i in range(12):
+        due = p.due()
+        if due is not None:
+            reported.append((i, due[0].step))
+        # 30 ms steps: ceil(0.1 / 0.03) = 4 steps late; a slow first step does not hold it back
+        p.add(step(i, now), 1.0 if i == 0 else 0.03)
+    assert p.lag == 4 == math.ceil(FIGURES_BATCH_S / 0.03)
+    assert reported == [(1, 0)] + [(i, i - 4) for i in range(5, 12)]  # no step skipped
+    # Its figures are computed with those of the steps after it: due when the newest's are.
+    due = p.due()
+    assert due is not None and due[0].step == 8
+    assert p.wait_s(due, 10_000_000) == 0.0  # the newest (step 11) ended just now
+    p.add(step(12, now), 0.03)
+    p.steps[-1] = step(12, now - 30_000_000)
+    assert p.wait_s(p.due(), 10_000_000) == 0.02  # the newest ended 30 ms ago: overdue
+    # Longer steps later never shrink the lag; very short ones are capped; no telemetry: no lag.
+    p.add(step(13, now), 10.0)
+    assert p.lag == 4
+    p.add(step(14, now), 1e-6)
+    assert p.lag == MAX_FIGURES_LAG
+    q = PendingSteps(max_lag=1)
+    q.add(step(0, now), 1e-6)
+    assert q.lag == 1

@@ -52,6 +52,7 @@ from charllm_nemo.telemetry.shm import (
     Block,
     figure_columns,
     mask_figures,
+    newest_t,
     read_names,
     ring_span,
     still_valid,
@@ -67,20 +68,27 @@ Columns = dict[str, np.ndarray[Any, Any]]
 
 AFTER_S = 1.0
 """How far past a window's end live figures look for samples."""
+_NEVER = 2**63 - 1
+MAX_HOLD_NS = 250_000_000
+"""The longest a figure request waits past its window's end for the rest of its batch (the
+training loop waits at least 0.5 s for its last steps' figures)."""
 
 
-def encode_figures(result: dict[str, np.ndarray[Any, Any]], columns: tuple[str, ...]) -> list[float]:
-    """One window's attribution as float64 values in ``columns`` order (``energy_method`` as its
+def encode_figures(
+    result: dict[str, np.ndarray[Any, Any]], columns: tuple[str, ...], n_windows: int = 1
+) -> list[list[float]]:
+    """Each window's attribution as float64 values in ``columns`` order (``energy_method`` as its
     index in ENERGY_METHODS, booleans as 0 / 1, a column not in ``result`` as NaN);
     :func:`decode_figures` reverses it."""
-    out = []
+    per_column = []
     for name in columns:
         if name not in result:
-            out.append(math.nan)
-            continue
-        v = result[name][0]
-        out.append(float(ENERGY_METHODS.index(str(v))) if name == "energy_method" else float(v))
-    return out
+            per_column.append([math.nan] * n_windows)
+        elif name == "energy_method":
+            per_column.append([float(ENERGY_METHODS.index(str(v))) for v in result[name]])
+        else:
+            per_column.append(result[name].astype(np.float64).tolist())
+    return [list(values) for values in zip(*per_column, strict=True)]
 
 
 def decode_figures(
@@ -153,7 +161,9 @@ class Collector:
         self._pending_samples: list[Columns] = []
         self._pending_records: list[np.ndarray[Any, Any]] = []
         self._history: deque[Columns] = deque()
-        self._requests: deque[tuple[int, int, int, int]] = deque()  # seq, t_begin, t_end, mask
+        # seq, t_begin, t_end, mask, batch
+        self._requests: deque[tuple[int, int, int, int, int]] = deque()
+        self._serve_at = _NEVER  # the newest sample time at which serve() would answer (has_work)
         self._last_t = 0
         self._next_flush = time.monotonic_ns() + self.flush_interval_ns
         self.flushes = q[H_FLUSHES]
@@ -222,8 +232,8 @@ class Collector:
             if i > run:
                 self._pending_records.append(recs[run:i])
             if kind == RECORD_FIGURES:
-                seq, mask, t0, t1 = (int(v) for v in recs[i, [1, 2, 7, 8]])
-                self._requests.append((seq, t0, t1, mask))
+                seq, mask, batch, t0, t1 = (int(v) for v in recs[i, [1, 2, 3, 7, 8]])
+                self._requests.append((seq, t0, t1, mask, max(1, batch)))
                 i += 1
             elif kind == RECORD_STEP_LOG:
                 size = int(recs[i, 1])
@@ -267,35 +277,68 @@ class Collector:
         self, t_begin: int, t_end: int, figures: Collection[str] | None = None
     ) -> list[tuple[int, list[float]]]:
         """The attribution figures of one window (``figures``: those wanted, None = all; the
-        others are NaN), per device, from the samples in memory: from two periods before the
-        window (so every sample inside has its predecessor and counter ticks are found as in the
-        stored run) to :data:`AFTER_S` after it (a metric missing from the first samples past
-        the end still finds its next value, as in the stored run)."""
+        others are NaN), per device: :meth:`figures_of_windows` for one window."""
+        return self.figures_of_windows([(t_begin, t_end)], figures)[0]
+
+    def figures_of_windows(
+        self, windows: Sequence[tuple[int, int]], figures: Collection[str] | None = None
+    ) -> list[list[tuple[int, list[float]]]]:
+        """Per window, per device, the attribution figures (``figures``: those wanted, None =
+        all; the others are NaN) from the samples in memory, all windows in one
+        ``attribute_windows`` call per device (a call costs about the same for one window as for
+        eight): from two periods before the first window (so every sample inside has its
+        predecessor and counter ticks are found as in the stored run) to :data:`AFTER_S` after
+        the last (a metric missing from the first samples past the end still finds its next
+        value, as in the stored run)."""
         names = ("device_index", *sample_columns(figures))  # the figures' metrics only
-        cols = self._between(t_begin - 2 * self.period_ns, t_end + int(AFTER_S * 1e9), names)
-        win = {"t_begin_mono_ns": np.array([t_begin], np.int64), "t_end_mono_ns": np.array([t_end], np.int64)}
-        out = []
+        t0s = [w[0] for w in windows]
+        t1s = [w[1] for w in windows]
+        cols = self._between(min(t0s) - 2 * self.period_ns, max(t1s) + int(AFTER_S * 1e9), names)
+        win = {"t_begin_mono_ns": np.array(t0s, np.int64), "t_end_mono_ns": np.array(t1s, np.int64)}
+        out: list[list[tuple[int, list[float]]]] = [[] for _ in windows]
         dev = cols.pop("device_index")
         devices = [int(dev[0])] if dev.size and (dev == dev[0]).all() else np.unique(dev).tolist()
         for idx in devices:
             # One device per rank is the common case: its columns as they are, no masks.
             per_dev = cols if len(devices) == 1 else {name: a[dev == idx] for name, a in cols.items()}
             result = attribute_windows(per_dev, win, figures=figures)
-            out.append((int(idx), encode_figures(result, self.columns)))
+            for k, values in enumerate(encode_figures(result, self.columns, len(windows))):
+                out[k].append((int(idx), values))
         return out
 
     def serve(self, final: bool = False) -> None:
-        """Answer the figure requests whose window the samples have passed (``final``: all)."""
-        while self._requests:
-            seq, t0, t1, mask = self._requests[0]
-            if not final and self._last_t < t1:
-                return
-            self._requests.popleft()
-            try:
-                write_figures(self.block, seq, t0, t1, self.figures(t0, t1, mask_figures(mask)))
-                self.figures_served += 1
-            except Exception:
-                log.exception("live figures of window [%d, %d] failed", t0, t1)
+        """Answer figure requests, oldest first, all those the samples have passed in one
+        computation (``final``: every request): once the oldest request's ``batch`` can be
+        answered whole, or once the samples are past its window's end by ``batch + 1`` times the
+        window's length, at most :data:`MAX_HOLD_NS` (a short batch: the run ended, or a step
+        took longer)."""
+        reqs = self._requests
+        if reqs and (final or self._last_t >= self._serve_time()):
+            ready = 0  # the oldest requests whose windows the samples have passed
+            while ready < len(reqs) and (final or reqs[ready][2] <= self._last_t):
+                ready += 1
+            by_mask: dict[int, list[tuple[int, int, int, int, int]]] = {}
+            for _ in range(ready):
+                r = reqs.popleft()
+                by_mask.setdefault(r[3], []).append(r)
+            for mask, group in by_mask.items():  # one mask in a training loop's requests
+                try:
+                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], mask_figures(mask))
+                    for (seq, t0, t1, _mask, _batch), per_device in zip(group, answers, strict=True):
+                        write_figures(self.block, seq, t0, t1, per_device)
+                        self.figures_served += 1
+                except Exception:
+                    log.exception("live figures of %d window(s) from t=%d failed", len(group), group[0][1])
+        self._serve_at = self._serve_time()
+
+    def _serve_time(self) -> int:
+        """The newest sample time from which :meth:`serve` answers the oldest request."""
+        if not self._requests:
+            return _NEVER
+        _seq, t0, t1, _mask, batch = self._requests[0]
+        held = t1 + min((batch + 1) * max(t1 - t0, self.period_ns), MAX_HOLD_NS)
+        whole = self._requests[batch - 1][2] if len(self._requests) >= batch else held
+        return max(t1, min(whole, held))
 
     # -- storing ---------------------------------------------------------------------------
     def flush(self) -> None:
@@ -339,9 +382,10 @@ class Collector:
 
     def has_work(self) -> bool:
         """Whether a :meth:`tick` now would do more than flush: the training process wrote records
-        since the last take, or figure requests wait for a sample past their window. Two reads
-        of the block: the sampling loop asks this after every slot."""
-        return bool(self._requests) or self.block.q[H_MARK_WRITE] != self._mark_idx
+        since the last take, or the samples have reached the time from which figure requests
+        are answered. A few reads of the block: the sampling loop asks this after every slot."""
+        block = self.block
+        return block.q[H_MARK_WRITE] != self._mark_idx or newest_t(block) >= self._serve_at
 
     def until_flush_s(self) -> float:
         """Seconds until the next flush is due (0 when overdue)."""

@@ -65,7 +65,6 @@ from charllm_nemo.telemetry.shm import (
     H_T_MAIN,
     H_T_OPENED,
     H_T_SPAWNED,
-    H_WRITE_COUNT,
     HEALTH_FIELDS,
     RUNNING,
     STARTING,
@@ -439,13 +438,8 @@ class ProcessSampler:
             return self._last_t_locked()
 
     def _last_t_locked(self) -> int:
-        block = self._block
-        assert block is not None
-        w = block.q[H_WRITE_COUNT]
-        if w == 0:
-            return 0
-        value: int = block.q[self.layout.int_base(0) + (w - 1) % self.capacity]
-        return value
+        assert self._block is not None
+        return shm.newest_t(self._block)
 
     @property
     def health(self) -> SamplerHealth:

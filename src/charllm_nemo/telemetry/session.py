@@ -437,14 +437,22 @@ class TelemetrySession:
         return rows[first:]
 
     def request_figures(
-        self, t_begin_mono_ns: int, t_end_mono_ns: int, figures: Collection[str] | None = None
+        self,
+        t_begin_mono_ns: int,
+        t_end_mono_ns: int,
+        figures: Collection[str] | None = None,
+        batch: int = 1,
     ) -> None:
         """Ask for a window's figures ahead of :meth:`step_figures` (call it when the window
         ends, with the ``figures`` that step_figures will want; None = all). In process mode the
         telemetry process computes them as soon as it has a sample past the end, so the later
-        :meth:`step_figures` only reads them (~10 µs); in thread mode this does nothing. Cheap,
-        never blocks; asking again for a window already asked for, with no figure beyond those
-        asked for then, does nothing."""
+        :meth:`step_figures` only reads them (~10 µs); in thread mode this does nothing.
+        ``batch`` > 1: the caller reads them only after the next ``batch - 1`` windows have ended
+        too, so the telemetry process may wait for those and compute all in one go (cheaper by
+        about that factor); it answers alone after ``batch + 1`` window lengths (at most
+        0.25 s) at the latest.
+        Cheap, never blocks; asking again for a window already asked for, with no figure beyond
+        those asked for then, does nothing."""
         if not isinstance(self.sampler, ProcessSampler) or self.sampler.marks is None:
             return
         mask, wanted = self._mask_of(figures)
@@ -459,7 +467,7 @@ class TelemetrySession:
         self._requests[key] = (seq, wanted)
         if len(self._requests) > 2 * FIGURE_SLOTS:  # answers that old are overwritten anyway
             del self._requests[next(iter(self._requests))]
-        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns, mask)
+        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns, mask, batch)
 
     def _mask_of(self, figures: Collection[str] | None) -> tuple[int, frozenset[str] | None]:
         """A request's mask and figure set (``duration_s`` always included), cached per set."""

@@ -367,6 +367,16 @@ class RingWriter:
                 self.bad_values += 1
 
 
+def newest_t(block: Block) -> int:
+    """``t_mono_ns`` of the newest row in the ring (0 while it is empty)."""
+    w = block.q[H_WRITE_COUNT]
+    if w == 0:
+        return 0
+    lay = block.layout
+    t: int = block.q[lay.int_base(0) + (w - 1) % lay.capacity]
+    return t
+
+
 def ring_span(block: Block, first: int) -> tuple[int, int, int]:
     """(first, end, lost): the ring indices readable from ``first`` up to the write counter now,
     moved past rows already overwritten (``lost`` of them)."""
@@ -502,11 +512,15 @@ class MarkWriter:
             q[H_NAMES_BYTES] = self._names_used
             q[H_NAMES_COUNT] = code + 1
 
-    def request_figures(self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int, mask: int = NULL) -> None:
+    def request_figures(
+        self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int, mask: int = NULL, batch: int = 1
+    ) -> None:
         """Ask the telemetry process for the figures of one window (answered in slot ``seq``):
-        those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure)."""
+        those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure). ``batch``:
+        the answer may wait until that many requests can be answered together (the collector's
+        ``serve`` says how long at most)."""
         rec = [NULL] * RECORD_LEN
-        rec[0], rec[1], rec[2] = RECORD_FIGURES, seq, mask
+        rec[0], rec[1], rec[2], rec[3] = RECORD_FIGURES, seq, mask, batch
         rec[7], rec[8] = t_begin_mono_ns, t_end_mono_ns
         self.emit(tuple(rec))
 

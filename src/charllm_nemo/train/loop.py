@@ -11,7 +11,10 @@ torch.distributed variables set; each calls :func:`run_rank`:
    ``global_batch / (micro_batch * dp)`` microbatches, then ``optimizer.step()``; the marks go
    through :class:`~charllm_nemo.train.marks.StepMarker` (installed as ``config.timers``);
 4. per step: loss (last pipeline stage), step time (max over ranks), telemetry figures summed
-   over ranks (train/report.py), and rank 0's console line with throughput and MFU.
+   over ranks (train/report.py), and rank 0's console line with throughput and MFU. A step's
+   telemetry figures travel in the reduction of a later step (:class:`PendingSteps`): the next
+   one, or for steps under :data:`FIGURES_BATCH_S` a few later, so that the telemetry process
+   computes several steps' figures in one go.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import sys
 import time
 import warnings
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -67,6 +71,45 @@ def late_wait(t_end_mono_ns: int, period_ns: float) -> float:
     if time.monotonic_ns() - t_end_mono_ns < 2 * period_ns:
         return 0.0
     return min(2 * period_ns / 1e9, 0.05)
+
+
+FIGURES_BATCH_S = 0.1
+"""The least step time one computation of live figures should cover. The telemetry process's
+cost for a request is nearly all per call (numpy over a few samples: about the same for one
+window as for eight), so steps shorter than this are reported ceil(FIGURES_BATCH_S / step time)
+steps late (at most :data:`MAX_FIGURES_LAG`) and their figures computed that many at a time."""
+MAX_FIGURES_LAG = 8
+
+Pending = tuple[StepSummary, int, int]  # a step's summary and its window (t_begin, t_end ns)
+
+
+class PendingSteps:
+    """The steps whose figures the loop has not reported yet, oldest first, and how many steps
+    late it reports them (``lag``). Every rank holds the same steps and the same lag (it comes
+    from the all-reduced step time and never decreases), so every rank's reduction carries the
+    figures of the same step."""
+
+    def __init__(self, max_lag: int = MAX_FIGURES_LAG) -> None:
+        self.steps: deque[Pending] = deque()
+        self.lag = 1
+        self.max_lag = max_lag
+
+    def due(self) -> Pending | None:
+        """The step whose figures this step's reduction carries (None while fewer than ``lag``
+        steps wait)."""
+        return self.steps.popleft() if len(self.steps) >= self.lag else None
+
+    def wait_s(self, due: Pending, period_ns: float) -> float:
+        """How long to wait for ``due``'s figures (:func:`late_wait`): they are computed with those
+        of the steps after it up to the newest waiting, so they are due once that one's are."""
+        return late_wait(self.steps[-1][2] if self.steps else due[2], period_ns)
+
+    def add(self, step: Pending, step_time_s: float) -> None:
+        """A step that ended, with the step time all ranks agree on (the reduced maximum)."""
+        self.steps.append(step)
+        if step_time_s > 0:
+            wanted = min(self.max_lag, math.ceil(FIGURES_BATCH_S / step_time_s))
+            self.lag = max(self.lag, wanted)
 
 
 def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
@@ -462,7 +505,7 @@ def _train(
         from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, pack_step_figures
 
         wanted_figures = STEP_FIGURE_KEYS
-    pending: tuple[StepSummary, int, int] | None = None  # last step, waiting for its figures
+    pending = PendingSteps(MAX_FIGURES_LAG if session is not None else 1)  # no figures: no lag
     period_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
@@ -513,8 +556,10 @@ def _train(
             opt_timer.stop()
             timing = marker.end_step()
             if session is not None:
-                # Ask now: a telemetry process computes the figures while the next step runs.
-                session.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns, wanted_figures)
+                # Ask now: a telemetry process computes the figures while the next steps run.
+                session.request_figures(
+                    timing.t_begin_mono_ns, timing.t_end_mono_ns, wanted_figures, batch=pending.lag
+                )
 
             loss_sum = loss_tokens = 0.0
             if reports_loss and outputs:
@@ -522,8 +567,9 @@ def _train(
                 loss_sum, loss_tokens = float(tot[0]), float(tot[1])
             figures: RankFigures | None = None
             gathered = None
-            if pending is not None:
-                figures, gathered = figures_of(pending, wait_s=late_wait(pending[2], period_ns))
+            due = pending.due()
+            if due is not None:
+                figures, gathered = figures_of(due, wait_s=pending.wait_s(due, period_ns))
             sums, maxes = reduce_step(
                 torch,
                 comm_device,
@@ -532,8 +578,8 @@ def _train(
                 step_time_s=timing.seconds,
                 figures=figures,
             )
-            if pending is not None:
-                finish(pending[0], sums, maxes, gathered)
+            if due is not None:
+                finish(due[0], sums, maxes, gathered)
             loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
             gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
             summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
@@ -542,18 +588,19 @@ def _train(
             result.grad_norms.append(gn)
             result.step_times_s.append(maxes["step_time_s"])
             result.local_step_times_s.append(timing.seconds)
-            pending = (summary, timing.t_begin_mono_ns, timing.t_end_mono_ns)
+            pending.add((summary, timing.t_begin_mono_ns, timing.t_end_mono_ns), maxes["step_time_s"])
             progress.update()
-        if pending is not None:
-            # The last step: wait (briefly) for a sample past its end, then one more reduction.
-            # Once per run, so wait generously (a loaded node can delay the sampler by tens of
-            # ms); it returns as soon as a sample past the step's end exists.
-            wait = max(0.5, 5.0 / max(cfg.telemetry.hz, 1e-3))
-            figures, gathered = figures_of(pending, wait_s=min(wait, 5.0))
+        # The last steps: wait (briefly) for their figures, one more reduction each. Once per
+        # run, so wait generously (a loaded node can delay the sampler by tens of ms); each
+        # returns as soon as the telemetry process has answered.
+        wait = min(max(0.5, 5.0 / max(cfg.telemetry.hz, 1e-3)), 5.0)
+        while pending.steps:
+            last = pending.steps.popleft()
+            figures, gathered = figures_of(last, wait_s=wait)
             sums, maxes = reduce_step(
                 torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
             )
-            finish(pending[0], sums, maxes, gathered)
+            finish(last[0], sums, maxes, gathered)
     finally:
         progress.close()
     result.unmatched_marks = marker.unmatched
