@@ -132,7 +132,22 @@ def test_activity_follows_the_training_phases_reported_by_window_marks():
             assert marks.level() == 1.0
         with rec.window("phase", "optimizer"):
             assert marks.level() == 0.5
+            with rec.window("phase", "grad-sync"):  # any other phase: 0.7, the highest open wins
+                assert marks.level() == 0.7
+                with rec.window("phase", "backward"):
+                    assert marks.level() == 1.0
+                assert marks.level() == 0.7
+            assert marks.level() == 0.5
     assert marks.level() == 0.0
+    marks("phase", "forward", False)  # an end without its begin changes nothing
+    assert marks.level() == 0.0
+    published: list[float] = []
+    marks.on_change = published.append
+    with rec.window("step", step=1):
+        for _ in range(2):
+            with rec.window("phase", "forward"):
+                pass
+    assert published == [0.3, 1.0, 0.3, 1.0, 0.3, 0.0]  # once per change, not per mark
 
 
 def test_the_factory_warns_loudly_that_synthetic_is_not_hardware(caplog):

@@ -63,7 +63,10 @@ class SyntheticParams:
     mem_total_bytes: int = 141 * 2**30
 
 
-_PHASE_ACTIVITY = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}
+_LEVELS = (1.0, 0.7, 0.5)
+"""Activity of an open phase: forward / backward, any other phase, the optimizer."""
+_LEVEL_OF = {"forward": 0, "backward": 0, "optimizer": 2}  # index into _LEVELS; others: 1
+_IN_STEP, _IDLE = 0.3, 0.0
 
 
 class MarkActivity:
@@ -72,12 +75,12 @@ class MarkActivity:
     ``on_change(level)``, when set, is called whenever a mark changes the level (the session
     uses it to publish the level to a synthetic device in its telemetry process): one call per
     change, not per mark, since marks run on the training thread. The level is the highest
-    activity of the phases open (:data:`_PHASE_ACTIVITY`, 0.7 for other phases), 0.3 inside a
-    step between phases, 0 outside steps; kept as counts per activity, so a mark costs a few
-    dictionary operations."""
+    activity of the phases open (:data:`_LEVELS`: 1.0 forward / backward, 0.5 optimizer, 0.7
+    other phases), 0.3 inside a step between phases, 0 outside steps; kept as counts of open
+    phases per activity, so a mark costs a few list operations."""
 
     def __init__(self) -> None:
-        self._open: dict[float, int] = {}  # activity -> phases open with it
+        self._open = [0] * len(_LEVELS)  # phases open per activity level
         self._in_step = 0
         self.seen_any = False
         self.on_change: Callable[[float], None] | None = None
@@ -85,15 +88,12 @@ class MarkActivity:
 
     def __call__(self, kind: str, name: str, is_begin: bool) -> None:
         self.seen_any = True
-        if kind == "step":
+        if kind == "phase":
+            i = _LEVEL_OF.get(name, 1)
+            n = self._open[i] + (1 if is_begin else -1)
+            self._open[i] = n if n > 0 else 0
+        elif kind == "step":
             self._in_step += 1 if is_begin else -1
-        elif kind == "phase":
-            a = _PHASE_ACTIVITY.get(name, 0.7)
-            n = self._open.get(a, 0) + (1 if is_begin else -1)
-            if n > 0:
-                self._open[a] = n
-            else:
-                self._open.pop(a, None)
         if self.on_change is not None:
             level = self.level()
             if level != self._published:
@@ -101,9 +101,14 @@ class MarkActivity:
                 self.on_change(level)
 
     def level(self) -> float:
-        if self._open:
-            return max(self._open)
-        return 0.3 if self._in_step > 0 else 0.0
+        o = self._open
+        if o[0]:
+            return _LEVELS[0]
+        if o[1]:
+            return _LEVELS[1]
+        if o[2]:
+            return _LEVELS[2]
+        return _IN_STEP if self._in_step > 0 else _IDLE
 
 
 class CpuActivity:
