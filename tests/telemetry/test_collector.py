@@ -36,8 +36,10 @@ def block(tmp_path):
     name = f"charllm-test-{secrets.token_hex(4)}"
     b = shm.create(name, lay)
     yield b
-    b.close()
-    shm.unlink(name)
+    try:  # a failed test may leave a collector's views open: close raises, unlink all the same
+        b.close()
+    finally:
+        shm.unlink(name)
 
 
 def _collector(block, tmp_path, **kw) -> Collector:
@@ -291,8 +293,10 @@ def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tm
         c.finish()
         c.close()
     finally:
-        block.close()
-        shm.unlink(name)
+        try:
+            block.close()
+        finally:
+            shm.unlink(name)
     assert shipped.steps_shipped == 5 and here.steps_shipped == 0
     assert out[id(shipped)].unmatched == out[id(here)].unmatched == 5
     assert writer.dropped == 0
