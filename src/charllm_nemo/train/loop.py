@@ -374,8 +374,8 @@ def run_rank(
     """Train ``cfg`` on this rank; returns what it ran.
 
     ``session``: a telemetry session (``.windows``: WindowRecorder, ``.request_figures(t_begin_ns,
-    t_end_ns, figures)``, ``.step_figures(t_begin_ns, t_end_ns, wait_s, figures)``, ``.close()``) owned by the
-    caller. None: with ``telemetry.enabled`` one is opened here
+    t_end_ns, figures, batch=)``, ``.step_figures(t_begin_ns, t_end_ns, wait_s, figures)``,
+    ``.close()``) owned by the caller. None: with ``telemetry.enabled`` one is opened here
     (charllm_nemo.telemetry.session.TelemetrySession, writing under ``telemetry.out_dir``) and
     closed at the end; ``recorder`` (tests) instead gives a bare
     WindowRecorder and no session. ``shutdown``: destroy the process groups at the end.
