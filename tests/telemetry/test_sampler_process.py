@@ -4,6 +4,7 @@ silently, and the sampling process never outlives the training process."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -469,3 +470,29 @@ def test_a_telemetry_process_that_dies_loses_only_its_last_flush_of_samples_and_
     assert m["rows"] == {"samples": run.samples.num_rows, "windows": 3}
     assert run.samples.num_rows >= 100  # everything the ring held, to the moment it died
     assert "exited unexpectedly" in m["sampler"]["stop_reason"]
+
+
+def test_a_failing_wake_up_check_never_reaches_the_sampling_loop(caplog):
+    # The sampling loop asks the collector's service after every slot whether to wake it; a
+    # check that raises must not stop sampling: logged once, the collector woken every slot.
+    import threading
+
+    from charllm_nemo.telemetry.telemetry_process import _Service
+
+    class Broken:
+        calls = 0
+
+        def has_work(self) -> bool:
+            Broken.calls += 1
+            raise RuntimeError("block released")
+
+    svc = object.__new__(_Service)  # its thread and Collector are not needed for this
+    svc.collector = Broken()
+    svc._wake = threading.Event()
+    svc._nudge_failed = False
+    with caplog.at_level(logging.ERROR, logger="charllm_nemo.sampler"):
+        for _ in range(3):
+            svc._wake.clear()
+            svc.nudge()
+            assert svc._wake.is_set()
+    assert Broken.calls == 1 and caplog.text.count("wake-up check failed") == 1

@@ -224,6 +224,7 @@ class _Service(threading.Thread):
         self.store: dict[str, Any] = config["store"]
         self._stop_event = threading.Event()
         self._wake = threading.Event()
+        self._nudge_failed = False
         self.collector: Any = None
         self.error: str | None = None
         block.q[H_SVC_STATE] = SVC_STARTING
@@ -247,9 +248,17 @@ class _Service(threading.Thread):
 
     def nudge(self) -> None:
         """Wake the collector if it has work (the sampling loop calls this after every slot, once
-        that slot's samples are in the ring)."""
+        that slot's samples are in the ring). Never raises into the sampling loop: should the
+        check fail, it is logged once and the collector is woken every slot from then on."""
         c = self.collector
-        if c is not None and c.has_work():
+        if c is None:
+            return
+        try:
+            if self._nudge_failed or c.has_work():
+                self._wake.set()
+        except Exception:
+            log.exception("collector wake-up check failed; waking it every slot instead")
+            self._nudge_failed = True
             self._wake.set()
 
     def run(self) -> None:
