@@ -8,9 +8,9 @@ end: :func:`mark_key`) and the clock reading. At step end the log becomes the st
 * on the training thread (the session samples in a thread, or a step cut short at close);
 * in the telemetry process: the training thread writes the raw log into the mark ring as one
   step-log record (:func:`pack` here, ``MarkWriter.emit_step_log`` in telemetry/shm.py), and
-  the collector turns it into window records (:func:`unpack`, :func:`step_records`). Turning
-  ~26 marks into ~14 records then costs the training thread nothing: with the caches a
-  training step leaves, that work took it ~60 µs a step (docs/bench-train.md).
+  the collector turns it into window records (:func:`unpack`, :func:`step_records`). With the
+  caches a training step leaves, that took ``end_step`` in a tiny_gpt step from 79 µs to
+  44-48 µs (18 -> 3.5 µs hot; docs/bench-train.md).
 
 Either way the records are the same, window ids included: the training thread reserves the ids
 (the step's own, then one per possible child) before it hands the log on.
