@@ -140,6 +140,14 @@ def step_records(log: StepLog) -> tuple[list[Record], list[tuple[int, int | None
     open_: dict[int, tuple[int, int, int | None, int | None, int]] = {}
     phases: list[tuple[int, int, int | None, int | None, int, int]] = []
     spans: list[tuple[int, int, int]] = []
+
+    def nth(k: int) -> tuple[int, int]:
+        """(microbatch, chunk) of the step's k-th forward (and k-th backward, chunk mirrored)."""
+        if n_order:
+            k %= n_order
+            return order[2 * k], order[2 * k + 1]
+        return k % max(n_micro, 1), 0
+
     for pos in range(0, len(marks) - 1, 2):
         key, t = marks[pos], marks[pos + 1]
         ident, phase = key >> 1, key >> (_TIMER_BITS + 1)
@@ -147,19 +155,11 @@ def step_records(log: StepLog) -> tuple[list[Record], list[tuple[int, int | None
             mb: int | None = None
             chunk: int | None = None
             if phase == fwd_code:
-                if n_order:
-                    k = fwd_k % n_order
-                    mb, chunk = order[2 * k], order[2 * k + 1]
-                else:
-                    mb, chunk = fwd_k % max(n_micro, 1), 0
+                mb, chunk = nth(fwd_k)
                 fwd_k += 1
                 first_begin.setdefault(mb, t)
             elif phase == bwd_code:
-                if n_order:
-                    k = bwd_k % n_order
-                    mb, fchunk = order[2 * k], order[2 * k + 1]
-                else:
-                    mb, fchunk = bwd_k % max(n_micro, 1), 0
+                mb, fchunk = nth(bwd_k)
                 chunk = n_chunks - 1 - fchunk
                 bwd_k += 1
             open_[ident] = (pos, phase, mb, chunk if n_chunks > 1 else None, t)

@@ -8,8 +8,8 @@ into the sample ring. With a store configured (a telemetry session's process) a 
 runs a :class:`~charllm_nemo.telemetry.collector.Collector`: it takes the samples and the
 training process's window records, answers figure requests, and writes the Parquet segments.
 The collector sleeps until it has work: the sampling loop wakes it after a slot when the
-training process wrote records or figure requests wait (a request can be answered only once a
-sample past its window exists), and its own timeout wakes it when a flush is due. An idle
+training process wrote records or the samples reached the time its figure requests can be
+answered (``Collector.has_work``), and its own timeout wakes it when a flush is due. An idle
 training process costs the collector one wake-up per flush, not one per tick. A bare sampler
 (no store) imports neither numpy nor pyarrow, and samples ~50-75
 ms after it is started; with a store, numpy, pyarrow and the Parquet writer's warm-up come first
