@@ -219,12 +219,19 @@ def _posixshmem() -> Any:
     return importlib.import_module("_posixshmem")
 
 
+# MAP_POPULATE: the block's pages are allocated and mapped when it is mapped, in each process.
+# Otherwise the first write to each 4 KiB page of the mark ring faults, on the training thread
+# inside end_step: with ~700 bytes per tiny_gpt step, one step in six paid ~35 µs for it, for
+# the first ~3000 steps (docs/bench-train.md).
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 def create(name: str, layout: Layout) -> Block:
     """Create a zero-filled block (state STARTING, counters 0) with its header sizes set."""
     fd = _posixshmem().shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, layout.size)
-        mm = mmap.mmap(fd, layout.size)
+        mm = mmap.mmap(fd, layout.size, flags=_MAP_FLAGS)
     except BaseException:
         unlink(name)
         raise
@@ -240,7 +247,7 @@ def create(name: str, layout: Layout) -> Block:
 def attach(name: str, layout: Layout) -> Block:
     fd = _posixshmem().shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
-        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=_MAP_FLAGS)
     finally:
         os.close(fd)
     block = Block(mm, layout)
