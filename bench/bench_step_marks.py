@@ -9,7 +9,9 @@ this step and ``step_figures`` + ``rank_figures`` for the previous one), against
 each mode, interleaved in rounds so that machine noise hits both alike:
 
 * ``process``: the default; records go to shared memory, figures are read back;
-* ``thread``: sampler and flusher threads in this process, figures computed here.
+* ``thread``: sampler and flusher threads in this process, figures computed here;
+* ``py-timers``: ``process`` with mcore's timer calls handled in Python (``PyStepMarker``)
+  rather than in C (``StepMarker``, where charllm_nemo._hot is built).
 
 It times the training thread's CPU (``time.thread_time_ns``) and wall time per step. The
 thread mode's wall time includes waiting for the GIL behind its own sampler and flusher
@@ -65,11 +67,12 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
 
+    from charllm_nemo.speedups import IN_C
     from charllm_nemo.telemetry.session import TelemetrySession
-    from charllm_nemo.train.marks import StepMarker
+    from charllm_nemo.train.marks import PyStepMarker, StepMarker
     from charllm_nemo.train.report import rank_figures
 
-    modes = ("process", "thread")
+    modes = ("process", "thread", "py-timers")
     sessions = {}
     markers = {}
     for mode in modes:
@@ -77,13 +80,14 @@ def main() -> None:
             tempfile.mkdtemp(prefix=f"bench-marks-{mode}-"),
             backend="synthetic",
             hz=HZ,
-            sampler=mode,
+            sampler="thread" if mode == "thread" else "process",
             backend_options={"activity": "marks"},
             handle_signals=False,
         ).start()
         s.windows.set_labels(pp_stage=0, tp_rank=0, dp_rank=0, ep_rank=0, cp_rank=0)
         sessions[mode] = s
-        markers[mode] = StepMarker(s.windows, num_microbatches=args.microbatches)
+        marker_cls = PyStepMarker if mode == "py-timers" else StepMarker
+        markers[mode] = marker_cls(s.windows, num_microbatches=args.microbatches)
     per_round = max(1, args.steps // args.rounds)
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     wall: dict[str, list[float]] = {m: [] for m in modes}
@@ -105,20 +109,28 @@ def main() -> None:
     finally:
         for s in sessions.values():
             s.close()
-    out: dict[str, Any] = {"microbatches": args.microbatches, "steps_per_mode": len(cpu["process"])}
+    out: dict[str, Any] = {
+        "microbatches": args.microbatches,
+        "steps_per_mode": len(cpu["process"]),
+        "timers_in_c": IN_C,
+    }
     print(
         f"training-thread cost of telemetry per step ({args.microbatches} microbatches: "
         f"{2 * args.microbatches + 3} windows + figure request + previous step's figures), "
-        f"{len(cpu['process'])} steps per mode, interleaved"
+        f"{len(cpu['process'])} steps per mode, interleaved; StepMarker's timers in "
+        f"{'C' if IN_C else 'Python (charllm_nemo._hot not in use)'}"
     )
     for mode in modes:
         med_cpu, med_wall = statistics.median(cpu[mode]), statistics.median(wall[mode])
         p90 = sorted(wall[mode])[int(0.9 * len(wall[mode]))]
         out[mode] = {"cpu_us_median": med_cpu, "wall_us_median": med_wall, "wall_us_p90": p90}
-        print(f"  {mode:<8} CPU {med_cpu:7.1f} us   wall {med_wall:7.1f} us (p90 {p90:7.1f} us)")
+        print(f"  {mode:<9} CPU {med_cpu:7.1f} us   wall {med_wall:7.1f} us (p90 {p90:7.1f} us)")
     ratio = out["thread"]["wall_us_median"] / out["process"]["wall_us_median"]
     out["thread_over_process_wall"] = ratio
     print(f"  thread / process, median wall: {ratio:.2f}")
+    ratio = out["py-timers"]["cpu_us_median"] / out["process"]["cpu_us_median"]
+    out["py_timers_over_process_cpu"] = ratio
+    print(f"  py-timers / process, median CPU: {ratio:.2f}")
     print("BENCH_JSON " + json.dumps(out))
 
 

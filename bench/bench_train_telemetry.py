@@ -114,7 +114,7 @@ STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (
 STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
 SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
 ORDERS = ("abba", "random")
-CONTRASTS = ("all", "thread", "process")
+CONTRASTS = ("all", "thread", "process", "timers")
 
 
 class BenchRefused(Exception):
@@ -256,14 +256,15 @@ def process_cpu_ns(pid: int) -> int:
     return sum(schedstat_ns(int(tid)) for tid in tids)
 
 
+IN_END_STEP = "end_step: shipping the log"  # --time-calls: the part of end_step that writes the mark ring
+
+
 def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[str, list[int]], Any]:
     """--time-calls: wrap every telemetry call the ON steps make on the training thread (the
     marker's begin_step / end_step and its timers' start / stop, request_figures, step_figures) so
     that each call's perf_counter_ns duration is kept, in the step, with the caches as training
     leaves them. Returns (durations per call name, the wrapped request_figures). The wrappers
     cost a few hundred ns a call themselves, on ON steps only."""
-    from charllm_nemo.train import marks
-
     names = ("begin_step", "timer start", "timer stop", "end_step", "request_figures", "step_figures")
     calls: dict[str, list[int]] = {name: [] for name in names}
 
@@ -280,21 +281,29 @@ def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[
     marker.begin_step = timed(marker.begin_step, calls["begin_step"])
     marker.end_step = timed(marker.end_step, calls["end_step"])
     session.step_figures = timed(session.step_figures, calls["step_figures"])
-    for method, key in (("start", "timer start"), ("stop", "timer stop")):
-        plain = getattr(marks._Timer, method)
+    if session.windows.log_sink is not None:  # part of end_step (not counted twice in the total)
+        calls[IN_END_STEP] = []
+        session.windows.log_sink = timed(session.windows.log_sink, calls[IN_END_STEP])
 
-        def timer_method(
-            self: Any, barrier: bool = False, plain: Any = plain, into: list[int] = calls[key]
-        ) -> Any:
-            if self._marker is not marker or self._phase is None:  # not a window: returns at once
-                return plain(self, barrier)
-            t = time.perf_counter_ns()
-            try:
-                return plain(self, barrier)
-            finally:
-                into.append(time.perf_counter_ns() - t)
+    class TimedTimer:
+        """A window's timer (C or Python) whose start and stop are timed."""
 
-        setattr(marks._Timer, method, timer_method)
+        def __init__(self, timer: Any) -> None:
+            self.start = timed(timer.start, calls["timer start"])
+            self.stop = timed(timer.stop, calls["timer stop"])
+
+    new_timer = marker._new_timer
+
+    def timed_new_timer(name: str) -> Any:  # timers that are not windows return at once: untimed
+        timer = new_timer(name)
+        if timer._phase is not None:
+            timer = marker._timers[name] = TimedTimer(timer)
+        return timer
+
+    marker._new_timer = timed_new_timer
+    for name, timer in list(marker._timers.items()):  # any made already
+        if timer._phase is not None:
+            marker._timers[name] = TimedTimer(timer)
     return calls, (timed(request, calls["request_figures"]) if request is not None else None)
 
 
@@ -309,8 +318,10 @@ def calls_report(calls: dict[str, list[int]]) -> dict[str, Any]:
                 "median_us": statistics.median(ns) / 1e3,
                 "mean_us": statistics.fmean(ns) / 1e3,
                 "us_per_step": sum(ns) / 1e3 / steps,
+                "p90_us": sorted(ns)[int(0.9 * len(ns))] / 1e3,
             }
-    return {"per_call": out, "us_per_step": sum(v["us_per_step"] for v in out.values()), "steps": steps}
+    total = sum(v["us_per_step"] for k, v in out.items() if k != IN_END_STEP)
+    return {"per_call": out, "us_per_step": total, "steps": steps}
 
 
 def step_figures_function() -> Any:
@@ -360,7 +371,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         rank_env,
         shutdown_distributed,
     )
-    from charllm_nemo.train.marks import StepMarker
+    from charllm_nemo.train.marks import PyStepMarker, StepMarker
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
     from charllm_nemo.train.report import CONSOLE_FIGURES, StepSummary, reduce_step
@@ -658,9 +669,16 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         # --contrast: what differs between the arms. "all": the telemetry process (frozen in OFF
         # steps) and the training thread's calls (none in OFF steps); "thread": only the calls (the
         # process runs throughout); "process": only the process (the calls in every step).
+        # "timers": the same calls in every step, the process running; OFF steps with mcore's
+        # timer calls handled in Python (PyStepMarker), ON steps with the C ones where built.
         contrast = opts.get("contrast", "all")
         freeze = contrast in ("all", "process")
-        calls_off = contrast == "process"
+        calls_off = contrast in ("process", "timers")
+        marker_calls_off = marker_on
+        if contrast == "timers":
+            marker_calls_off = PyStepMarker(
+                session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
+            )
 
         def switch(arm: str) -> None:
             """Between steps: freeze / wake the telemetry process and swap the loop's timers."""
@@ -671,7 +689,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
             late["period_ns"], late["frozen"] = 1e9 / session.hz, not running[0]
-            config.timers = marker_on if arm == "on" or calls_off else None
+            config.timers = marker_on if arm == "on" else (marker_calls_off if calls_off else None)
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:
             """Whether the telemetry process reached state T (stopped) within ``timeout_s``."""
@@ -719,7 +737,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             current = "off"
             for _ in range(warmup):
                 if calls_off:
-                    one_step(marker_on, session, pending_on, request)
+                    one_step(marker_calls_off, session, pending_on, request)
                 else:
                     one_step(marker_off, None, PendingSteps())
             for arm in ["on", "off", "off", "on"] * STEP_WARM_QUADS:
@@ -754,8 +772,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        if calls_off:  # --contrast process: the OFF step makes the ON step's calls
-                            t = one_step(marker_on, session, pending_on, request)
+                        if calls_off:  # --contrast process / timers: the OFF step makes the calls too
+                            t = one_step(marker_calls_off, session, pending_on, request)
                         else:
                             t = one_step(marker_off, None, PendingSteps())
                         if prof is not None:
@@ -1422,7 +1440,8 @@ def main() -> None:
         default="all",
         help="step mode: what the OFF steps leave out. all (default): the telemetry process (frozen) and "
         "the training thread's telemetry calls; thread: only the calls (the process runs throughout); "
-        "process: only the process (the calls in every step)",
+        "process: only the process (the calls in every step); timers: nothing but how mcore's timer calls "
+        "are handled (OFF steps: in Python, PyStepMarker; ON steps: StepMarker, in C where it was built)",
     )
     ap.add_argument(
         "--time-calls",

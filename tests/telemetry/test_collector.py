@@ -283,9 +283,11 @@ def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tm
         out = {}
         for rec in (shipped, here):
             rec.set_labels(pp_stage=1, tp_rank=0, dp_rank=2)
-            monkeypatch.setattr(marks_module, "time", _Clock())
+            clock = _Clock()
+            monkeypatch.setattr(marks_module, "time", clock)
             group = 2 if chunks > 1 else None
             marker = StepMarker(rec, num_microbatches=4, num_chunks=chunks, group_size=group)
+            marker._clock = clock.monotonic_ns  # the timers' clock too (C timers read their own)
             _mark_steps(marker, 5, 4 * chunks, after_step=c.tick if rec is shipped else lambda: None)
             rec.flush_pending()  # the session's close: the cut-short step is made here in both
             out[id(rec)] = marker

@@ -204,7 +204,7 @@ def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks():
     t_busy = time.monotonic_ns()
     time.sleep(0.5)
     t_idle = time.monotonic_ns()
-    s.publish_activity(0.5)  # what the session does on every window mark
+    s.activity_publisher()(0.5)  # what the session has MarkActivity do when a mark changes the level
     time.sleep(0.1)
     s.stop()
     rows = s.take_rows()

@@ -3,7 +3,8 @@
 The schedule is driven by hand here (the calls megatron-core's schedules make, in their order);
 the CUDA path runs against a stand-in for ``torch.cuda.Event`` whose clock is the host's, so the
 resolution maths (anchor + elapsed_time -> CLOCK_MONOTONIC ns, one synchronize per step) is
-checked without a GPU.
+checked without a GPU. Every test runs with the timers in C (``StepMarker``, where
+charllm_nemo._hot is built) and in Python (``PyStepMarker``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from typing import Any
 
 import pytest
 
+from charllm_nemo.speedups import IN_C
 from charllm_nemo.telemetry.windows import WindowRecorder
-from charllm_nemo.train.marks import StepMarker
+from charllm_nemo.train.marks import PyStepMarker, StepMarker
 
 torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(params=["c", "python"])
+def Marker(request: pytest.FixtureRequest) -> type[StepMarker] | type[PyStepMarker]:
+    if request.param == "c" and not IN_C:
+        pytest.skip("charllm_nemo._hot is not in use (tests/test_speedups.py says whether it must be)")
+    return StepMarker if request.param == "c" else PyStepMarker
 
 
 def one_f_one_b(marker: StepMarker, order: list[tuple[str, int]]) -> None:
@@ -74,11 +83,11 @@ def check_windows(rows: list[dict[str, Any]], timing: str) -> None:
     assert mbs[1]["t_begin_mono_ns"] < mbs[0]["t_end_mono_ns"]
 
 
-def test_host_marks_follow_the_1f1b_schedule() -> None:
+def test_host_marks_follow_the_1f1b_schedule(Marker: Any) -> None:
     rec = WindowRecorder()
     seen: list[tuple[str, str, bool]] = []
     rec.add_listener(lambda kind, name, is_begin: seen.append((kind, name, is_begin)))
-    marker = StepMarker(rec, num_microbatches=4)
+    marker = Marker(rec, num_microbatches=4)
     timing = run_step(marker, 0)
     rows = rec.drain()
     check_windows(rows, "host")
@@ -106,12 +115,12 @@ class FakeEvent:
         return (other.t - self.t) / 1e6
 
 
-def test_cuda_event_marks_resolve_at_step_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_event_marks_resolve_at_step_end(monkeypatch: pytest.MonkeyPatch, Marker: Any) -> None:
     syncs: list[int] = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(1))
     rec = WindowRecorder()
-    marker = StepMarker(rec, num_microbatches=4, cuda=True)
+    marker = Marker(rec, num_microbatches=4, cuda=True)
     t_before = time.monotonic_ns()
     for step in range(2):
         timing = run_step(marker, step)
@@ -123,25 +132,25 @@ def test_cuda_event_marks_resolve_at_step_end(monkeypatch: pytest.MonkeyPatch) -
     assert len(marker._events) == marker._next_event
 
 
-def test_kinds_select_windows() -> None:
+def test_kinds_select_windows(Marker: Any) -> None:
     rec = WindowRecorder()
-    marker = StepMarker(rec, num_microbatches=4, kinds=["step"])
+    marker = Marker(rec, num_microbatches=4, kinds=["step"])
     assert not marker.phases_on
     run_step(marker, 0)
     assert {r["kind"] for r in rec.drain()} == {"step"}
     rec2 = WindowRecorder()
-    marker = StepMarker(rec2, num_microbatches=4, kinds=["microbatch"])
+    marker = Marker(rec2, num_microbatches=4, kinds=["microbatch"])
     assert marker.phases_on  # microbatch windows are built from the phase timers
     run_step(marker, 0)
     assert {r["kind"] for r in rec2.drain()} == {"microbatch"}
 
 
-def test_interleaved_order_assigns_chunks() -> None:
+def test_interleaved_order_assigns_chunks(Marker: Any) -> None:
     pytest.importorskip("megatron.core")
     rec = WindowRecorder()
     # PP=2, 2 chunks, 4 microbatches, group size 2: mcore's table runs (mb, chunk)
     # (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1); backward mirrors the chunks.
-    marker = StepMarker(rec, num_microbatches=4, num_chunks=2, group_size=2)
+    marker = Marker(rec, num_microbatches=4, num_chunks=2, group_size=2)
     marker.begin_step(0)
     for _ in range(8):
         marker("forward-compute").start()
@@ -160,13 +169,13 @@ def test_interleaved_order_assigns_chunks() -> None:
     assert sorted(mbs) == [0, 1, 2, 3]
 
 
-def test_host_marks_are_noted_live_and_recorded_at_step_end() -> None:
+def test_host_marks_are_noted_live_and_recorded_at_step_end(Marker: Any) -> None:
     # Between two pieces of training work a mark only notes its time (cheap with cold caches);
     # the step's windows reach the recorder, and its sink, at end_step. Listeners hear it live.
     rec = WindowRecorder()
     seen: list[tuple[str, str, bool]] = []
     rec.add_listener(lambda kind, name, is_begin: seen.append((kind, name, is_begin)))
-    marker = StepMarker(rec, num_microbatches=1)
+    marker = Marker(rec, num_microbatches=1)
     marker.begin_step(0)
     marker("forward-compute").start()
     marker("forward-compute").stop()
@@ -181,10 +190,10 @@ def test_host_marks_are_noted_live_and_recorded_at_step_end() -> None:
     ]  # fmt: skip
 
 
-def test_a_step_cut_short_hands_over_what_it_marked_with_the_rest_open() -> None:
+def test_a_step_cut_short_hands_over_what_it_marked_with_the_rest_open(Marker: Any) -> None:
     # What the session does at close (SIGTERM, an exception) in the middle of a step.
     rec = WindowRecorder()
-    marker = StepMarker(rec, num_microbatches=2)
+    marker = Marker(rec, num_microbatches=2)
     marker.begin_step(7)
     marker("forward-compute").start()
     marker("forward-compute").stop()

@@ -31,10 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry.schema import METRIC_NAMES, THROTTLE_BITS, Reading
 
 ActivitySpec = str | float | Callable[[int], float]
@@ -69,21 +70,23 @@ _LEVEL_OF = {"forward": 0, "backward": 0, "optimizer": 2}  # index into _LEVELS;
 _IN_STEP, _IDLE = 0.3, 0.0
 
 
-class MarkActivity:
+class PyMarkActivity:
     """Activity from the training loop's window marks (attach with WindowRecorder.add_listener).
 
     ``on_change(level)``, when set, is called whenever a mark changes the level (the session
     uses it to publish the level to a synthetic device in its telemetry process): one call per
-    change, not per mark, since marks run on the training thread. The level is the highest
-    activity of the phases open (:data:`_LEVELS`: 1.0 forward / backward, 0.5 optimizer, 0.7
-    other phases), 0.3 inside a step between phases, 0 outside steps; kept as counts of open
-    phases per activity, so a mark costs a few list operations."""
+    change, not per mark, since marks run on the training thread. An ``on_change`` that raises
+    ValueError or TypeError (where it publishes to was released: the session is stopping) is
+    dropped. The level is the highest activity of the phases open (:data:`_LEVELS`: 1.0
+    forward / backward, 0.5 optimizer, 0.7 other phases), 0.3 inside a step between phases, 0
+    outside steps; kept as counts of open phases per activity, so a mark costs a few list
+    operations. :class:`MarkActivity` is this, in C where charllm_nemo._hot was built."""
 
     def __init__(self) -> None:
         self._open = [0] * len(_LEVELS)  # phases open per activity level
         self._in_step = 0
         self.seen_any = False
-        self.on_change: Callable[[float], None] | None = None
+        self.on_change: Callable[[float], object] | None = None
         self._published = -1.0
 
     def __call__(self, kind: str, name: str, is_begin: bool) -> None:
@@ -98,7 +101,10 @@ class MarkActivity:
             level = self.level()
             if level != self._published:
                 self._published = level
-                self.on_change(level)
+                try:
+                    self.on_change(level)
+                except (ValueError, TypeError):
+                    self.on_change = None
 
     def level(self) -> float:
         o = self._open
@@ -109,6 +115,17 @@ class MarkActivity:
         if o[2]:
             return _LEVELS[2]
         return _IN_STEP if self._in_step > 0 else _IDLE
+
+
+if TYPE_CHECKING or hot is None:
+    MarkActivity = PyMarkActivity
+else:
+
+    class MarkActivity(hot.MarkActivity):
+        __doc__ = PyMarkActivity.__doc__
+
+        def __init__(self) -> None:
+            super().__init__(_LEVEL_OF, _LEVELS, _IN_STEP, _IDLE)
 
 
 class CpuActivity:

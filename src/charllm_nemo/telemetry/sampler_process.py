@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -365,14 +366,15 @@ class ProcessSampler:
         return self._name
 
     # -- the training process's side of the synthetic activity ------------------------------
-    def publish_activity(self, level: float) -> None:
-        """Set the activity level a synthetic device in the child follows (cheap; never raises)."""
+    def activity_publisher(self) -> Callable[[float], object]:
+        """What the synthetic device's ``MarkActivity.on_change`` gets: it sets the activity
+        level a synthetic device in the child follows, with no Python frame on the training
+        thread (the block's float view's ``__setitem__`` bound to the level's word). Once the
+        block is released (stop) it raises ValueError, and MarkActivity stops publishing."""
         block = self._block
-        if block is not None:
-            try:  # noqa: SIM105 (contextlib.suppress costs more, and this runs on the training thread)
-                block.d[D_ACTIVITY] = float(level)
-            except (ValueError, TypeError):  # released by a concurrent stop()
-                pass
+        if block is None:
+            raise RuntimeError("activity_publisher() before start() or after stop()")
+        return functools.partial(block.d.__setitem__, D_ACTIVITY)
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:

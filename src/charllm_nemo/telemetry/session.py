@@ -196,10 +196,8 @@ class TelemetrySession:
             self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
         self.sampler_mode = mode
         marks = getattr(self.backend, "mark_activity", None)
-        if marks is not None:
+        if marks is not None:  # in process mode it publishes to the telemetry process from start()
             self.windows.add_listener(marks)
-            if isinstance(self.sampler, ProcessSampler):
-                marks.on_change = self.sampler.publish_activity
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
         self._flusher = Flusher(self.flush, flush_interval_s)
         # Thread mode: raw rows of the last live_window_s seconds, for step_figures, kept as the
@@ -263,6 +261,9 @@ class TelemetrySession:
                 self.windows.names.set_on_new(marks.publish_name)
                 self.windows.set_sink(marks.emit_many)
                 self.windows.log_sink = marks.emit_step_log  # steps' windows are made there
+                activity = getattr(self.backend, "mark_activity", None)
+                if activity is not None:  # the synthetic device there follows the marks made here
+                    activity.on_change = self.sampler.activity_publisher()
                 self.store.manifest["sampler_process_pid"] = self.sampler.pid
                 self.store.write_manifest()
                 self._figure_columns = figure_columns()
@@ -380,9 +381,6 @@ class TelemetrySession:
         failed = self.sampler
         reason = failed.health.stop_reason
         failed.stop()
-        marks = getattr(self.backend, "mark_activity", None)
-        if marks is not None:
-            marks.on_change = None  # the thread's device reads the marks directly
         log.warning(
             "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )

@@ -29,9 +29,10 @@ Timing. A timer's ``start`` / ``stop`` only append (key, clock reading) to the s
 (telemetry/steplog.py): they run between two pieces of training work, when the CPU caches hold
 the training's data and not this code, and there every line they touch costs (on a tiny CPU
 model here, a mark that built and stored its window as it happened took 10-50 µs; noting it
-takes a few). At :meth:`StepMarker.end_step` the log becomes the step's windows, in one go: in
-the telemetry process when the session has one (the training thread only copies the log into
-the shared mark ring), else here. The clock
+takes a few; in C, less again: :class:`StepMarker`'s timers are charllm_nemo._hot's where it
+is built, :class:`PyStepMarker` is the Python twin). At :meth:`StepMarker.end_step` the log
+becomes the step's windows, in one go: in the telemetry process when the session has one (the
+training thread only copies the log into the shared mark ring), else here. The clock
 is ``time.monotonic_ns()`` on CPU runs (timing ``host``) and a CUDA event on GPU runs, resolved
 at step end by one ``torch.cuda.synchronize()`` relative to an anchor event recorded at step
 begin, right after the previous step's sync, paired with ``time.monotonic_ns()`` then (timing
@@ -46,8 +47,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry import steplog
 from charllm_nemo.telemetry.steplog import KIND_MICROBATCH, KIND_PHASE, StepLog, mark_key
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -98,10 +100,10 @@ class StepTiming:
         return (self.t_end_mono_ns - self.t_begin_mono_ns) / 1e9
 
 
-class _Timer:
-    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature. The
-    timer's phase is classified once, when mcore first asks for the name; timers that are not
-    windows (``forward-backward``, ...) return at once.
+class PyTimer:
+    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature, in Python
+    (``_hot.Timer`` is the same in C, charllm_nemo/_hot.c). ``phase`` None: not a window
+    (``forward-backward``, ...): both return at once.
 
     ``start`` / ``stop`` run between two pieces of training work, when the caches hold the
     training's data and little of this code: they only append (key, clock) to the step's flat
@@ -110,40 +112,74 @@ class _Timer:
     windows never meets one. Both are spelled out, not calls of one helper: a call fewer per
     mark."""
 
-    __slots__ = ("_k_begin", "_k_end", "_marker", "_name", "_open_in", "_phase")
+    __slots__ = ("_k_begin", "_k_end", "_m", "_open_in", "_phase")
 
-    def __init__(self, marker: StepMarker, name: str, index: int) -> None:
-        self._marker = marker
-        self._name = name
-        self._phase = marker._classify(name)
-        code = 0 if self._phase is None else marker.recorder.names.code(self._phase)
-        self._k_begin = mark_key(code, index, True)
-        self._k_end = mark_key(code, index, False)
-        self._open_in: _StepState | None = None  # the step in which the timer was started
+    def __init__(self, marker: PyMarkBase, phase: str | None, key_begin: int, key_end: int) -> None:
+        self._m = marker
+        self._phase = phase
+        self._k_begin = key_begin
+        self._k_end = key_end
+        self._open_in = 0  # the serial of the step in which the timer was started
 
     def start(self, barrier: bool = False) -> None:
         if self._phase is not None:
-            m = self._marker
-            st = m._state
-            if st is None:
+            m = self._m
+            serial = m._serial
+            if not serial:
                 m.unmatched += 1
                 return
-            self._open_in = st
+            self._open_in = serial
             m._log.extend((self._k_begin, m._clock()))
             for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
                 fn("phase", self._phase, True)
 
     def stop(self, barrier: bool = False) -> None:
         if self._phase is not None:
-            m = self._marker
-            st = m._state
-            if st is None or self._open_in is not st:
+            m = self._m
+            serial = m._serial
+            if not serial or self._open_in != serial:
                 m.unmatched += 1
                 return
-            self._open_in = None
+            self._open_in = 0
             m._log.extend((self._k_end, m._clock()))
             for fn in m._listeners:  # the recorder's (WindowRecorder.notify, one call less)
                 fn("phase", self._phase, False)
+
+
+class PyMarkBase:
+    """The timer table of a marker in Python (``_hot.MarkBase`` is the same in C):
+    ``marker(name)`` is the name's timer, made by ``_new_timer`` the first time. The fields
+    ``_log``, ``_listeners``, ``_clock``, ``_timers``, ``_serial`` and ``unmatched`` are
+    described in _hot.c."""
+
+    HOST_CLOCK: Callable[[], int] | None = time.monotonic_ns  # what ``_clock`` is on host timing
+    TIMER: Any = PyTimer
+
+    def __init__(self) -> None:
+        self._log: list[Any] = []
+        self._listeners: list[Any] = []
+        self._clock: Any = None
+        self._timers: dict[str, Any] = {}
+        self._serial = 0
+        self.unmatched = 0
+
+    def __call__(self, name: str, log_level: int | None = None) -> Any:
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._new_timer(name)
+        return timer
+
+    def _new_timer(self, name: str) -> Any:
+        raise NotImplementedError
+
+
+if TYPE_CHECKING or hot is None:
+    MarkBase = PyMarkBase
+else:
+
+    class MarkBase(hot.MarkBase):
+        HOST_CLOCK = None  # the C timers read CLOCK_MONOTONIC themselves
+        TIMER = hot.Timer
 
 
 @dataclass
@@ -153,7 +189,7 @@ class _StepState:
     anchor: Any = None
 
 
-class StepMarker:
+class _Marker:
     """Turns one rank's step and mcore timer calls into windows on a :class:`WindowRecorder`.
 
     ``kinds``: which window kinds to record (``telemetry.windows``). ``cuda``: time with CUDA
@@ -161,6 +197,19 @@ class StepMarker:
     on this rank) give the schedule order; ``group_size`` is mcore's
     ``microbatch_group_size_per_vp_stage``.
     """
+
+    # the timer table's fields (MarkBase)
+    HOST_CLOCK: Callable[[], int] | None
+    TIMER: Any
+    _log: list[Any]
+    _listeners: list[Any]
+    _clock: Any
+    _timers: dict[str, Any]
+    _serial: int
+    unmatched: int
+    if TYPE_CHECKING:
+
+        def __call__(self, name: str, log_level: int | None = None) -> Any: ...
 
     def __init__(
         self,
@@ -172,6 +221,7 @@ class StepMarker:
         kinds: tuple[str, ...] | list[str] = ("step", "microbatch", "phase"),
         cuda: bool = False,
     ) -> None:
+        super().__init__()
         self.recorder = recorder
         self.kinds = frozenset(kinds)
         self._record_phases = "phase" in self.kinds
@@ -185,21 +235,23 @@ class StepMarker:
         )
         self._host = recorder.names.code("host")
         self._cuda_timing = recorder.names.code("cuda_event")
-        self._log: list[Any] = []  # the step's marks, flat: key, clock, key, clock, ...
-        self._clock: Callable[[], Any] = self._cuda_event if cuda else time.monotonic_ns
-        self._timers: dict[str, _Timer] = {}
+        self._clock = self._cuda_event if cuda else self.HOST_CLOCK
         self._state: _StepState | None = None
+        self._steps_begun = 0  # the serial of the step in progress is this (0 between steps)
         self._events: list[Any] = []
         self._next_event = 0
-        self.unmatched = 0  # stops without a start, or marks outside a step (should stay 0)
         self._listeners = recorder.listeners  # the live list: listeners added later are seen
         recorder.add_pending_source(self.flush_pending)
 
-    # -- config.timers protocol -----------------------------------------------------------------
-    def __call__(self, name: str, log_level: int | None = None) -> _Timer:
-        timer = self._timers.get(name)
-        if timer is None:
-            timer = self._timers[name] = _Timer(self, name, len(self._timers))
+    # -- config.timers protocol (``marker(name)`` is MarkBase's) -----------------------------
+    def _new_timer(self, name: str) -> Any:
+        """The timer of a name mcore asks for the first time: its phase is classified once;
+        timers that are not windows (``forward-backward``, ...) do nothing."""
+        phase = self._classify(name)
+        code = 0 if phase is None else self.recorder.names.code(phase)
+        index = len(self._timers)
+        timer = self.TIMER(self, phase, mark_key(code, index, True), mark_key(code, index, False))
+        self._timers[name] = timer
         return timer
 
     @property
@@ -225,10 +277,12 @@ class StepMarker:
         self._log = []
         anchor = self._clock() if self.cuda else None
         self._state = _StepState(step=step, t0_ns=time.monotonic_ns(), anchor=anchor)
+        self._steps_begun += 1
+        self._serial = self._steps_begun
         if self._listeners:
             self.recorder.notify("step", "step", True)
 
-    def phase(self, name: str) -> _Timer:
+    def phase(self, name: str) -> Any:
         """A free-form phase timer for the loop's own phases (``optimizer``)."""
         return self(f"charllm:{name}")
 
@@ -239,6 +293,7 @@ class StepMarker:
         if st is None:
             raise RuntimeError("end_step() without begin_step()")
         self._state = None
+        self._serial = 0
         if not self.cuda:
             t1 = time.monotonic_ns()
             if self._listeners:
@@ -297,6 +352,7 @@ class StepMarker:
         if st is None or self.cuda:
             return
         self._state = None
+        self._serial = 0
         self._record_step(st, None, self._host)
 
     # -- timer callbacks ------------------------------------------------------------------------
@@ -312,3 +368,12 @@ class StepMarker:
         if name.startswith("charllm:"):
             return name[len("charllm:") :]
         return None  # forward-backward (the whole schedule) and anything unknown: not a window
+
+
+class StepMarker(_Marker, MarkBase):
+    __doc__ = _Marker.__doc__
+
+
+class PyStepMarker(_Marker, PyMarkBase):
+    """:class:`StepMarker` with mcore's timer calls handled in Python, whether or not the C
+    timers were built (tests compare the two; bench/bench_step_marks.py times both)."""

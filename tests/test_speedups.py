@@ -1,0 +1,216 @@
+"""charllm_nemo._hot (C) against its Python twins: the same behaviour, call for call.
+
+The C module is optional at install (no compiler: the Python twins run). scripts/test.sh sets
+CHARLLM_REQUIRE_C=1, so that CI fails when the build silently did not happen.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import random
+import time
+import weakref
+from typing import Any
+
+import pytest
+
+from charllm_nemo import speedups
+from charllm_nemo.devices.synthetic import MarkActivity, PyMarkActivity
+from charllm_nemo.telemetry.windows import WindowRecorder
+from charllm_nemo.train.marks import PyStepMarker, StepMarker
+
+needs_c = pytest.mark.skipif(
+    not speedups.IN_C, reason="charllm_nemo._hot is not in use (not built, or CHARLLM_PURE_PYTHON=1)"
+)
+
+
+def test_the_c_module_is_built_where_required() -> None:
+    if os.environ.get("CHARLLM_REQUIRE_C") == "1":
+        assert speedups.IN_C, (
+            "charllm_nemo._hot is not in use: it did not build (setup.py: is there a C compiler?), "
+            "or CHARLLM_PURE_PYTHON=1 is set"
+        )
+
+
+class Clock:
+    """A deterministic clock: 1000 ns further at every reading."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def __call__(self) -> int:
+        self.t += 1000
+        return self.t
+
+
+# Calls as mcore and the loop make them, with the odd ones a marker must survive: a stop without
+# its start, marks between steps, a timer left open into the next step, timers that are not
+# windows, keyword arguments.
+SCRIPT: list[tuple[str, ...]] = [
+    ("mark", "forward-compute", "start"),  # before any step: unmatched
+    ("begin",),
+    ("mark", "forward-backward", "start"),  # not a window
+    ("mark", "forward-compute", "start"),
+    ("mark", "forward-compute", "stop"),
+    ("mark", "backward-compute", "stop"),  # no start: unmatched
+    ("mark", "backward-compute", "start"),
+    ("mark", "backward-compute", "stop"),
+    ("mark", "forward-recv", "start"),  # left open into the next step
+    ("mark", "all-grads-sync", "start", "barrier"),
+    ("mark", "all-grads-sync", "stop"),
+    ("mark", "forward-backward", "stop"),
+    ("mark", "charllm:optimizer", "start"),
+    ("mark", "charllm:optimizer", "stop"),
+    ("end",),
+    ("mark", "forward-compute", "stop"),  # between steps: unmatched
+    ("begin",),
+    ("mark", "forward-recv", "stop"),  # opened in the step before: unmatched
+    ("mark", "forward-compute", "start"),
+    ("mark", "forward-compute", "stop"),
+    ("end",),
+]
+
+
+def play(marker: Any, heard: list[Any]) -> list[list[int]]:
+    """Run SCRIPT; the logs of its steps (taken as end_step sees them)."""
+    logs: list[list[int]] = []
+    step = 0
+    for op in SCRIPT:
+        if op[0] == "begin":
+            marker.begin_step(step)
+            step += 1
+        elif op[0] == "end":
+            logs.append(list(marker._log))
+            marker.end_step()
+        else:
+            timer = marker(op[1], log_level=2)
+            if len(op) > 3:
+                getattr(timer, op[2])(barrier=False)
+            else:
+                getattr(timer, op[2])()
+    heard.extend(marker.recorder.drain())
+    return logs
+
+
+@needs_c
+def test_c_timers_log_what_the_python_ones_log() -> None:
+    out = {}
+    for cls in (StepMarker, PyStepMarker):
+        rec = WindowRecorder()
+        heard: list[tuple[str, str, bool]] = []
+        rec.add_listener(lambda *a, heard=heard: heard.append(a))
+        marker = cls(rec, num_microbatches=1)
+        marker._clock = Clock()
+        windows: list[Any] = []
+        logs = play(marker, windows)
+        for w in windows:  # step windows are timed by end_step's own clock: differ
+            if w["kind"] == "step":
+                w.pop("t_begin_mono_ns"), w.pop("t_end_mono_ns")
+            w.pop("t_begin_wall_ns")
+        out[cls] = (logs, heard, windows, marker.unmatched)
+    c, py = out[StepMarker], out[PyStepMarker]
+    assert c == py
+    logs, heard, windows, unmatched = c
+    assert unmatched == 4
+    assert [len(log) // 2 for log in logs] == [9, 2]  # marks noted per step
+    assert ("phase", "grad-sync", True) in heard and ("phase", "forward-backward", True) not in heard
+    assert sorted(w["name"] for w in windows if w["kind"] == "phase") == [
+        "backward", "forward", "forward", "grad-sync", "optimizer",
+    ]  # fmt: skip
+
+
+@needs_c
+def test_c_timers_read_clock_monotonic() -> None:
+    marker = StepMarker(WindowRecorder(), num_microbatches=1)
+    assert marker._clock is None
+    marker.begin_step(0)
+    t0 = time.monotonic_ns()
+    marker("forward-compute").start()
+    t1 = time.monotonic_ns()
+    assert t0 <= marker._log[1] <= t1
+    marker.end_step()
+
+
+@needs_c
+def test_c_timers_raise_what_a_listener_raises_and_keep_the_mark() -> None:
+    rec = WindowRecorder()
+
+    def broken(kind: str, name: str, is_begin: bool) -> None:
+        raise RuntimeError("listener failed")
+
+    marker = StepMarker(rec, num_microbatches=1)
+    marker.begin_step(0)
+    rec.add_listener(broken)  # after begin_step, whose own notify would raise first
+    with pytest.raises(RuntimeError, match="listener failed"):
+        marker("forward-compute").start()
+    assert len(marker._log) == 2
+
+
+@needs_c
+def test_c_marker_fields_refuse_wrong_types_and_are_collected() -> None:
+    marker = StepMarker(WindowRecorder(), num_microbatches=1)
+    with pytest.raises(TypeError, match="_log must be a list"):
+        marker._log = ()  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="_clock must be None or a callable"):
+        marker._clock = 3
+    marker("forward-compute")  # a timer: a cycle marker -> _timers -> timer -> marker
+    ref = weakref.ref(marker)
+    del marker
+    gc.collect()
+    assert ref() is None
+
+
+def events(seed: int, n: int = 400) -> list[tuple[str, str, bool]]:
+    rng = random.Random(seed)
+    names = ["forward", "backward", "optimizer", "grad-sync", "pp-forward-recv"]
+    out = []
+    for _ in range(n):
+        kind = rng.choice(["phase", "phase", "phase", "step", "other"])
+        out.append((kind, rng.choice(names), rng.random() < 0.55))
+    return out
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(5))
+def test_c_mark_activity_follows_the_marks_as_the_python_one(seed: int) -> None:
+    levels: dict[type, list[float]] = {}
+    published: dict[type, list[float]] = {}
+    for cls in (MarkActivity, PyMarkActivity):
+        act = cls()
+        assert not act.seen_any and act.level() == 0.0
+        pub: list[float] = []
+        act.on_change = pub.append
+        seen = []
+        for i, ev in enumerate(events(seed)):
+            if i == 200:  # on_change taken away and given back midway
+                act.on_change = None
+            if i == 250:
+                act.on_change = pub.append
+            act(*ev)
+            seen.append(act.level())
+        assert act.seen_any
+        levels[cls], published[cls] = seen, pub
+    assert levels[MarkActivity] == levels[PyMarkActivity]
+    assert published[MarkActivity] == published[PyMarkActivity]
+    assert set(levels[MarkActivity]) <= {0.0, 0.3, 0.5, 0.7, 1.0}
+
+
+@pytest.mark.parametrize("cls", [MarkActivity, PyMarkActivity])
+def test_mark_activity_stops_publishing_where_the_block_was_released(cls: Any) -> None:
+    buf = memoryview(bytearray(8)).cast("d")
+    act = cls()
+    act.on_change = functools.partial(buf.__setitem__, 0)  # as the session's activity_publisher()
+    act("step", "step", True)
+    assert buf[0] == 0.3
+    buf.release()  # what stop() does to the shared block
+    act("phase", "forward", True)  # ValueError from the released view: dropped, not raised
+    assert act.on_change is None and act.level() == 1.0
+
+    def broken(level: float) -> None:
+        raise RuntimeError("a bug, not a released block")
+
+    act.on_change = broken
+    with pytest.raises(RuntimeError):
+        act("phase", "forward", False)
