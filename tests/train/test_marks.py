@@ -143,6 +143,11 @@ def test_kinds_select_windows(Marker: Any) -> None:
     assert marker.phases_on  # microbatch windows are built from the phase timers
     run_step(marker, 0)
     assert {r["kind"] for r in rec2.drain()} == {"microbatch"}
+    rec3 = WindowRecorder()  # telemetry off: the loop still times its steps, nothing is recorded
+    marker = Marker(rec3, num_microbatches=4, kinds=[])
+    timing = run_step(marker, 0)
+    assert timing.window_id is None and timing.seconds > 0
+    assert rec3.drain() == [] and rec3.total_recorded == 0
 
 
 def test_interleaved_order_assigns_chunks(Marker: Any) -> None:

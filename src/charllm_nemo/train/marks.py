@@ -317,6 +317,8 @@ class _Marker:
         become open windows (made here). Returns the step window's id."""
         rec, log = self.recorder, self._log
         self._log = []
+        if not self.kinds:  # telemetry off (the loop still times its steps): nothing to record
+            return None
         n_ids = steplog.ids_needed(len(log), self.num_microbatches, self._kinds_mask)
         wid = parent = None
         if "step" not in self.kinds:
