@@ -114,7 +114,7 @@ STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (
 STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
 SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
 ORDERS = ("abba", "random")
-CONTRASTS = ("all", "thread", "process", "timers")
+CONTRASTS = ("all", "thread", "process", "timers", "figures")
 
 
 class BenchRefused(Exception):
@@ -671,9 +671,12 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         # process runs throughout); "process": only the process (the calls in every step).
         # "timers": the same calls in every step, the process running; OFF steps with mcore's
         # timer calls handled in Python (PyStepMarker), ON steps with the C ones where built.
+        # "figures": OFF steps make the same marks (the process running) but neither ask for
+        # figures nor read an earlier step's.
         contrast = opts.get("contrast", "all")
         freeze = contrast in ("all", "process")
-        calls_off = contrast in ("process", "timers")
+        calls_off = contrast in ("process", "timers", "figures")
+        no_figures = contrast == "figures"
         marker_calls_off = marker_on
         if contrast == "timers":
             marker_calls_off = PyStepMarker(
@@ -736,7 +739,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             stopped_ok = wait_stopped() if freeze else True
             current = "off"
             for _ in range(warmup):
-                if calls_off:
+                if no_figures:
+                    one_step(marker_calls_off, None, PendingSteps())
+                elif calls_off:
                     one_step(marker_calls_off, session, pending_on, request)
                 else:
                     one_step(marker_off, None, PendingSteps())
@@ -772,7 +777,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        if calls_off:  # --contrast process / timers: the OFF step makes the calls too
+                        if no_figures:  # --contrast figures: the marks, no figure calls
+                            t = one_step(marker_calls_off, None, PendingSteps())
+                        elif calls_off:  # --contrast process / timers: the OFF step makes the calls too
                             t = one_step(marker_calls_off, session, pending_on, request)
                         else:
                             t = one_step(marker_off, None, PendingSteps())
@@ -1441,7 +1448,8 @@ def main() -> None:
         help="step mode: what the OFF steps leave out. all (default): the telemetry process (frozen) and "
         "the training thread's telemetry calls; thread: only the calls (the process runs throughout); "
         "process: only the process (the calls in every step); timers: nothing but how mcore's timer calls "
-        "are handled (OFF steps: in Python, PyStepMarker; ON steps: StepMarker, in C where it was built)",
+        "are handled (OFF steps: in Python, PyStepMarker; ON steps: StepMarker, in C where it was built); "
+        "figures: only the figure calls (OFF steps make the marks but neither ask for nor read figures)",
     )
     ap.add_argument(
         "--time-calls",
