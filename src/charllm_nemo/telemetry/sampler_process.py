@@ -103,8 +103,9 @@ class ProcessSampler:
 
     ``backend``, ``devices`` (host indices, None = all) and ``backend_options`` are what the
     child passes to :func:`~charllm_nemo.devices.factory.open_backend`; the options must be
-    picklable. For ``synthetic``, activity ``marks`` / ``auto`` follows :meth:`publish_activity`
-    (the session calls it on every window mark; ``auto`` = the training process's CPU use until
+    picklable. For ``synthetic``, activity ``marks`` / ``auto`` follows the level set through
+    :meth:`activity_publisher` (the session hands it to the device's mark listener, which calls
+    it whenever a window mark changes the level; ``auto`` = the training process's CPU use until
     the first mark) and ``cpu`` is the training process's CPU use. ``capacity``: ring rows
     (default: 16 s at ``hz`` for every device, at least 4096). ``store``: ``rank_dir``,
     ``flush_interval_s``, ``live_window_s``: the child writes that rank's segments and answers
