@@ -683,6 +683,14 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
             )
 
+        def off_step() -> tuple[float, float, float]:
+            """One OFF step, as --contrast has it."""
+            if no_figures:  # the marks, no figure calls
+                return one_step(marker_calls_off, None, PendingSteps())
+            if calls_off:  # process / timers: the OFF step makes the calls too
+                return one_step(marker_calls_off, session, pending_on, request)
+            return one_step(marker_off, None, PendingSteps())
+
         def switch(arm: str) -> None:
             """Between steps: freeze / wake the telemetry process and swap the loop's timers."""
             if arm == "off" and running[0] and freeze:
@@ -739,19 +747,14 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             stopped_ok = wait_stopped() if freeze else True
             current = "off"
             for _ in range(warmup):
-                if no_figures:
-                    one_step(marker_calls_off, None, PendingSteps())
-                elif calls_off:
-                    one_step(marker_calls_off, session, pending_on, request)
-                else:
-                    one_step(marker_off, None, PendingSteps())
+                off_step()
             for arm in ["on", "off", "off", "on"] * STEP_WARM_QUADS:
                 switch(arm)
                 current = arm
                 if arm == "on":
                     one_step(marker_on, session, pending_on, request)
                 else:
-                    one_step(marker_off, None, PendingSteps())
+                    off_step()
             fig_counts.update(asked=0, not_ready=0, requested=0)
             s_prev = snapshot()
             tp_cpu0 = process_cpu_ns(pid)  # the telemetry process's CPU: it runs only while ON
@@ -777,12 +780,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        if no_figures:  # --contrast figures: the marks, no figure calls
-                            t = one_step(marker_calls_off, None, PendingSteps())
-                        elif calls_off:  # --contrast process / timers: the OFF step makes the calls too
-                            t = one_step(marker_calls_off, session, pending_on, request)
-                        else:
-                            t = one_step(marker_off, None, PendingSteps())
+                        t = off_step()
                         if prof is not None:
                             prof.disable()
                         gc_state["arm"] = None
