@@ -221,7 +221,7 @@ def _posixshmem() -> Any:
 
 # MAP_POPULATE: the block's pages are allocated and mapped when it is mapped, in each process.
 # Otherwise the first write to each 4 KiB page of the mark ring faults, on the training thread
-# inside end_step: with ~700 bytes per tiny_gpt step, one step in six paid ~35 µs for it, for
+# inside end_step: with ~700 bytes per tiny_gpt step, one step in five paid ~35 µs for it, for
 # the first ~3000 steps (docs/bench-train.md).
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
