@@ -132,6 +132,29 @@ def test_cuda_event_marks_resolve_at_step_end(monkeypatch: pytest.MonkeyPatch, M
     assert len(marker._events) == marker._next_event
 
 
+def test_cuda_marks_stay_inside_their_step_when_the_anchor_runs_late(
+    monkeypatch: pytest.MonkeyPatch, Marker: Any
+) -> None:
+    # The anchor event executes some time after the host clock is read (on a GPU: the stream's
+    # latency; here: 2 ms). Times resolved from it must not run ahead of the host clock, or the
+    # step's end, clamped to the host clock after the sync, would cut its last marks.
+    marker: Any = None
+
+    class LateAnchor(FakeEvent):
+        def record(self) -> None:
+            super().record()
+            if marker._events and marker._events[0] is self:
+                time.sleep(0.002)
+
+    monkeypatch.setattr(torch.cuda, "Event", LateAnchor)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    rec = WindowRecorder()
+    marker = Marker(rec, num_microbatches=4, cuda=True)
+    for step in range(3):
+        run_step(marker, step)
+        check_windows(rec.drain(), "cuda_event")
+
+
 def test_kinds_select_windows(Marker: Any) -> None:
     rec = WindowRecorder()
     marker = Marker(rec, num_microbatches=4, kinds=["step"])

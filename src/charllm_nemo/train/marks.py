@@ -35,11 +35,12 @@ becomes the step's windows, in one go: in the telemetry process when the session
 training thread only copies the log into the shared mark ring), else here. The clock
 is ``time.monotonic_ns()`` on CPU runs (timing ``host``) and a CUDA event on GPU runs, resolved
 at step end by one ``torch.cuda.synchronize()`` relative to an anchor event recorded at step
-begin, right after the previous step's sync, paired with ``time.monotonic_ns()`` then (timing
-``cuda_event``); no per-microbatch sync. The recorder's listeners (the synthetic device follows
-the phases) are told of every begin and end as it happens. A session closed in the middle of a
-step (SIGTERM, an exception) gets what the step marked so far (:meth:`StepMarker.flush_pending`);
-a SIGKILL of the training process loses the windows of the step in progress.
+begin, right after the previous step's sync, paired with ``time.monotonic_ns()`` read just
+before it (timing ``cuda_event``); no per-microbatch sync. The recorder's listeners (the
+synthetic device follows the phases) are told of every begin and end as it happens. A session
+closed in the middle of a step (SIGTERM, an exception) gets what the step marked so far
+(:meth:`StepMarker.flush_pending`); a SIGKILL of the training process loses the windows of the
+step in progress.
 """
 
 from __future__ import annotations
@@ -275,8 +276,11 @@ class _Marker:
         """Call right before zeroing grads; on CUDA right after the previous step's sync."""
         self._next_event = 0
         self._log = []
+        # The host clock first, then the anchor: a time resolved from an event is then never
+        # ahead of the host clock, and the clamp of the step's end (end_step) never cuts a mark.
+        t0 = time.monotonic_ns()
         anchor = self._clock() if self.cuda else None
-        self._state = _StepState(step=step, t0_ns=time.monotonic_ns(), anchor=anchor)
+        self._state = _StepState(step=step, t0_ns=t0, anchor=anchor)
         self._steps_begun += 1
         self._serial = self._steps_begun
         if self._listeners:
