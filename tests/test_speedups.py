@@ -14,6 +14,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 
 from charllm_nemo import speedups
@@ -215,3 +216,44 @@ def test_mark_activity_stops_publishing_where_the_block_was_released(cls: Any) -
     act.on_change = broken
     with pytest.raises(RuntimeError):
         act("phase", "forward", False)
+
+
+def ring_writers() -> list[Any]:
+    from charllm_nemo.telemetry.shm import write_ring_py
+
+    return [write_ring_py] + ([speedups.hot.write_ring] if speedups.hot is not None else [])
+
+
+@pytest.mark.parametrize("w", [0, 3, 5, 6, 11, 1000])
+def test_write_ring_writes_pads_and_wraps_as_its_python_twin(w: int) -> None:
+    """A 6-record ring of 4 words after a 16-byte head; 10 ints = 3 records from record w % 6."""
+    import array
+
+    outs = []
+    for write in ring_writers():
+        buf = bytearray(b"\xff" * (16 + 6 * 4 * 8))
+        n = write(buf, 16, 6, w, 4, (7, -1), [2**62, -(2**63)], (1, 2, 3, np.int64(4), 5, 6))
+        assert n == 3
+        outs.append(bytes(buf))
+        words = array.array("q", buf[16:])
+        want = [7, -1, 2**62, -(2**63), 1, 2, 3, 4, 5, 6, 0, 0]
+        got = [words[(w % 6 * 4 + i) % 24] for i in range(12)]
+        assert got == want
+        assert buf[:16] == b"\xff" * 16  # nothing before the ring
+        untouched = [words[(w % 6 * 4 + i) % 24] for i in range(12, 24)]
+        assert untouched == [-1] * 12
+    assert len(set(outs)) == 1
+
+
+def test_write_ring_refuses_what_does_not_fit_and_bad_ints() -> None:
+    for write in ring_writers():
+        buf = bytearray(16 + 2 * 4 * 8)
+        with pytest.raises(ValueError):
+            write(buf, 16, 2, 0, 4, list(range(9)))  # 3 records in a 2-record ring
+        with pytest.raises(OverflowError):
+            write(buf, 16, 2, 0, 4, [2**63])
+        with pytest.raises((TypeError, BufferError)):
+            write(bytes(buf), 16, 2, 0, 4, [1])  # read-only
+        with pytest.raises(ValueError):  # the ring runs past the buffer
+            write(bytearray(64), 16, 2, 0, 4, [1])
+        assert write(buf, 16, 2, 1, 4, []) == 0

@@ -7,6 +7,8 @@
  *    step's log).
  * 2. MarkActivity: devices/synthetic.py's MarkActivity (the synthetic device's activity level
  *    from the window marks), a listener the timers call on every mark.
+ * 3. write_ring: telemetry/shm.py's write_ring_py (a step's log, a figure request or window
+ *    records written into the shared mark ring at step end).
  *
  * Megatron-Core runs ``config.timers(name, log_level=...).start()`` and ``.stop()`` between two
  * pieces of training work, ~26 times in a tiny_gpt step. In Python each is two calls (the
@@ -561,6 +563,101 @@ static PyTypeObject ActivityType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* -- write_ring ----------------------------------------------------------------------------- */
+
+/* write_ring(buffer, base, cap, w, record_len, *parts) -> records written
+ *
+ * The ints of ``parts`` (lists or tuples of ints), one after another and zero-padded to whole
+ * records of ``record_len`` int64 words, written into a ring of ``cap`` records that starts at
+ * byte ``base`` of the writable ``buffer``, from record ``w % cap`` on (wrapping to record 0).
+ * The caller checks the room and publishes the new write position (telemetry/shm.py MarkWriter,
+ * whose Python twin this is): a step's log goes into the mark ring in one call, with no list
+ * built for it. Raises ValueError when the ints do not fit in the ring or the buffer, OverflowError
+ * for an int outside int64. */
+static PyObject *
+write_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 5) {
+        PyErr_SetString(PyExc_TypeError, "write_ring(buffer, base, cap, w, record_len, *parts)");
+        return NULL;
+    }
+    long long base = PyLong_AsLongLong(args[1]);
+    long long cap = PyLong_AsLongLong(args[2]);
+    long long w = PyLong_AsLongLong(args[3]);
+    long long rlen = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (base < 0 || cap <= 0 || w < 0 || rlen <= 0) {
+        PyErr_SetString(PyExc_ValueError, "write_ring: base, w >= 0 and cap, record_len > 0");
+        return NULL;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t p = 5; p < nargs; p++) {
+        if (!PyList_Check(args[p]) && !PyTuple_Check(args[p])) {
+            PyErr_SetString(PyExc_TypeError, "write_ring: the parts must be lists or tuples of ints");
+            return NULL;
+        }
+        total += PySequence_Fast_GET_SIZE(args[p]);
+    }
+    long long n = (total + rlen - 1) / rlen;
+    if (n > cap) {
+        PyErr_SetString(PyExc_ValueError, "write_ring: more records than the ring holds");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (base + cap * rlen * 8 > view.len) {
+        PyErr_SetString(PyExc_ValueError, "write_ring: the ring does not fit in the buffer");
+        goto done;
+    }
+    long long *ring = (long long *)((char *)view.buf + base);
+    long long words = cap * rlen, pos = (w % cap) * rlen, written = 0;
+    for (Py_ssize_t p = 5; p < nargs; p++) {
+        PyObject *part = args[p];
+        /* The size and items are read again each time: an int-like item's __index__ may change
+         * a list; no more than the n records counted (and checked for room) are ever written. */
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(part) && written < n * rlen; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(part, i);
+            long long v;
+            if (PyLong_CheckExact(item)) {
+                v = PyLong_AsLongLong(item);
+            }
+            else {
+                Py_INCREF(item);
+                PyObject *index = PyNumber_Index(item); /* numpy ints and the like */
+                Py_DECREF(item);
+                if (index == NULL)
+                    goto done;
+                v = PyLong_AsLongLong(index);
+                Py_DECREF(index);
+            }
+            if (v == -1 && PyErr_Occurred())
+                goto done;
+            ring[pos] = v;
+            if (++pos == words)
+                pos = 0;
+            written++;
+        }
+    }
+    for (; written < n * rlen; written++) {
+        ring[pos] = 0;
+        if (++pos == words)
+            pos = 0;
+    }
+    result = PyLong_FromLongLong(n);
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef hot_functions[] = {
+    {"write_ring", (PyCFunction)(void (*)(void))write_ring, METH_FASTCALL,
+     "write_ring(buffer, base, cap, w, record_len, *parts) -> records written (telemetry/shm.py)"},
+    {NULL},
+};
+
 /* -- module --------------------------------------------------------------------------------- */
 
 static struct PyModuleDef hot_module = {
@@ -568,6 +665,7 @@ static struct PyModuleDef hot_module = {
     .m_name = "charllm_nemo._hot",
     .m_doc = "What runs on the training thread between two pieces of training work, in C.",
     .m_size = -1,
+    .m_methods = hot_functions,
 };
 
 PyMODINIT_FUNC

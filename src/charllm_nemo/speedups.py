@@ -1,9 +1,10 @@
 """The C twins of what runs on the training thread between two pieces of training work.
 
 ``charllm_nemo._hot`` (src/charllm_nemo/_hot.c, built at install when a C compiler is there)
-holds Megatron-Core's timer calls (train/marks.py) and the synthetic device's mark listener
-(devices/synthetic.py) in C. Each has a Python twin with the same behaviour, used when the
-module is not built or when ``CHARLLM_PURE_PYTHON=1`` is set in the environment; tests run both.
+holds Megatron-Core's timer calls (train/marks.py), the synthetic device's mark listener
+(devices/synthetic.py) and the mark ring's writer (telemetry/shm.py) in C. Each has a Python
+twin with the same behaviour, used when the module is not built or when
+``CHARLLM_PURE_PYTHON=1`` is set in the environment; tests run both.
 docs/training-internals.md says what they save.
 """
 

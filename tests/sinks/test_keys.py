@@ -89,6 +89,12 @@ def test_a_rank_with_two_devices_adds_energy_and_power_and_takes_the_worst_peak(
     assert combine_devices(a)["energy_j"] == 10.0  # one row as a mapping
     few = ("temp_gpu_peak_c", "energy_j")  # what the console asks for: those, combined alike
     assert combine_devices([a, b], few) == {name: f[name] for name in few}
+    # One device takes a shortcut; it gives what combining it with a device that knows nothing gives.
+    for row in (a, b, {"energy_j": True, "power_peak_w": "x", "temp_gpu_peak_c": math.inf}, {}):
+        alone, with_blank = combine_devices([row]), combine_devices([row, {}])
+        assert alone.keys() == with_blank.keys()
+        for k, v in alone.items():
+            assert v == with_blank[k] or (math.isnan(v) and math.isnan(with_blank[k])), k
 
 
 def test_rank_keys_omit_what_is_not_known_instead_of_logging_zero():

@@ -317,6 +317,19 @@ def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tm
         assert {r["vpp_chunk"] for r in made if r["name"] == "forward"} == {0, 1}
 
 
+def test_records_that_do_not_all_fit_are_written_as_far_as_they_fit(block):
+    _ring, marks, _rec = _wire(block)  # 8 records
+    recs = [tuple(range(i * 17, (i + 1) * 17)) for i in range(11)]
+    marks.emit_many(recs[:5])
+    marks.emit_many(recs[5:])  # 3 free: 3 written, 3 dropped
+    assert block.q[shm.H_MARK_WRITE] == 8 and marks.dropped == 3 == block.q[shm.H_MARKS_DROPPED]
+    lay = block.layout
+    ring = block.q[lay.marks0 : lay.marks0 + 8 * 17].tolist()
+    assert ring == [v for rec in recs[:8] for v in rec]
+    with pytest.raises(TypeError, match="17 ints"):
+        marks.emit_many([tuple(range(16))])
+
+
 def test_a_step_log_that_does_not_fit_is_dropped_whole_and_counted(block):
     _ring, marks, _rec = _wire(block)  # 8 records
     marks.emit_step_log(list(range(5 * 17)))  # 6 records: fits

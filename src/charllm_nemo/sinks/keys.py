@@ -99,6 +99,9 @@ def combine_devices(
         rows = []
     elif isinstance(rows, Mapping):
         rows = [rows]
+    if len(rows) == 1:  # one device (one GPU per rank): its own values, as _combine leaves them
+        row = rows[0]
+        return {name: math.nan if (v := finite(row.get(name))) is None else v for name in names}
     out: dict[str, float] = {}
     for name in names:
         vals = [v for r in rows if (v := finite(r.get(name))) is not None]

@@ -523,10 +523,13 @@ class TelemetrySession:
         self, t_begin: int, t_end: int, wait_s: float, figures: Collection[str] | None
     ) -> list[dict[str, Any]] | None:
         assert isinstance(self.sampler, ProcessSampler)
-        self.request_figures(t_begin, t_end, figures)
+        keep = self._mask_of(figures)[1]  # the figures wanted and duration_s, or None: all
         asked = self._requests.get((t_begin, t_end))
-        if asked is None:
-            return None
+        if asked is None or not (asked[1] is None or (keep is not None and keep <= asked[1])):
+            self.request_figures(t_begin, t_end, figures)  # not asked for (all of) them yet
+            asked = self._requests.get((t_begin, t_end))
+            if asked is None:
+                return None
         seq = asked[0]
         answer = self.sampler.read_figures(seq)
         if answer is None and wait_s > 0:
@@ -536,7 +539,6 @@ class TelemetrySession:
                 answer = self.sampler.read_figures(seq)
         if answer is None:
             return None
-        keep = self._mask_of(figures)[1]  # the figures wanted and duration_s, or None: all
         out = []
         for idx, values in answer[2]:
             row = decode_figures(values, self._figure_columns, keep)

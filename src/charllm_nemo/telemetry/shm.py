@@ -51,10 +51,12 @@ import re
 import secrets
 import struct
 import threading
-from collections.abc import Collection, Sequence
+from array import array
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
@@ -432,6 +434,33 @@ def copy_rows(block: Block, first: int, end: int) -> list[Row]:
 # -- the mark ring and the names (training process -> telemetry process) ---------------------------
 
 
+def write_ring_py(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
+    """The ints of ``parts``, one after another and zero-padded to whole records of
+    ``record_len`` int64 words, written into the ring of ``cap`` records at byte ``base`` of
+    ``buffer`` from record ``w % cap`` on, wrapping to record 0; returns the records written.
+    The caller checks the room and publishes the write position. ``_hot.write_ring`` is the
+    same in C (:data:`write_ring` is whichever runs here)."""
+    data = [v for part in parts for v in part]
+    n = -(-len(data) // record_len)
+    if n > cap:
+        raise ValueError("write_ring: more records than the ring holds")
+    data += [0] * (n * record_len - len(data))
+    words, pos = cap * record_len, (w % cap) * record_len
+    if base + words * 8 > len(buffer):
+        raise ValueError("write_ring: the ring does not fit in the buffer")
+    with memoryview(buffer) as raw, raw[base : base + words * 8].cast("q") as ring:
+        k = min(len(data), words - pos)
+        ring[pos : pos + k] = array("q", data[:k])
+        ring[: len(data) - k] = array("q", data[k:])
+    return n
+
+
+write_ring: Callable[..., int] = write_ring_py if hot is None else hot.write_ring
+
+
+_FIGURES_TAIL = (NULL,) * (RECORD_LEN - 9)  # a figure request's unused fields
+
+
 class MarkWriter:
     """The training process's side of the mark ring: the WindowRecorder's sink and the
     publisher of its name table. Never blocks: a full ring drops the record and counts it."""
@@ -441,8 +470,6 @@ class MarkWriter:
         lay = block.layout
         self.cap = lay.mark_capacity
         self.base = lay.marks0 * 8
-        self._pack = struct.Struct(f"<{RECORD_LEN}q").pack_into
-        self._packers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._names_used = block.q[H_NAMES_BYTES]
         self.dropped = 0
@@ -455,52 +482,38 @@ class MarkWriter:
     def emit_many(self, recs: Sequence[Record]) -> None:
         """Write records in order (the WindowRecorder's sink); those that do not fit in the ring
         are dropped and counted."""
+        if any(len(rec) != RECORD_LEN for rec in recs):
+            raise TypeError(f"a mark-ring record has {RECORD_LEN} ints")
+        self._write(len(recs), recs, whole=False)
+
+    def emit_step_log(self, *parts: Sequence[int]) -> None:
+        """Write a step's packed log (the ints of ``parts`` one after another: steplog.pack or
+        its pieces) as one run of consecutive records; drop it (counting its records) if the ring
+        lacks room for all of them."""
+        size = sum(map(len, parts))
+        self._write(-(-(2 + size) // RECORD_LEN), ((RECORD_STEP_LOG, size), *parts), whole=True)
+
+    def _write(self, n: int, parts: Sequence[Sequence[int]], whole: bool) -> None:
+        """Write ``n`` records' ints (``parts``, one after another; ``write_ring`` pads the last
+        record) and publish them. Where the ring lacks room for all: ``whole``, drop them all;
+        else write the records that fit (then each part is one record) and drop the rest. The
+        drops are counted."""
         q = self.block.q
         try:
             with self._lock:
                 w = q[H_MARK_WRITE]
                 room = self.cap - (w - q[H_MARKS_FLUSHED])
-                if room < len(recs):
-                    self.dropped += len(recs) - max(room, 0)
+                if room < n:
+                    kept = 0 if whole else max(room, 0)
+                    self.dropped += n - kept
                     q[H_MARKS_DROPPED] = self.dropped
-                    recs = recs[: max(room, 0)]
-                mm, pack, base, cap, size = self.block.mm, self._pack, self.base, self.cap, RECORD_LEN * 8
-                for rec in recs:
-                    pack(mm, base + (w % cap) * size, *rec)
-                    w += 1
-                q[H_MARK_WRITE] = w
-        except ValueError:  # the block was released by a concurrent close: nowhere to write
-            self.dropped += len(recs)
-
-    def emit_step_log(self, ints: Sequence[int]) -> None:
-        """Write a step's packed log (steplog.pack) as one run of consecutive records; drop it
-        (counting its records) if the ring lacks room for all of them."""
-        data = [RECORD_STEP_LOG, len(ints), *ints]
-        n = -(-len(data) // RECORD_LEN)
-        data += [0] * (n * RECORD_LEN - len(data))
-        q = self.block.q
-        try:
-            with self._lock:
-                w = q[H_MARK_WRITE]
-                if self.cap - (w - q[H_MARKS_FLUSHED]) < n:
-                    self.dropped += n
-                    q[H_MARKS_DROPPED] = self.dropped
-                    return
-                lo = w % self.cap
-                k = min(n, self.cap - lo)  # records before the ring's end; the rest wrap to 0
-                self._packer(k)(self.block.mm, self.base + lo * RECORD_LEN * 8, *data[: k * RECORD_LEN])
-                if k < n:
-                    self._packer(n - k)(self.block.mm, self.base, *data[k * RECORD_LEN :])
+                    n, parts = kept, parts[:kept]
+                    if not n:
+                        return
+                write_ring(self.block.mm, self.base, self.cap, w, RECORD_LEN, *parts)
                 q[H_MARK_WRITE] = w + n
         except ValueError:  # the block was released by a concurrent close: nowhere to write
             self.dropped += n
-
-    def _packer(self, n: int) -> Any:
-        """``pack_into`` for ``n`` records (cached per count)."""
-        p = self._packers.get(n)
-        if p is None:
-            p = self._packers[n] = struct.Struct(f"<{n * RECORD_LEN}q").pack_into
-        return p
 
     def publish_name(self, code: int, text: str) -> None:
         """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""
@@ -526,10 +539,8 @@ class MarkWriter:
         those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure). ``batch``:
         the answer may wait until that many requests can be answered together (the collector's
         ``serve`` says how long at most)."""
-        rec = [NULL] * RECORD_LEN
-        rec[0], rec[1], rec[2], rec[3] = RECORD_FIGURES, seq, mask, batch
-        rec[7], rec[8] = t_begin_mono_ns, t_end_mono_ns
-        self.emit(tuple(rec))
+        head = (RECORD_FIGURES, seq, mask, batch, NULL, NULL, NULL, t_begin_mono_ns, t_end_mono_ns)
+        self._write(1, (head, _FIGURES_TAIL), whole=True)
 
 
 def read_names(block: Block, known: list[str]) -> None:

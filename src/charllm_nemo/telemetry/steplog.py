@@ -7,7 +7,7 @@ end: :func:`mark_key`) and the clock reading. At step end the log becomes the st
 
 * on the training thread (the session samples in a thread, or a step cut short at close);
 * in the telemetry process: the training thread writes the raw log into the mark ring as one
-  step-log record (:func:`pack` here, ``MarkWriter.emit_step_log`` in telemetry/shm.py), and
+  step-log record (:func:`pack`'s pieces here, ``MarkWriter.emit_step_log`` in telemetry/shm.py), and
   the collector turns it into window records (:func:`unpack`, :func:`step_records`). With the
   caches a training step leaves, that took ``end_step`` in a tiny_gpt step from 79 µs to
   44-48 µs (18 -> 3.5 µs hot; docs/bench-train.md).
@@ -89,12 +89,33 @@ def _or_none(v: int) -> int | None:
 _FIXED = 12 + len(WINDOW_LABELS)  # the ints before the order and the marks
 
 
+def head(
+    step: int, t_begin: int, t_end: int | None, wall_offset: int, timing: int,
+    step_window_id: int | None, parent_id: int | None, first_child_id: int,
+) -> tuple[int, ...]:  # fmt: skip
+    """The ints a log starts with: what changes from step to step."""
+    return (
+        step, t_begin, _opt(t_end), wall_offset, timing,
+        _opt(step_window_id), _opt(parent_id), first_child_id,
+    )  # fmt: skip
+
+
+def shape(
+    num_microbatches: int, num_chunks: int, kinds: int, labels: Sequence[int], order: Sequence[int]
+) -> list[int]:
+    """The ints between the :func:`head` and the marks: what a marker keeps from step to step."""
+    return [num_microbatches, num_chunks, kinds, *labels, len(order), *order]
+
+
 def pack(log: StepLog) -> list[int]:
-    """The log as ints (what goes into the mark ring after the record type and the length)."""
+    """The log as ints (what goes into the mark ring after the record type and the length):
+    :func:`head`, :func:`shape`, the marks. A marker ships the three pieces as they are
+    (``MarkWriter.emit_step_log`` takes them in order)."""
     return [
-        log.step, log.t_begin, _opt(log.t_end), log.wall_offset, log.timing, _opt(log.step_window_id),
-        _opt(log.parent_id), log.first_child_id, log.num_microbatches, log.num_chunks, log.kinds,
-        *log.labels, len(log.order), *log.order, *log.marks,
+        *head(log.step, log.t_begin, log.t_end, log.wall_offset, log.timing, log.step_window_id,
+              log.parent_id, log.first_child_id),
+        *shape(log.num_microbatches, log.num_chunks, log.kinds, log.labels, log.order),
+        *log.marks,
     ]  # fmt: skip
 
 

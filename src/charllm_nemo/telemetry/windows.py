@@ -130,7 +130,7 @@ class WindowRecorder:
         self._stack: list[int] = []
         self._done: list[Record] = []
         self._sink: Callable[[Sequence[Record]], None] = self._done.extend
-        self.log_sink: Callable[[Sequence[int]], None] | None = None
+        self.log_sink: Callable[..., None] | None = None
         """Where a StepMarker sends a step's raw log (telemetry/steplog.py) instead of making its
         windows here: the telemetry process's mark ring (set by the session in process mode)."""
         self.steps_shipped = 0
@@ -336,10 +336,10 @@ class WindowRecorder:
             self._sink(recs)
             self.total_recorded += len(recs)
 
-    def ship_step_log(self, ints: Sequence[int]) -> None:
-        """Send a step's packed log (steplog.pack) to :attr:`log_sink`."""
+    def ship_step_log(self, *parts: Sequence[int]) -> None:
+        """Send a step's packed log (steplog.pack, or its pieces in order) to :attr:`log_sink`."""
         assert self.log_sink is not None
-        self.log_sink(ints)
+        self.log_sink(*parts)
         self.steps_shipped += 1
 
     # -- taking what was recorded ----------------------------------------------------------

@@ -242,6 +242,8 @@ class _Marker:
         self._events: list[Any] = []
         self._next_event = 0
         self._listeners = recorder.listeners  # the live list: listeners added later are seen
+        self._shape_labels: tuple[int, ...] | None = None  # the labels self._shape was made with
+        self._shape: list[int] = []
         recorder.add_pending_source(self.flush_pending)
 
     # -- config.timers protocol (``marker(name)`` is MarkBase's) -----------------------------
@@ -283,8 +285,8 @@ class _Marker:
         self._state = _StepState(step=step, t0_ns=t0, anchor=anchor)
         self._steps_begun += 1
         self._serial = self._steps_begun
-        if self._listeners:
-            self.recorder.notify("step", "step", True)
+        for fn in self._listeners:  # (WindowRecorder.notify, one call less)
+            fn("step", "step", True)
 
     def phase(self, name: str) -> Any:
         """A free-form phase timer for the loop's own phases (``optimizer``)."""
@@ -300,8 +302,8 @@ class _Marker:
         self._serial = 0
         if not self.cuda:
             t1 = time.monotonic_ns()
-            if self._listeners:
-                self.recorder.notify("step", "step", False)
+            for fn in self._listeners:
+                fn("step", "step", False)
             return StepTiming(st.step, self._record_step(st, t1, self._host), st.t0_ns, t1)
         import torch
 
@@ -333,20 +335,27 @@ class _Marker:
         else:  # the step's own id, then its children's
             wid = rec.reserve_ids(1 + n_ids)
             first = wid + 1
-        slog = StepLog(
-            st.step, st.t0_ns, t1, rec.wall_offset(st.t0_ns), timing, wid, parent, first,
-            self.num_microbatches, self.num_chunks, self._kinds_mask, rec.label_values, self._order_flat, log,
-        )  # fmt: skip
-        if rec.log_sink is not None and t1 is not None:
-            rec.ship_step_log(steplog.pack(slog))
+        wall_offset, labels = rec.wall_offset(st.t0_ns), rec.label_values
+        if rec.log_sink is not None and t1 is not None:  # steplog.pack's pieces, as they are
+            if labels is not self._shape_labels:  # (the labels are set once, before the steps)
+                self._shape_labels = labels
+                self._shape = steplog.shape(
+                    self.num_microbatches, self.num_chunks, self._kinds_mask, labels, self._order_flat
+                )
+            head = steplog.head(st.step, st.t0_ns, t1, wall_offset, timing, wid, parent, first)
+            rec.ship_step_log(head, self._shape, log)
             return wid
+        slog = StepLog(
+            st.step, st.t0_ns, t1, wall_offset, timing, wid, parent, first,
+            self.num_microbatches, self.num_chunks, self._kinds_mask, labels, self._order_flat, log,
+        )  # fmt: skip
         records, still_open = steplog.step_records(slog)
         rec.emit_records(records)
         if t1 is None and self._record_phases:
             names = rec.names.names
             for code, mb, chunk, b in still_open:
-                labels = {} if chunk is None else {"vpp_chunk": chunk}
-                rec.begin("phase", names[code], step=st.step, microbatch=mb, t_mono_ns=b, **labels)
+                vpp = {} if chunk is None else {"vpp_chunk": chunk}
+                rec.begin("phase", names[code], step=st.step, microbatch=mb, t_mono_ns=b, **vpp)
         return wid if t1 is not None else parent
 
     def flush_pending(self) -> None:
