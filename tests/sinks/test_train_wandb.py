@@ -69,15 +69,23 @@ def test_train_logs_every_rank_through_rank0(tmp_path, wandb_env, nproc):
     }
     for step in range(STEPS):
         row = by_step[step]
-        for rank in range(nproc):
+        per_step = summary["per_step"][step]
+        # Live figures are best effort: the loop does not hold training for a telemetry process
+        # that answers late (a loaded host), it drops them; it waits for the last steps' only.
+        # Whatever arrived must equal what the stored run gives.
+        reporting = [rank for rank in range(nproc) if f"rank/{rank}/energy_j" in row]
+        assert len(reporting) == per_step["ranks_reporting"]
+        if step == STEPS - 1:
+            assert reporting == list(range(nproc))
+        for rank in reporting:
             for key in ("energy_j", "power_avg_w", "power_peak_w", "temp_gpu_peak_c", "clock_sm_avg_mhz"):
                 assert f"rank/{rank}/{key}" in row, (step, rank, key)
             # the live figure W&B got equals the figure computed later from the run directory
             assert row[f"rank/{rank}/energy_j"] == pytest.approx(table[(rank, step)], rel=1e-9)
-        per_step = summary["per_step"][step]
-        assert row["all/energy_j"] == pytest.approx(per_step["energy_j"], rel=1e-9)
-        assert row["all/energy_j"] == pytest.approx(sum(row[f"rank/{r}/energy_j"] for r in range(nproc)))
-        assert row["all/power_max_w"] >= row["all/power_min_w"]
+        if reporting:
+            assert row["all/energy_j"] == pytest.approx(per_step["energy_j"], rel=1e-9)
+            assert row["all/energy_j"] == pytest.approx(sum(row[f"rank/{r}/energy_j"] for r in reporting))
+            assert row["all/power_max_w"] >= row["all/power_min_w"]
         assert row["perf/tokens_per_s"] == pytest.approx(per_step["tokens_per_s"], rel=1e-9)
         assert row["train/loss"] == pytest.approx(per_step["loss"], rel=1e-9)
     # config: the resolved training config plus the manifest, no secrets

@@ -382,4 +382,10 @@ def test_requests_in_a_batch_are_answered_together_and_equal_one_by_one(block, t
     sample_until(t1 + MAX_HOLD_NS)
     c.tick()
     assert shm.read_figures(block, 4) is not None
+    # A run's last step asks with batch=1 (train/loop.py): answered at the first sample past it.
+    t0, t1 = t1, t1 + step
+    marks.request_figures(5, t0, t1, batch=1)
+    sample_until(t1)
+    c.tick()
+    assert shm.read_figures(block, 5) is not None
     c.close()

@@ -556,9 +556,13 @@ def _train(
             opt_timer.stop()
             timing = marker.end_step()
             if session is not None:
-                # Ask now: a telemetry process computes the figures while the next steps run.
+                # Ask now: a telemetry process computes the figures while the next steps run. The
+                # last step's are not held for later ones (none come): answered at once.
                 session.request_figures(
-                    timing.t_begin_mono_ns, timing.t_end_mono_ns, wanted_figures, batch=pending.lag
+                    timing.t_begin_mono_ns,
+                    timing.t_end_mono_ns,
+                    wanted_figures,
+                    batch=pending.lag if step < b.train_steps - 1 else 1,
                 )
 
             loss_sum = loss_tokens = 0.0
