@@ -43,6 +43,7 @@ telemetry process starts sampling before it imports numpy or pyarrow.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import mmap
@@ -151,7 +152,8 @@ FloatView = Any
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the block's parts (in rows, records, slots) and the word offsets they give."""
+    """Sizes of the block's parts (in rows, records, slots) and the word offsets they give
+    (worked out once: the training thread reads a figure slot's offset every step)."""
 
     capacity: int
     mark_capacity: int = 0
@@ -159,7 +161,7 @@ class Layout:
     n_devices: int = 1
     n_fig_columns: int = 0
 
-    @property
+    @functools.cached_property
     def ring0(self) -> int:
         return (MSG_OFFSET + MSG_SIZE) // 8
 
@@ -169,24 +171,24 @@ class Layout:
     def float_base(self, column: int) -> int:
         return self.ring0 + (N_INT + column) * self.capacity
 
-    @property
+    @functools.cached_property
     def marks0(self) -> int:
         return self.ring0 + (N_INT + N_FLOAT) * self.capacity
 
-    @property
+    @functools.cached_property
     def names_offset(self) -> int:
         """Byte offset of the names area."""
         return (self.marks0 + RECORD_LEN * self.mark_capacity) * 8
 
-    @property
+    @functools.cached_property
     def slot_words(self) -> int:
         return FIG_HEAD + self.n_devices * (1 + self.n_fig_columns)
 
-    @property
+    @functools.cached_property
     def figs0(self) -> int:
         return (self.names_offset + (NAMES_SIZE if self.mark_capacity else 0)) // 8
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Bytes of the whole block."""
         return (self.figs0 + self.fig_slots * self.slot_words) * 8
