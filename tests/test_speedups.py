@@ -6,6 +6,7 @@ CHARLLM_REQUIRE_C=1, so that CI fails when the build silently did not happen.
 
 from __future__ import annotations
 
+import array
 import functools
 import gc
 import os
@@ -227,8 +228,6 @@ def ring_writers() -> list[Any]:
 @pytest.mark.parametrize("w", [0, 3, 5, 6, 11, 1000])
 def test_write_ring_writes_pads_and_wraps_as_its_python_twin(w: int) -> None:
     """A 6-record ring of 4 words after a 16-byte head; 10 ints = 3 records from record w % 6."""
-    import array
-
     outs = []
     for write in ring_writers():
         buf = bytearray(b"\xff" * (16 + 6 * 4 * 8))
