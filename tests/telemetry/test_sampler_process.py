@@ -369,6 +369,35 @@ def test_a_session_in_process_mode_stores_marked_steps_whose_marks_drive_the_mod
     assert not math.isnan(phases[0]["energy_j"])
 
 
+def _thread_nices(pid: int) -> dict[str, int]:
+    """The nice value of each thread of ``pid`` (/proc/<pid>/task/<tid>/stat, field 19)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        out[task.name] = int(stat[stat.rindex(")") + 2 :].split()[16])
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("nice", [None, 7, 19])
+def test_every_thread_of_the_telemetry_process_runs_at_telemetry_nice(tmp_path, nice):
+    kw = {} if nice is None else {"nice": nice}
+    rank_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    with TelemetrySession(tmp_path, backend="synthetic", handle_signals=False, **kw) as tel:
+        assert tel.sampler_mode == "process"
+        child = tel.sampler.pid
+        assert _wait_until(lambda: len(_thread_nices(child)) >= 2, 5.0)  # sampling + collector
+        want = max(0 if nice is None else nice, rank_nice)  # never above the rank's priority
+        assert set(_thread_nices(child).values()) == {want}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == rank_nice  # the rank keeps its own
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "19"])
+def test_telemetry_nice_out_of_range_is_refused_naming_the_field(tmp_path, bad):
+    with pytest.raises(ConfigError, match=r"telemetry\.nice"):
+        TelemetrySession(tmp_path, backend="synthetic", nice=bad)
+
+
 def test_sigkill_of_the_training_process_of_a_1khz_run_loses_no_sample_and_leaves_no_sampler(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic", "--hz", "1000",

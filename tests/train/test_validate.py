@@ -492,11 +492,13 @@ def test_telemetry_launch_and_data_rules() -> None:
     cfg = cfg_for()
     cfg.telemetry.windows = ["step", "layer"]
     cfg.telemetry.hz = 0
+    cfg.telemetry.nice = 20
     cfg.launch.master_port = 70000
     cfg.data.path = "/nonexistent/corpus_text_document"
     text = "\n".join(problems(cfg))
     assert "telemetry.windows has unknown kinds ['layer']; use a subset of [step, microbatch, phase]" in text
     assert "telemetry.hz=0 must be a positive number" in text
+    assert "telemetry.nice=20: give the telemetry process's nice value, an integer from 0" in text
     assert "launch.master_port=70000 is not a TCP port" in text
     assert "/nonexistent/corpus_text_document.bin and /nonexistent/corpus_text_document.idx not found" in text
     assert "data.path=null for mock data" in text

@@ -53,7 +53,13 @@ from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
-from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler, resolve_sampler_mode
+from charllm_nemo.telemetry.sampler_process import (
+    DEFAULT_NICE,
+    FIGURE_SLOTS,
+    ProcessSampler,
+    resolve_sampler_mode,
+    validate_nice,
+)
 from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
     Flusher,
@@ -123,7 +129,9 @@ class TelemetrySession:
     ``live_window_s``: how many seconds of samples stay in memory for :meth:`step_figures`.
     ``sampler``: ``auto`` (a telemetry process where one can be had, else a thread), ``process``
     or ``thread`` (see the module doc). In process mode the telemetry process opens the backend
-    again by name; this process keeps its own handle for the device identities.
+    again by name; this process keeps its own handle for the device identities. ``nice``: the
+    telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
+    it: it then never preempts training; threads in the training process keep its priority).
     """
 
     def __init__(
@@ -142,8 +150,10 @@ class TelemetrySession:
         backend_options: dict[str, Any] | None = None,
         handle_signals: bool = True,
         sampler: str = "auto",
+        nice: int = DEFAULT_NICE,
     ) -> None:
         self.hz = validate_hz(hz)
+        nice = validate_nice(nice)
         mode = resolve_sampler_mode(sampler, self.hz)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.out_dir = Path(out_dir)
@@ -185,6 +195,7 @@ class TelemetrySession:
                         "flush_interval_s": flush_interval_s,
                         "live_window_s": live_window_s,
                     },
+                    nice=nice,
                 )
             except ConfigError as exc:
                 if sampler == "process":

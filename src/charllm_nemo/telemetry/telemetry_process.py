@@ -114,6 +114,11 @@ def child_main(t_main: int = 0) -> None:
     # The parent opened the same backend and has already said everything about it.
     logging.getLogger("charllm_nemo.devices").setLevel(logging.ERROR)
     config = _read_config(0)
+    # telemetry.nice, before any thread starts (threads inherit it from the one that makes them;
+    # on Linux a nice value is per thread). Never raised above what the rank runs at.
+    nice = int(config.get("nice", 0))
+    if nice > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     block = attach(config["shm_name"], Layout(**config["layout"]))
     q = block.q
     q[H_PID] = os.getpid()

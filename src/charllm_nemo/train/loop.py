@@ -321,6 +321,7 @@ def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
         backend=t.backend,
         hz=t.hz,
         sampler=t.sampler,
+        nice=t.nice,
         rank=dist.rank,
         local_rank=dist.local_rank,
         world_size=dist.world_size,
