@@ -88,7 +88,7 @@ FIGURE_SLOTS = 64  # figure requests answered and not yet read
 
 DEFAULT_NICE = 0
 """The telemetry process's nice value (``telemetry.nice``): 0, the rank's own priority. At 19 its
-threads do not preempt the training thread when the scheduler wakes them on its core; where a
+threads seldom preempt the training thread when the scheduler wakes them on its core; where a
 core is free they run there at once and sample as well as at 0 (tiny_gpt CPU steps here: the
 overhead ~0.5 % lower, 1.009 against 1.014 over nine alternating runs), but with every core busy
 they take about a third fewer samples (docs/telemetry.md)."""

@@ -131,7 +131,7 @@ class TelemetrySession:
     or ``thread`` (see the module doc). In process mode the telemetry process opens the backend
     again by name; this process keeps its own handle for the device identities. ``nice``: the
     telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
-    it: it then never preempts training; threads in the training process keep its priority).
+    it: it then seldom preempts training; threads in the training process keep its priority).
     """
 
     def __init__(
