@@ -90,7 +90,7 @@ DEFAULT_NICE = 0
 """The telemetry process's nice value (``telemetry.nice``): 0, the rank's own priority. At 19 its
 threads seldom preempt the training thread when the scheduler wakes them on its core; where a
 core is free they run there at once and sample as well as at 0 (tiny_gpt CPU steps here: the
-overhead ~0.5 % lower, 1.009 against 1.014 over nine alternating runs), but with every core busy
+overhead ~0.4 % lower, 1.010 against 1.014 over eleven alternating runs), but with every core busy
 they take about a third fewer samples (docs/telemetry.md)."""
 
 
