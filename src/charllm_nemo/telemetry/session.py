@@ -120,6 +120,11 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def _covers(asked: tuple[int, frozenset[str] | None], wanted: frozenset[str] | None) -> bool:
+    """Whether a request made (its slot, the figures it asked for; None = all) holds ``wanted``."""
+    return asked[1] is None or (wanted is not None and wanted <= asked[1])
+
+
 class TelemetrySession:
     """Telemetry for one rank. Construct, then :meth:`start` (or use as a context manager).
 
@@ -468,10 +473,11 @@ class TelemetrySession:
         key = (t_begin_mono_ns, t_end_mono_ns)
         asked = self._requests.get(key)
         if asked is not None:
-            if asked[1] is None or (wanted is not None and wanted <= asked[1]):
+            if _covers(asked, wanted):
                 return
-            # More figures than asked for: ask again for the union (a new slot).
-            mask, wanted = self._mask_of(None if wanted is None else tuple(sorted(wanted | asked[1])))
+            # More figures than asked for (so asked[1] is a set): ask again for the union (a new slot).
+            union = None if wanted is None else wanted | (asked[1] or frozenset())
+            mask, wanted = self._mask_of(None if union is None else tuple(sorted(union)))
         seq = next(self._request_seq)
         self._requests[key] = (seq, wanted)
         if len(self._requests) > 2 * FIGURE_SLOTS:  # answers that old are overwritten anyway
@@ -536,7 +542,7 @@ class TelemetrySession:
         assert isinstance(self.sampler, ProcessSampler)
         keep = self._mask_of(figures)[1]  # the figures wanted and duration_s, or None: all
         asked = self._requests.get((t_begin, t_end))
-        if asked is None or not (asked[1] is None or (keep is not None and keep <= asked[1])):
+        if asked is None or not _covers(asked, keep):
             self.request_figures(t_begin, t_end, figures)  # not asked for (all of) them yet
             asked = self._requests.get((t_begin, t_end))
             if asked is None:
