@@ -866,6 +866,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             "steady_iteration": summarize_units(steady) if len(steady) >= 2 else None,
             "sampler": {
                 "mode": session.sampler_mode,
+                "collector_sched": session.collector_sched,
                 "stopped_state_seen": stopped_ok,
                 "samples_on": cover["samples"],
                 "expected_on": cover["ns"] / 1e9 * HZ,
@@ -1299,13 +1300,15 @@ def print_step_details(name: str, r: dict[str, Any]) -> None:
     """Step mode: what the session did, the switches, the figures."""
     sm, fg, fl, sw = r["sampler"], r["figures"], r["flusher"], r["switch"]
     cov = sm["coverage_on"]
+    sched = f", collector {sm['collector_sched']['policy']}" if sm.get("collector_sched") else ""
     unit = "ABBA quads" if r["unit_steps"] == 4 else "random pairs"
     print(
         f"{name:<6} step mode: {r['pairs']} ON + {r['pairs']} OFF steps in {r['units']} {unit}, all timed; "
         + (
-            f"telemetry process ({sm['mode']}) running throughout, OFF steps without the telemetry calls"
+            f"telemetry process ({sm['mode']}{sched}) running throughout, OFF steps without the "
+            "telemetry calls"
             if r.get("contrast") == "thread"
-            else f"telemetry process ({sm['mode']}) stopped for OFF steps"
+            else f"telemetry process ({sm['mode']}{sched}) stopped for OFF steps"
             + (", which make the ON steps' telemetry calls" if r.get("contrast") == "process" else "")
             + ("" if sm["stopped_state_seen"] else " (NOT SEEN IN STATE T)")
         )

@@ -22,7 +22,13 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.sampler_process import ProcessSampler, resolve_sampler_mode
+from charllm_nemo.telemetry.sampler_process import (
+    ProcessSampler,
+    _cgroup_cpu_quota,
+    local_ranks,
+    resolve_collector_sched,
+    resolve_sampler_mode,
+)
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -369,13 +375,20 @@ def test_a_session_in_process_mode_stores_marked_steps_whose_marks_drive_the_mod
     assert not math.isnan(phases[0]["energy_j"])
 
 
-def _thread_nices(pid: int) -> dict[str, int]:
-    """The nice value of each thread of ``pid`` (/proc/<pid>/task/<tid>/stat, field 19)."""
+def _thread_stat(pid: int, field: int) -> dict[str, int]:
+    """Field ``field`` (numbered as in proc(5): 19 = nice, 41 = policy) of
+    /proc/<pid>/task/<tid>/stat for each thread of ``pid`` named like the interpreter (``python``;
+    not the threads a library started, e.g. jemalloc's)."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         stat = (task / "stat").read_text()
-        out[task.name] = int(stat[stat.rindex(")") + 2 :].split()[16])
+        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith("python"):
+            out[task.name] = int(stat[stat.rindex(")") + 2 :].split()[field - 3])
     return out
+
+
+def _thread_nices(pid: int) -> dict[str, int]:
+    return _thread_stat(pid, 19)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
@@ -390,6 +403,87 @@ def test_every_thread_of_the_telemetry_process_runs_at_telemetry_nice(tmp_path, 
         want = max(0 if nice is None else nice, rank_nice)  # never above the rank's priority
         assert set(_thread_nices(child).values()) == {want}
     assert os.getpriority(os.PRIO_PROCESS, 0) == rank_nice  # the rank keeps its own
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE")
+@pytest.mark.parametrize(
+    ("setting", "busy_cpus", "policy"),
+    [("idle", None, "idle"), ("normal", None, "normal"), ("auto", 0, "idle"), ("auto", 4096, "normal")],
+)
+def test_collector_sched_puts_the_collector_thread_alone_under_sched_idle(
+    tmp_path, setting, busy_cpus, policy
+):
+    with TelemetrySession(
+        tmp_path, backend="synthetic", handle_signals=False, collector_sched=setting, busy_cpus=busy_cpus
+    ) as tel:
+        assert tel.sampler_mode == "process"
+        assert tel.collector_sched is not None and tel.collector_sched["policy"] == policy
+        child = tel.sampler.pid
+        assert _wait_until(lambda: len(_thread_stat(child, 41)) >= 2, 5.0)  # sampling + collector
+        assert _wait_until(
+            lambda: tel.sampler._block.q[shm.H_SVC_STATE] == shm.SVC_RUNNING, 5.0
+        )  # policy set
+        policies = _thread_stat(child, 41)
+        sampling = policies.pop(str(child))  # the sampling loop runs on the process's main thread
+        assert sampling == os.SCHED_OTHER
+        # the collector (the others: a library's idle workers, e.g. OpenBLAS's, keep the policy)
+        assert list(policies.values()).count(os.SCHED_IDLE) == (1 if policy == "idle" else 0)
+        time.sleep(0.3)  # samples and a flush under that policy
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the rank keeps its own
+    m = load_run(tmp_path).manifests[0]
+    assert m["status"] == "complete" and m["sampler"]["samples"] > 10
+    assert m["collector_sched"]["setting"] == setting and m["collector_sched"]["policy"] == policy
+
+
+def test_collector_sched_auto_is_idle_only_where_a_cpu_is_spare():
+    assert resolve_collector_sched("auto", 1, cpus=2)[0] == "idle"
+    policy, why = resolve_collector_sched("auto", 2, cpus=2)
+    assert policy == "normal" and "none to spare" in why
+    assert resolve_collector_sched("auto", 8, cpus=4)[0] == "normal"
+    assert resolve_collector_sched("idle", 8, cpus=1)[0] == "idle"  # asked for: applied as asked
+    assert resolve_collector_sched("normal", 0, cpus=64)[0] == "normal"
+    with pytest.raises(ConfigError, match=r"telemetry\.collector_sched='lowest'.*auto, idle, normal"):
+        resolve_collector_sched("lowest", 1)
+    with pytest.raises(ConfigError, match=r"telemetry\.collector_sched"):
+        TelemetrySession("unused", backend="synthetic", collector_sched="batch")
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "8"}, 4),
+        ({"SLURM_NTASKS_PER_NODE": "8(x4)"}, 8),
+        ({}, 16),
+    ],
+)
+def test_local_ranks_come_from_torchrun_then_slurm_then_the_world(env, want):
+    assert local_ranks(env, world_size=16) == want
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "want"),
+    [
+        ("0::/job\n", {"job/cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/job\n", {"job/cpu.max": "max 100000\n"}, None),
+        (
+            "4:cpu,cpuacct:/job\n0::/\n",
+            {"cpu,cpuacct/job/cpu.cfs_quota_us": "300000", "cpu,cpuacct/job/cpu.cfs_period_us": "100000"},
+            3.0,
+        ),
+        (
+            "4:cpu,cpuacct:/job\n",
+            {"cpu,cpuacct/job/cpu.cfs_quota_us": "-1", "cpu,cpuacct/job/cpu.cfs_period_us": "100000"},
+            None,
+        ),
+        ("0::/gone\n", {}, None),
+    ],
+)
+def test_the_cgroup_cpu_quota_caps_the_usable_cpus(tmp_path, cgroup, files, want):
+    (tmp_path / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    assert _cgroup_cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == want
 
 
 @pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "19"])

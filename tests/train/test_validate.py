@@ -479,6 +479,7 @@ def test_kv_groups_must_divide_heads() -> None:
         ("launch", "launcher", "mpi", "use one of [local, slurm, none]"),
         ("launch", "device", "tpu", "use one of [auto, cpu, cuda]"),
         ("telemetry", "backend", "rapl", "use one of [auto, nvml, amdsmi, synthetic]"),
+        ("telemetry", "collector_sched", "fifo", "use one of [auto, idle, normal]"),
     ],
 )
 def test_enumerated_values(section: str, field: str, value: str, expected: str) -> None:

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,91 @@ def validate_nice(nice: Any) -> int:
     return nice
 
 
+COLLECTOR_SCHEDS: tuple[str, ...] = ("auto", "idle", "normal")
+DEFAULT_COLLECTOR_SCHED = "auto"
+"""``telemetry.collector_sched``: the scheduling policy of the telemetry process's collector
+thread (Parquet segments, live figures; the sampling thread keeps the rank's policy). ``idle``:
+Linux's SCHED_IDLE, so that any other thread that wakes (the training process's own: gloo's or
+NCCL's, data loaders) takes its CPU at once and the scheduler places such threads on a CPU that
+runs only the collector as on an idle one. ``auto``: idle where the rank's CPUs outnumber those
+its node's ranks keep busy (:func:`resolve_collector_sched`), else ``normal``."""
+
+
+def validate_collector_sched(value: Any) -> str:
+    """``value`` if it is one of :data:`COLLECTOR_SCHEDS`, else a ConfigError naming the field."""
+    if value not in COLLECTOR_SCHEDS:
+        raise ConfigError(
+            f"telemetry.collector_sched={value!r}: use one of {', '.join(COLLECTOR_SCHEDS)} (auto = idle "
+            "where the rank has a CPU to spare, normal = the rank's own policy; default "
+            f"{DEFAULT_COLLECTOR_SCHED})"
+        )
+    return str(value)
+
+
+def usable_cpus() -> int | None:
+    """How many CPUs this process can use at once: its affinity mask, capped by its cgroup's CPU
+    quota (a container's CPU limit: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None where
+    the mask cannot be read."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    quota = _cgroup_cpu_quota()
+    return cpus if quota is None else min(cpus, max(1, math.floor(quota)))
+
+
+def _cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time per period that this process's cgroup may use; None: no limit, or not
+    found (only the process's own cgroup is read, not its parents)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        try:
+            if not controllers:  # v2
+                with open(f"{root}{path}/cpu.max") as f:
+                    quota, period = f.read().split()[:2]
+                return None if quota == "max" else int(quota) / int(period)
+            if "cpu" in controllers.split(","):  # v1
+                for d in (f"{root}/{controllers}{path}", f"{root}/cpu{path}"):
+                    with contextlib.suppress(OSError):
+                        with open(f"{d}/cpu.cfs_quota_us") as f, open(f"{d}/cpu.cfs_period_us") as g:
+                            v1_quota, v1_period = int(f.read()), int(g.read())
+                        return None if v1_quota < 0 else v1_quota / v1_period
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def local_ranks(env: Mapping[str, str], world_size: int = 1) -> int:
+    """This node's ranks: ``LOCAL_WORLD_SIZE`` (torchrun), else ``SLURM_NTASKS_PER_NODE`` (srun;
+    ``8(x4)`` reads 8), else ``world_size``."""
+    value = env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0]
+    return int(value or 0) or world_size
+
+
+def resolve_collector_sched(value: str, busy_cpus: int, cpus: int | None = None) -> tuple[str, str]:
+    """``(idle | normal, why)`` for ``telemetry.collector_sched`` = ``value``. ``auto`` is idle
+    where the ``cpus`` this rank can use (default :func:`usable_cpus`) outnumber ``busy_cpus``, the
+    CPUs its node's ranks keep busy (their count, times their intra-op threads on CPU), since a
+    SCHED_IDLE thread on a CPU that a normal one keeps busy gets ~0.3 % of it and would fall
+    behind; and normal where Linux's SCHED_IDLE is missing."""
+    value = validate_collector_sched(value)
+    if value != "auto":
+        return value, f"telemetry.collector_sched={value}"
+    if not hasattr(os, "SCHED_IDLE"):
+        return "normal", "auto: this platform has no SCHED_IDLE"
+    cpus = usable_cpus() if cpus is None else cpus
+    if cpus is None:
+        return "normal", "auto: the CPUs this rank may use are unknown"
+    if cpus > busy_cpus:
+        return "idle", f"auto: {cpus} usable CPUs, {busy_cpus} kept busy by this node's ranks"
+    return "normal", f"auto: {cpus} usable CPUs, {busy_cpus} kept busy by this node's ranks: none to spare"
+
+
 def resolve_sampler_mode(mode: str, hz: float) -> str:
     """``thread`` or ``process`` for ``telemetry.sampler`` = ``mode``; ConfigError if unknown.
     ``auto`` is a process at every rate (a session falls back to a thread where a process cannot
@@ -128,6 +213,8 @@ class ProcessSampler:
     (default: 16 s at ``hz`` for every device, at least 4096). ``store``: ``rank_dir``,
     ``flush_interval_s``, ``live_window_s``: the child writes that rank's segments and answers
     figure requests (see the module doc). ``nice``: the child's nice value (:data:`DEFAULT_NICE`).
+    ``collector_sched``: ``idle`` or ``normal``, its collector thread's policy
+    (:data:`DEFAULT_COLLECTOR_SCHED`; ``auto`` is resolved by :func:`resolve_collector_sched`).
     """
 
     mode = "process"
@@ -143,9 +230,13 @@ class ProcessSampler:
         capacity: int | None = None,
         store: dict[str, Any] | None = None,
         nice: int = DEFAULT_NICE,
+        collector_sched: str = "normal",
     ) -> None:
         self.hz = validate_hz(hz)
         self.nice = validate_nice(nice)
+        if validate_collector_sched(collector_sched) == "auto":
+            raise ConfigError("ProcessSampler takes collector_sched idle or normal; resolve auto first")
+        self.collector_sched = collector_sched
         self.period_ns = round(1e9 / self.hz)
         self.source = source or backend
         self.backend_name = backend
@@ -236,6 +327,7 @@ class ProcessSampler:
             "parent_pid": os.getpid(),
             "store": self.store,
             "nice": self.nice,
+            "collector_sched": self.collector_sched,
         }
         payload = pickle.dumps(config)
         env = dict(os.environ)

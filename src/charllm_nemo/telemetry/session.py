@@ -54,10 +54,14 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import (
+    DEFAULT_COLLECTOR_SCHED,
     DEFAULT_NICE,
     FIGURE_SLOTS,
     ProcessSampler,
+    local_ranks,
+    resolve_collector_sched,
     resolve_sampler_mode,
+    validate_collector_sched,
     validate_nice,
 )
 from charllm_nemo.telemetry.shm import figure_columns, figure_mask
@@ -137,6 +141,10 @@ class TelemetrySession:
     again by name; this process keeps its own handle for the device identities. ``nice``: the
     telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
     it: it then seldom preempts training; threads in the training process keep its priority).
+    ``collector_sched``: the telemetry process's collector thread's policy, ``auto`` / ``idle`` /
+    ``normal`` (:data:`~charllm_nemo.telemetry.sampler_process.DEFAULT_COLLECTOR_SCHED`);
+    ``busy_cpus``: the CPUs this node's ranks keep busy, for ``auto`` (None: one per local rank,
+    :func:`~charllm_nemo.telemetry.sampler_process.local_ranks` from the environment).
     """
 
     def __init__(
@@ -156,9 +164,12 @@ class TelemetrySession:
         handle_signals: bool = True,
         sampler: str = "auto",
         nice: int = DEFAULT_NICE,
+        collector_sched: str = DEFAULT_COLLECTOR_SCHED,
+        busy_cpus: int | None = None,
     ) -> None:
         self.hz = validate_hz(hz)
         nice = validate_nice(nice)
+        validate_collector_sched(collector_sched)
         mode = resolve_sampler_mode(sampler, self.hz)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.out_dir = Path(out_dir)
@@ -184,7 +195,11 @@ class TelemetrySession:
             self.backend = backend
         self.source = self.backend.name
         self.sampler: Sampler | ProcessSampler
+        self.collector_sched: dict[str, str] | None = None  # process mode: what applies, and why
         if mode == "process":
+            busy = local_ranks(os.environ, world_size) if busy_cpus is None else busy_cpus
+            policy, why = resolve_collector_sched(collector_sched, busy)
+            self.collector_sched = {"setting": collector_sched, "policy": policy, "why": why}
             # The backend the parent ended up with (auto resolved, index fallback applied); the
             # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
             named = backend == self.source or self.source == "synthetic"
@@ -201,6 +216,7 @@ class TelemetrySession:
                         "live_window_s": live_window_s,
                     },
                     nice=nice,
+                    collector_sched=policy,
                 )
             except ConfigError as exc:
                 if sampler == "process":
@@ -254,6 +270,7 @@ class TelemetrySession:
             "synthetic": self.source == "synthetic",
             "sampling_hz": self.hz,
             "sampler_mode": self.sampler_mode,
+            "collector_sched": self.collector_sched if self.sampler_mode == "process" else None,
             "devices": [d.identity.to_dict() for d in self.backend.devices],
             "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},
             "started_wall_ns": time.time_ns(),
@@ -403,6 +420,7 @@ class TelemetrySession:
         self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
         self.sampler_mode = "thread"
         self.store.manifest["sampler_mode"] = "thread"
+        self.store.manifest["collector_sched"] = None
         self.store.manifest["sampler_process_error"] = reason
         self.store.write_manifest()
         warm_up_parquet_writer()

@@ -227,6 +227,7 @@ class _Service(threading.Thread):
         super().__init__(name="charllm-collector", daemon=True)
         self.block = block
         self.store: dict[str, Any] = config["store"]
+        self.sched = str(config.get("collector_sched", "normal"))
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._nudge_failed = False
@@ -270,6 +271,8 @@ class _Service(threading.Thread):
         c = self.collector
         if c is None:
             return
+        if self.sched == "idle":
+            _become_sched_idle()
         self.block.q[H_SVC_STATE] = SVC_RUNNING
         while True:
             self._wake.wait(min(c.until_flush_s(), MAX_SLEEP_S))
@@ -303,6 +306,17 @@ class _Service(threading.Thread):
             self.block.q[H_SVC_STATE] = SVC_FAILED
         finally:
             c.close()
+
+
+def _become_sched_idle() -> None:
+    """Put the calling thread under SCHED_IDLE (telemetry.collector_sched=idle; Linux applies a
+    policy per thread, and pid 0 is the caller); where that fails it keeps its policy, and says so."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        log.warning(
+            "telemetry.collector_sched=idle could not be applied (%s): the collector keeps its policy", exc
+        )
 
 
 KILLED_NOTE = (

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.sampler_process import local_ranks
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.report import (
@@ -125,12 +126,11 @@ def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
         local = int(e.get("SLURM_LOCALID", "0"))
     else:
         rank, world, local = 0, 1, 0
-    local_world = int(e.get("LOCAL_WORLD_SIZE", e.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0] or 0)
     return RankEnv(
         rank=rank,
         world_size=world,
         local_rank=local,
-        local_world_size=local_world or world,
+        local_world_size=local_ranks(e, world),
         master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(e.get("MASTER_PORT", cfg.launch.master_port)),
     )
@@ -312,7 +312,8 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
+def _open_session(cfg: TrainConfig, dist: DistInfo, busy_cpus: int) -> Any:
+    """This rank's telemetry session; ``busy_cpus``: the CPUs this node's ranks keep busy."""
     from charllm_nemo.telemetry.session import TelemetrySession
 
     t = cfg.telemetry
@@ -322,6 +323,8 @@ def _open_session(cfg: TrainConfig, dist: DistInfo) -> Any:
         hz=t.hz,
         sampler=t.sampler,
         nice=t.nice,
+        collector_sched=t.collector_sched,
+        busy_cpus=busy_cpus,
         rank=dist.rank,
         local_rank=dist.local_rank,
         world_size=dist.world_size,
@@ -393,7 +396,9 @@ def run_rank(
     sink = None
     try:
         if session is None and recorder is None and cfg.telemetry.enabled:
-            session = _open_session(cfg, dist)
+            # A rank keeps a CPU busy; on CPU, one per intra-op thread.
+            busy_cpus = env.local_world_size * (torch.get_num_threads() if device == "cpu" else 1)
+            session = _open_session(cfg, dist, busy_cpus)
             own_session = True
         sink = _open_sink(cfg, dist, session)
         # Windows are recorded into a session or a caller's recorder; with telemetry off and

@@ -31,7 +31,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.errors import ConfigError
     from charllm_nemo.sinks.config import validate_logger_config
-    from charllm_nemo.telemetry.sampler_process import SAMPLER_MODES, validate_nice
+    from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []
@@ -42,6 +42,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
         problems.append(str(exc))
     _one_of(problems, "telemetry.backend", t.backend, BACKEND_NAMES)
     _one_of(problems, "telemetry.sampler", t.sampler, SAMPLER_MODES)
+    _one_of(problems, "telemetry.collector_sched", t.collector_sched, COLLECTOR_SCHEDS)
     try:
         validate_nice(t.nice)
     except ConfigError as exc:
