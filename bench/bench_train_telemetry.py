@@ -53,7 +53,7 @@ steps is uniform, as in a long run) and one untimed lead-in step.
 
 Three timings per step, in both modes: ``iteration`` = ``time.perf_counter()`` around the whole
 loop body (marks, forward/backward of every microbatch, optimizer, an earlier step's figures,
-the step's all_reduce): the headline; ``loop_step`` = the loop's own step window
+the step's reduction over the ranks): the headline; ``loop_step`` = the loop's own step window
 (``StepTiming.seconds``: no figures, no reduction); ``main_cpu`` = the training thread's CPU
 time (``time.thread_time``): its own extra work, which other threads and processes lengthen only
 through caches, so the least noisy of the three.
@@ -1035,7 +1035,7 @@ PROFILE_FUNCS = {
     ("telemetry/windows.py", "end"): "  WindowRecorder.end",
     ("telemetry/windows.py", "record"): "  WindowRecorder.record",
     ("devices/synthetic.py", "__call__"): "  MarkActivity listener",
-    ("train/report.py", "reduce_step"): "reduce_step (all_reduce, both arms)",
+    ("train/report.py", "reduce_step"): "reduce_step (ranks' figures, both arms)",
 }
 
 

@@ -78,3 +78,76 @@ def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_ra
     q = PendingSteps(max_lag=1)
     q.add(step(0, now), 1e-6)
     assert q.lag == 1
+
+
+def _reduce_on_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank of a gloo group: reduce_step over rank-specific figures, the result to a file."""
+    import json
+    import math
+
+    import torch
+
+    from charllm_nemo.train.report import RankFigures, reduce_step
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+    )
+    try:
+        figures = (
+            None
+            if rank == 1
+            else RankFigures(
+                energy_j=10.0 * (rank + 1),
+                power_avg_w=100.0 + rank,
+                power_peak_w=300.0 + rank,
+                temp_gpu_peak_c=math.nan,
+                throttle_s=0.5 * rank,
+            )
+        )
+        sums, maxes = reduce_step(
+            torch, "cpu", loss_sum=2.0 * rank, loss_tokens=4.0, step_time_s=1.0 + rank, figures=figures
+        )
+        with open(f"{out_dir}/{rank}.json", "w") as f:
+            json.dump({"sums": sums, "maxes": {k: None if math.isnan(v) else v for k, v in maxes.items()}}, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_reduce_step_sums_and_maxes_every_ranks_figures_in_one_collective(tmp_path):
+    import json
+    import math
+
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from charllm_nemo.train.report import RankFigures, reduce_step
+
+    world = 3
+    torch.multiprocessing.spawn(
+        _reduce_on_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True
+    )
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    assert all(r == results[0] for r in results)  # every rank gets the same answer
+    sums, maxes = results[0]["sums"], results[0]["maxes"]
+    # rank 1 knows no figures: it adds 0 and is not counted as reporting
+    assert sums == {
+        "loss_sum": 6.0,
+        "loss_tokens": 12.0,
+        "energy_j": 40.0,
+        "power_avg_w": 202.0,
+        "reporting": 2.0,
+    }
+    assert maxes == {"step_time_s": 3.0, "power_peak_w": 302.0, "temp_gpu_peak_c": None, "throttle_s": 1.0}
+
+    # one rank, no process group: no collective, the same arithmetic
+    sums, maxes = reduce_step(
+        torch, "cpu", loss_sum=2.0, loss_tokens=4.0, step_time_s=1.5, figures=RankFigures(energy_j=7.0)
+    )
+    assert sums == {
+        "loss_sum": 2.0,
+        "loss_tokens": 4.0,
+        "energy_j": 7.0,
+        "power_avg_w": 0.0,
+        "reporting": 1.0,
+    }
+    assert maxes["step_time_s"] == 1.5 and math.isnan(maxes["power_peak_w"])

@@ -173,8 +173,9 @@ def reduce_step(
     step_time_s: float,
     figures: RankFigures | None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """All-reduce one step's figures over all ranks (SUM and MAX of two float64 vectors).
-    ``loss_*`` are 0 on ranks that do not report the loss; ``figures`` None = not known."""
+    """One step's figures over all ranks: SUM of some, MAX of the others, from one all_gather of
+    one float64 vector per rank (one collective a step, none with a single rank). ``loss_*`` are 0
+    on ranks that do not report the loss; ``figures`` None = not known."""
     f = figures if figures is not None else RankFigures()
     known = f.known
 
@@ -187,12 +188,18 @@ def reduce_step(
         v if not math.isnan(v) else -math.inf for v in (f.power_peak_w, f.temp_gpu_peak_c, f.throttle_s)
     ]
     dist = torch_mod.distributed
-    ts = torch_mod.tensor(sums, dtype=torch_mod.float64, device=device)
-    tm = torch_mod.tensor(maxes, dtype=torch_mod.float64, device=device)
-    dist.all_reduce(ts, op=dist.ReduceOp.SUM)
-    dist.all_reduce(tm, op=dist.ReduceOp.MAX)
-    s_vals = [float(v) for v in ts.tolist()]
-    m_vals = [float(v) if math.isfinite(v) else math.nan for v in tm.tolist()]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        mine = torch_mod.tensor(sums + maxes, dtype=torch_mod.float64, device=device)
+        rows = [torch_mod.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        per_rank = torch_mod.stack(rows).tolist()
+        n = len(sums)
+        s_vals = [math.fsum(r[i] for r in per_rank) for i in range(n)]
+        m_vals = [max(r[n + i] for r in per_rank) for i in range(len(maxes))]
+    else:
+        s_vals, m_vals = [float(v) for v in sums], [float(v) for v in maxes]
+    m_vals = [v if math.isfinite(v) else math.nan for v in m_vals]
     return dict(zip(SUM_FIELDS, s_vals, strict=True)), dict(zip(MAX_FIELDS, m_vals, strict=True))
 
 
