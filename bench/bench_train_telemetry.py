@@ -324,6 +324,57 @@ def calls_report(calls: dict[str, list[int]]) -> dict[str, Any]:
     return {"per_call": out, "us_per_step": total, "steps": steps}
 
 
+SCHED_KEYS = ("cpu_wait_us", "sleep_us", "sleeps", "others_cpu_us", "others_cpu_wait_us")
+
+
+def sched_snapshot(main_last: bool) -> tuple[int, int, int, int, int]:
+    """--sched-stats: the training thread's CPU ns (its clock), CPU-wait ns and voluntary context
+    switches (/proc/thread-self/schedstat and status), and the CPU ns and CPU-wait ns summed over the
+    process's other threads (gloo's workers and TCP loops, ...). ``main_last``: read the
+    training thread's after the others' (before a step; after it, first), so that its figures
+    span the step and not these reads."""
+
+    def main() -> tuple[int, int, int]:
+        # CPU from the thread's clock: schedstat's own figure lags by what ran since the last tick
+        # or switch (here: these reads). Its wait is current: it only grows while switched out.
+        cpu = time.thread_time_ns()
+        with open("/proc/thread-self/schedstat") as f:
+            wait = int(f.read().split()[1])
+        with open("/proc/thread-self/status") as f:
+            sleeps = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        return cpu, wait, sleeps
+
+    first = None if main_last else main()
+    me = str(threading.get_native_id())
+    o_cpu = o_wait = 0
+    for tid in os.listdir("/proc/self/task"):
+        if tid != me:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    a, b = f.read().split()[:2]
+                o_cpu, o_wait = o_cpu + int(a), o_wait + int(b)
+            except (OSError, ValueError):
+                pass
+    return (*(first or main()), o_cpu, o_wait)
+
+
+def sched_step(before: tuple[int, ...], after: tuple[int, ...], wall_s: float) -> tuple[float, ...]:
+    """One step's figures (SCHED_KEYS): the training thread's CPU wait (µs), its time neither on a
+    CPU nor waiting for one (sleeps: wall - CPU - wait, µs), its sleeps (count), and the other
+    threads' CPU and CPU wait (µs)."""
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    return (d[1] / 1e3, (wall_s * 1e9 - d[0] - d[1]) / 1e3, float(d[2]), d[3] / 1e3, d[4] / 1e3)
+
+
+def sched_report(per_arm: dict[str, list[tuple[float, ...]]]) -> dict[str, Any]:
+    """Per arm, the mean of each SCHED_KEYS figure per step; and ON - OFF."""
+    means = {
+        arm: dict(zip(SCHED_KEYS, map(statistics.fmean, zip(*rows, strict=True)), strict=True))
+        for arm, rows in per_arm.items()
+    }
+    return {**means, "on_minus_off": {k: means["on"][k] - means["off"][k] for k in SCHED_KEYS}}
+
+
 def step_figures_function() -> Any:
     """What the loop calls per step for the previous step's figures:
     ``rank_figures(session.step_figures(..., figures=CONSOLE_FIGURES))``."""
@@ -734,6 +785,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             return time.monotonic_ns(), machine_busy_ns(), time.process_time_ns(), others
 
         records: list[tuple[int, str, bool, tuple[float, float, float]]] = []
+        sched: dict[str, list[tuple[float, ...]]] | None = (
+            {"on": [], "off": []} if opts.get("sched_stats") else None
+        )
         background: list[float] = []
         cover = {"samples": 0, "ns": 0}
         pending_on = PendingSteps()  # the ON steps'; OFF steps have no figures
@@ -764,6 +818,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                     switch(arm)
                     current = arm
                     prof = profiles_s.get(arm)
+                    s0 = sched_snapshot(main_last=True) if sched is not None else None
                     if arm == "on":
                         h0 = session.sampler.health.samples
                         c0 = time.monotonic_ns()
@@ -785,6 +840,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                             prof.disable()
                         gc_state["arm"] = None
                     records.append((u, arm, after_switch, t))
+                    if sched is not None and s0 is not None:
+                        sched[arm].append(sched_step(s0, sched_snapshot(main_last=False), t[0]))
                 if (u + 1) % units_per_segment == 0 or u == n_units - 1:
                     s1 = snapshot()
                     other = (s1[1] - s_prev[1]) - (s1[2] - s_prev[2]) - (s1[3] - s_prev[3])
@@ -897,6 +954,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             },
             "profile": profile_report(profiles_s, steps_per_arm) if profiles_s else None,
             "calls": calls_report(call_ns) if call_ns is not None else None,
+            "sched": sched_report(sched) if sched else None,
             "session_start_ms_median": session_start_ms,
             "session_close_ms_median": session_close_ms,
             "elapsed_s": elapsed,
@@ -1131,6 +1189,7 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
         "model_overrides": args.model_overrides,
         "contrast": args.contrast,
         "time_calls": args.time_calls,
+        "sched_stats": args.sched_stats,
         "dump_steps": str(Path(args.dump_steps).with_suffix(f".{name}.json")) if args.dump_steps else None,
     }
     spinner = None
@@ -1348,6 +1407,19 @@ def print_step_details(name: str, r: dict[str, Any]) -> None:
             f"(calls x median µs): {parts}"
         )
 
+    sc = r.get("sched")
+    if sc:
+        on, off, diff = sc["on"], sc["off"], sc["on_minus_off"]
+        print(
+            f"{name:<6} scheduling per step, ON / OFF / ON - OFF (mean): training thread's CPU wait "
+            f"{on['cpu_wait_us']:.1f} / {off['cpu_wait_us']:.1f} / {diff['cpu_wait_us']:+.1f} µs, its sleeps "
+            f"{on['sleep_us']:.1f} / {off['sleep_us']:.1f} / {diff['sleep_us']:+.1f} µs "
+            f"({on['sleeps']:.1f} / {off['sleeps']:.1f} of them); the process's other threads' CPU "
+            f"{on['others_cpu_us']:.0f} / {off['others_cpu_us']:.0f} / {diff['others_cpu_us']:+.0f} µs, "
+            f"their CPU wait {on['others_cpu_wait_us']:.0f} / {off['others_cpu_wait_us']:.0f} / "
+            f"{diff['others_cpu_wait_us']:+.0f} µs"
+        )
+
     def sr(d: dict[str, Any]) -> str:
         v = d["ratio_median"]
         return f"{v:.4f}" if v is not None else "n/a"
@@ -1459,6 +1531,13 @@ def main() -> None:
         "(per call and per step; the wrappers add a few hundred ns a call to ON steps)",
     )
     ap.add_argument(
+        "--sched-stats",
+        action="store_true",
+        help="step mode: around every timed step (outside its timing, in both arms) read the training "
+        "thread's and the process's other threads' /proc schedstat: how long they waited for a CPU and "
+        "how long the training thread slept, per arm (Linux; ~1 ms of reads between steps)",
+    )
+    ap.add_argument(
         "--dump-steps",
         default=None,
         metavar="FILE",
@@ -1492,9 +1571,11 @@ def main() -> None:
             "--interleave step pauses the telemetry process (SIGSTOP) for OFF steps; a sampler thread "
             "cannot be paused: drop --session-option sampler=thread, or use --interleave block"
         )
-    if args.interleave != "step" and (args.contrast != "all" or args.dump_steps or args.time_calls):
+    if args.interleave != "step" and (
+        args.contrast != "all" or args.dump_steps or args.time_calls or args.sched_stats
+    ):
         ap.error(
-            "--contrast, --time-calls and --dump-steps are step-mode options "
+            "--contrast, --time-calls, --sched-stats and --dump-steps are step-mode options "
             "(drop --interleave block / --decompose)"
         )
     if args.seed is None:
