@@ -236,6 +236,10 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
         distributed_timeout_minutes=10,
+        # mcore's extra gloo copies of the data-parallel groups serve only checkpointing, which
+        # this trainer does not do; each costs a rendezvous at start and, per rank, threads that
+        # wake every 10 ms for the whole run (gloo's TCP loop).
+        create_gloo_process_groups=False,
     )
     torch.manual_seed(cfg.data.seed)
     model_parallel_cuda_manual_seed(cfg.data.seed)

@@ -217,7 +217,9 @@ def build_optimizer(cfg: TrainConfig, chunks: list[Any]) -> tuple[Any, Any]:
         use_distributed_optimizer=o.use_distributed_optimizer or megatron_fsdp,
         overlap_param_gather=o.overlap_param_gather,
     )
-    optimizer = get_megatron_optimizer(opt_config, chunks)
+    # No gloo groups (init_distributed creates none): mcore uses them only to save and load the
+    # distributed optimizer's state, and this trainer writes no checkpoints.
+    optimizer = get_megatron_optimizer(opt_config, chunks, use_gloo_process_groups=False)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.warmup_steps else o.lr,
