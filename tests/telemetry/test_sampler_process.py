@@ -25,7 +25,7 @@ from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.sampler_process import (
     ProcessSampler,
     _cgroup_cpu_quota,
-    local_ranks,
+    local_ranks_from_env,
     resolve_collector_sched,
     resolve_sampler_mode,
 )
@@ -407,15 +407,14 @@ def test_every_thread_of_the_telemetry_process_runs_at_telemetry_nice(tmp_path, 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE")
 @pytest.mark.parametrize(
-    ("setting", "busy_cpus", "policy"),
-    [("idle", None, "idle"), ("normal", None, "normal"), ("auto", 0, "idle"), ("auto", 4096, "normal")],
+    ("setting", "rank_threads", "policy"),
+    [("idle", 1, "idle"), ("normal", 1, "normal"), ("auto", 0, "idle"), ("auto", 4096, "normal")],
 )
 def test_collector_sched_puts_the_collector_thread_alone_under_sched_idle(
-    tmp_path, setting, busy_cpus, policy
+    tmp_path, setting, rank_threads, policy
 ):
-    with TelemetrySession(
-        tmp_path, backend="synthetic", handle_signals=False, collector_sched=setting, busy_cpus=busy_cpus
-    ) as tel:
+    kw = {"collector_sched": setting, "local_ranks": 1, "rank_threads": rank_threads}
+    with TelemetrySession(tmp_path, backend="synthetic", handle_signals=False, **kw) as tel:
         assert tel.sampler_mode == "process"
         assert tel.collector_sched is not None and tel.collector_sched["policy"] == policy
         child = tel.sampler.pid
@@ -436,12 +435,20 @@ def test_collector_sched_puts_the_collector_thread_alone_under_sched_idle(
 
 
 def test_collector_sched_auto_is_idle_only_where_a_cpu_is_spare():
-    assert resolve_collector_sched("auto", 1, cpus=2)[0] == "idle"
-    policy, why = resolve_collector_sched("auto", 2, cpus=2)
-    assert policy == "normal" and "none to spare" in why
-    assert resolve_collector_sched("auto", 8, cpus=4)[0] == "normal"
-    assert resolve_collector_sched("idle", 8, cpus=1)[0] == "idle"  # asked for: applied as asked
-    assert resolve_collector_sched("normal", 0, cpus=64)[0] == "normal"
+    def auto(ranks, threads, mask, quota=None):
+        return resolve_collector_sched("auto", ranks, threads, cpus=(mask, quota))
+
+    assert auto(1, 1, 2)[0] == "idle"  # one rank, one intra-op thread, two CPUs: this VM
+    policy, why = auto(2, 1, 2)  # the two-rank CPU runs here: both CPUs busy
+    assert policy == "normal" and why.endswith("2 kept busy by 2 local rank(s) sharing them: none to spare")
+    assert auto(1, 2, 2)[0] == "normal"  # one rank whose two intra-op threads fill both
+    assert auto(8, 1, 112)[0] == "idle"  # a GPU node, every rank seeing every core
+    assert auto(8, 1, 112, quota=8.0)[0] == "normal"  # ... in a container limited to 8 CPUs
+    policy, why = auto(8, 1, 4)  # srun --cpu-bind: 4 cores of its own per rank
+    assert policy == "idle" and "this rank, bound to its own 4 CPU(s)" in why
+    assert auto(8, 1, 1)[0] == "normal"  # one core per rank
+    assert resolve_collector_sched("idle", 8, cpus=(1, None))[0] == "idle"  # asked for: as asked
+    assert resolve_collector_sched("normal", 1, cpus=(64, None))[0] == "normal"
     with pytest.raises(ConfigError, match=r"telemetry\.collector_sched='lowest'.*auto, idle, normal"):
         resolve_collector_sched("lowest", 1)
     with pytest.raises(ConfigError, match=r"telemetry\.collector_sched"):
@@ -457,7 +464,7 @@ def test_collector_sched_auto_is_idle_only_where_a_cpu_is_spare():
     ],
 )
 def test_local_ranks_come_from_torchrun_then_slurm_then_the_world(env, want):
-    assert local_ranks(env, world_size=16) == want
+    assert local_ranks_from_env(env, world_size=16) == want
 
 
 @pytest.mark.parametrize(

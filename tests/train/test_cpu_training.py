@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from charllm_nemo.telemetry.sampler_process import usable_cpus
+from charllm_nemo.telemetry.sampler_process import cpu_budget
 from charllm_nemo.train.config import ModelConfig, TrainConfig
 
 WORKER = Path(__file__).with_name("_cpu_rank.py")
@@ -189,8 +189,10 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     rank_dir = tmp_path / "run" / "rank=0"
     # telemetry.collector_sched=auto: SCHED_IDLE where the one rank (one intra-op thread) leaves a CPU
     sched = json.loads((rank_dir / "manifest.json").read_text())["collector_sched"]
-    assert sched["setting"] == "auto" and "1 kept busy" in sched["why"]
-    assert sched["policy"] == ("idle" if (usable_cpus() or 0) > 1 else "normal")
+    assert sched["setting"] == "auto" and "1 kept busy by 1 local rank(s)" in sched["why"]
+    budget = cpu_budget()
+    usable = 0 if budget is None else min(budget[0], budget[1] or budget[0])
+    assert sched["policy"] == ("idle" if usable > 1 else "normal")
     wins = pa.read_table(sorted(rank_dir.glob("windows-*.parquet"))).to_pylist()
     kinds = {(w["kind"], w["name"]) for w in wins}
     assert {

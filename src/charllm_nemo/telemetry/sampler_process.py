@@ -125,16 +125,14 @@ def validate_collector_sched(value: Any) -> str:
     return str(value)
 
 
-def usable_cpus() -> int | None:
-    """How many CPUs this process can use at once: its affinity mask, capped by its cgroup's CPU
-    quota (a container's CPU limit: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None where
-    the mask cannot be read."""
+def cpu_budget() -> tuple[int, float | None] | None:
+    """(the CPUs in this process's affinity mask, its cgroup's CPU quota in CPUs, None: no limit;
+    a container's CPU limit: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None where the
+    mask cannot be read."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0)), _cgroup_cpu_quota()
     except (AttributeError, OSError):
         return None
-    quota = _cgroup_cpu_quota()
-    return cpus if quota is None else min(cpus, max(1, math.floor(quota)))
 
 
 def _cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
@@ -163,30 +161,40 @@ def _cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/
     return None
 
 
-def local_ranks(env: Mapping[str, str], world_size: int = 1) -> int:
+def local_ranks_from_env(env: Mapping[str, str], world_size: int = 1) -> int:
     """This node's ranks: ``LOCAL_WORLD_SIZE`` (torchrun), else ``SLURM_NTASKS_PER_NODE`` (srun;
     ``8(x4)`` reads 8), else ``world_size``."""
     value = env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0]
     return int(value or 0) or world_size
 
 
-def resolve_collector_sched(value: str, busy_cpus: int, cpus: int | None = None) -> tuple[str, str]:
+def resolve_collector_sched(
+    value: str, local_ranks: int, rank_threads: int = 1, cpus: tuple[int, float | None] | None = None
+) -> tuple[str, str]:
     """``(idle | normal, why)`` for ``telemetry.collector_sched`` = ``value``. ``auto`` is idle
-    where the ``cpus`` this rank can use (default :func:`usable_cpus`) outnumber ``busy_cpus``, the
-    CPUs its node's ranks keep busy (their count, times their intra-op threads on CPU), since a
-    SCHED_IDLE thread on a CPU that a normal one keeps busy gets ~0.3 % of it and would fall
+    where this rank has a CPU to spare: the CPUs it can use (``cpus``: its mask and cgroup quota,
+    default :func:`cpu_budget`; the mask capped by the quota) outnumber those kept busy in its
+    mask: ``rank_threads`` (the CPU threads a rank keeps busy: 1 on a GPU, its intra-op threads on
+    a CPU) where the mask is smaller than ``local_ranks`` (the node's ranks cannot all share it: it
+    is this rank's own, e.g. ``srun --cpu-bind``), else ``local_ranks x rank_threads``. Otherwise
+    normal, since a SCHED_IDLE thread beside a busy one gets ~0.3 % of its CPU and would fall
     behind; and normal where Linux's SCHED_IDLE is missing."""
     value = validate_collector_sched(value)
     if value != "auto":
         return value, f"telemetry.collector_sched={value}"
     if not hasattr(os, "SCHED_IDLE"):
         return "normal", "auto: this platform has no SCHED_IDLE"
-    cpus = usable_cpus() if cpus is None else cpus
-    if cpus is None:
+    budget = cpu_budget() if cpus is None else cpus
+    if budget is None:
         return "normal", "auto: the CPUs this rank may use are unknown"
-    if cpus > busy_cpus:
-        return "idle", f"auto: {cpus} usable CPUs, {busy_cpus} kept busy by this node's ranks"
-    return "normal", f"auto: {cpus} usable CPUs, {busy_cpus} kept busy by this node's ranks: none to spare"
+    mask, quota = budget
+    usable = mask if quota is None else min(mask, max(1, math.floor(quota)))
+    if mask < local_ranks:
+        busy, whose = rank_threads, f"this rank, bound to its own {mask} CPU(s)"
+    else:
+        busy, whose = local_ranks * rank_threads, f"{local_ranks} local rank(s) sharing them"
+    why = f"auto: {usable} usable CPU(s), {busy} kept busy by {whose}"
+    return ("idle", why) if usable > busy else ("normal", why + ": none to spare")
 
 
 def resolve_sampler_mode(mode: str, hz: float) -> str:

@@ -58,7 +58,7 @@ from charllm_nemo.telemetry.sampler_process import (
     DEFAULT_NICE,
     FIGURE_SLOTS,
     ProcessSampler,
-    local_ranks,
+    local_ranks_from_env,
     resolve_collector_sched,
     resolve_sampler_mode,
     validate_collector_sched,
@@ -142,9 +142,11 @@ class TelemetrySession:
     telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
     it: it then seldom preempts training; threads in the training process keep its priority).
     ``collector_sched``: the telemetry process's collector thread's policy, ``auto`` / ``idle`` /
-    ``normal`` (:data:`~charllm_nemo.telemetry.sampler_process.DEFAULT_COLLECTOR_SCHED`);
-    ``busy_cpus``: the CPUs this node's ranks keep busy, for ``auto`` (None: one per local rank,
-    :func:`~charllm_nemo.telemetry.sampler_process.local_ranks` from the environment).
+    ``normal`` (:data:`~charllm_nemo.telemetry.sampler_process.DEFAULT_COLLECTOR_SCHED`); for
+    ``auto``, ``local_ranks`` (this node's ranks; None:
+    :func:`~charllm_nemo.telemetry.sampler_process.local_ranks_from_env`) and
+    ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
+    (:func:`~charllm_nemo.telemetry.sampler_process.resolve_collector_sched`).
     """
 
     def __init__(
@@ -165,7 +167,8 @@ class TelemetrySession:
         sampler: str = "auto",
         nice: int = DEFAULT_NICE,
         collector_sched: str = DEFAULT_COLLECTOR_SCHED,
-        busy_cpus: int | None = None,
+        local_ranks: int | None = None,
+        rank_threads: int = 1,
     ) -> None:
         self.hz = validate_hz(hz)
         nice = validate_nice(nice)
@@ -197,8 +200,8 @@ class TelemetrySession:
         self.sampler: Sampler | ProcessSampler
         self.collector_sched: dict[str, str] | None = None  # process mode: what applies, and why
         if mode == "process":
-            busy = local_ranks(os.environ, world_size) if busy_cpus is None else busy_cpus
-            policy, why = resolve_collector_sched(collector_sched, busy)
+            ranks = local_ranks_from_env(os.environ, world_size) if local_ranks is None else local_ranks
+            policy, why = resolve_collector_sched(collector_sched, ranks, rank_threads)
             self.collector_sched = {"setting": collector_sched, "policy": policy, "why": why}
             # The backend the parent ended up with (auto resolved, index fallback applied); the
             # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).

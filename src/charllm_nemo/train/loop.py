@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.sampler_process import local_ranks
+from charllm_nemo.telemetry.sampler_process import local_ranks_from_env
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.report import (
@@ -130,7 +130,7 @@ def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
         rank=rank,
         world_size=world,
         local_rank=local,
-        local_world_size=local_ranks(e, world),
+        local_world_size=local_ranks_from_env(e, world),
         master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(e.get("MASTER_PORT", cfg.launch.master_port)),
     )
@@ -316,8 +316,9 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def _open_session(cfg: TrainConfig, dist: DistInfo, busy_cpus: int) -> Any:
-    """This rank's telemetry session; ``busy_cpus``: the CPUs this node's ranks keep busy."""
+def _open_session(cfg: TrainConfig, dist: DistInfo, local_ranks: int, rank_threads: int) -> Any:
+    """This rank's telemetry session; ``local_ranks`` on this node, each keeping ``rank_threads``
+    CPU threads busy (``telemetry.collector_sched=auto``)."""
     from charllm_nemo.telemetry.session import TelemetrySession
 
     t = cfg.telemetry
@@ -328,7 +329,8 @@ def _open_session(cfg: TrainConfig, dist: DistInfo, busy_cpus: int) -> Any:
         sampler=t.sampler,
         nice=t.nice,
         collector_sched=t.collector_sched,
-        busy_cpus=busy_cpus,
+        local_ranks=local_ranks,
+        rank_threads=rank_threads,
         rank=dist.rank,
         local_rank=dist.local_rank,
         world_size=dist.world_size,
@@ -401,8 +403,8 @@ def run_rank(
     try:
         if session is None and recorder is None and cfg.telemetry.enabled:
             # A rank keeps a CPU busy; on CPU, one per intra-op thread.
-            busy_cpus = env.local_world_size * (torch.get_num_threads() if device == "cpu" else 1)
-            session = _open_session(cfg, dist, busy_cpus)
+            threads = torch.get_num_threads() if device == "cpu" else 1
+            session = _open_session(cfg, dist, env.local_world_size, threads)
             own_session = True
         sink = _open_sink(cfg, dist, session)
         # Windows are recorded into a session or a caller's recorder; with telemetry off and
