@@ -110,8 +110,8 @@ DEFAULT_COLLECTOR_SCHED = "auto"
 thread (Parquet segments, live figures; the sampling thread keeps the rank's policy). ``idle``:
 Linux's SCHED_IDLE, so that any other thread that wakes (the training process's own: gloo's or
 NCCL's, data loaders) takes its CPU at once and the scheduler places such threads on a CPU that
-runs only the collector as on an idle one. ``auto``: idle where the rank's CPUs outnumber those
-its node's ranks keep busy (:func:`resolve_collector_sched`), else ``normal``."""
+runs only the collector as on an idle one. ``auto``: idle where the rank has a CPU to spare
+(:func:`resolve_collector_sched`), else ``normal``."""
 
 
 def validate_collector_sched(value: Any) -> str:
