@@ -177,6 +177,7 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     cfg.telemetry.enabled = True
     cfg.telemetry.backend = "synthetic"
     cfg.telemetry.out_dir = str(tmp_path / "run")
+    cfg.telemetry.collector_sched = "auto"  # (default normal) the loop passes its ranks and threads
     (r,) = run_ranks(cfg, 1, tmp_path)
     assert_finite_losses([r], 3)
     # Every step gets its energy from the synthetic device (one step late, the last one waited for).
@@ -187,7 +188,6 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
         # Energy is power x time: the average power over the step gives back its energy.
         assert s["energy_j"] == pytest.approx(s["power_avg_w"] * s["step_time_s"], rel=0.05)
     rank_dir = tmp_path / "run" / "rank=0"
-    # telemetry.collector_sched=auto: SCHED_IDLE where the one rank (one intra-op thread) leaves a CPU
     sched = json.loads((rank_dir / "manifest.json").read_text())["collector_sched"]
     assert sched["setting"] == "auto" and "1 kept busy by 1 local rank(s)" in sched["why"]
     budget = cpu_budget()

@@ -105,13 +105,15 @@ def validate_nice(nice: Any) -> int:
 
 
 COLLECTOR_SCHEDS: tuple[str, ...] = ("auto", "idle", "normal")
-DEFAULT_COLLECTOR_SCHED = "auto"
+DEFAULT_COLLECTOR_SCHED = "normal"
 """``telemetry.collector_sched``: the scheduling policy of the telemetry process's collector
 thread (Parquet segments, live figures; the sampling thread keeps the rank's policy). ``idle``:
 Linux's SCHED_IDLE, so that any other thread that wakes (the training process's own: gloo's or
 NCCL's, data loaders) takes its CPU at once and the scheduler places such threads on a CPU that
-runs only the collector as on an idle one. ``auto``: idle where the rank has a CPU to spare
-(:func:`resolve_collector_sched`), else ``normal``."""
+runs only the collector as on an idle one. ``auto``: idle where the rank seems to have a CPU to
+spare (:func:`resolve_collector_sched`), else ``normal``. The default is ``normal``: once every
+CPU is busy, a SCHED_IDLE collector preempted while it holds the telemetry process's GIL stalls
+the sampling thread too (here: up to 1.4 s without a sample; docs/telemetry.md)."""
 
 
 def validate_collector_sched(value: Any) -> str:

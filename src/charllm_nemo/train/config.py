@@ -106,7 +106,7 @@ class TelemetryConfig:
     # (no GIL shared with training; docs/telemetry.md), threads where none can start.
     sampler: str = "auto"  # auto | thread | process
     nice: int = 0  # the telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md)
-    collector_sched: str = "auto"  # its collector thread: auto | idle | normal (docs/telemetry.md)
+    collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
