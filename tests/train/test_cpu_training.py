@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from charllm_nemo.telemetry.sampler_process import cpu_budget
+from charllm_nemo.telemetry.sampler_process import resolve_collector_sched
 from charllm_nemo.train.config import ModelConfig, TrainConfig
 
 WORKER = Path(__file__).with_name("_cpu_rank.py")
@@ -190,9 +190,7 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     rank_dir = tmp_path / "run" / "rank=0"
     sched = json.loads((rank_dir / "manifest.json").read_text())["collector_sched"]
     assert sched["setting"] == "auto" and "1 kept busy by 1 local rank(s)" in sched["why"]
-    budget = cpu_budget()
-    usable = 0 if budget is None else min(budget[0], budget[1] or budget[0])
-    assert sched["policy"] == ("idle" if usable > 1 else "normal")
+    assert sched["policy"] == resolve_collector_sched("auto", 1, 1)[0]  # one rank, one thread
     wins = pa.read_table(sorted(rank_dir.glob("windows-*.parquet"))).to_pylist()
     kinds = {(w["kind"], w["name"]) for w in wins}
     assert {

@@ -229,6 +229,7 @@ class TelemetrySession:
                 mode = "thread"
         if mode == "thread":
             self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+            self.collector_sched = None  # no telemetry process, no collector thread
         self.sampler_mode = mode
         marks = getattr(self.backend, "mark_activity", None)
         if marks is not None:  # in process mode it publishes to the telemetry process from start()
@@ -273,7 +274,7 @@ class TelemetrySession:
             "synthetic": self.source == "synthetic",
             "sampling_hz": self.hz,
             "sampler_mode": self.sampler_mode,
-            "collector_sched": self.collector_sched if self.sampler_mode == "process" else None,
+            "collector_sched": self.collector_sched,
             "devices": [d.identity.to_dict() for d in self.backend.devices],
             "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},
             "started_wall_ns": time.time_ns(),
@@ -423,7 +424,7 @@ class TelemetrySession:
         self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
         self.sampler_mode = "thread"
         self.store.manifest["sampler_mode"] = "thread"
-        self.store.manifest["collector_sched"] = None
+        self.collector_sched = self.store.manifest["collector_sched"] = None
         self.store.manifest["sampler_process_error"] = reason
         self.store.write_manifest()
         warm_up_parquet_writer()
