@@ -111,6 +111,8 @@ rank = int(os.environ["RANK"]); out = pathlib.Path(sys.argv[1])
 (out / f"env{rank}").write_text(" ".join(os.environ[k] for k in
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")))
 mode = sys.argv[2]
+if mode == "fail_now":
+    sys.exit(3)
 if mode == "fail" and rank == 2:
     time.sleep(0.2); print("boom from rank 2"); sys.exit(5)
 if mode == "fail":
@@ -155,3 +157,13 @@ def test_a_failing_rank_stops_the_others_and_is_named(
     # SIGTERM reached the survivors: Python's default handler kills without finally blocks, so
     # no "stopped" marker here (the charllm worker installs a handler; see test_app).
     assert not (tmp_path / "stopped0").exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ranks_that_all_fail_before_the_first_poll_are_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nproc: int
+) -> None:
+    # Every rank exits at once (a config a rank rejects): by the launcher's first look they are
+    # all gone. That is a failure, not a success.
+    assert _spawn(tmp_path, "fail_now", nproc=nproc, port=free_port(29533)) == 3
+    assert "rank 0 failed with exit code 3" in capsys.readouterr().err

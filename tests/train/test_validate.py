@@ -498,11 +498,21 @@ def test_telemetry_launch_and_data_rules() -> None:
     cfg.data.path = "/nonexistent/corpus_text_document"
     text = "\n".join(problems(cfg))
     assert "telemetry.windows has unknown kinds ['layer']; use a subset of [step, microbatch, phase]" in text
-    assert "telemetry.hz=0 must be a positive number" in text
+    assert "telemetry.hz=0 is outside the supported range; use a rate in [1, 1000] Hz" in text
     assert "telemetry.nice=20: give the telemetry process's nice value, an integer from 0" in text
     assert "launch.master_port=70000 is not a TCP port" in text
     assert "/nonexistent/corpus_text_document.bin and /nonexistent/corpus_text_document.idx not found" in text
     assert "data.path=null for mock data" in text
+
+
+@pytest.mark.parametrize("hz", [5000, 0.5, "fast"])
+def test_sampling_rate_outside_what_the_sampler_holds_is_refused_before_launch(hz: object) -> None:
+    cfg = cfg_for()
+    cfg.telemetry.hz = hz  # type: ignore[assignment]
+    text = "\n".join(problems(cfg))
+    assert f"telemetry.hz={hz!r} is " in text and "use a rate in [1, 1000] Hz" in text
+    cfg.telemetry.enabled = False  # no sampler: the rate does not matter
+    validate(cfg, world_size=1, device="cuda")
 
 
 def test_data_path_with_both_files_is_accepted(tmp_path: Path) -> None:

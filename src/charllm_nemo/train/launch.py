@@ -319,12 +319,12 @@ def _wait(
     deadline: list[float],
     grace_s: float,
 ) -> RankFailure | None:
-    """Wait for every rank; on the first failure terminate the rest and return it."""
+    """Wait for every rank; on the first failure terminate the rest and return it. A failure
+    is looked for before the all-exited check: ranks that all exit between two polls (one rank
+    rejecting its config at once, say) still report theirs."""
     failure: RankFailure | None = None
     while True:
         codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return failure
         if failure is None and not received:
             for rank, c in enumerate(codes):
                 if c not in (None, 0):
@@ -335,6 +335,8 @@ def _wait(
                                 p.terminate()
                     deadline.append(time.monotonic() + grace_s)
                     break
+        if all(c is not None for c in codes):
+            return failure
         if deadline and time.monotonic() > deadline[0]:
             for p in procs:
                 if p.poll() is None:

@@ -31,6 +31,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.errors import ConfigError
     from charllm_nemo.sinks.config import validate_logger_config
+    from charllm_nemo.telemetry.sample_loop import validate_hz
     from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
@@ -48,7 +49,10 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     except ConfigError as exc:
         problems.append(str(exc))
     if t.enabled:
-        _positive(problems, "telemetry.hz", t.hz)
+        try:
+            validate_hz(t.hz)
+        except ConfigError as exc:
+            problems.append(str(exc))
     unknown = [w for w in t.windows if w not in WINDOW_KINDS]
     if unknown:
         problems.append(
