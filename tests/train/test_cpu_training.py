@@ -53,7 +53,9 @@ def tiny_cfg(**parallel: Any) -> TrainConfig:
 
 
 def run_ranks(cfg: TrainConfig, nproc: int, tmp_path: Path) -> list[dict[str, Any]]:
-    """Run ``nproc`` ranks of ``cfg``; returns each rank's result (RankResult + windows)."""
+    """Run ``nproc`` ranks of ``cfg`` with ``tmp_path/run`` as the run directory; returns each
+    rank's result (RankResult + windows)."""
+    cfg.telemetry.out_dir = str(tmp_path / "run")
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     port = free_port()
@@ -176,7 +178,6 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     cfg = tiny_cfg()
     cfg.telemetry.enabled = True
     cfg.telemetry.backend = "synthetic"
-    cfg.telemetry.out_dir = str(tmp_path / "run")
     cfg.telemetry.collector_sched = "auto"  # (default normal) the loop passes its ranks and threads
     (r,) = run_ranks(cfg, 1, tmp_path)
     assert_finite_losses([r], 3)
@@ -201,6 +202,11 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
         ("phase", "optimizer"),
     } <= kinds
     assert list(rank_dir.glob("samples-*.parquet"))
+    # Rank 0's per-step figures: streamed to steps.jsonl step by step, all of them in summary.json.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == 3
+    lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == summary["per_step"] == r["summaries"]
 
 
 def test_tp2(tmp_path: Path) -> None:

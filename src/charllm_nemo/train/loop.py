@@ -38,8 +38,10 @@ from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
+    STEPS_FILE,
     Progress,
     RankFigures,
+    StepsFile,
     StepSummary,
     Throughput,
     apply_figures,
@@ -400,6 +402,7 @@ def run_rank(
     own_session = False
     status = "failed"
     sink = None
+    started: list[RankResult] = []  # _train's result once it exists: a partial one if training stops
     try:
         if session is None and recorder is None and cfg.telemetry.enabled:
             # A rank keeps a CPU busy; on CPU, one per intra-op thread.
@@ -413,13 +416,23 @@ def run_rank(
         rec = session.windows if session is not None else (recorder or WindowRecorder())
         rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
-        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink)
-        result.wall_s = time.monotonic() - t_start
-        if dist.rank == 0:
-            _write_summary(cfg, layout, result)
+        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started)
         status = "complete"
         return result
+    except KeyboardInterrupt:  # Ctrl-C (the local launcher forwards it to every rank)
+        status = "interrupted"
+        raise
+    except SystemExit:  # SIGTERM (train/worker.py unwinds the rank with SystemExit)
+        status = "terminated"
+        raise
     finally:
+        if started:
+            started[0].wall_s = time.monotonic() - t_start
+        if started and dist.rank == 0:
+            try:
+                _write_summary(cfg, layout, started[0], status)
+            except Exception:  # never hide why training stopped
+                log.exception("could not write summary.json")
         if own_session and session is not None:
             session.close(status)
         if sink is not None or cfg.logger.name == "wandb":
@@ -428,8 +441,9 @@ def run_rank(
             shutdown_distributed()
 
 
-def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult) -> None:
-    """Rank 0 writes ``summary.json`` into the run directory (schema in docs/store.md)."""
+def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: str) -> None:
+    """Rank 0 writes ``summary.json`` into the run directory when training ends, however it
+    ends (``status``: complete, interrupted, terminated, failed; schema in docs/store.md)."""
     import json
     from dataclasses import asdict, is_dataclass
 
@@ -439,6 +453,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult) -> None:
     out = Path(cfg.telemetry.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = {
+        "status": status,
         "model": cfg.model.name,
         "layout": asdict(layout) if is_dataclass(layout) and not isinstance(layout, type) else str(layout),
         "world_size": result.world_size,
@@ -462,6 +477,7 @@ def _train(
     kinds: list[str],
     torch: Any,
     sink: Any = None,
+    started: list[RankResult] | None = None,
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -505,7 +521,10 @@ def _train(
         num_microbatches=n_micro,
         labels=dist.labels(),
     )
+    if started is not None:
+        started.append(result)
     progress = Progress(b.train_steps, enabled=dist.rank == 0)
+    steps_file = StepsFile(Path(cfg.telemetry.out_dir) / STEPS_FILE) if dist.rank == 0 else None
     print_steps = cfg.logger.name != "none"
     # Per-rank figures travel to rank 0 (one fixed-size gather) only when a sink logs them.
     gather_figures = cfg.logger.name == "wandb" and session is not None
@@ -539,11 +558,14 @@ def _train(
     ) -> None:
         apply_figures(summary, figures_sums, figures_max)
         throughput.fill(summary)
-        result.summaries.append(summary.to_dict())
+        row = summary.to_dict()
+        result.summaries.append(row)
+        if steps_file is not None:
+            steps_file.write(row)
         if print_steps:
             progress.write(format_summary(summary, b.train_steps, dist.world_size))
         if sink is not None:
-            sink.log_figures(summary.step, summary.to_dict(), gathered)
+            sink.log_figures(summary.step, row, gathered)
 
     try:
         for step in range(b.train_steps):
@@ -619,5 +641,7 @@ def _train(
             finish(last[0], sums, maxes, gathered)
     finally:
         progress.close()
+        if steps_file is not None:
+            steps_file.close()
     result.unmatched_marks = marker.unmatched
     return result

@@ -9,11 +9,13 @@ line for a step is printed one step after it ends (the last one after a final re
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -248,6 +250,28 @@ def format_summary(s: StepSummary, total_steps: int, world_size: int) -> str:
         if s.throttle_share is not None:
             parts.append(f"throttle {100 * s.throttle_share:.0f}%")
     return " | ".join(parts)
+
+
+STEPS_FILE = "steps.jsonl"
+"""Rank 0's per-step figures, one JSON object per line, written as each step is reported."""
+
+
+class StepsFile:
+    """Rank 0's per-step figures on disk as the run goes (``steps.jsonl`` in the run directory):
+    one line per reported step, handed to the kernel at once (line-buffered), so a run that is
+    killed keeps every step reported before (docs/store.md). The file is truncated when opened:
+    a run directory holds one run."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._f = path.open("w", buffering=1, encoding="utf-8")
+
+    def write(self, summary: dict[str, Any]) -> None:
+        self._f.write(json.dumps(summary, default=str) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class Progress:
