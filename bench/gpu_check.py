@@ -139,7 +139,12 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     load, what = _load_fn(mode)
     run_dir = out_dir / "load_run"
     tel = TelemetrySession(
-        run_dir, backend="nvml", hz=hz, devices=[0], config={"gpu_check": "load", "load": what}
+        run_dir,
+        backend="nvml",
+        hz=hz,
+        devices=[0],
+        config={"gpu_check": "load", "load": what},
+        overwrite=True,  # a rerun with the same --out replaces its runs
     )
     tel.start()
     rec = tel.windows
@@ -265,6 +270,7 @@ def training(mode: str, out_dir: Path, steps: int, env: dict[str, str], timeout_
                 *base,
                 f"batch.train_steps={steps}",
                 f"telemetry.out_dir={run_dir}",
+                "telemetry.overwrite=true",
                 f"telemetry.enabled={'true' if telemetry == 'on' else 'false'}",
                 "telemetry.backend=nvml",
                 f"launch.device={'cuda' if mode == 'gpu' else 'cpu'}",

@@ -43,6 +43,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         sampler=args.sampler,
         config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
         backend_options=options,
+        overwrite=args.overwrite,
     )
     n_dev = len(session.backend.devices)
     session.start()
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
     t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")
     t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument(
+        "--overwrite", action="store_true", help="replace a run already in --out (default: refuse)"
+    )
     t.set_defaults(func=cmd_telemetry)
 
     i = sub.add_parser("inspect", help="load a run directory and print the attribution of its windows")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.session import TelemetrySession, default_device_indices
@@ -107,6 +107,28 @@ def test_a_bad_rate_fails_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"telemetry\.hz"):
         TelemetrySession(tmp_path, backend="synthetic", hz=2000)
     assert not any(tmp_path.iterdir())
+
+
+def _short_run(out, steps=3, **kw):
+    with TelemetrySession(out, backend="synthetic", hz=100, handle_signals=False, **kw) as tel:
+        for step in range(steps):
+            with tel.windows.window("step", step=step):
+                time.sleep(0.02)
+        return tel.sampler_mode
+
+
+def test_a_run_directory_holding_an_earlier_run_is_refused_before_anything_starts(tmp_path):
+    _short_run(tmp_path, steps=10, flush_interval_s=0.05)  # several segments
+    before = sorted((tmp_path / "rank=0").iterdir())
+    assert len([p for p in before if p.name.startswith("windows-")]) > 1
+    with pytest.raises(StoreError, match=r"rank=0 already holds a run .*telemetry\.overwrite=true"):
+        TelemetrySession(tmp_path, backend="synthetic", sampler="process", handle_signals=False)
+    assert sorted((tmp_path / "rank=0").iterdir()) == before  # untouched, and nothing was started
+    # Replaced: the second run's files only (it writes fewer segments than the first left).
+    mode = _short_run(tmp_path, overwrite=True, steps=1)
+    run = load_run(tmp_path)
+    assert mode == "process" and run.manifests[0]["status"] == "complete"
+    assert run.windows.column("step").to_pylist() == [0]
 
 
 def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):

@@ -98,6 +98,32 @@ def test_an_unwritable_output_directory_is_a_clear_error(tmp_path):
         os.chmod(tmp_path / "ro", 0o700)
 
 
+def test_a_folder_holding_an_earlier_run_is_refused_or_replaced(tmp_path):
+    # A second run writing fewer segments than the first would leave the first run's later
+    # segments behind, read as its own: refused unless told to replace it.
+    first = _store(tmp_path)
+    for i in range(3):
+        first.write_segment("samples", rows_to_table(_rows(2, i * 100), "test"))
+    first.close("complete")
+    folder = tmp_path / "rank=0"
+    (folder / ".windows-000009.parquet.tmp").write_bytes(b"half")  # a killed writer's temporary
+    (folder / "notes.txt").write_text("mine")  # not the store's: never touched
+    with pytest.raises(
+        StoreError, match=r"rank=0 already holds a run \(rank=0/\.windows-000009.*\(5 files\)"
+    ):
+        _store(tmp_path)
+    assert len(list(folder.glob("samples-*.parquet"))) == 3  # refusing removes nothing
+    second = RankStore(tmp_path, 0, {"rank": 0}, overwrite=True)
+    second.write_segment("samples", rows_to_table(_rows(2, 5000), "test"))
+    second.close("complete")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "manifest.json",
+        "notes.txt",
+        "samples-000000.parquet",
+    ]
+    assert load_rank(tmp_path, 0).samples.column("t_mono_ns").to_pylist() == [5000, 5010]
+
+
 def test_reading_something_that_is_not_a_run_directory(tmp_path):
     with pytest.raises(StoreError, match="does not exist"):
         list_ranks(tmp_path / "nope")

@@ -192,6 +192,45 @@ def test_main_rejects_a_bad_layout_before_starting_anything(
     assert not out.exists()
 
 
+def test_a_run_directory_holding_an_earlier_run_is_refused_or_replaced(
+    tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    # An earlier run of 3 ranks: its store files, rank 0's files, and files that are not ours.
+    for rank in range(3):
+        (out / f"rank={rank}").mkdir(parents=True)
+        (out / f"rank={rank}" / "manifest.json").write_text("{}")
+        (out / f"rank={rank}" / "samples-000007.parquet").write_bytes(b"old")
+    (out / "summary.json").write_text("{}")
+    (out / "steps.jsonl").write_text("{}\n")
+    (out / "rank=2" / "notes.txt").write_text("mine")
+    args = ["nproc=2", f"telemetry.out_dir={out}"]
+    assert app.main(args) == app.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"telemetry.out_dir={str(out)!r} already holds a run (steps.jsonl, summary.json" in err
+    assert "(8 files)); give a new directory" in err and "telemetry.overwrite=true" in err
+    assert not (out / "fake").exists() and (out / "rank=2" / "samples-000007.parquet").exists()
+
+    assert app.main([*args, "telemetry.overwrite=true"]) == 0
+    assert "replaced the earlier run in" in capsys.readouterr().err
+    assert (out / "fake" / "rank1.json").exists()  # the ranks ran
+    assert app.previous_run_files(out) == []  # rank=2 too, which this 2-rank run would not touch
+    assert (out / "rank=2" / "notes.txt").read_text() == "mine"
+
+
+def test_only_the_launching_process_replaces_an_earlier_run(tmp_path: Path) -> None:
+    # Under srun every task runs check_run_dir; rank 0 removes (before any rank can write, all
+    # being held at the rendezvous), the others must neither remove nor refuse.
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir = str(tmp_path)
+    cfg.telemetry.overwrite = True
+    (tmp_path / "summary.json").write_text("{}")
+    app.check_run_dir(cfg, removes=False)
+    assert (tmp_path / "summary.json").exists()
+    app.check_run_dir(cfg, removes=True)
+    assert not (tmp_path / "summary.json").exists()
+
+
 def test_main_reports_hydra_errors_as_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert app.main(["model=gpt5"]) == app.EXIT_CONFIG_ERROR
     assert app.main(["batch.micro_batchsize=2"]) == app.EXIT_CONFIG_ERROR

@@ -68,6 +68,7 @@ from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
     Flusher,
     RankStore,
+    clear_rank_folder,
     rank_dir,
     records_to_table,
     warm_up_parquet_writer,
@@ -147,6 +148,8 @@ class TelemetrySession:
     :func:`~charllm_nemo.telemetry.sampler_process.local_ranks_from_env`) and
     ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
     (:func:`~charllm_nemo.telemetry.sampler_process.resolve_collector_sched`).
+    ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
+    (default: StoreError, before anything starts).
     """
 
     def __init__(
@@ -169,6 +172,7 @@ class TelemetrySession:
         collector_sched: str = DEFAULT_COLLECTOR_SCHED,
         local_ranks: int | None = None,
         rank_threads: int = 1,
+        overwrite: bool = False,
     ) -> None:
         self.hz = validate_hz(hz)
         nice = validate_nice(nice)
@@ -176,6 +180,9 @@ class TelemetrySession:
         mode = resolve_sampler_mode(sampler, self.hz)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.out_dir = Path(out_dir)
+        # Before anything starts: an earlier run's files in this rank's folder (StoreError, or
+        # removed with overwrite), so that its segments are never read as this run's.
+        clear_rank_folder(rank_dir(self.out_dir, rank), overwrite=overwrite)
         self.windows = WindowRecorder()
         self._handle_signals = handle_signals
         self._flush_interval_s = flush_interval_s

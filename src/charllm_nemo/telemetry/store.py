@@ -124,6 +124,45 @@ def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"rank={rank}"
 
 
+RANK_FILE_PATTERNS = ("manifest.json", "samples-*.parquet", "windows-*.parquet")
+"""The files a rank's folder holds (each also as ``.<name>.tmp`` while being written)."""
+
+
+def rank_files(folder: Path) -> list[Path]:
+    """The store's files in one rank's folder (manifest, segments, their temporaries), sorted;
+    anything else there is not the store's and is left out."""
+    if not folder.is_dir():
+        return []
+    found = {p for pattern in RANK_FILE_PATTERNS for p in folder.glob(pattern)}
+    found |= {p for pattern in RANK_FILE_PATTERNS for p in folder.glob(f".{pattern}.tmp")}
+    return sorted(found)
+
+
+def describe_files(paths: list[Path], root: Path) -> str:
+    """``rank=0/manifest.json, rank=0/samples-000000.parquet, ... (N files)``: a few names."""
+    names = [str(p.relative_to(root)) for p in paths[:3]]
+    more = f", ... ({len(paths)} files)" if len(paths) > 3 else ""
+    return ", ".join(names) + more
+
+
+def clear_rank_folder(folder: Path, *, overwrite: bool) -> None:
+    """A rank's folder must not mix two runs: segments a new run does not overwrite would be read
+    as its own. Holding an earlier run's files, it is emptied of them when ``overwrite``, else
+    StoreError says what is there and how to go on."""
+    old = rank_files(folder)
+    if not old:
+        return
+    if not overwrite:
+        raise StoreError(
+            f"{folder} already holds a run ({describe_files(old, folder.parent)}); give a new run "
+            "directory (telemetry.out_dir=... / --out DIR), or replace that run "
+            "(telemetry.overwrite=true / --overwrite)"
+        )
+    for path in old:
+        path.unlink(missing_ok=True)
+    log.warning("replaced an earlier run in %s: removed %d file(s)", folder, len(old))
+
+
 def warm_up_parquet_writer() -> None:
     """The first Parquet write in a process costs ~150 ms (lazy codec and writer set-up). Pay it
     at start, before the sampler runs, rather than in the first flush, where it would hold the
@@ -191,7 +230,8 @@ def finish_manifest(manifest: dict[str, Any], status: str, counts: dict[str, Any
 class RankStore:
     """One rank's folder ``RUN/rank=<rank>/``: its manifest and (``writes_segments``) its segments.
 
-    Creating it checks the directory is writable and writes the manifest with
+    Creating it checks the directory is writable, refuses a folder holding an earlier run's files
+    (``overwrite``: removes them instead; :func:`clear_rank_folder`) and writes the manifest with
     ``status="running"``; :meth:`close` rewrites it with the final status and counts. A session
     whose telemetry process writes the segments passes ``writes_segments=False`` and hands that
     process's counts to :meth:`close`.
@@ -204,9 +244,11 @@ class RankStore:
         manifest: dict[str, Any],
         *,
         writes_segments: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.dir = rank_dir(run_dir, rank)
         check_writable(self.dir)
+        clear_rank_folder(self.dir, overwrite=overwrite)
         self.manifest: dict[str, Any] = {
             "store_format": STORE_FORMAT_VERSION,
             "status": "running",

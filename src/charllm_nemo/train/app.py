@@ -8,7 +8,8 @@
 Order of events: Hydra composes the config -> it becomes a typed TrainConfig (a wrong type or an
 unknown key is an error naming the key) -> the launcher's world size and device are known ->
 :func:`charllm_nemo.train.validate.validate` checks everything, before any process group ->
-the run directory ``telemetry.out_dir`` is created and the resolved config written to
+a run directory holding an earlier run is refused (or, with ``telemetry.overwrite``, emptied of
+it) -> the run directory ``telemetry.out_dir`` is created and the resolved config written to
 ``<out_dir>/config.yaml`` -> ranks start (train/launch.py).
 
 The conf/ directory: ``$CHARLLM_CONF_DIR`` if set, else the repository checkout's ``conf/``
@@ -88,6 +89,43 @@ def world_and_env(cfg: TrainConfig, environ: Mapping[str, str]) -> tuple[int, di
     return cfg.launch.nproc, {}
 
 
+RUN_FILES = ("steps.jsonl", "summary.json")
+"""What rank 0 writes at the top of a run directory, besides config.yaml (rewritten each run)."""
+
+
+def previous_run_files(out_dir: Path) -> list[Path]:
+    """An earlier run's files in ``out_dir``: its rank folders' store files, steps.jsonl and
+    summary.json (nothing else there is this package's)."""
+    from charllm_nemo.telemetry.store import rank_files
+
+    found = [out_dir / name for name in RUN_FILES if (out_dir / name).is_file()]
+    for folder in sorted(out_dir.glob("rank=*")):
+        found += rank_files(folder)
+    return found
+
+
+def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
+    """Refuse a run directory that holds an earlier run (ConfigError: its files would mix with
+    this run's), unless ``telemetry.overwrite``; then the process that ``removes`` (the launcher,
+    or rank 0 of an in-process launcher, before any rank can write) deletes them."""
+    from charllm_nemo.telemetry.store import describe_files
+
+    out = Path(cfg.telemetry.out_dir)
+    old = previous_run_files(out)
+    if not old:
+        return
+    if not cfg.telemetry.overwrite:
+        raise ConfigError(
+            f"telemetry.out_dir={str(out)!r} already holds a run ({describe_files(old, out)}); give a "
+            "new directory (the default, runs/<time>, is new for every run), or telemetry.overwrite=true "
+            "to replace that run"
+        )
+    if removes:
+        for path in old:
+            path.unlink(missing_ok=True)
+        print(f"charllm train: replaced the earlier run in {out} ({len(old)} files)", file=sys.stderr)
+
+
 def _announce(cfg: TrainConfig, layout: ResolvedLayout) -> None:
     stages = layout.layers_per_stage
     vpp = f" vpp={layout.vpp}" if layout.vpp else ""
@@ -109,6 +147,7 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
     cfg.launch.device = resolve_device(cfg.launch.device)  # decided once, recorded, shared by ranks
     layout = validate(cfg, world_size=world, device=cfg.launch.device)
     out_dir = Path(cfg.telemetry.out_dir)
+    check_run_dir(cfg, removes=cfg.launch.launcher == "local" or rank_env.get("RANK") == "0")
     if cfg.launch.launcher == "local":
         _announce(cfg, layout)
         config_path = save_train_config(cfg, out_dir / "config.yaml")

@@ -108,6 +108,7 @@ class TelemetryConfig:
     nice: int = 0  # the telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md)
     collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
 
