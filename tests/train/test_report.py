@@ -42,6 +42,14 @@ def test_the_loop_waits_for_figures_only_once_they_are_overdue():
     assert late_wait(now - 30_000_000, 1_000_000) == 0.002
 
 
+def test_the_last_steps_wait_generously_but_not_forever() -> None:
+    from charllm_nemo.train.loop import final_wait
+
+    assert final_wait(100.0) == 2.0  # a loaded node may hold the telemetry process off for a while
+    assert final_wait(1.0) == 5.0  # five periods, capped
+    assert final_wait(2.0) == 2.5
+
+
 def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_rank():
     import math
     import time

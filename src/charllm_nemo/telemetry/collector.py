@@ -71,7 +71,7 @@ AFTER_S = 1.0
 _NEVER = 2**63 - 1
 MAX_HOLD_NS = 250_000_000
 """The longest a figure request waits past its window's end for the rest of its batch (the
-training loop waits at least 0.5 s for its last steps' figures)."""
+training loop waits at least 2 s for its last steps' figures: train.loop.final_wait)."""
 
 
 def encode_figures(

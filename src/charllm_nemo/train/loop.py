@@ -76,6 +76,15 @@ def late_wait(t_end_mono_ns: int, period_ns: float) -> float:
     return min(2 * period_ns / 1e9, 0.05)
 
 
+def final_wait(hz: float) -> float:
+    """How long, in all, the loop waits for its last steps' figures: once per run, so
+    generously (a loaded node, a CI machine with every core busy, can keep a telemetry process
+    from the CPU for hundreds of ms): 5 sampling periods, at least 2 s, at most 5 s. A
+    telemetry process that answers in time costs nothing of it; one that has died, nothing
+    either (the wait ends when the sampler stops)."""
+    return min(max(2.0, 5.0 / max(hz, 1e-3)), 5.0)
+
+
 FIGURES_BATCH_S = 0.1
 """The least step time one computation of live figures should cover. The telemetry process's
 cost for a request is nearly all per call (numpy over a few samples: about the same for one
@@ -628,13 +637,12 @@ def _train(
             result.local_step_times_s.append(timing.seconds)
             pending.add((summary, timing.t_begin_mono_ns, timing.t_end_mono_ns), maxes["step_time_s"])
             progress.update()
-        # The last steps: wait (briefly) for their figures, one more reduction each. Once per
-        # run, so wait generously (a loaded node can delay the sampler by tens of ms); each
-        # returns as soon as the telemetry process has answered.
-        wait = min(max(0.5, 5.0 / max(cfg.telemetry.hz, 1e-3)), 5.0)
+        # The last steps: wait for their figures, one more reduction each, all within one
+        # deadline (they are answered together); returns as soon as they are answered.
+        deadline = time.monotonic() + final_wait(cfg.telemetry.hz)
         while pending.steps:
             last = pending.steps.popleft()
-            figures, gathered = figures_of(last, wait_s=wait)
+            figures, gathered = figures_of(last, wait_s=max(0.0, deadline - time.monotonic()))
             sums, maxes = reduce_step(
                 torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
             )
