@@ -333,6 +333,8 @@ def _open_session(cfg: TrainConfig, dist: DistInfo, local_ranks: int, rank_threa
     from charllm_nemo.telemetry.session import TelemetrySession
 
     t = cfg.telemetry
+    # No overwrite here: telemetry.overwrite's removing was done before any rank could write
+    # (train/app.py check_run_dir), so a rank folder holding files now is another job's.
     return TelemetrySession(
         t.out_dir,
         backend=t.backend,
