@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from charllm_nemo.errors import CharllmError
 
@@ -89,6 +91,8 @@ def _print_run(path: Path, kinds: tuple[str, ...] | None) -> int:
         f"{path}: {len(run.ranks)} rank(s), {run.samples.num_rows} samples, {run.windows.num_rows} windows, "
         f"backend {', '.join(backends)}"
     )
+    for line in _how_it_ended(path, run.manifests):
+        print(line)
     if "synthetic" in backends:
         print("NOTE: synthetic device: the figures below come from a model, not from hardware")
     table = attribute_run(run, kinds)
@@ -126,6 +130,47 @@ def _print_run(path: Path, kinds: tuple[str, ...] | None) -> int:
             cells.append(f"{fmt.format(v):>9}")
         print("  ".join(cells))
     return 0
+
+
+def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """Each rank's writer status (manifest), and for a training run what rank 0 reported
+    (summary.json, or steps.jsonl when the rank could not write a summary)."""
+    import json
+
+    ranks_by_status: dict[str, list[int]] = {}
+    for rank, m in sorted(manifests.items()):
+        ranks_by_status.setdefault(str(m.get("status", "?")), []).append(rank)
+    lines = [
+        "status: "
+        + ", ".join(
+            f"{status} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            if len(ranks) <= 8
+            else f"{status} ({len(ranks)} ranks)"
+            for status, ranks in ranks_by_status.items()
+        )
+    ]
+    summary, steps = path / "summary.json", path / "steps.jsonl"
+    if summary.is_file():
+        try:
+            d = json.loads(summary.read_text())
+        except ValueError as exc:
+            return [*lines, f"training: summary.json unreadable ({exc})"]
+        step_ms = d.get("step_time_s_median")
+        tok = d.get("tokens_per_s_median")
+        energy = d.get("energy_j_median")
+        lines.append(
+            f"training: {d.get('status', '?')} after {d.get('steps', '?')} step(s)"
+            + (f"; median step {step_ms * 1e3:.1f} ms" if step_ms is not None else "")
+            + (f", {tok:.0f} tokens/s" if tok is not None else "")
+            + (f", {energy:.1f} J/step (all ranks)" if energy is not None else "")
+        )
+    elif steps.is_file():
+        n = sum(1 for line in steps.read_text().splitlines() if line.strip())
+        lines.append(
+            f"training: no summary.json (rank 0 did not get to write it: killed?); steps.jsonl holds "
+            f"{n} step(s)"
+        )
+    return lines
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -195,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CharllmError as exc:
         print(f"charllm: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``charllm inspect RUN | head``): stop quietly, as Unix tools do.
+        # stdout points at nothing from here on, so that the exit's own flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as if killed by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""``charllm telemetry`` and ``charllm inspect``: a run directory written, then read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "run"
+    args = ["telemetry", "--backend", "synthetic", "--seconds", "1", "--step-s", "0.2", "--out", str(out)]
+    assert main(args) == 0
+    return out
+
+
+def test_inspect_prints_every_step_and_how_the_run_ended(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    assert main(["inspect", str(run_dir), "--kind", "step"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{run_dir}: 1 rank(s), ") and out[0].endswith("backend synthetic")
+    assert out[1] == "status: complete (rank 0)"
+    assert not any(line.startswith("training:") for line in out)  # no training in this run
+    rows = [line.split() for line in out if line.split()[:2] == ["0", "step"]]
+    assert [int(r[3]) for r in rows] == list(range(len(rows))) and len(rows) >= 3
+    assert all(float(r[5]) > 0 for r in rows)  # every step has its energy
+
+
+def test_inspect_says_what_a_training_run_reported(tmp_path: Path) -> None:
+    from charllm_nemo.cli import _how_it_ended
+
+    manifests = {0: {"status": "interrupted"}, 1: {"status": "killed"}}
+    (tmp_path / "steps.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    lines = _how_it_ended(tmp_path, manifests)
+    assert lines == [
+        "status: interrupted (rank 0), killed (rank 1)",
+        "training: no summary.json (rank 0 did not get to write it: killed?); steps.jsonl holds 2 step(s)",
+    ]
+    summary = {
+        "status": "interrupted",
+        "steps": 2,
+        "step_time_s_median": 0.025,
+        "tokens_per_s_median": 10240.0,
+    }
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "energy_j_median": None}))
+    assert _how_it_ended(tmp_path, manifests)[1] == (
+        "training: interrupted after 2 step(s); median step 25.0 ms, 10240 tokens/s"
+    )
+    many = {r: {"status": "complete"} for r in range(16)}
+    assert _how_it_ended(tmp_path, many)[0] == "status: complete (16 ranks)"
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly(run_dir: Path) -> None:
+    # `charllm inspect RUN | head`: the reader leaves early; no traceback, SIGPIPE's exit code.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charllm_nemo.cli", "inspect", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the child has written anything
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err
+
+
+def test_telemetry_refuses_an_earlier_run_unless_told_to_replace_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    args = ["telemetry", "--backend", "synthetic", "--seconds", "0.3", "--step-s", "0.1", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
