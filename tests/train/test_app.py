@@ -90,6 +90,8 @@ def test_run_directory_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("SLURM_STEP_ID", "3")
     assert app.load(["launcher=slurm"]).telemetry.out_dir == "runs/slurm-4242.3"
     assert app.load().telemetry.out_dir != "runs/slurm-4242.3"  # a local run in an allocation
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # requeued: the killed attempt's directory stays
+    assert app.load(["launcher=slurm"]).telemetry.out_dir == "runs/slurm-4242.3-restart2"
     monkeypatch.setenv("CHARLLM_RUN_ID", "mine")
     assert app.load(["launcher=slurm"]).telemetry.out_dir == "runs/mine"
 

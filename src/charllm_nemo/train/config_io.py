@@ -25,15 +25,21 @@ SHORTHAND_KEYS: tuple[str, ...] = ("nproc",)
 
 def run_id(launcher: str = "local") -> str:
     """The run directory's name, decided once per run: ``CHARLLM_RUN_ID`` if set; under
-    ``launcher=slurm`` ``slurm-<job>.<step>`` (every srun task computes the same); under
-    ``launcher=none`` torchrun's ``TORCHELASTIC_RUN_ID`` when it is a real id; else a local
-    timestamp ``YYYYmmdd-HHMMSS``."""
+    ``launcher=slurm`` ``slurm-<job>.<step>`` (every srun task computes the same; a requeued
+    job, ``SLURM_RESTART_COUNT`` > 0, gets ``-restart<N>`` after it, so that it neither meets
+    the killed attempt's run directory nor replaces it); under ``launcher=none`` torchrun's
+    ``TORCHELASTIC_RUN_ID`` when it is a real id; else a local timestamp ``YYYYmmdd-HHMMSS``."""
     env = os.environ
     if env.get("CHARLLM_RUN_ID"):
         return env["CHARLLM_RUN_ID"]
     if launcher == "slurm" and env.get("SLURM_JOB_ID"):
         step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-        return f"slurm-{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+        restart = env.get("SLURM_RESTART_COUNT", "0")
+        return (
+            f"slurm-{env['SLURM_JOB_ID']}"
+            + (f".{step}" if step else "")
+            + (f"-restart{restart}" if restart not in ("", "0") else "")
+        )
     if launcher == "none" and env.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
         return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
     return datetime.now().strftime("%Y%m%d-%H%M%S")
