@@ -137,6 +137,8 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
     (summary.json, or steps.jsonl when the rank could not write a summary)."""
     import json
 
+    from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
+
     ranks_by_status: dict[str, list[int]] = {}
     for rank, m in sorted(manifests.items()):
         ranks_by_status.setdefault(str(m.get("status", "?")), []).append(rank)
@@ -149,7 +151,7 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
             for status, ranks in ranks_by_status.items()
         )
     ]
-    summary, steps = path / "summary.json", path / "steps.jsonl"
+    summary, steps = path / SUMMARY_FILE, path / STEPS_FILE
     if summary.is_file():
         try:
             d = json.loads(summary.read_text())

@@ -100,6 +100,37 @@ def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(bloc
     assert block.q[shm.H_ROWS_SAMPLES] == 40 * len(devices) and block.q[shm.H_FIGURES_SERVED] == 1
 
 
+@pytest.mark.parametrize("devices", [(0, 1), (0,)], ids=["two-devices", "one-device"])
+def test_a_window_right_after_a_sampling_stall_gets_its_figures_as_the_stored_run_does(
+    block, tmp_path, devices
+):
+    # The sampler was held off the CPU for 70 ms (a loaded node) just before a step began: the
+    # last sample before the step is more than two periods older than its start. Live figures
+    # must still bracket the window with it, as the stored run does, not come back NaN.
+    ring, marks, _rec = _wire(block)
+    t0 = 1_000_000_000
+    times = [t0 + i * PERIOD for i in range(6)] + [t0 + i * PERIOD for i in range(12, 20)]
+    for t in times:
+        for dev in devices:
+            ring.emit((t + dev, t + dev, 1000, dev, _reading(t)))
+    w0, w1 = t0 + 11 * PERIOD, t0 + 15 * PERIOD + 3  # starts in the stall
+    marks.request_figures(0, w0, w1)
+    c = _collector(block, tmp_path)
+    c.tick()
+    answer = shm.read_figures(block, 0)
+    c.finish()
+    c.close()
+    assert answer is not None and [d for d, _ in answer[2]] == list(devices)
+    stored = to_arrays(load_rank(tmp_path, 0).samples)
+    for dev, values in answer[2]:
+        live = decode_figures(values, shm.figure_columns())
+        per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
+        expected = attribute_windows(per_dev, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
+        assert not np.isnan(expected["energy_j"][0])
+        for name in ("energy_j", "power_avg_w", "power_peak_w"):
+            assert live[name] == pytest.approx(expected[name][0], rel=1e-12), (dev, name)
+
+
 def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
     ring, marks, _rec = _wire(block)
     c = _collector(block, tmp_path)

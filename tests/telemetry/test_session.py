@@ -131,6 +131,20 @@ def test_a_run_directory_holding_an_earlier_run_is_refused_before_anything_start
     assert run.windows.column("step").to_pylist() == [0]
 
 
+def test_live_rows_can_reach_back_to_the_sample_before_a_window(tmp_path):
+    # Thread mode's live figures take one slot before their slice, so that a window starting
+    # after a sampling stall is still bracketed (the collector does the same in process mode).
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, sampler="thread", handle_signals=False
+    ) as tel:
+        time.sleep(0.1)
+        rows = tel.live_rows()
+        since = rows[5][0] + 1  # just after the 6th sample
+        assert tel.live_rows(since)[0] == rows[6]
+        assert tel.live_rows(since, before=1)[0] == rows[5]
+        assert tel.live_rows(0, before=3)[0] == rows[0]
+
+
 def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):
     # In a child with no NVML library reachable and no amdsmi: auto must pick synthetic, loudly.
     code = (

@@ -251,8 +251,10 @@ class Collector:
 
     # -- live figures ----------------------------------------------------------------------
     def _between(self, since_ns: int, until_ns: int, names: Sequence[str]) -> Columns:
-        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``: the columns ``names``
-        (which include ``t_mono_ns``)."""
+        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``, and each device's
+        last one before ``since_ns``: the columns ``names`` (which include ``t_mono_ns``). That
+        one more slot brackets a window that begins after a sampling stall (a loaded node keeping
+        the sampler off the CPU for longer than the slice's lead), as the whole stored run does."""
         chunks: list[Columns] = []
         for chunk in reversed(self._history):
             t = chunk["t_mono_ns"]
@@ -269,7 +271,8 @@ class Collector:
         else:
             cols = {name: np.concatenate([c[name] for c in chunks]) for name in names}
         t = cols["t_mono_ns"]
-        lo = int(np.searchsorted(t, since_ns, side="left"))
+        # A slot's rows are consecutive, one per device: step back one slot.
+        lo = max(0, int(np.searchsorted(t, since_ns, side="left")) - self.block.layout.n_devices)
         hi = int(np.searchsorted(t, until_ns, side="right"))
         return {name: a[lo:hi] for name, a in cols.items()}
 

@@ -471,13 +471,14 @@ class TelemetrySession:
             self._pending.pop(0)
 
     # -- live figures ----------------------------------------------------------------------
-    def live_rows(self, since_mono_ns: int = 0) -> list[Row]:
-        """Sampler rows still in memory from ``since_mono_ns`` (thread mode: the last
-        ``live_window_s``; process mode: what the shared ring still holds, up to 16 s)."""
+    def live_rows(self, since_mono_ns: int = 0, before: int = 0) -> list[Row]:
+        """Sampler rows still in memory from ``since_mono_ns``, and the ``before`` rows before
+        those (thread mode: the last ``live_window_s``; process mode: what the shared ring still
+        holds, up to 16 s)."""
         with self._recent_lock:
             rows = list(self._recent) + self.sampler.peek_rows()
         first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
-        return rows[first:]
+        return rows[max(0, first - before) :]
 
     def request_figures(
         self,
@@ -546,10 +547,12 @@ class TelemetrySession:
                     return None
                 break
             time.sleep(min(0.002, 1.0 / self.hz))
-        # Two periods before the window: every sample inside has its predecessor in the slice, so
-        # counter ticks inside are found as in the stored run (the first sample of a slice is
-        # never a tick), and live figures equal those computed later.
-        arrays = rows_to_arrays(self.live_rows(t_begin_mono_ns - 2 * self.sampler.period_ns))
+        # Two periods before the window, and one slot (a row per device) more: every sample inside
+        # has its predecessor in the slice, so counter ticks inside are found as in the stored run
+        # (the first sample of a slice is never a tick), a window that begins after a sampling
+        # stall is still bracketed, and live figures equal those computed later.
+        since = t_begin_mono_ns - 2 * self.sampler.period_ns
+        arrays = rows_to_arrays(self.live_rows(since, before=len(self.backend.devices)))
         out = []
         win = {
             "t_begin_mono_ns": np.array([t_begin_mono_ns], np.int64),

@@ -31,6 +31,7 @@ from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
 from charllm_nemo.train.launch import launch_local, resolve_device, slurm_rank_env, torchrun_rank_env
 from charllm_nemo.train.layout import ResolvedLayout
+from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 from charllm_nemo.train.validate import validate
 
 CONF_ENV = "CHARLLM_CONF_DIR"
@@ -89,7 +90,7 @@ def world_and_env(cfg: TrainConfig, environ: Mapping[str, str]) -> tuple[int, di
     return cfg.launch.nproc, {}
 
 
-RUN_FILES = ("steps.jsonl", "summary.json")
+RUN_FILES = (STEPS_FILE, SUMMARY_FILE)
 """What rank 0 writes at the top of a run directory, besides config.yaml (rewritten each run)."""
 
 

@@ -39,6 +39,7 @@ from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
     STEPS_FILE,
+    SUMMARY_FILE,
     Progress,
     RankFigures,
     StepsFile,
@@ -476,7 +477,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         **run_summary(result.summaries),
         "per_step": result.summaries,
     }
-    atomic_write_bytes(out / "summary.json", json.dumps(data, indent=2, default=str).encode())
+    atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
 
 
 def _train(

@@ -254,6 +254,8 @@ def format_summary(s: StepSummary, total_steps: int, world_size: int) -> str:
 
 STEPS_FILE = "steps.jsonl"
 """Rank 0's per-step figures, one JSON object per line, written as each step is reported."""
+SUMMARY_FILE = "summary.json"
+"""Rank 0's steps and their medians, written when training ends (train/loop.py)."""
 
 
 class StepsFile:
