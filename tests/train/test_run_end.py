@@ -24,12 +24,12 @@ pytest.importorskip("megatron.core")
 STEPS = 100_000  # never reached: the test stops the run
 
 
-def _start(out: Path) -> subprocess.Popen[bytes]:
+def _start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry.backend=synthetic",
-        f"telemetry.out_dir={out}", f"batch.train_steps={STEPS}", "logger=none",
+        f"telemetry.out_dir={out}", f"batch.train_steps={STEPS}", "logger=none", *args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
 def _steps(out: Path) -> list[dict[str, Any]]:
@@ -92,3 +92,23 @@ def test_a_killed_rank_keeps_the_steps_reported_before(tmp_path: Path) -> None:
     assert len(steps) >= 3 and [s["step"] for s in steps] == list(range(len(steps)))
     assert all(s["loss"] is not None and s["step_time_s"] > 0 for s in steps)
     assert not (out / "summary.json").exists()  # nothing could run after SIGKILL
+
+
+def test_sigterm_to_a_rank_launched_in_process_still_writes_the_summary(tmp_path: Path) -> None:
+    # launcher=none (and slurm): charllm train is the rank itself, as under srun, where SLURM
+    # sends SIGTERM at the time limit straight to every task.
+    out = tmp_path / "run"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(29700 + os.getpid() % 200)
+    proc = _start(out, "launcher=none", env=env)
+    try:
+        _wait_for_steps(proc, out, 3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "terminated" and summary["steps"] >= 3
+    assert json.loads((out / "rank=0" / "manifest.json").read_text())["status"] == "terminated"

@@ -161,8 +161,10 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
         _announce(cfg, layout)
         save_train_config(cfg, out_dir / "config.yaml")
     from charllm_nemo.train.loop import run_rank
+    from charllm_nemo.train.worker import sigterm_unwinds
 
-    result = run_rank(cfg)
+    with sigterm_unwinds():  # as a locally launched rank: SLURM's SIGTERM still ends in summary.json
+        result = run_rank(cfg)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

@@ -12,11 +12,13 @@ the TrainConfig: the launcher's tests use it to run without torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -48,6 +50,23 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM (SLURM's at the time limit, the local launcher's to a failed run's
+    other ranks) becomes ``SystemExit(143)`` in the main thread: the rank's ``finally`` blocks
+    run (its telemetry flush, ``summary.json``), and a second SIGTERM kills at once. The handler
+    before it comes back after. Outside the main thread it does nothing (Python allows signal
+    handlers only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(config_path: str) -> int:
     """Load the config and run this rank; the callable's int result (if any) is the exit code."""
     cfg = load_train_config(config_path)
@@ -62,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m charllm_nemo.train.worker <config.yaml|config.json>", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _terminate)
     try:
-        return run(args[0])
+        with sigterm_unwinds():
+            return run(args[0])
     except ConfigError as exc:
         rank = os.environ.get("RANK", "?")
         print(f"rank {rank}: {exc}", file=sys.stderr)
