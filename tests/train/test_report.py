@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from charllm_nemo.train.report import SUMMARY_FIELDS, run_summary
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.train.report import SUMMARY_FIELDS, StepsFile, run_summary
 
 
 def test_medians_leave_the_warm_up_step_out_and_skip_missing_values():
@@ -159,3 +163,14 @@ def test_reduce_step_sums_and_maxes_every_ranks_figures_in_one_collective(tmp_pa
         "reporting": 1.0,
     }
     assert maxes["step_time_s"] == 1.5 and math.isnan(maxes["power_peak_w"])
+
+
+def test_a_steps_file_on_a_full_disk_never_stops_training(caplog: pytest.LogCaptureFixture) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    f = StepsFile(Path("/dev/full"))  # every write: ENOSPC
+    f.write({"step": 0, "loss": 6.9})
+    f.write({"step": 1, "loss": 6.8})  # given up after the first failure: no second error
+    f.close()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "cannot write /dev/full" in errors[0].getMessage()

@@ -9,17 +9,21 @@ line for a step is printed one step after it ends (the last one after a final re
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from charllm_nemo.train.config import TrainConfig
+
+log = logging.getLogger("charllm_nemo.train")
 
 # Index of each entry in the SUM and MAX vectors.
 SUM_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "energy_j", "power_avg_w", "reporting")
@@ -262,18 +266,30 @@ class StepsFile:
     """Rank 0's per-step figures on disk as the run goes (``steps.jsonl`` in the run directory):
     one line per reported step, handed to the kernel at once (line-buffered), so a run that is
     killed keeps every step reported before (docs/store.md). The file is truncated when opened:
-    a run directory holds one run."""
+    a run directory holds one run. A write that fails (a full disk) never stops training: it
+    is logged once and the file is given up (summary.json, at the end, still has every step)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f = path.open("w", buffering=1, encoding="utf-8")
+        self._f: TextIO | None = path.open("w", buffering=1, encoding="utf-8")
 
     def write(self, summary: dict[str, Any]) -> None:
-        self._f.write(json.dumps(summary, default=str) + "\n")
+        if self._f is None:
+            return
+        try:
+            self._f.write(json.dumps(summary, default=str) + "\n")
+        except OSError as exc:
+            log.error(
+                "cannot write %s (%s): per-step lines stop here; summary.json gets them all", self.path, exc
+            )
+            self.close()
 
     def close(self) -> None:
-        self._f.close()
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(OSError):  # the buffer's last flush may fail the same way
+                f.close()
 
 
 class Progress:
