@@ -131,6 +131,34 @@ def test_a_window_right_after_a_sampling_stall_gets_its_figures_as_the_stored_ru
             assert live[name] == pytest.approx(expected[name][0], rel=1e-12), (dev, name)
 
 
+def test_a_window_right_before_a_long_sampling_stall_gets_its_figures_as_the_stored_run_does(block, tmp_path):
+    # The first sample after the window came 1.5 s later (longer than the slice's 1 s tail), and
+    # in a later take: it still closes the window, as in the stored run.
+    ring, marks, _rec = _wire(block)
+    t0 = 1_000_000_000
+    w0, w1 = t0 + 11 * PERIOD, t0 + 15 * PERIOD + 3
+    marks.request_figures(0, w0, w1)
+    c = _collector(block, tmp_path)
+    for i in range(16):
+        ring.emit((t0 + i * PERIOD, 0, 1000, 0, _reading(t0 + i * PERIOD)))
+    c.tick()  # one chunk up to 150 ms; the window is not passed yet
+    assert shm.read_figures(block, 0) is None
+    for i in range(3):
+        t = t0 + 15 * PERIOD + 1_500_000_000 + i * PERIOD
+        ring.emit((t, 0, 1000, 0, _reading(t)))
+    c.tick()  # a second chunk, starting 1.5 s after the window's end
+    answer = shm.read_figures(block, 0)
+    c.finish()
+    c.close()
+    assert answer is not None
+    live = decode_figures(answer[2][0][1], shm.figure_columns())
+    stored = to_arrays(load_rank(tmp_path, 0).samples)
+    expected = attribute_windows(stored, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
+    assert not np.isnan(expected["energy_j"][0])
+    for name in ("energy_j", "power_avg_w", "power_peak_w"):
+        assert live[name] == pytest.approx(expected[name][0], rel=1e-12), name
+
+
 def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
     ring, marks, _rec = _wire(block)
     c = _collector(block, tmp_path)

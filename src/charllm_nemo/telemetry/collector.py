@@ -251,15 +251,20 @@ class Collector:
 
     # -- live figures ----------------------------------------------------------------------
     def _between(self, since_ns: int, until_ns: int, names: Sequence[str]) -> Columns:
-        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``, and each device's
-        last one before ``since_ns``: the columns ``names`` (which include ``t_mono_ns``). That
-        one more slot brackets a window that begins after a sampling stall (a loaded node keeping
-        the sampler off the CPU for longer than the slice's lead), as the whole stored run does."""
+        """The samples in memory with ``since_ns <= t_mono_ns <= until_ns``, each device's last
+        one before ``since_ns`` and first one after ``until_ns``: the columns ``names`` (which
+        include ``t_mono_ns``). Those two more slots bracket a window next to a sampling stall
+        (a loaded node keeping the sampler off the CPU for longer than the slice's margins), as
+        the whole stored run does."""
         chunks: list[Columns] = []
+        after: Columns | None = None  # the chunk right after those: its first slot may be needed
         for chunk in reversed(self._history):
             t = chunk["t_mono_ns"]
             if t[0] > until_ns:
+                after = chunk
                 continue
+            if not chunks and after is not None:
+                chunks.append(after)
             chunks.append(chunk)
             if t[0] < since_ns:
                 break
@@ -271,9 +276,10 @@ class Collector:
         else:
             cols = {name: np.concatenate([c[name] for c in chunks]) for name in names}
         t = cols["t_mono_ns"]
-        # A slot's rows are consecutive, one per device: step back one slot.
-        lo = max(0, int(np.searchsorted(t, since_ns, side="left")) - self.block.layout.n_devices)
-        hi = int(np.searchsorted(t, until_ns, side="right"))
+        # A slot's rows are consecutive, one per device: one slot more on each side.
+        n_dev = self.block.layout.n_devices
+        lo = max(0, int(np.searchsorted(t, since_ns, side="left")) - n_dev)
+        hi = int(np.searchsorted(t, until_ns, side="right")) + n_dev
         return {name: a[lo:hi] for name, a in cols.items()}
 
     def figures(
