@@ -48,6 +48,29 @@ def _collector(block, tmp_path, **kw) -> Collector:
     return Collector(block, tmp_path / "rank=0", source="test", period_ns=PERIOD, **kw)
 
 
+def _serve(block, tmp_path, seq: int):
+    """A collector takes what the block holds, answers, stores it all: request ``seq``'s answer."""
+    c = _collector(block, tmp_path)
+    c.tick()
+    answer = shm.read_figures(block, seq)
+    c.finish()
+    c.close()
+    return answer
+
+
+def _assert_live_as_stored(answer, tmp_path, w0: int, w1: int, devices=(0,)) -> None:
+    """Each device's live energy and power equal the stored run's attribution, and are numbers."""
+    assert answer is not None and [d for d, _ in answer[2]] == list(devices)
+    stored = to_arrays(load_rank(tmp_path, 0).samples)
+    for dev, values in answer[2]:
+        live = decode_figures(values, shm.figure_columns())
+        per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
+        expected = attribute_windows(per_dev, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
+        assert not np.isnan(expected["energy_j"][0])
+        for name in ("energy_j", "power_avg_w", "power_peak_w"):
+            assert live[name] == pytest.approx(expected[name][0], rel=1e-12), (dev, name)
+
+
 def _wire(block) -> tuple[shm.RingWriter, shm.MarkWriter, WindowRecorder]:
     marks = shm.MarkWriter(block)
     rec = WindowRecorder()
@@ -70,11 +93,7 @@ def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(bloc
     rec.record("step", None, w0, w1, step=0, timing="host")
     rec.record("phase", "a-new-name", w0, w0 + 5, step=0, microbatch=2)
     marks.request_figures(0, w0, w1)
-    c = _collector(block, tmp_path)
-    c.tick()
-    answer = shm.read_figures(block, 0)
-    c.finish()
-    c.close()
+    answer = _serve(block, tmp_path, 0)
     # stored exactly: 64-bit counters, nulls, both devices, and the window records
     rd = load_rank(tmp_path, 0)
     stored = to_arrays(rd.samples)
@@ -115,20 +134,7 @@ def test_a_window_right_after_a_sampling_stall_gets_its_figures_as_the_stored_ru
             ring.emit((t + dev, t + dev, 1000, dev, _reading(t)))
     w0, w1 = t0 + 11 * PERIOD, t0 + 15 * PERIOD + 3  # starts in the stall
     marks.request_figures(0, w0, w1)
-    c = _collector(block, tmp_path)
-    c.tick()
-    answer = shm.read_figures(block, 0)
-    c.finish()
-    c.close()
-    assert answer is not None and [d for d, _ in answer[2]] == list(devices)
-    stored = to_arrays(load_rank(tmp_path, 0).samples)
-    for dev, values in answer[2]:
-        live = decode_figures(values, shm.figure_columns())
-        per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
-        expected = attribute_windows(per_dev, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
-        assert not np.isnan(expected["energy_j"][0])
-        for name in ("energy_j", "power_avg_w", "power_peak_w"):
-            assert live[name] == pytest.approx(expected[name][0], rel=1e-12), (dev, name)
+    _assert_live_as_stored(_serve(block, tmp_path, 0), tmp_path, w0, w1, devices)
 
 
 def test_a_window_right_before_a_long_sampling_stall_gets_its_figures_as_the_stored_run_does(block, tmp_path):
@@ -150,13 +156,7 @@ def test_a_window_right_before_a_long_sampling_stall_gets_its_figures_as_the_sto
     answer = shm.read_figures(block, 0)
     c.finish()
     c.close()
-    assert answer is not None
-    live = decode_figures(answer[2][0][1], shm.figure_columns())
-    stored = to_arrays(load_rank(tmp_path, 0).samples)
-    expected = attribute_windows(stored, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
-    assert not np.isnan(expected["energy_j"][0])
-    for name in ("energy_j", "power_avg_w", "power_peak_w"):
-        assert live[name] == pytest.approx(expected[name][0], rel=1e-12), name
+    _assert_live_as_stored(answer, tmp_path, w0, w1)
 
 
 def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
