@@ -165,12 +165,15 @@ def test_config_file_errors(tmp_path: Path) -> None:
 # -- main: validate, write, launch ---------------------------------------------------------------
 
 
-def test_main_trains_with_the_local_launcher(tmp_path: Path, fake_worker: None) -> None:
+def test_main_trains_with_the_local_launcher(
+    tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
     rc = app.main(
         ["model=tiny_gpt", "parallel=tp2", "nproc=2", "batch.global_batch_size=8", f"telemetry.out_dir={out}"]
     )
     assert rc == 0
+    assert capsys.readouterr().err.endswith(f"charllm train: run directory {out} (charllm inspect {out})\n")
     saved = load_train_config(out / "config.yaml")
     assert (saved.parallel.tp, saved.launch.nproc, saved.launch.device) == (2, 2, "cpu")
     assert saved.telemetry.out_dir == str(out)

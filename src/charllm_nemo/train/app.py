@@ -127,6 +127,12 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
         print(f"charllm train: replaced the earlier run in {out} ({len(old)} files)", file=sys.stderr)
 
 
+def _where(out_dir: Path) -> None:
+    """The last line of a run (after the launcher's failure report, if any): where its files
+    are, and how to look at them."""
+    print(f"charllm train: run directory {out_dir} (charllm inspect {out_dir})", file=sys.stderr, flush=True)
+
+
 def _announce(cfg: TrainConfig, layout: ResolvedLayout) -> None:
     stages = layout.layers_per_stage
     vpp = f" vpp={layout.vpp}" if layout.vpp else ""
@@ -152,9 +158,9 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
     if cfg.launch.launcher == "local":
         _announce(cfg, layout)
         config_path = save_train_config(cfg, out_dir / "config.yaml")
-        return launch_local(
-            config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
-        )
+        rc = launch_local(config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port)
+        _where(out_dir)
+        return rc
     # slurm / none: this process is one rank.
     os.environ.update(rank_env)
     if rank_env["RANK"] == "0":
@@ -165,6 +171,8 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
 
     with sigterm_unwinds():  # as a locally launched rank: SLURM's SIGTERM still ends in summary.json
         result = run_rank(cfg)
+    if rank_env["RANK"] == "0":
+        _where(out_dir)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
