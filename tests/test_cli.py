@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from charllm_nemo.cli import main
+from charllm_nemo.cli import main, steps_range
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,21 @@ def test_inspect_prints_every_step_and_how_the_run_ended(
     rows = [line.split() for line in out if line.split()[:2] == ["0", "step"]]
     assert [int(r[3]) for r in rows] == list(range(len(rows))) and len(rows) >= 3
     assert all(float(r[5]) > 0 for r in rows)  # every step has its energy
+
+
+def test_inspect_picks_steps_and_ranks(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["inspect", str(run_dir), "--kind", "step", "--steps", "1:3"]) == 0
+    rows = [
+        line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["0", "step"]
+    ]
+    assert [r[3] for r in rows] == ["1", "2"]
+    assert main(["inspect", str(run_dir), "--rank", "5"]) == 0  # no such rank: nothing to show
+    assert capsys.readouterr().out.splitlines()[-1] == "no windows to attribute"
+    assert steps_range("7") == (7, 8) and steps_range("10:") == (10, None) and steps_range(":4") == (None, 4)
+    with pytest.raises(SystemExit) as bad:
+        main(["inspect", str(run_dir), "--steps", "1-3"])
+    assert bad.value.code == 2 and "'1-3' is not a step range" in capsys.readouterr().err
 
 
 def test_inspect_says_what_a_training_run_reported(tmp_path: Path) -> None:

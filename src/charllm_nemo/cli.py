@@ -79,11 +79,44 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     return _print_run(out, kinds=("step", "phase"))
 
 
-def _print_run(path: Path, kinds: tuple[str, ...] | None) -> int:
+def steps_range(text: str) -> tuple[int | None, int | None]:
+    """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone)."""
+    try:
+        if ":" not in text:
+            return int(text), int(text) + 1
+        a, b = text.split(":", 1)
+        return (int(a) if a.strip() else None), (int(b) if b.strip() else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a step range; use e.g. 100:110, 100:, :10 or 7"
+        ) from None
+
+
+def _print_run(
+    path: Path,
+    kinds: tuple[str, ...] | None,
+    steps: tuple[int | None, int | None] = (None, None),
+    ranks: Sequence[int] | None = None,
+) -> int:
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     from charllm_nemo.telemetry.join import attribute_run
     from charllm_nemo.telemetry.reader import load_run
 
     run = load_run(path)
+    windows = run.windows
+    first, end = steps
+    if windows.num_rows and first is not None:
+        windows = windows.filter(pc.greater_equal(windows.column("step"), first))
+    if windows.num_rows and end is not None:
+        windows = windows.filter(pc.less(windows.column("step"), end))
+    if windows.num_rows and ranks:
+        windows = windows.filter(
+            pc.is_in(windows.column("rank"), pa.array(list(ranks), windows.column("rank").type))
+        )
     for p in run.problems:
         print(f"warning: {p}", file=sys.stderr)
     backends = sorted({m.get("backend", "?") for m in run.manifests.values()})
@@ -95,7 +128,7 @@ def _print_run(path: Path, kinds: tuple[str, ...] | None) -> int:
         print(line)
     if "synthetic" in backends:
         print("NOTE: synthetic device: the figures below come from a model, not from hardware")
-    table = attribute_run(run, kinds)
+    table = attribute_run(dataclasses.replace(run, windows=windows), kinds)
     if table.num_rows == 0:
         print("no windows to attribute")
         return 0
@@ -177,7 +210,7 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     kinds = tuple(args.kind) if args.kind else None
-    return _print_run(Path(args.run_dir), kinds)
+    return _print_run(Path(args.run_dir), kinds, args.steps, args.rank)
 
 
 def cmd_train(argv: Sequence[str]) -> int:
@@ -218,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument(
         "--kind", action="append", choices=["step", "microbatch", "phase"], help="only these window kinds"
     )
+    i.add_argument(
+        "--steps",
+        type=steps_range,
+        default=(None, None),
+        help="only these steps: A:B (A to B-1), A:, :B or N",
+    )
+    i.add_argument("--rank", type=int, action="append", help="only this rank (repeatable)")
     i.set_defaults(func=cmd_inspect)
 
     sub.add_parser(
