@@ -515,6 +515,29 @@ def test_sampling_rate_outside_what_the_sampler_holds_is_refused_before_launch(h
     validate(cfg, world_size=1, device="cuda")
 
 
+def test_a_run_directory_that_cannot_be_made_is_refused_before_launch(tmp_path: Path) -> None:
+    cfg = cfg_for()
+    (tmp_path / "afile").write_text("x")
+    cfg.telemetry.out_dir = str(tmp_path / "afile")
+    assert "is a file, not a directory; give a directory for the run" in one(cfg)
+    cfg.telemetry.out_dir = str(tmp_path / "afile" / "run")
+    assert f"cannot be made: {str(tmp_path / 'afile')!r} is a file" in one(cfg)
+    cfg.telemetry.out_dir = str(tmp_path / "new" / "deeper" / "run")  # made later: fine
+    validate(cfg, world_size=1, device="cuda")
+
+
+def test_a_run_directory_in_a_folder_this_user_cannot_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (root ignores permissions, so the permission check itself is stood in for)
+    import charllm_nemo.train.validate_run as vr
+
+    monkeypatch.setattr(vr.os, "access", lambda path, mode: Path(path) != tmp_path)
+    cfg = cfg_for()
+    cfg.telemetry.out_dir = str(tmp_path / "run")
+    assert f"{str(tmp_path)!r} is not writable by this user" in one(cfg)
+
+
 def test_data_path_with_both_files_is_accepted(tmp_path: Path) -> None:
     prefix = str(tmp_path / "corpus")
     for ext in (".bin", ".idx"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.layout import choices
@@ -24,6 +25,28 @@ def _one_of(problems: list[str], fieldname: str, value: object, allowed: Sequenc
 def _positive(problems: list[str], fieldname: str, value: float) -> None:
     if isinstance(value, bool) or value <= 0:
         problems.append(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
+
+
+def _out_dir_problem(out_dir: str) -> str | None:
+    """Why the run directory cannot be made or written, if it cannot: a file in the way, or a
+    folder this user may not write into (checked on the nearest folder that exists)."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        return f"telemetry.out_dir={out_dir!r} is a file, not a directory; give a directory for the run"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return (
+            f"telemetry.out_dir={out_dir!r} cannot be made: {str(existing)!r} is a file; give another "
+            "directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (
+            f"telemetry.out_dir={out_dir!r} cannot be written: {str(existing)!r} is not writable by this "
+            "user; give another directory, or fix its permissions"
+        )
+    return None
 
 
 def run_problems(cfg: TrainConfig, device: str) -> list[str]:
@@ -64,6 +87,10 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
         problems.append(
             "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
         )
+    else:
+        problem = _out_dir_problem(str(t.out_dir))
+        if problem:
+            problems.append(problem)
 
     _one_of(problems, "launch.launcher", la.launcher, LAUNCHERS)
     _one_of(problems, "launch.device", la.device, DEVICES)
