@@ -538,6 +538,23 @@ def test_a_run_directory_in_a_folder_this_user_cannot_write_is_refused(
     assert f"{str(tmp_path)!r} is not writable by this user" in one(cfg)
 
 
+def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_allocates() -> None:
+    from charllm_nemo.train.validate import cpu_memory_problem
+
+    gib = 2**30
+    big = cfg_for("llama3_70b")
+    msg = cpu_memory_problem(big, 1, 24 * gib)
+    assert msg is not None and msg.startswith("model=llama3_70b on CPU needs at least 1,051 GiB (70.55 B")
+    assert "this host has 24.0 GiB: train a small model on a CPU" in msg
+    assert cpu_memory_problem(big, 1, None) is None  # memory unknown: no guess
+    tiny = cfg_for("tiny_gpt")  # 0.26 M parameters: ~4 MB a rank
+    assert cpu_memory_problem(tiny, 2, 24 * gib) is None
+    assert cpu_memory_problem(tiny, 2, 4 * 2**20) is not None  # two ranks, 4 MiB: too little
+    # validate applies it on CPU only (this host has far less than a TB), before any allocation
+    assert "needs at least 1,051 GiB" in one(big, world=1, device="cpu")
+    validate(big, world_size=1, device="cuda")  # GPU memory is not this check's business
+
+
 def test_data_path_with_both_files_is_accepted(tmp_path: Path) -> None:
     prefix = str(tmp_path / "corpus")
     for ext in (".bin", ".idx"):

@@ -42,7 +42,7 @@ from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.launch import resolve_device
 from charllm_nemo.train.layout import ResolvedLayout, alternating_layout, choices, divisors, multiples
 from charllm_nemo.train.presets import CUSTOM, MODEL_PRESETS, OPTIM_PRESETS, PARALLEL_PRESETS
-from charllm_nemo.train.validate_run import cpu_problems, run_problems
+from charllm_nemo.train.validate_run import cpu_memory_problem, cpu_problems, host_memory_bytes, run_problems
 
 __all__ = [
     "ConfigProblems",
@@ -563,6 +563,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     c.fsdp()
     if device == "cpu":
         c.problems.extend(cpu_problems(cfg))
+        if model_ok and layout_ok:
+            local = world if cfg.launch.launcher == "local" else 1  # others: this rank alone, at least
+            memory = cpu_memory_problem(cfg, local, host_memory_bytes())
+            if memory:
+                c.problems.append(memory)
     if c.problems:
         raise ConfigProblems(c.problems)
     assert dp is not None and virtual is not None and n_micro is not None
