@@ -38,6 +38,10 @@ def run(cfg: Any) -> int:
         _wait_forever(out, rank)
     if mode == "hang":
         _wait_forever(out, rank)
+    if mode == "unavailable":
+        from charllm_nemo.errors import BackendUnavailable
+
+        raise BackendUnavailable("no NVIDIA driver found (a stand-in)")
     raise ValueError(f"unknown CHARLLM_FAKE_MODE {mode!r}")
 
 

@@ -400,6 +400,17 @@ def test_worker_runs_the_target_and_returns_its_code(
     assert worker_main([str(path)]) == 4
 
 
+def test_a_rank_that_cannot_use_this_machine_says_why_without_a_traceback(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # e.g. telemetry.backend=nvml where there is no driver: the package's own error, one line
+    # (rank 0 writes to the launcher's own stderr: captured at the file descriptor).
+    monkeypatch.setenv("CHARLLM_FAKE_MODE", "unavailable")
+    assert app.main([f"telemetry.out_dir={tmp_path / 'run'}"]) == 2
+    err = capfd.readouterr().err
+    assert "rank 0: no NVIDIA driver found (a stand-in)" in err and "Traceback" not in err
+
+
 def test_worker_usage_and_bad_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

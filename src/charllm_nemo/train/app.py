@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
 from charllm_nemo.train.launch import launch_local, resolve_device, slurm_rank_env, torchrun_rank_env
@@ -187,7 +187,7 @@ def _job(dcfg: DictConfig) -> int:
         dcfg = OmegaConf.merge(dcfg, {"telemetry": {"out_dir": hc.runtime.output_dir}})  # type: ignore[assignment]
     try:
         return run(train_config_from(dcfg))
-    except ConfigError as exc:
+    except CharllmError as exc:  # a config value, or this machine (no driver, a run directory)
         print(f"charllm train: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.config_io import load_train_config
 
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_unwinds():
             return run(args[0])
-    except ConfigError as exc:
+    except CharllmError as exc:  # a config value, or this machine (no driver, a run directory)
         rank = os.environ.get("RANK", "?")
         print(f"rank {rank}: {exc}", file=sys.stderr)
         return 2
