@@ -555,6 +555,16 @@ def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_al
     validate(big, world_size=1, device="cuda")  # GPU memory is not this check's business
 
 
+def test_an_unknown_precision_on_cpu_is_one_problem_not_two() -> None:
+    cfg = cfg_for()
+    cfg.batch.precision = "fp8"
+    assert problems(cfg, device="cpu") == [
+        "batch.precision='fp8' is not valid; use one of [fp32, bf16, fp16]"
+    ]
+    cfg.batch.precision = "bf16"
+    assert "batch.precision=bf16: megatron-core 0.16's mixed-precision optimizer" in one(cfg, device="cpu")
+
+
 def test_data_path_with_both_files_is_accepted(tmp_path: Path) -> None:
     prefix = str(tmp_path / "corpus")
     for ext in (".bin", ".idx"):

@@ -428,7 +428,7 @@ def cpu_unsupported(cfg: TrainConfig) -> list[str]:
             "DistributedOptimizer accepts only torch.cuda tensors; set both to false on CPU "
             "(optim=base or optim=recompute)"
         )
-    if b.precision != "fp32":
+    if b.precision in ("bf16", "fp16"):  # (an unknown value is the enumerated check's)
         problems.append(
             f"batch.precision={b.precision}: megatron-core 0.16's mixed-precision optimizer "
             "accepts only torch.cuda tensors (and fp16's loss scaler lives on CUDA); set "
