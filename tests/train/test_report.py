@@ -129,8 +129,6 @@ def test_reduce_step_sums_and_maxes_every_ranks_figures_in_one_collective(tmp_pa
     import json
     import math
 
-    import pytest
-
     torch = pytest.importorskip("torch")
     from charllm_nemo.train.report import RankFigures, reduce_step
 

@@ -7,9 +7,11 @@ Part of :func:`charllm_nemo.train.validate.validate`; each function returns prob
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.layout import choices
 
@@ -25,6 +27,15 @@ def _one_of(problems: list[str], fieldname: str, value: object, allowed: Sequenc
 def _positive(problems: list[str], fieldname: str, value: float) -> None:
     if isinstance(value, bool) or value <= 0:
         problems.append(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
+
+
+def _collect(problems: list[str], check: Callable[[Any], object], value: Any) -> None:
+    """Run one of the validators the telemetry and sinks use themselves; its ConfigError is a
+    problem."""
+    try:
+        check(value)
+    except ConfigError as exc:
+        problems.append(str(exc))
 
 
 def _out_dir_problem(out_dir: str) -> str | None:
@@ -52,7 +63,6 @@ def _out_dir_problem(out_dir: str) -> str | None:
 def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
-    from charllm_nemo.errors import ConfigError
     from charllm_nemo.sinks.config import validate_logger_config
     from charllm_nemo.telemetry.sample_loop import validate_hz
     from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
@@ -60,22 +70,13 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
 
     problems: list[str] = []
     t, la, d = cfg.telemetry, cfg.launch, cfg.data
-    try:
-        validate_logger_config(cfg.logger)
-    except ConfigError as exc:
-        problems.append(str(exc))
+    _collect(problems, validate_logger_config, cfg.logger)
     _one_of(problems, "telemetry.backend", t.backend, BACKEND_NAMES)
     _one_of(problems, "telemetry.sampler", t.sampler, SAMPLER_MODES)
     _one_of(problems, "telemetry.collector_sched", t.collector_sched, COLLECTOR_SCHEDS)
-    try:
-        validate_nice(t.nice)
-    except ConfigError as exc:
-        problems.append(str(exc))
+    _collect(problems, validate_nice, t.nice)
     if t.enabled:
-        try:
-            validate_hz(t.hz)
-        except ConfigError as exc:
-            problems.append(str(exc))
+        _collect(problems, validate_hz, t.hz)
     unknown = [w for w in t.windows if w not in WINDOW_KINDS]
     if unknown:
         problems.append(
