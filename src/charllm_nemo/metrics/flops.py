@@ -493,6 +493,43 @@ def hardware_flops_per_step(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One transformer layer's GEMM weights by how the parallel layout splits them.
+
+    ``sharded``: attention (QKV and output projections), the dense MLP and shared experts, split
+    over tensor parallelism. ``router``: the MoE router, replicated on every rank. ``experts``:
+    all routed experts together, split over expert parallelism and (expert TP = TP) tensor
+    parallelism; ``expert`` is one of them.
+    """
+
+    sharded: int
+    router: int = 0
+    experts: int = 0
+    expert: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.router + self.experts
+
+
+def layer_weights(shape: ModelShape, layer_index: int) -> LayerWeights:
+    """The GEMM weights of 0-based layer ``layer_index`` (norms and biases excluded)."""
+    moe_layer = shape.layer_is_moe(layer_index)
+    macs = _layer_forward_macs_per_token(shape, moe_layer)
+    sharded = macs["attention_qkv"] + macs["attention_out"] + macs.get("mlp", 0)
+    if not moe_layer:
+        return LayerWeights(sharded=sharded)
+    assert shape.num_experts is not None
+    expert = shape.mlp_matrices * shape.hidden_size * shape.expert_ffn_hidden_size
+    return LayerWeights(
+        sharded=sharded + macs["moe_shared_experts"],
+        router=macs["moe_router"],
+        experts=shape.num_experts * expert,
+        expert=expert,
+    )
+
+
 def parameter_count(shape: ModelShape) -> ParameterCount:
     """Weights of the GEMMs counted in the FLOPs, plus the input (and untied output) embedding.
 
@@ -500,22 +537,11 @@ def parameter_count(shape: ModelShape) -> ParameterCount:
     ``model.dense_weight_flops == 6 x (layers_active + vocab x hidden) x tokens`` holds exactly
     (the logits GEMM uses vocab x hidden weights, shared with the embedding when tied).
     """
-    total_macs = active_macs = 0
+    total = active = 0
     for index in range(shape.num_layers):
-        moe_layer = shape.layer_is_moe(index)
-        macs = _layer_forward_macs_per_token(shape, moe_layer)
-        weights = macs["attention_qkv"] + macs["attention_out"] + macs.get("mlp", 0)
-        if moe_layer:
-            assert shape.num_experts is not None
-            expert = shape.mlp_matrices * shape.hidden_size * shape.expert_ffn_hidden_size
-            shared = macs["moe_router"] + macs["moe_shared_experts"]
-            total_macs += weights + shared + shape.num_experts * expert
-            active_macs += weights + shared + shape.moe_router_topk * expert
-        else:
-            total_macs += weights
-            active_macs += weights
+        w = layer_weights(shape, index)
+        total += w.total
+        active += w.sharded + w.router + shape.moe_router_topk * w.expert
     embedding = shape.vocab_size * shape.hidden_size
     output = embedding if shape.untie_embeddings else 0
-    return ParameterCount(
-        layers_total=total_macs, layers_active=active_macs, embedding=embedding, output=output
-    )
+    return ParameterCount(layers_total=total, layers_active=active, embedding=embedding, output=output)
