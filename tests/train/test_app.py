@@ -16,8 +16,9 @@ from omegaconf import OmegaConf
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import app
-from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, with_precision
 from charllm_nemo.train.config_io import load_train_config, run_id, save_train_config, train_config_from
+from charllm_nemo.train.launch import local_gpu_count
 from charllm_nemo.train.presets import model_preset, parallel_preset
 from charllm_nemo.train.worker import main as worker_main
 
@@ -234,6 +235,113 @@ def test_only_the_launching_process_replaces_an_earlier_run(tmp_path: Path) -> N
     assert (tmp_path / "summary.json").exists()
     app.check_run_dir(cfg, removes=True)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_auto_precision_is_resolved_once_and_recorded(tmp_path: Path, fake_worker: None) -> None:
+    out = tmp_path / "run"
+    assert app.main(["nproc=1", f"telemetry.out_dir={out}"]) == 0
+    assert load_train_config(out / "config.yaml").batch.precision == "fp32"  # on CPU
+    cfg = app.load(["launch.device=cuda"])
+    assert cfg.batch.precision == "auto"
+    assert with_precision(cfg, "cuda").batch.precision == "bf16"
+    assert with_precision(cfg, "cpu").batch.precision == "fp32"
+    cfg.batch.precision = "fp16"
+    assert with_precision(cfg, "cuda") is cfg
+
+
+DRY_RUN_GPT3 = [
+    "model=gpt3_175b",
+    "parallel=gpt3_175b_tp8pp8",
+    "optim=recompute",
+    "nproc=1024",
+    "launch.device=cuda",
+    "batch.global_batch_size=1536",
+    "dry_run=true",
+]
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_a_dry_run_prints_the_plan_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher: str
+) -> None:
+    # From a login node: no GPU, no SLURM allocation, a world size far beyond this host.
+    monkeypatch.chdir(tmp_path)
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    assert app.main([*DRY_RUN_GPT3, f"launcher={launcher}"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "charllm train: dry run for 1024 rank(s) on cuda: valid; nothing started"
+    text = "\n".join(out)
+    assert "model=gpt3_175b: 174.575 B parameters; 96 layers" in text
+    assert "world=1024 tp=8 pp=8 cp=1 ep=1 dp=16; layers/stage=[12, 12, 12, 12, 12, 12, 12, 12]" in text
+    assert (
+        "1536 sequences = 3,145,728 tokens, 96 microbatch(es) of 1 per data-parallel rank, precision bf16"
+        in text
+    )
+    assert "with recomputation (x1.332)" in text
+    # 2.797 B parameters on stage 0 (12 layers + the embedding, over tp=8), 18 bytes each.
+    assert "stage 0: 12 layers, 2.797 B parameters: 46.9 GiB (weights 5.2 GiB" in text
+    assert "stages 1-6: 12 layers, 2.718 B parameters" in text
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_dry_run_reports_an_invalid_config_like_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert app.main([*DRY_RUN_GPT3, "nproc=1000"]) == app.EXIT_CONFIG_ERROR
+    assert "world_size=1000 is not divisible by parallel.tp*pp*cp=64" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dry_run_shows_how_experts_and_the_distributed_optimizer_split(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = app.load(
+        [
+            "model=mixtral_8x22b",
+            "parallel=mixtral_8x22b_tp2pp8ep8_alternating",
+            "optim=comm_overlap",
+            "nproc=1024",
+            "launch.device=cuda",
+            "batch.global_batch_size=1024",
+            "dry_run=true",
+        ]
+    )
+    assert app.run(cfg) == 0
+    text = capsys.readouterr().out
+    assert "dp=64 expert_dp=8; layers/stage=[8, 6, 8, 6, 8, 6, 8, 6]" in text
+    assert "(distributed optimizer: split over dp=64, experts over expert_dp=8)" in text
+    assert "stage 1: 6 layers, 1.171 B parameters (906.0 M in experts)" in text
+
+
+def test_a_local_launch_on_cuda_needs_a_gpu_per_rank(tmp_path: Path, fake_worker: None) -> None:
+    out = tmp_path / "run"
+    cfg = app.load(["nproc=2", "launch.device=cuda", "parallel=tp2", f"telemetry.out_dir={out}"])
+    with pytest.raises(
+        ConfigError, match=r"launch.nproc=2 ranks with launcher=local, but this host has 1 GPU"
+    ):
+        app.run(cfg, environ={"CUDA_VISIBLE_DEVICES": "3"})
+    with pytest.raises(ConfigError, match=r"launch\.device=cuda but this host has no usable GPU"):
+        app.run(cfg, environ={"CUDA_VISIBLE_DEVICES": "-1"})
+    assert not out.exists()  # refused before the run directory
+
+
+def test_local_gpu_count(tmp_path: Path) -> None:
+    nvidia, kfd = tmp_path / "nvidia", tmp_path / "kfd"
+    assert local_gpu_count({}, nvidia_dir=nvidia, kfd_topology=kfd) is None  # no driver: cannot tell
+    for bus in ("0000:1b:00.0", "0000:43:00.0", "0000:52:00.0", "0000:61:00.0"):
+        (nvidia / bus).mkdir(parents=True)
+    assert local_gpu_count({}, nvidia_dir=nvidia, kfd_topology=kfd) == 4
+    assert local_gpu_count({"CUDA_VISIBLE_DEVICES": "0,2"}, nvidia_dir=nvidia, kfd_topology=kfd) == 2
+    assert local_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}, nvidia_dir=nvidia, kfd_topology=kfd) == 4
+    assert local_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, nvidia_dir=nvidia, kfd_topology=kfd) == 0
+    # AMD: KFD nodes with compute units are GPUs; the CPU nodes have simd_count 0.
+    for node, simds in enumerate([0, 304, 304, 0]):
+        (kfd / str(node)).mkdir(parents=True)
+        (kfd / str(node) / "properties").write_text(f"cpu_cores_count 0\nsimd_count {simds}\nmax_waves 10\n")
+    assert local_gpu_count({}, nvidia_dir=tmp_path / "none", kfd_topology=kfd) == 2
+    assert local_gpu_count({"HIP_VISIBLE_DEVICES": "1"}, nvidia_dir=tmp_path / "none", kfd_topology=kfd) == 1
 
 
 def test_main_reports_hydra_errors_as_config_errors(capsys: pytest.CaptureFixture[str]) -> None:

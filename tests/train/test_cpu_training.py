@@ -26,6 +26,8 @@ pytest.importorskip("megatron.core")
 
 from charllm_nemo.telemetry.sampler_process import resolve_collector_sched
 from charllm_nemo.train.config import ModelConfig, TrainConfig
+from charllm_nemo.train.plan import plan_stage_memory
+from charllm_nemo.train.validate import validate
 
 WORKER = Path(__file__).with_name("_cpu_rank.py")
 TIMEOUT_S = 150
@@ -122,6 +124,19 @@ def assert_finite_losses(results: list[dict[str, Any]], steps: int) -> None:
     assert all(r["losses"] == results[0]["losses"] for r in results)
 
 
+def assert_memory_plan_matches(cfg: TrainConfig, results: list[dict[str, Any]]) -> None:
+    """The dry run's per-stage parameters (metrics/memory.py) are what megatron-core allocated on
+    each rank: its 2-D parameters, less the learned position embedding (stage 0, not counted)."""
+    layout = validate(cfg, world_size=len(results), device="cpu")
+    stages = plan_stage_memory(cfg, layout)
+    m = cfg.model
+    positions = (m.max_position_embeddings or m.seq_length) * m.hidden_size
+    for r in results:
+        stage = r["labels"]["pp_stage"] or 0
+        extra = positions if (stage == 0 and m.position_embedding == "learned_absolute") else 0
+        assert r["num_matrix_parameters"] == stages[stage].parameters + extra, (stage, r["labels"])
+
+
 def assert_sane_nesting(r: dict[str, Any], n_micro: int, steps: int) -> None:
     """Every step has one microbatch window per microbatch and a forward and a backward phase per
     microbatch, all inside the step; a microbatch window spans its forward begin to its
@@ -210,16 +225,20 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
 
 
 def test_tp2(tmp_path: Path) -> None:
-    results = run_ranks(tiny_cfg(tp=2), 2, tmp_path)
+    cfg = tiny_cfg(tp=2)
+    results = run_ranks(cfg, 2, tmp_path)
     assert_finite_losses(results, 3)
+    assert_memory_plan_matches(cfg, results)
     assert sorted(r["labels"]["tp_rank"] for r in results) == [0, 1]
     for r in results:
         assert_sane_nesting(r, 4, 3)  # TP ranks run every microbatch together
 
 
 def test_pp2_1f1b_interleaving_visible(tmp_path: Path) -> None:
-    results = run_ranks(tiny_cfg(pp=2), 2, tmp_path)
+    cfg = tiny_cfg(pp=2)
+    results = run_ranks(cfg, 2, tmp_path)
     assert_finite_losses(results, 3)
+    assert_memory_plan_matches(cfg, results)  # the tied output layer's copy on the last stage too
     by_stage = {r["labels"]["pp_stage"]: r for r in results}
     assert sorted(by_stage) == [0, 1]
     for r in results:
@@ -262,6 +281,7 @@ def test_ep2_tiny_moe(tmp_path: Path) -> None:
     )
     results = run_ranks(cfg, 2, tmp_path)
     assert_finite_losses(results, 3)
+    assert_memory_plan_matches(cfg, results)  # half the experts on each rank, the router on both
     assert sorted(r["labels"]["ep_rank"] for r in results) == [0, 1]
     # EP is carved out of DP: the two ranks are also two data-parallel ranks.
     assert sorted(r["labels"]["dp_rank"] for r in results) == [0, 1]
@@ -284,8 +304,10 @@ def test_dp2(tmp_path: Path) -> None:
 def test_pp2_vpp2_interleaved(tmp_path: Path) -> None:
     # 4 layers over 2 stages x 2 virtual chunks: one layer per chunk. Each microbatch runs a
     # forward and a backward on both chunks of a rank; the windows carry the chunk.
-    results = run_ranks(tiny_cfg(pp=2, vpp=2), 2, tmp_path)
+    cfg = tiny_cfg(pp=2, vpp=2)
+    results = run_ranks(cfg, 2, tmp_path)
     assert_finite_losses(results, 3)
+    assert_memory_plan_matches(cfg, results)
     for r in results:
         for step in range(3):
             for name in ("forward", "backward"):

@@ -475,7 +475,7 @@ def test_kv_groups_must_divide_heads() -> None:
     [
         ("model", "position_embedding", "alibi", "use one of [rope, learned_absolute, none]"),
         ("model", "normalization", "BatchNorm", "use one of [LayerNorm, RMSNorm]"),
-        ("batch", "precision", "fp8", "use one of [fp32, bf16, fp16]"),
+        ("batch", "precision", "fp8", "use one of [auto, fp32, bf16, fp16]"),
         ("launch", "launcher", "mpi", "use one of [local, slurm, none]"),
         ("launch", "device", "tpu", "use one of [auto, cpu, cuda]"),
         ("telemetry", "backend", "rapl", "use one of [auto, nvml, amdsmi, synthetic]"),
@@ -559,7 +559,7 @@ def test_an_unknown_precision_on_cpu_is_one_problem_not_two() -> None:
     cfg = cfg_for()
     cfg.batch.precision = "fp8"
     assert problems(cfg, device="cpu") == [
-        "batch.precision='fp8' is not valid; use one of [fp32, bf16, fp16]"
+        "batch.precision='fp8' is not valid; use one of [auto, fp32, bf16, fp16]"
     ]
     cfg.batch.precision = "bf16"
     assert "batch.precision=bf16: megatron-core 0.16's mixed-precision optimizer" in one(cfg, device="cpu")

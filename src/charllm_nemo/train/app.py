@@ -18,6 +18,7 @@ The conf/ directory: ``$CHARLLM_CONF_DIR`` if set, else the repository checkout'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,9 +28,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from charllm_nemo.errors import CharllmError, ConfigError
-from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, with_precision
 from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
-from charllm_nemo.train.launch import launch_local, resolve_device, slurm_rank_env, torchrun_rank_env
+from charllm_nemo.train.launch import (
+    launch_local,
+    local_gpu_count,
+    local_gpu_problem,
+    resolve_device,
+    slurm_rank_env,
+    torchrun_rank_env,
+)
 from charllm_nemo.train.layout import ResolvedLayout
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 from charllm_nemo.train.validate import validate
@@ -145,14 +153,42 @@ def _announce(cfg: TrainConfig, layout: ResolvedLayout) -> None:
     )
 
 
+def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
+    """Validate ``cfg`` as :func:`run` would and print the plan (train/plan.py) to stdout;
+    start nothing, write nothing. The world size is the launcher's, or ``launch.nproc`` outside
+    a SLURM allocation / torchrun (planning from a login node)."""
+    from charllm_nemo.train.plan import describe_plan
+
+    try:
+        world, _ = world_and_env(cfg, environ)
+    except ConfigError:
+        world = cfg.launch.nproc
+    cfg.launch.device = resolve_device(cfg.launch.device)
+    cfg = with_precision(cfg, cfg.launch.device)
+    layout = validate(cfg, world_size=world, device=cfg.launch.device)
+    print(f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: valid; nothing started")
+    for line in describe_plan(cfg, layout):
+        print(f"  {line}")
+    sys.stdout.flush()
+    return 0
+
+
 def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
-    """Validate ``cfg`` for its launcher and start it; returns the exit code. Raises
-    ConfigError (every problem listed) before anything starts."""
+    """Validate ``cfg`` for its launcher and start it (or, with ``launch.dry_run``, print what
+    it would run); returns the exit code. Raises ConfigError (every problem listed) before
+    anything starts."""
     environ = os.environ if environ is None else environ
     cfg = resolved(cfg)
+    if cfg.launch.dry_run:
+        return dry_run(cfg, environ)
     world, rank_env = world_and_env(cfg, environ)
     cfg.launch.device = resolve_device(cfg.launch.device)  # decided once, recorded, shared by ranks
+    cfg = with_precision(cfg, cfg.launch.device)  # so is batch.precision=auto
     layout = validate(cfg, world_size=world, device=cfg.launch.device)
+    if cfg.launch.launcher == "local" and cfg.launch.device == "cuda":
+        problem = local_gpu_problem(cfg.launch.nproc, local_gpu_count(environ))
+        if problem:
+            raise ConfigError(problem)
     out_dir = Path(cfg.telemetry.out_dir)
     check_run_dir(cfg, removes=cfg.launch.launcher == "local" or rank_env.get("RANK") == "0")
     if cfg.launch.launcher == "local":
@@ -182,7 +218,8 @@ def _job(dcfg: DictConfig) -> int:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
+    sweep = hc.mode == RunMode.MULTIRUN
+    if sweep:
         # Each job of a sweep gets its own run directory: Hydra's job directory.
         dcfg = OmegaConf.merge(dcfg, {"telemetry": {"out_dir": hc.runtime.output_dir}})  # type: ignore[assignment]
     try:
@@ -190,6 +227,10 @@ def _job(dcfg: DictConfig) -> int:
     except CharllmError as exc:  # a config value, or this machine (no driver, a run directory)
         print(f"charllm train: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    finally:
+        if sweep and dcfg.get("dry_run"):  # Hydra made the job's folder; a dry run leaves nothing in it
+            with contextlib.suppress(OSError):
+                Path(hc.runtime.output_dir).rmdir()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,7 @@ framework-free validation (train/validate.py), which runs before any process gro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from charllm_nemo.sinks.config import LoggerConfig
@@ -86,7 +86,7 @@ class BatchConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 4
     train_steps: int = 5
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    precision: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "fp32" | "bf16" | "fp16"
 
 
 @dataclass
@@ -119,6 +119,7 @@ class LaunchConfig:
     nproc: int = 1
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     master_port: int = 29511
+    dry_run: bool = False  # validate and print the plan (layout, FLOPs, memory per rank); start nothing
 
 
 @dataclass
@@ -132,3 +133,17 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(name="console"))
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+AUTO_PRECISION = {"cuda": "bf16", "cpu": "fp32"}
+"""What ``batch.precision=auto`` trains in on each device: bf16 on GPUs (what every published
+large-model run uses), fp32 on CPU (megatron-core's mixed-precision optimizer needs CUDA)."""
+
+
+def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
+    """``cfg`` with ``batch.precision=auto`` resolved for ``device`` (``cpu`` | ``cuda``): a
+    copy, or ``cfg`` itself when the precision is explicit."""
+    if cfg.batch.precision != "auto":
+        return cfg
+    batch = replace(cfg.batch, precision=AUTO_PRECISION.get(device, "fp32"))
+    return replace(cfg, batch=batch)

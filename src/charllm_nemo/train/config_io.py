@@ -20,7 +20,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.train.config import TrainConfig
 
 # Top-level shorthands in conf/train.yaml that are not TrainConfig fields.
-SHORTHAND_KEYS: tuple[str, ...] = ("nproc",)
+SHORTHAND_KEYS: tuple[str, ...] = ("nproc", "dry_run")
 
 
 def run_id(launcher: str = "local") -> str:

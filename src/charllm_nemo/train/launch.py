@@ -51,6 +51,62 @@ def resolve_device(name: str) -> str:
     return "cuda" if (nvidia or amd) else "cpu"
 
 
+VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _amd_gpu_nodes(topology: Path) -> int:
+    """KFD topology nodes with compute units (GPUs; CPU nodes have simd_count 0)."""
+    count = 0
+    for props in topology.glob("*/properties"):
+        try:
+            for line in props.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "simd_count" and int(value) > 0:
+                    count += 1
+        except (OSError, ValueError):
+            continue
+    return count
+
+
+def local_gpu_count(
+    environ: Mapping[str, str] | None = None,
+    *,
+    nvidia_dir: Path = Path("/proc/driver/nvidia/gpus"),
+    kfd_topology: Path = Path("/sys/class/kfd/kfd/topology/nodes"),
+) -> int | None:
+    """GPUs a local launch on this host can use, without importing torch: the driver's devices
+    (NVIDIA's ``/proc/driver/nvidia/gpus``, AMD's KFD topology nodes with compute units), no more
+    than a ``*_VISIBLE_DEVICES`` list names. None when neither driver says (no count to check)."""
+    physical: int | None = None
+    if nvidia_dir.is_dir():
+        physical = len(list(nvidia_dir.iterdir()))
+    elif kfd_topology.is_dir():
+        physical = _amd_gpu_nodes(kfd_topology)
+    environ = os.environ if environ is None else environ
+    for var in VISIBLE_DEVICE_VARS:
+        value = environ.get(var)
+        if value is not None:
+            listed = 0 if value.strip() in ("", "-1") else len([v for v in value.split(",") if v.strip()])
+            physical = listed if physical is None else min(listed, physical)
+    return physical
+
+
+def local_gpu_problem(nproc: int, gpus: int | None) -> str | None:
+    """Why ``nproc`` ranks on ``launch.device=cuda`` cannot start on a host with ``gpus`` GPUs
+    (``local_gpu_count``), if they cannot: one rank per GPU."""
+    if gpus is None or nproc <= gpus:
+        return None
+    if gpus == 0:
+        return (
+            "launch.device=cuda but this host has no usable GPU (no driver device, or "
+            "*_VISIBLE_DEVICES hides them all); set launch.device=cpu (or auto), or run on a GPU node"
+        )
+    return (
+        f"launch.nproc={nproc} ranks with launcher=local, but this host has {gpus} GPU(s) (one rank per "
+        f"GPU); set nproc <= {gpus}, or spread the ranks over nodes with launcher=slurm"
+    )
+
+
 # -- SLURM ---------------------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.sampler_process import local_ranks_from_env
 from charllm_nemo.telemetry.windows import WindowRecorder
-from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, with_precision
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
     STEPS_FILE,
@@ -299,6 +299,7 @@ class RankResult:
     grad_norms: list[float | None] = field(default_factory=list)
     summaries: list[dict[str, Any]] = field(default_factory=list)
     num_parameters: int = 0
+    num_matrix_parameters: int = 0  # GEMM weights and embeddings (train/model.py ModelBundle)
     num_microbatches: int = 0
     labels: dict[str, int | None] = field(default_factory=dict)
     unmatched_marks: int = 0
@@ -408,6 +409,7 @@ def run_rank(
 
     env = rank_env(cfg)
     device = resolve_device(cfg)
+    cfg = with_precision(cfg, device)
     layout = _resolved_layout(cfg, env.world_size, device)  # raises ConfigProblems, before any group
     t_start = time.monotonic()
     dist = init_distributed(cfg, env, device)
@@ -530,6 +532,7 @@ def _train(
         world_size=dist.world_size,
         device=dist.device,
         num_parameters=bundle.num_parameters,
+        num_matrix_parameters=bundle.num_matrix_parameters,
         num_microbatches=n_micro,
         labels=dist.labels(),
     )

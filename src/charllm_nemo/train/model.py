@@ -13,10 +13,9 @@ The pipeline layout (layers per virtual stage) is resolved by config validation
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, with_precision
 
 
 def _dtype(precision: str) -> Any:
@@ -124,6 +123,9 @@ class ModelBundle:
     optimizer: Any
     scheduler: Any
     num_parameters: int = 0
+    # The 2-D ones: GEMM weights and embeddings (what charllm_nemo.metrics.memory counts, plus
+    # learned position embeddings), without norms and biases.
+    num_matrix_parameters: int = 0
 
 
 def build_gpt_chunks(cfg: TrainConfig, config: Any, *, on_cpu: bool) -> list[Any]:
@@ -246,13 +248,17 @@ def build_model(
     """Model chunks wrapped for data parallelism, optimizer and LR scheduler, wired into the
     config (``no_sync_func``, ``param_sync_func``, ``finalize_model_grads_func``,
     ``grad_scale_func``) as Megatron-LM's ``training.py`` does. Needs ``parallel_state``
-    initialized (see ``loop.init_distributed``)."""
+    initialized (see ``loop.init_distributed``). ``batch.precision=auto`` is resolved for the
+    device here too, for callers that build without ``run_rank``."""
     from megatron.core.distributed import finalize_model_grads
 
+    cfg = with_precision(cfg, "cpu" if on_cpu else "cuda")
     o = cfg.optim
     config = transformer_config(cfg, on_cpu=on_cpu, timers=timers, pipeline_layout=pipeline_layout)
     chunks = build_gpt_chunks(cfg, config, on_cpu=on_cpu)
-    num_parameters = sum(p.numel() for c in chunks for p in c.parameters())
+    params = [p for c in chunks for p in c.parameters()]
+    num_parameters = sum(p.numel() for p in params)
+    num_matrix_parameters = sum(p.numel() for p in params if p.dim() >= 2)
     wrapped = _wrap_data_parallel(cfg, config, chunks)
     optimizer, scheduler = build_optimizer(cfg, wrapped)
 
@@ -264,4 +270,4 @@ def build_model(
     if o.overlap_param_gather and o.use_distributed_optimizer:
         param_sync = [c.start_param_sync for c in wrapped]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
-    return ModelBundle(wrapped, config, optimizer, scheduler, num_parameters)
+    return ModelBundle(wrapped, config, optimizer, scheduler, num_parameters, num_matrix_parameters)

@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, with_precision
 from charllm_nemo.train.launch import resolve_device
 from charllm_nemo.train.layout import ResolvedLayout, alternating_layout, choices, divisors, multiples
 from charllm_nemo.train.presets import CUSTOM, MODEL_PRESETS, OPTIM_PRESETS, PARALLEL_PRESETS
@@ -57,7 +57,7 @@ __all__ = [
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("block", "uniform")
 PIPELINE_SCHEMES = ("alternating",)
@@ -544,6 +544,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     ``launch.nproc``. Touches no process group, no accelerator and allocates no model.
     """
     device = resolve_device(device)
+    cfg = with_precision(cfg, device)
     world = _world_size(cfg, world_size)
     c = _Checker(cfg, world, device)
     c.names()

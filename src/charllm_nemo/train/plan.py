@@ -1,0 +1,126 @@
+"""``charllm train ... dry_run=true``: what a valid config would run, without running it.
+
+For planning a job (or a sweep) from a login node: the resolved layout, the work of one step
+(tokens, model and hardware FLOPs, per rank) and the memory each pipeline stage's ranks need for
+weights, gradients and optimizer state (``charllm_nemo.metrics.memory``). Framework-free: no
+torch, no process group, nothing written.
+"""
+
+from __future__ import annotations
+
+from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
+from charllm_nemo.metrics.memory import StageMemory, stage_memory
+from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.layout import ResolvedLayout
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"
+
+
+def _count(n: int) -> str:
+    """A parameter count: 2.797 B, 21.3 M, 53.2 k."""
+    if n >= 10**9:
+        return f"{n / 1e9:.3f} B"
+    return f"{n / 1e6:.1f} M" if n >= 10**6 else f"{n / 1e3:.1f} k"
+
+
+def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMemory]:
+    """:func:`charllm_nemo.metrics.memory.stage_memory` for a validated config (a
+    ``batch.precision=auto`` taken for ``launch.device``)."""
+    o, p = cfg.optim, cfg.parallel
+    return stage_memory(
+        ModelShape.from_model_config(cfg.model),
+        tp=layout.tp,
+        pp=layout.pp,
+        layers_per_virtual_stage=layout.layers_per_virtual_stage,
+        ep=layout.ep,
+        # Megatron-Core's gradient reduction, distributed optimizer and FSDP use the
+        # data-parallel group with the context-parallel ranks in it.
+        dp=layout.dp * layout.cp,
+        expert_dp=layout.expert_dp,
+        precision=with_precision(cfg, cfg.launch.device).batch.precision,
+        # Megatron-FSDP needs (and train/model.py turns on) the distributed optimizer.
+        distributed_optimizer=o.use_distributed_optimizer or p.fsdp,
+        fsdp=p.fsdp,
+    )
+
+
+def _stage_groups(stages: list[StageMemory]) -> list[tuple[int, int, StageMemory]]:
+    """Consecutive stages with the same figures, as (first, last, figures)."""
+    groups: list[tuple[int, int, StageMemory]] = []
+    for s in stages:
+        if groups:
+            first, _, same = groups[-1]
+            if (same.layers, same.parameters, same.total_bytes) == (s.layers, s.parameters, s.total_bytes):
+                groups[-1] = (first, s.stage, same)
+                continue
+        groups.append((s.stage, s.stage, s))
+    return groups
+
+
+def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
+    """The dry run's report, one line per entry."""
+    m, b, o, p = cfg.model, cfg.batch, cfg.optim, cfg.parallel
+    shape = ModelShape.from_model_config(m)
+    params = parameter_count(shape)
+    tokens = b.global_batch_size * m.seq_length
+    hw = hardware_flops_per_step(
+        shape,
+        b.global_batch_size,
+        o.recompute_granularity,
+        o.recompute_method,
+        o.recompute_num_layers,
+        pipeline_parallel=layout.pp,
+        virtual_pipeline=layout.vpp,
+        pipeline_layout=layout.layers_per_virtual_stage if layout.uneven else None,
+    )
+    world = layout.world_size
+    vpp = f" vpp={layout.vpp}" if layout.vpp else ""
+    fsdp = f" fsdp={p.fsdp_impl}" if p.fsdp else ""
+    expert_dp = f" expert_dp={layout.expert_dp}" if m.num_experts else ""
+    active = f", {_count(params.active)} active per token" if params.active != params.total else ""
+    lines = [
+        f"model={m.name}: {_count(params.total)} parameters{active}; {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, seq {m.seq_length}",
+        f"layout: world={world} tp={layout.tp} pp={layout.pp}{vpp} cp={layout.cp} ep={layout.ep} "
+        f"dp={layout.dp}{expert_dp}{fsdp}; layers/stage={layout.layers_per_stage}",
+        f"step: {b.global_batch_size} sequences = {tokens:,} tokens, {layout.num_microbatches} "
+        f"microbatch(es) of {b.micro_batch_size} per data-parallel rank, precision {b.precision}",
+        f"FLOPs per step: model {_si(hw.model.total, 'FLOP')} "
+        f"({_si(hw.model.total / world, 'FLOP')} per rank), "
+        + (
+            f"hardware {_si(hw.total, 'FLOP')} with recomputation (x{hw.recompute_overhead:.3f})"
+            if hw.recompute.total
+            else "no recomputation"
+        ),
+    ]
+    stages = plan_stage_memory(cfg, layout)
+    sharded = "FSDP" if p.fsdp else ("distributed optimizer" if o.use_distributed_optimizer else "")
+    over = f"dp*cp={layout.dp * layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    if m.num_experts:
+        over += f", experts over expert_dp={layout.expert_dp}"
+    lines.append(
+        "memory per rank for weights, gradients and optimizer state"
+        + (f" ({sharded}: split over {over})" if sharded else "")
+        + "; activations and buffers not included:"
+    )
+    for first, last, s in _stage_groups(stages):
+        which = f"stage {first}" if first == last else f"stages {first}-{last}"
+        experts = f" ({_count(s.expert_parameters)} in experts)" if s.expert_parameters else ""
+        lines.append(
+            f"  {which}: {s.layers} layers, {_count(s.parameters)} parameters{experts}: "
+            f"{_bytes(s.total_bytes)} (weights {_bytes(s.weight_bytes)}, "
+            f"gradients {_bytes(s.gradient_bytes)}, optimizer {_bytes(s.optimizer_bytes)})"
+        )
+    return lines
