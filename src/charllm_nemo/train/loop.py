@@ -482,6 +482,29 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
     atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
 
 
+def check_gpu_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any) -> None:
+    """Before the model is built (GPU): every rank gathers every rank's need (its stage's
+    weights, gradients and optimizer state, train/plan.py) and its GPU's free memory. When a
+    GPU cannot hold even that, every rank raises the same ConfigError at once, instead of that
+    rank running out of memory minutes later while the others wait for it in a collective. A
+    rank that cannot tell (an error here) reports nothing and takes part all the same."""
+    from charllm_nemo.train.plan import RankMemory, memory_verdict, plan_stage_memory
+
+    need = free = total = None
+    try:
+        need = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
+        free, total = (int(v) for v in torch.cuda.mem_get_info())
+    except Exception:  # the check must not be what stops a run
+        log.debug("GPU memory check: this rank cannot tell", exc_info=True)
+    ranks: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
+    error, warning = memory_verdict([r for r in ranks if isinstance(r, RankMemory)])
+    if error:
+        raise ConfigError(error)
+    if warning and dist.rank == 0:
+        log.warning(warning)
+
+
 def _train(
     cfg: TrainConfig,
     dist: DistInfo,
@@ -501,6 +524,8 @@ def _train(
 
     on_cpu = dist.device == "cpu"
     b = cfg.batch
+    if not on_cpu:
+        check_gpu_memory(cfg, layout, dist, torch)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())
     config = bundle.config
     data_layout = DataLayout(b.micro_batch_size, b.global_batch_size, dist.dp_size, dist.dp_rank)

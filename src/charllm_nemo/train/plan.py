@@ -8,6 +8,8 @@ torch, no process group, nothing written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
 from charllm_nemo.train.config import TrainConfig, with_precision
@@ -124,3 +126,51 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
             f"gradients {_bytes(s.gradient_bytes)}, optimizer {_bytes(s.optimizer_bytes)})"
         )
     return lines
+
+
+TIGHT_SHARE = 0.9
+"""A rank whose weights, gradients and optimizer state take more than this share of its GPU's
+free memory is warned about: activations come on top."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's need (its stage's weights, gradients and optimizer state) and its GPU's free
+    and total memory at start, in bytes; None where the rank could not tell."""
+
+    rank: int
+    stage: int
+    need: int | None
+    free: int | None
+    total: int | None
+
+
+def memory_verdict(ranks: list[RankMemory]) -> tuple[str | None, str | None]:
+    """(error, warning) for a run whose ranks reported ``ranks`` (every rank gets the same
+    list, so every rank reaches the same verdict). The error names the rank short by the most:
+    its GPU cannot hold even its stage's weights, gradients and optimizer state; the warning, the
+    tightest rank above ``TIGHT_SHARE`` of its free memory."""
+    known = [r for r in ranks if r.need is not None and r.free is not None]
+    if not known:
+        return None, None
+    worst = max(known, key=lambda r: (r.need or 0) - (r.free or 0))
+    need, free = worst.need or 0, worst.free or 0
+    total = f" of {_bytes(worst.total)}" if worst.total is not None else ""
+    where = f"rank {worst.rank} (pipeline stage {worst.stage})"
+    if need > free:
+        short = sum(1 for r in known if (r.need or 0) > (r.free or 0))
+        return (
+            f"{where} needs at least {_bytes(need)} for its weights, gradients and optimizer state "
+            f"before any activation, but its GPU has {_bytes(free)} free{total} ({short} rank(s) short; "
+            "`dry_run=true` prints the plan per stage). Use the distributed optimizer "
+            "(optim=comm_overlap or optim.use_distributed_optimizer=true), more pipeline stages "
+            "(parallel.pp) or tensor parallelism (parallel.tp), or more GPUs"
+        ), None
+    tight = max(known, key=lambda r: (r.need or 0) / max(r.free or 1, 1))
+    if (tight.need or 0) > TIGHT_SHARE * (tight.free or 0):
+        return None, (
+            f"rank {tight.rank} (pipeline stage {tight.stage}): weights, gradients and optimizer "
+            f"state take {_bytes(tight.need or 0)} of its GPU's {_bytes(tight.free or 0)} free; "
+            "activations may not fit"
+        )
+    return None, None

@@ -1,0 +1,98 @@
+"""The plan (train/plan.py) and the GPU memory check every rank makes before building the model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.train import app
+from charllm_nemo.train.loop import DistInfo, check_gpu_memory
+from charllm_nemo.train.plan import RankMemory, memory_verdict, plan_stage_memory
+from charllm_nemo.train.validate import validate
+
+GiB = 2**30
+
+
+def test_no_verdict_when_everything_fits_or_nobody_can_tell() -> None:
+    assert memory_verdict([]) == (None, None)
+    assert memory_verdict([RankMemory(0, 0, None, None, None)]) == (None, None)
+    assert memory_verdict([RankMemory(0, 0, 40 * GiB, 79 * GiB, 80 * GiB)]) == (None, None)
+
+
+def test_the_rank_short_by_the_most_is_named() -> None:
+    ranks = [
+        RankMemory(0, 0, 76 * GiB, 79 * GiB, 80 * GiB),  # fits (tight)
+        RankMemory(1, 1, 76 * GiB, 70 * GiB, 80 * GiB),  # 6 GiB short
+        RankMemory(2, 0, 80 * GiB, 60 * GiB, 80 * GiB),  # 20 GiB short: another job on its GPU
+        RankMemory(3, 1, None, None, None),  # could not tell
+    ]
+    error, warning = memory_verdict(ranks)
+    assert warning is None
+    assert error is not None
+    assert error.startswith(
+        "rank 2 (pipeline stage 0) needs at least 80.0 GiB for its weights, gradients and optimizer "
+        "state before any activation, but its GPU has 60.0 GiB free of 80.0 GiB (2 rank(s) short;"
+    )
+    assert "optim=comm_overlap" in error and "parallel.pp" in error
+
+
+def test_a_tight_rank_is_warned_about() -> None:
+    error, warning = memory_verdict(
+        [RankMemory(0, 0, 30 * GiB, 79 * GiB, 80 * GiB), RankMemory(1, 3, 75 * GiB, 79 * GiB, 80 * GiB)]
+    )
+    assert error is None
+    assert warning == (
+        "rank 1 (pipeline stage 3): weights, gradients and optimizer state take 75.0 GiB of its "
+        "GPU's 79.0 GiB free; activations may not fit"
+    )
+
+
+def _gpt3_tp8pp8(optim: str) -> tuple[Any, Any]:
+    cfg = app.load(
+        ["model=gpt3_175b", "parallel=gpt3_175b_tp8pp8", f"optim={optim}", "batch.global_batch_size=1536"]
+    )
+    cfg.launch.device = "cuda"
+    return cfg, validate(cfg, world_size=1024, device="cuda")
+
+
+class _FakeTorch:
+    """What check_gpu_memory uses of torch: this GPU's memory, and an all_gather_object whose
+    other ranks report ``others``."""
+
+    def __init__(self, free: int, total: int, others: list[RankMemory]) -> None:
+        self.cuda = SimpleNamespace(mem_get_info=lambda: (free, total))
+        self.distributed = SimpleNamespace(all_gather_object=self._gather)
+        self.others = others
+        self.sent: list[Any] = []
+
+    def _gather(self, out: list[Any], obj: Any) -> None:
+        self.sent.append(obj)
+        out[:] = [obj, *self.others][: len(out)]
+
+
+def test_every_rank_fails_together_when_a_gpu_cannot_hold_its_stage() -> None:
+    cfg, layout = _gpt3_tp8pp8("base")  # 46.9 GiB on stage 0 without the distributed optimizer
+    need = plan_stage_memory(cfg, layout)[0].total_bytes
+    dist = DistInfo(rank=0, world_size=2, local_rank=0, device="cuda", backend="nccl", pp_rank=0)
+    ok = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 80 * GiB, 80 * GiB)])
+    check_gpu_memory(cfg, layout, dist, ok)
+    assert ok.sent == [RankMemory(0, 0, need, 80 * GiB, 80 * GiB)]
+    # The other rank's GPU is short: this rank, whose own GPU fits, fails too, naming that one.
+    short = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 40 * GiB, 80 * GiB)])
+    with pytest.raises(ConfigError, match=r"^rank 1 \(pipeline stage 1\) needs at least 46\.9 GiB"):
+        check_gpu_memory(cfg, layout, dist, short)
+    # With the distributed optimizer the same GPUs hold it.
+    cfg, layout = _gpt3_tp8pp8("comm_overlap")
+    check_gpu_memory(cfg, layout, dist, _FakeTorch(40 * GiB, 80 * GiB, []))
+
+
+def test_a_rank_that_cannot_tell_still_takes_part() -> None:
+    cfg, layout = _gpt3_tp8pp8("base")
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device="cuda", backend="nccl")
+    fake = _FakeTorch(0, 0, [])
+    fake.cuda = SimpleNamespace()  # no mem_get_info: e.g. a runtime without it
+    check_gpu_memory(cfg, layout, dist, fake)
+    assert fake.sent == [RankMemory(0, 0, plan_stage_memory(cfg, layout)[0].total_bytes, None, None)]
