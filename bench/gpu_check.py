@@ -302,7 +302,32 @@ def training(mode: str, out_dir: Path, steps: int, env: dict[str, str], timeout_
             entry["step_time_ratio_on_over_off"] = on / off
             log(f"  step time with telemetry / without: {on / off:.4f}")
         results[name] = entry
+    if mode == "gpu":
+        results["memory_check"] = memory_check(out_dir, env, timeout_s)
     return results
+
+
+def memory_check(out_dir: Path, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """Llama-3 70B on one GPU: its weights, gradients and Adam state (~1.2 TB in bf16) cannot fit,
+    so every rank's check before building the model (train/loop.py ``check_gpu_memory``, through
+    the real ``torch.cuda.mem_get_info`` and NCCL's ``all_gather_object``) must refuse it in
+    seconds: exit 2 and one line, no allocation."""
+    log("memory check: model=llama3_70b on one GPU must be refused before it is built")
+    run_dir = out_dir / "train_memory_check"
+    overrides = [
+        "model=llama3_70b",
+        "batch.global_batch_size=1",
+        "batch.train_steps=1",
+        "launch.device=cuda",
+        "telemetry.enabled=false",
+        f"telemetry.out_dir={run_dir}",
+        "telemetry.overwrite=true",
+    ]
+    res = _train(overrides, env, timeout_s)
+    error = res.get("error", "")
+    res["refused"] = res["rc"] == 2 and "needs at least" in error
+    log(f"  rc={res['rc']} in {res['wall_s']:.1f} s, refused as expected: {res['refused']}")
+    return res
 
 
 # -- driver --------------------------------------------------------------------------------
