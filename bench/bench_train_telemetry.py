@@ -415,13 +415,8 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.telemetry.windows import WindowRecorder
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
-    from charllm_nemo.train.loop import (
-        PendingSteps,
-        _forward_step,
-        init_distributed,
-        rank_env,
-        shutdown_distributed,
-    )
+    from charllm_nemo.train.dist import init_distributed, rank_env, shutdown_distributed
+    from charllm_nemo.train.loop import PendingSteps, _forward_step
     from charllm_nemo.train.marks import PyStepMarker, StepMarker
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset

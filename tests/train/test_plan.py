@@ -9,8 +9,8 @@ import pytest
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import app
-from charllm_nemo.train.loop import DistInfo, check_gpu_memory
-from charllm_nemo.train.plan import RankMemory, memory_verdict, plan_stage_memory
+from charllm_nemo.train.dist import DistInfo
+from charllm_nemo.train.plan import RankMemory, check_gpu_memory, memory_verdict, plan_stage_memory
 from charllm_nemo.train.validate import validate
 
 GiB = 2**30

@@ -3,10 +3,12 @@
 A launcher (``launcher=local nproc=N``, torchrun, or srun) starts one process per rank with the
 torch.distributed variables set; each calls :func:`run_rank`:
 
-1. :func:`init_distributed`: ranks from RANK / WORLD_SIZE / LOCAL_RANK (or SLURM_PROCID /
-   SLURM_NTASKS / SLURM_LOCALID), rendezvous at MASTER_ADDR:MASTER_PORT; gloo + the CPU patches
-   (train/cpu.py) on CPU, NCCL on GPU; ``parallel_state.initialize_model_parallel``; seeds.
-2. the model, DDP and optimizer (train/model.py), the data (train/data.py);
+1. ``init_distributed`` (train/dist.py): ranks from RANK / WORLD_SIZE / LOCAL_RANK (or
+   SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), rendezvous at MASTER_ADDR:MASTER_PORT; gloo +
+   the CPU patches (train/cpu.py) on CPU, NCCL on GPU; ``parallel_state.initialize_model_parallel``;
+   seeds.
+2. on GPU, the memory check (train/plan.py ``check_gpu_memory``); the model, DDP and optimizer
+   (train/model.py), the data (train/data.py);
 3. ``train_steps`` steps of ``get_forward_backward_func()`` over
    ``global_batch / (micro_batch * dp)`` microbatches, then ``optimizer.step()``; the marks go
    through :class:`~charllm_nemo.train.marks.StepMarker` (installed as ``config.timers``);
@@ -24,18 +26,15 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.sampler_process import local_ranks_from_env
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
     STEPS_FILE,
@@ -52,18 +51,6 @@ from charllm_nemo.train.report import (
 )
 
 log = logging.getLogger("charllm_nemo.train")
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """Where this process sits, from the launcher's environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
 
 
 def late_wait(t_end_mono_ns: int, period_ns: float) -> float:
@@ -123,164 +110,6 @@ class PendingSteps:
         if step_time_s > 0:
             wanted = min(self.max_lag, math.ceil(FIGURES_BATCH_S / step_time_s))
             self.lag = max(self.lag, wanted)
-
-
-def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
-    """RANK / WORLD_SIZE / LOCAL_RANK (torchrun, ``launcher=local``), else SLURM_PROCID /
-    SLURM_NTASKS / SLURM_LOCALID (srun), else a single process. MASTER_ADDR defaults to
-    127.0.0.1 and MASTER_PORT to ``launch.master_port``."""
-    e = dict(os.environ) if env is None else env
-    if "RANK" in e:
-        rank, world = int(e["RANK"]), int(e.get("WORLD_SIZE", "1"))
-        local = int(e.get("LOCAL_RANK", e["RANK"]))
-    elif "SLURM_PROCID" in e:
-        rank, world = int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1"))
-        local = int(e.get("SLURM_LOCALID", "0"))
-    else:
-        rank, world, local = 0, 1, 0
-    return RankEnv(
-        rank=rank,
-        world_size=world,
-        local_rank=local,
-        local_world_size=local_ranks_from_env(e, world),
-        master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(e.get("MASTER_PORT", cfg.launch.master_port)),
-    )
-
-
-@dataclass
-class DistInfo:
-    """This rank's place in the process groups (valid after :func:`init_distributed`)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: str  # "cpu" | "cuda"
-    backend: str  # "gloo" | "nccl"
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
-    cp_rank: int = 0
-    ep_rank: int = 0
-    dp_size: int = 1
-    pp_size: int = 1
-    is_last_stage: bool = True
-
-    def labels(self) -> dict[str, int | None]:
-        """Window labels (``WindowRecorder.set_labels``)."""
-        return {
-            "pp_stage": self.pp_rank,
-            "tp_rank": self.tp_rank,
-            "dp_rank": self.dp_rank,
-            "ep_rank": self.ep_rank,
-            "cp_rank": self.cp_rank,
-        }
-
-
-def resolve_device(cfg: TrainConfig) -> str:
-    """``launch.device``: ``auto`` = cuda when torch sees a GPU, else cpu."""
-    import torch
-
-    dev = cfg.launch.device
-    if dev == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("launch.device=cuda but torch sees no GPU; set launch.device=cpu (or auto)")
-    if dev not in ("cpu", "cuda"):
-        raise ConfigError(f"launch.device={dev!r} is not one of auto, cpu, cuda")
-    return dev
-
-
-def _quiet_known_noise() -> None:
-    """Silence megatron-core's import-time notices about optional GPU libraries and torch's
-    deprecation notices for the collectives mcore calls; they say nothing actionable here."""
-    for pattern in (
-        ".*Apex is not installed.*",
-        ".*Transformer Engine and Apex are not installed.*",
-        ".*torch.distributed.all_gather_into_tensor.*is deprecated.*",
-        ".*torch.distributed.reduce_scatter_tensor.*is deprecated.*",
-        ".*full scope is deprecated.*",
-    ):
-        warnings.filterwarnings("ignore", message=pattern)
-    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-
-
-def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str | None = None) -> DistInfo:
-    """Join the process group and build Megatron-Core's model-parallel groups for ``cfg``.
-
-    gloo on CPU (after :func:`charllm_nemo.train.cpu.enable_cpu_support`), NCCL on GPU
-    (``torch.cuda.set_device(local_rank)`` first). Seeds torch and mcore's model-parallel RNG
-    tracker with ``data.seed``. An existing default process group is reused."""
-    import torch
-
-    env = env or rank_env(cfg)
-    device = device or resolve_device(cfg)
-    _quiet_known_noise()
-    if device == "cpu":
-        from charllm_nemo.train.cpu import enable_cpu_support
-
-        enable_cpu_support()
-        if "OMP_NUM_THREADS" not in os.environ:
-            # One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (torchrun's
-            # default too): ranks share the host's cores, and spinning OpenMP threads on a busy
-            # 2-core host made tiny steps ~50x slower here. It also leaves cores to the sampler.
-            torch.set_num_threads(1)
-    else:
-        torch.cuda.set_device(env.local_rank)
-    backend = "gloo" if device == "cpu" else "nccl"
-    dist = torch.distributed
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(
-            backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=10)
-        )
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    p = cfg.parallel
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp,
-        pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if p.vpp and p.vpp > 1 else None,
-        context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep,
-        distributed_timeout_minutes=10,
-        # mcore's extra gloo copies of the data-parallel groups serve only checkpointing, which
-        # this trainer does not do; each costs a rendezvous at start and, per rank, threads that
-        # wake every 10 ms for the whole run (gloo's TCP loop).
-        create_gloo_process_groups=False,
-    )
-    torch.manual_seed(cfg.data.seed)
-    model_parallel_cuda_manual_seed(cfg.data.seed)
-    return DistInfo(
-        rank=env.rank,
-        world_size=env.world_size,
-        local_rank=env.local_rank,
-        device=device,
-        backend=backend,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        cp_rank=ps.get_context_parallel_rank(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
-    )
-
-
-def shutdown_distributed() -> None:
-    """Tear down mcore's groups and the default process group (idempotent)."""
-    import torch
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @dataclass
@@ -482,29 +311,6 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
     atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
 
 
-def check_gpu_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any) -> None:
-    """Before the model is built (GPU): every rank gathers every rank's need (its stage's
-    weights, gradients and optimizer state, train/plan.py) and its GPU's free memory. When a
-    GPU cannot hold even that, every rank raises the same ConfigError at once, instead of that
-    rank running out of memory minutes later while the others wait for it in a collective. A
-    rank that cannot tell (an error here) reports nothing and takes part all the same."""
-    from charllm_nemo.train.plan import RankMemory, memory_verdict, plan_stage_memory
-
-    need = free = total = None
-    try:
-        need = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
-        free, total = (int(v) for v in torch.cuda.mem_get_info())
-    except Exception:  # the check must not be what stops a run
-        log.debug("GPU memory check: this rank cannot tell", exc_info=True)
-    ranks: list[Any] = [None] * dist.world_size
-    torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
-    error, warning = memory_verdict([r for r in ranks if isinstance(r, RankMemory)])
-    if error:
-        raise ConfigError(error)
-    if warning and dist.rank == 0:
-        log.warning(warning)
-
-
 def _train(
     cfg: TrainConfig,
     dist: DistInfo,
@@ -525,6 +331,8 @@ def _train(
     on_cpu = dist.device == "cpu"
     b = cfg.batch
     if not on_cpu:
+        from charllm_nemo.train.plan import check_gpu_memory
+
         check_gpu_memory(cfg, layout, dist, torch)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())
     config = bundle.config

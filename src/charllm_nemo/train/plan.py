@@ -1,19 +1,26 @@
-"""``charllm train ... dry_run=true``: what a valid config would run, without running it.
+"""``charllm train ... dry_run=true``: what a valid config would run, without running it; and
+the check every GPU rank makes against the same figures before it builds the model.
 
 For planning a job (or a sweep) from a login node: the resolved layout, the work of one step
 (tokens, model and hardware FLOPs, per rank) and the memory each pipeline stage's ranks need for
 weights, gradients and optimizer state (``charllm_nemo.metrics.memory``). Framework-free: no
-torch, no process group, nothing written.
+torch, no process group, nothing written (:func:`check_gpu_memory` is handed the rank's torch).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
 from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.dist import DistInfo
 from charllm_nemo.train.layout import ResolvedLayout
+
+log = logging.getLogger("charllm_nemo.train")
 
 
 def _si(value: float, unit: str) -> str:
@@ -174,3 +181,24 @@ def memory_verdict(ranks: list[RankMemory]) -> tuple[str | None, str | None]:
             "activations may not fit"
         )
     return None, None
+
+
+def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, torch: Any) -> None:
+    """Before the model is built (GPU): every rank gathers every rank's need (its stage's
+    weights, gradients and optimizer state, train/plan.py) and its GPU's free memory. When a
+    GPU cannot hold even that, every rank raises the same ConfigError at once, instead of that
+    rank running out of memory minutes later while the others wait for it in a collective. A
+    rank that cannot tell (an error here) reports nothing and takes part all the same."""
+    need = free = total = None
+    try:
+        need = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
+        free, total = (int(v) for v in torch.cuda.mem_get_info())
+    except Exception:  # the check must not be what stops a run
+        log.debug("GPU memory check: this rank cannot tell", exc_info=True)
+    ranks: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
+    error, warning = memory_verdict([r for r in ranks if isinstance(r, RankMemory)])
+    if error:
+        raise ConfigError(error)
+    if warning and dist.rank == 0:
+        log.warning(warning)
