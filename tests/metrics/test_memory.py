@@ -75,6 +75,8 @@ def test_fsdp_shards_weights_and_gradients_too() -> None:
     assert fsdp.weight_bytes == 2 * (-(-dense // 16) + expert // 8)
     assert fsdp.gradient_bytes == 4 * (-(-dense // 16) + expert // 8)
     assert fsdp.optimizer_bytes == 12 * (-(-dense // 16) + expert // 8)
+    fsdp2 = stage_memory(MIXTRAL, **kw, fsdp=True, fp32_gradients=False)[0]
+    assert fsdp2.gradient_bytes == fsdp2.weight_bytes == fsdp.weight_bytes
 
 
 def test_experts_split_over_ep_and_tp_the_router_is_replicated() -> None:

@@ -18,7 +18,8 @@ them (``train/model.py`` builds the same setup):
 * the distributed optimizer splits the optimizer state (master copy and moments) over the data
   parallel ranks of each parameter (``dp`` for dense ones, ``expert_dp`` for experts): bf16 pays
   6 + 12 / dp bytes, as in Megatron-LM's ``theoretical_memory_usage.py``; FSDP (either flavour,
-  fully sharded) splits weights and gradients too.
+  fully sharded) splits weights and gradients too, and PyTorch FSDP2 reduces gradients in the
+  training precision (``fp32_gradients=False``).
 
 Counted: the GEMM weights and embeddings of ``flops.parameter_count`` (norms and biases, well
 under 0.1 % of a large model, are left out). Not counted: activations (they depend on the
@@ -88,11 +89,13 @@ def stage_memory(
     precision: str = "bf16",
     distributed_optimizer: bool = False,
     fsdp: bool = False,
+    fp32_gradients: bool = True,
 ) -> list[StageMemory]:
     """One :class:`StageMemory` per pipeline stage (the ranks of a stage hold the same amounts).
 
     ``layers_per_virtual_stage`` lists the model chunks in layer order, ``pp * vpp`` of them
     (``ResolvedLayout.layers_per_virtual_stage``). ``expert_dp`` None = ``dp``.
+    ``fp32_gradients`` False: gradients in the training precision (PyTorch FSDP2's reduction).
     """
     if precision not in WEIGHT_BYTES:
         raise ConfigError(f"batch.precision={precision!r} is not one of {sorted(WEIGHT_BYTES)}")
@@ -104,6 +107,7 @@ def stage_memory(
         )
     expert_dp = dp if expert_dp is None else expert_dp
     weight = WEIGHT_BYTES[precision]
+    gradient = GRADIENT_BYTES if fp32_gradients else weight
     optimizer = ADAM_BYTES + (MASTER_BYTES if weight < 4 else 0)
     embedding = _shard(shape.vocab_size * shape.hidden_size, tp)
     # The output layer on the last stage: its own weights when untied, Megatron-Core's copy of
@@ -133,7 +137,7 @@ def stage_memory(
                 dense_parameters=dense,
                 expert_parameters=expert,
                 weight_bytes=held * weight,
-                gradient_bytes=held * GRADIENT_BYTES,
+                gradient_bytes=held * gradient,
                 optimizer_bytes=opt * optimizer,
             )
         )

@@ -62,6 +62,8 @@ def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMem
         # Megatron-FSDP needs (and train/model.py turns on) the distributed optimizer.
         distributed_optimizer=o.use_distributed_optimizer or p.fsdp,
         fsdp=p.fsdp,
+        # PyTorch FSDP2 reduces gradients in the parameters' dtype; the others in fp32.
+        fp32_gradients=not (p.fsdp and p.fsdp_impl == "torch_fsdp2"),
     )
 
 
