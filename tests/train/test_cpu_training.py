@@ -239,6 +239,13 @@ def test_pp2_1f1b_interleaving_visible(tmp_path: Path) -> None:
     results = run_ranks(cfg, 2, tmp_path)
     assert_finite_losses(results, 3)
     assert_memory_plan_matches(cfg, results)  # the tied output layer's copy on the last stage too
+    # Every rank's peak beside its stage's plan, gathered at the end, in rank 0's summary.json.
+    memory = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    stages = plan_stage_memory(cfg, validate(cfg, world_size=2, device="cpu"))
+    assert memory["measure"] == "max_rss" and memory["pp_stage"] == [0, 1]
+    assert memory["plan_bytes"] == [s.total_bytes for s in stages]
+    assert all(peak > 100 * 2**20 for peak in memory["peak_bytes"])  # torch's own RSS, at least
+    assert results[1]["memory"] == memory  # every rank has the same report
     by_stage = {r["labels"]["pp_stage"]: r for r in results}
     assert sorted(by_stage) == [0, 1]
     for r in results:

@@ -10,7 +10,14 @@ import pytest
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import app
 from charllm_nemo.train.dist import DistInfo
-from charllm_nemo.train.plan import RankMemory, check_gpu_memory, memory_verdict, plan_stage_memory
+from charllm_nemo.train.plan import (
+    RankMemory,
+    check_gpu_memory,
+    memory_line,
+    memory_report,
+    memory_verdict,
+    plan_stage_memory,
+)
 from charllm_nemo.train.validate import validate
 
 GiB = 2**30
@@ -96,3 +103,19 @@ def test_a_rank_that_cannot_tell_still_takes_part() -> None:
     fake.cuda = SimpleNamespace()  # no mem_get_info: e.g. a runtime without it
     check_gpu_memory(cfg, layout, dist, fake)
     assert fake.sent == [RankMemory(0, 0, plan_stage_memory(cfg, layout)[0].total_bytes, None, None)]
+
+
+def test_the_memory_report_and_its_line() -> None:
+    ranks = [(50 * GiB, 17 * GiB, 0), (None, None, 1), (61 * GiB, 16 * GiB, 1)]
+    report = memory_report("cuda_max_allocated", ranks)
+    assert report == {
+        "measure": "cuda_max_allocated",
+        "peak_bytes": [50 * GiB, None, 61 * GiB],
+        "plan_bytes": [17 * GiB, None, 16 * GiB],
+        "pp_stage": [0, 1, 1],
+    }
+    assert memory_line(report) == (
+        "memory: peak 61.0 GiB (cuda_max_allocated) on rank 2 (pipeline stage 1); its stage's "
+        "weights, gradients and optimizer state: 16.0 GiB"
+    )
+    assert memory_line(memory_report("max_rss", [(None, 1, 0)])) is None

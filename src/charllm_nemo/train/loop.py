@@ -133,6 +133,7 @@ class RankResult:
     labels: dict[str, int | None] = field(default_factory=dict)
     unmatched_marks: int = 0
     wall_s: float = 0.0
+    memory: dict[str, Any] | None = None  # every rank's peak and plan (train/plan.py memory_report)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -305,10 +306,34 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         "num_parameters": result.num_parameters,
         "num_microbatches": result.num_microbatches,
         "wall_s": result.wall_s,
+        "memory": result.memory,
         **run_summary(result.summaries),
         "per_step": result.summaries,
     }
     atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
+
+
+def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, device: Any) -> dict[str, Any]:
+    """Every rank's peak memory and its stage's planned weights, gradients and optimizer state
+    (train/plan.py), on every rank: one all_gather at the end of training (none with one rank).
+    -1 stands for "unknown" on the wire and None in the result."""
+    from charllm_nemo.train.plan import memory_report, peak_memory, plan_stage_memory
+
+    measure, peak = peak_memory(torch, dist.device == "cpu")
+    try:
+        plan: int | None = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
+    except Exception:  # a figure, never a reason to fail
+        plan = None
+    mine = [-1 if peak is None else peak, -1 if plan is None else plan, dist.pp_rank]
+    rows = [mine]
+    if dist.world_size > 1:
+        t = torch.tensor(mine, dtype=torch.int64, device=device)
+        out = [torch.empty_like(t) for _ in range(dist.world_size)]
+        torch.distributed.all_gather(out, t)
+        rows = [[int(v) for v in o.tolist()] for o in out]
+    return memory_report(
+        measure, [(p if p >= 0 else None, n if n >= 0 else None, stage) for p, n, stage in rows]
+    )
 
 
 def _train(
@@ -486,6 +511,13 @@ def _train(
                 torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
             )
             finish(last[0], sums, maxes, gathered)
+        result.memory = _gather_memory(cfg, layout, dist, torch, comm_device)
+        if dist.rank == 0 and print_steps:
+            from charllm_nemo.train.plan import memory_line
+
+            line = memory_line(result.memory)
+            if line:
+                progress.write(line)
     finally:
         progress.close()
         if steps_file is not None:

@@ -204,3 +204,41 @@ def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, t
         raise ConfigError(error)
     if warning and dist.rank == 0:
         log.warning(warning)
+
+
+def peak_memory(torch: Any, on_cpu: bool) -> tuple[str, int | None]:
+    """This rank's peak memory so far and what measured it: ``cuda_max_allocated`` (the
+    caching allocator's peak of tensors allocated on the rank's GPU) or, on CPU, ``max_rss``
+    (the process's peak resident set: Python, torch and its libraries included)."""
+    if not on_cpu:
+        try:
+            return "cuda_max_allocated", int(torch.cuda.max_memory_allocated())
+        except Exception:  # a figure, never a reason to fail
+            return "cuda_max_allocated", None
+    import resource
+
+    return "max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def memory_report(measure: str, ranks: list[tuple[int | None, int | None, int]]) -> dict[str, Any]:
+    """``summary.json``'s ``memory`` from every rank's (peak, plan, pipeline stage): the peaks
+    (``measure``) beside each rank's planned weights, gradients and optimizer state (the lower
+    bound the dry run prints), indexed by rank."""
+    return {
+        "measure": measure,
+        "peak_bytes": [peak for peak, _, _ in ranks],
+        "plan_bytes": [plan for _, plan, _ in ranks],
+        "pp_stage": [stage for _, _, stage in ranks],
+    }
+
+
+def memory_line(report: dict[str, Any]) -> str | None:
+    """Rank 0's closing line about memory: the rank with the highest peak, and its plan."""
+    known = [(peak, rank) for rank, peak in enumerate(report["peak_bytes"]) if peak is not None]
+    if not known:
+        return None
+    peak, rank = max(known)
+    plan = report["plan_bytes"][rank]
+    planned = f"; its stage's weights, gradients and optimizer state: {_bytes(plan)}" if plan else ""
+    where = f"rank {rank} (pipeline stage {report['pp_stage'][rank]})"
+    return f"memory: peak {_bytes(peak)} ({report['measure']}) on {where}{planned}"
