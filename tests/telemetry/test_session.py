@@ -12,7 +12,7 @@ import pytest
 from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.session import TelemetrySession, default_device_indices
+from charllm_nemo.telemetry.session import TelemetrySession, default_device_indices, local_device_ordinal
 
 
 def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
@@ -99,6 +99,12 @@ def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by
 
 def test_a_rank_samples_the_device_cuda_visible_devices_gives_it():
     assert default_device_indices(1, {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == [5]
+    # srun --gpus-per-task=1: local rank 3 sees one GPU, physically 5 (its device 0).
+    assert default_device_indices(3, {"CUDA_VISIBLE_DEVICES": "5"}) == [5]
+    assert default_device_indices(3, {"CUDA_VISIBLE_DEVICES": "2,7"}) == [7]
+    assert [local_device_ordinal(r, 8) for r in (0, 7)] == [0, 7]
+    assert [local_device_ordinal(r, 1) for r in (0, 3)] == [0, 0]
+    assert local_device_ordinal(2, 0) == 2  # nothing visible: the rank's own number, for the error
     assert default_device_indices(1, {}) == [1]
     assert default_device_indices(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) == [0]
 

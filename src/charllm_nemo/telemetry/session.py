@@ -90,14 +90,22 @@ _ENV_KEYS = (
 )
 
 
+def local_device_ordinal(local_rank: int, visible: int) -> int:
+    """The ordinal, among the ``visible`` devices this process sees, of the device a rank
+    drives: its local rank, or its local rank modulo ``visible`` when it sees fewer devices than
+    that (``srun --gpus-per-task=1``: every task sees one GPU, its own, as device 0)."""
+    return local_rank % visible if 0 < visible <= local_rank else local_rank
+
+
 def default_device_indices(local_rank: int, env: Mapping[str, str] | None = None) -> list[int]:
-    """The device a rank drives: CUDA_VISIBLE_DEVICES[local_rank] when it lists integers
-    (NVML and AMD SMI number devices physically), else ``local_rank``."""
+    """The device a rank drives, as NVML and AMD SMI number it (physically): the entry of
+    CUDA_VISIBLE_DEVICES (or ROCR_VISIBLE_DEVICES) at :func:`local_device_ordinal` when it
+    lists integers, else ``local_rank``."""
     env_map: Mapping[str, str] = os.environ if env is None else env
     visible = env_map.get("CUDA_VISIBLE_DEVICES") or env_map.get("ROCR_VISIBLE_DEVICES") or ""
     items = [v.strip() for v in visible.split(",") if v.strip()]
-    if items and all(v.isdigit() for v in items) and local_rank < len(items):
-        return [int(items[local_rank])]
+    if items and all(v.isdigit() for v in items):
+        return [int(items[local_device_ordinal(local_rank, len(items))])]
     return [local_rank]
 
 

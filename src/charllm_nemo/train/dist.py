@@ -132,7 +132,11 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
             # 2-core host made tiny steps ~50x slower here. It also leaves cores to the sampler.
             torch.set_num_threads(1)
     else:
-        torch.cuda.set_device(env.local_rank)
+        from charllm_nemo.telemetry.session import local_device_ordinal
+
+        # Local rank N drives device N; a task that sees fewer GPUs (srun --gpus-per-task=1)
+        # drives its own, device 0: the one telemetry samples too (session.py).
+        torch.cuda.set_device(local_device_ordinal(env.local_rank, torch.cuda.device_count()))
     backend = "gloo" if device == "cpu" else "nccl"
     dist = torch.distributed
     if not dist.is_initialized():

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
 from charllm_nemo.train.config import TrainConfig, with_precision
-from charllm_nemo.train.dist import DistInfo
 from charllm_nemo.train.layout import ResolvedLayout
+
+if TYPE_CHECKING:
+    from charllm_nemo.train.dist import DistInfo
 
 log = logging.getLogger("charllm_nemo.train")
 
