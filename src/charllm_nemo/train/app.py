@@ -228,7 +228,7 @@ def _job(dcfg: DictConfig) -> int:
         print(f"charllm train: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
     finally:
-        if sweep and dcfg.get("dry_run"):  # Hydra made the job's folder; a dry run leaves nothing in it
+        if sweep and OmegaConf.select(dcfg, "launch.dry_run"):  # Hydra made the job's folder: empty it stays
             with contextlib.suppress(OSError):
                 Path(hc.runtime.output_dir).rmdir()
 

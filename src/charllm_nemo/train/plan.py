@@ -156,33 +156,34 @@ class RankMemory:
     total: int | None
 
 
-def memory_verdict(ranks: list[RankMemory]) -> tuple[str | None, str | None]:
+def memory_verdict(
+    ranks: list[RankMemory], distributed_optimizer: bool = False
+) -> tuple[str | None, str | None]:
     """(error, warning) for a run whose ranks reported ``ranks`` (every rank gets the same
     list, so every rank reaches the same verdict). The error names the rank short by the most:
     its GPU cannot hold even its stage's weights, gradients and optimizer state; the warning, the
-    tightest rank above ``TIGHT_SHARE`` of its free memory."""
-    known = [r for r in ranks if r.need is not None and r.free is not None]
+    tightest rank above ``TIGHT_SHARE`` of its free memory. ``distributed_optimizer``: it is on
+    already (not suggested then)."""
+    known = [(r, r.need, r.free) for r in ranks if r.need is not None and r.free is not None]
     if not known:
         return None, None
-    worst = max(known, key=lambda r: (r.need or 0) - (r.free or 0))
-    need, free = worst.need or 0, worst.free or 0
-    total = f" of {_bytes(worst.total)}" if worst.total is not None else ""
-    where = f"rank {worst.rank} (pipeline stage {worst.stage})"
+    worst, need, free = max(known, key=lambda k: k[1] - k[2])
     if need > free:
-        short = sum(1 for r in known if (r.need or 0) > (r.free or 0))
+        total = f" of {_bytes(worst.total)}" if worst.total is not None else ""
+        short = sum(1 for _, n, f in known if n > f)
+        ways = [] if distributed_optimizer else ["the distributed optimizer (optim=comm_overlap)"]
+        ways += ["more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)", "more GPUs"]
         return (
-            f"{where} needs at least {_bytes(need)} for its weights, gradients and optimizer state "
-            f"before any activation, but its GPU has {_bytes(free)} free{total} ({short} rank(s) short; "
-            "`dry_run=true` prints the plan per stage). Use the distributed optimizer "
-            "(optim=comm_overlap or optim.use_distributed_optimizer=true), more pipeline stages "
-            "(parallel.pp) or tensor parallelism (parallel.tp), or more GPUs"
+            f"rank {worst.rank} (pipeline stage {worst.stage}) needs at least {_bytes(need)} for its "
+            f"weights, gradients and optimizer state before any activation, but its GPU has "
+            f"{_bytes(free)} free{total} ({short} rank(s) short; `dry_run=true` prints the plan per "
+            f"stage). Use {', '.join(ways)}"
         ), None
-    tight = max(known, key=lambda r: (r.need or 0) / max(r.free or 1, 1))
-    if (tight.need or 0) > TIGHT_SHARE * (tight.free or 0):
+    tight, need, free = max(known, key=lambda k: k[1] / max(k[2], 1))
+    if need > TIGHT_SHARE * free:
         return None, (
             f"rank {tight.rank} (pipeline stage {tight.stage}): weights, gradients and optimizer "
-            f"state take {_bytes(tight.need or 0)} of its GPU's {_bytes(tight.free or 0)} free; "
-            "activations may not fit"
+            f"state take {_bytes(need)} of its GPU's {_bytes(free)} free; activations may not fit"
         )
     return None, None
 
@@ -201,7 +202,10 @@ def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, t
         log.debug("GPU memory check: this rank cannot tell", exc_info=True)
     ranks: list[Any] = [None] * dist.world_size
     torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
-    error, warning = memory_verdict([r for r in ranks if isinstance(r, RankMemory)])
+    error, warning = memory_verdict(
+        [r for r in ranks if isinstance(r, RankMemory)],
+        distributed_optimizer=cfg.optim.use_distributed_optimizer or cfg.parallel.fsdp,
+    )
     if error:
         raise ConfigError(error)
     if warning and dist.rank == 0:
