@@ -97,16 +97,20 @@ def resolve_device(cfg: TrainConfig) -> str:
     return dev
 
 
-def _quiet_known_noise() -> None:
+def _quiet_known_noise(device: str) -> None:
     """Silence megatron-core's import-time notices about optional GPU libraries and torch's
-    deprecation notices for the collectives mcore calls; they say nothing actionable here."""
-    for pattern in (
+    deprecation notices for the collectives mcore calls; they say nothing actionable here. On
+    CPU also mcore's advice to set CUDA_DEVICE_MAX_CONNECTIONS (TP > 1): there is no CUDA."""
+    patterns = [
         ".*Apex is not installed.*",
         ".*Transformer Engine and Apex are not installed.*",
         ".*torch.distributed.all_gather_into_tensor.*is deprecated.*",
         ".*torch.distributed.reduce_scatter_tensor.*is deprecated.*",
         ".*full scope is deprecated.*",
-    ):
+    ]
+    if device == "cpu":
+        patterns.append(".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    for pattern in patterns:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
 
@@ -121,7 +125,7 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
 
     env = env or rank_env(cfg)
     device = device or resolve_device(cfg)
-    _quiet_known_noise()
+    _quiet_known_noise(device)
     if device == "cpu":
         from charllm_nemo.train.cpu import enable_cpu_support
 
@@ -133,6 +137,12 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
             torch.set_num_threads(1)
     else:
         from charllm_nemo.telemetry.session import local_device_ordinal
+
+        if cfg.parallel.tp > 1:
+            # One hardware work queue, so that a TP collective launched before a GEMM starts
+            # before it (Megatron-LM's and NeMo's launch scripts set it); read when the CUDA
+            # context is made, at set_device. A value the job set wins.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
         # Local rank N drives device N; a task that sees fewer GPUs (srun --gpus-per-task=1)
         # drives its own, device 0: the one telemetry samples too (session.py).
