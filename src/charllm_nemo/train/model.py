@@ -86,7 +86,7 @@ def transformer_config(
             moe_token_dispatcher_type=m.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=1e-2,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=grouped_gemm_experts(cfg, on_cpu=on_cpu),
         )
     if on_cpu:
         from charllm_nemo.train.cpu import cpu_transformer_overrides
@@ -103,12 +103,27 @@ def _have_te() -> bool:
     return True
 
 
+def grouped_gemm_experts(cfg: TrainConfig, *, on_cpu: bool) -> bool:
+    """Whether an MoE model's experts run as one grouped GEMM (TransformerEngine's
+    ``TEGroupedMLP``, what NeMo's and Megatron-LM's Mixtral recipes use) rather than one GEMM per
+    expert (``SequentialMLP``): on a GPU whose TransformerEngine has grouped linear layers."""
+    if on_cpu or cfg.model.num_experts is None or not _have_te():
+        return False
+    try:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelGroupedLinear
+    except Exception:
+        return False
+    return TEColumnParallelGroupedLinear is not None
+
+
 def layer_spec(cfg: TrainConfig, *, on_cpu: bool) -> Any:
     """TransformerEngine layer spec on a GPU with TE installed, else mcore's local spec."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if not on_cpu and _have_te():
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.model.num_experts)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.model.num_experts, moe_grouped_gemm=grouped_gemm_experts(cfg, on_cpu=on_cpu)
+        )
     return specs.get_gpt_layer_local_spec(
         num_experts=cfg.model.num_experts, normalization=cfg.model.normalization
     )
