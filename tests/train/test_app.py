@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import app
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.config_io import load_train_config, run_id, save_train_config, train_config_from
 from charllm_nemo.train.launch import local_gpu_count
 from charllm_nemo.train.presets import model_preset, parallel_preset
@@ -237,16 +237,21 @@ def test_only_the_launching_process_replaces_an_earlier_run(tmp_path: Path) -> N
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_auto_precision_is_resolved_once_and_recorded(tmp_path: Path, fake_worker: None) -> None:
+def test_device_dependent_settings_are_resolved_once_and_recorded(tmp_path: Path, fake_worker: None) -> None:
     out = tmp_path / "run"
     assert app.main(["nproc=1", f"telemetry.out_dir={out}"]) == 0
-    assert load_train_config(out / "config.yaml").batch.precision == "fp32"  # on CPU
-    cfg = app.load(["launch.device=cuda"])
-    assert cfg.batch.precision == "auto"
-    assert with_precision(cfg, "cuda").batch.precision == "bf16"
-    assert with_precision(cfg, "cpu").batch.precision == "fp32"
-    cfg.batch.precision = "fp16"
-    assert with_precision(cfg, "cuda") is cfg
+    saved = load_train_config(out / "config.yaml")  # on CPU
+    assert (saved.batch.precision, saved.optim.use_distributed_optimizer) == ("fp32", False)
+    cfg = app.load([])
+    assert (cfg.batch.precision, cfg.optim.use_distributed_optimizer) == ("auto", None)
+    gpu, cpu = for_device(cfg, "cuda"), for_device(cfg, "cpu")
+    assert (gpu.batch.precision, gpu.optim.use_distributed_optimizer) == ("bf16", True)  # as NeMo's recipes
+    assert (cpu.batch.precision, cpu.optim.use_distributed_optimizer) == ("fp32", False)
+    # PyTorch FSDP2 shards the optimizer itself: no distributed optimizer on top.
+    fsdp2 = app.load(["parallel=fsdp_torch", "model.untie_embeddings=true"])
+    assert for_device(fsdp2, "cuda").optim.use_distributed_optimizer is False
+    cfg.batch.precision, cfg.optim.use_distributed_optimizer = "fp16", False
+    assert for_device(cfg, "cuda") is cfg  # nothing automatic left
 
 
 DRY_RUN_GPT3 = [
@@ -279,8 +284,10 @@ def test_a_dry_run_prints_the_plan_and_starts_nothing(
         in text
     )
     assert "with recomputation (x1.332)" in text
-    # 2.797 B parameters on stage 0 (12 layers + the embedding, over tp=8), 18 bytes each.
-    assert "stage 0: 12 layers, 2.797 B parameters: 46.9 GiB (weights 5.2 GiB" in text
+    # 2.797 B parameters on stage 0 (12 layers + the embedding, over tp=8): 2 + 4 bytes each, and
+    # 12 over dp=16 (a GPU run's distributed optimizer, on by default).
+    assert "(distributed optimizer: split over dp=16)" in text
+    assert "stage 0: 12 layers, 2.797 B parameters: 17.6 GiB (weights 5.2 GiB" in text
     assert "stages 1-6: 12 layers, 2.718 B parameters" in text
     assert list(tmp_path.iterdir()) == []  # nothing written
 

@@ -62,9 +62,9 @@ def test_a_tight_rank_is_warned_about() -> None:
     )
 
 
-def _gpt3_tp8pp8(optim: str) -> tuple[Any, Any]:
+def _gpt3_tp8pp8(*overrides: str) -> tuple[Any, Any]:
     cfg = app.load(
-        ["model=gpt3_175b", "parallel=gpt3_175b_tp8pp8", f"optim={optim}", "batch.global_batch_size=1536"]
+        ["model=gpt3_175b", "parallel=gpt3_175b_tp8pp8", "batch.global_batch_size=1536", *overrides]
     )
     cfg.launch.device = "cuda"
     return cfg, validate(cfg, world_size=1024, device="cuda")
@@ -86,7 +86,7 @@ class _FakeTorch:
 
 
 def test_every_rank_fails_together_when_a_gpu_cannot_hold_its_stage() -> None:
-    cfg, layout = _gpt3_tp8pp8("base")  # 46.9 GiB on stage 0 without the distributed optimizer
+    cfg, layout = _gpt3_tp8pp8("optim.use_distributed_optimizer=false")  # 46.9 GiB on stage 0
     need = plan_stage_memory(cfg, layout)[0].total_bytes
     dist = DistInfo(rank=0, world_size=2, local_rank=0, device="cuda", backend="nccl", pp_rank=0)
     ok = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 80 * GiB, 80 * GiB)])
@@ -96,13 +96,13 @@ def test_every_rank_fails_together_when_a_gpu_cannot_hold_its_stage() -> None:
     short = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 40 * GiB, 80 * GiB)])
     with pytest.raises(ConfigError, match=r"^rank 1 \(pipeline stage 1\) needs at least 46\.9 GiB"):
         check_gpu_memory(cfg, layout, dist, short)
-    # With the distributed optimizer the same GPUs hold it.
-    cfg, layout = _gpt3_tp8pp8("comm_overlap")
+    # With the distributed optimizer (a GPU run's default) the same GPUs hold it.
+    cfg, layout = _gpt3_tp8pp8()
     check_gpu_memory(cfg, layout, dist, _FakeTorch(40 * GiB, 80 * GiB, []))
 
 
 def test_a_rank_that_cannot_tell_still_takes_part() -> None:
-    cfg, layout = _gpt3_tp8pp8("base")
+    cfg, layout = _gpt3_tp8pp8()
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device="cuda", backend="nccl")
     fake = _FakeTorch(0, 0, [])
     fake.cuda = SimpleNamespace()  # no mem_get_info: e.g. a runtime without it

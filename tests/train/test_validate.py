@@ -398,11 +398,16 @@ def test_selective_recompute_is_valid() -> None:
 def test_param_gather_overlap_needs_distributed_optimizer_and_grad_overlap() -> None:
     cfg = cfg_for()
     cfg.optim.overlap_param_gather = True
+    cfg.optim.use_distributed_optimizer = False
     found = problems(cfg)
     assert any(
         "optim.overlap_param_gather=true needs optim.use_distributed_optimizer=true" in p for p in found
     )
     assert any("optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true" in p for p in found)
+    # Left automatic, a GPU run has the distributed optimizer: only the grad overlap is missing.
+    cfg.optim.use_distributed_optimizer = None
+    (only,) = problems(cfg)
+    assert only.startswith("optim.overlap_param_gather=true needs optim.overlap_grad_reduce=true;")
 
 
 def test_tp_comm_overlap_needs_tp_and_sequence_parallel() -> None:

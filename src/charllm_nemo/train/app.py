@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from charllm_nemo.errors import CharllmError, ConfigError
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
 from charllm_nemo.train.launch import (
     launch_local,
@@ -164,7 +164,7 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
     except ConfigError:
         world = cfg.launch.nproc
     cfg.launch.device = resolve_device(cfg.launch.device)
-    cfg = with_precision(cfg, cfg.launch.device)
+    cfg = for_device(cfg, cfg.launch.device)
     layout = validate(cfg, world_size=world, device=cfg.launch.device)
     print(f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: valid; nothing started")
     for line in describe_plan(cfg, layout):
@@ -183,7 +183,7 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
         return dry_run(cfg, environ)
     world, rank_env = world_and_env(cfg, environ)
     cfg.launch.device = resolve_device(cfg.launch.device)  # decided once, recorded, shared by ranks
-    cfg = with_precision(cfg, cfg.launch.device)  # so is batch.precision=auto
+    cfg = for_device(cfg, cfg.launch.device)  # so are the settings that follow it (precision, ...)
     layout = validate(cfg, world_size=world, device=cfg.launch.device)
     if cfg.launch.launcher == "local" and cfg.launch.device == "cuda":
         problem = local_gpu_problem(cfg.launch.nproc, local_gpu_count(environ))

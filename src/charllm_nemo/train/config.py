@@ -78,7 +78,9 @@ class OptimConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
-    use_distributed_optimizer: bool = False
+    # None = auto: on for GPU runs (NeMo's recipes train every variant with it), off on CPU
+    # (megatron-core 0.16's needs CUDA tensors) and with torch FSDP2 (which shards the optimizer).
+    use_distributed_optimizer: bool | None = None
 
 
 @dataclass
@@ -140,10 +142,17 @@ AUTO_PRECISION = {"cuda": "bf16", "cpu": "fp32"}
 large-model run uses), fp32 on CPU (megatron-core's mixed-precision optimizer needs CUDA)."""
 
 
-def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
-    """``cfg`` with ``batch.precision=auto`` resolved for ``device`` (``cpu`` | ``cuda``): a
-    copy, or ``cfg`` itself when the precision is explicit."""
-    if cfg.batch.precision != "auto":
+def for_device(cfg: TrainConfig, device: str) -> TrainConfig:
+    """``cfg`` with the settings that depend on the device (``cpu`` | ``cuda``) resolved:
+    ``batch.precision=auto`` (:data:`AUTO_PRECISION`) and ``optim.use_distributed_optimizer``
+    None (on for a GPU run, unless PyTorch FSDP2 shards the optimizer itself). A copy, or
+    ``cfg`` itself when both are explicit."""
+    batch, optim, p = cfg.batch, cfg.optim, cfg.parallel
+    if batch.precision == "auto":
+        batch = replace(batch, precision=AUTO_PRECISION.get(device, "fp32"))
+    if optim.use_distributed_optimizer is None:
+        torch_fsdp2 = p.fsdp and p.fsdp_impl == "torch_fsdp2"
+        optim = replace(optim, use_distributed_optimizer=device == "cuda" and not torch_fsdp2)
+    if batch is cfg.batch and optim is cfg.optim:
         return cfg
-    batch = replace(cfg.batch, precision=AUTO_PRECISION.get(device, "fp32"))
-    return replace(cfg, batch=batch)
+    return replace(cfg, batch=batch, optim=optim)

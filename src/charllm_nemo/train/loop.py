@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.telemetry.windows import WindowRecorder
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
@@ -239,7 +239,7 @@ def run_rank(
 
     env = rank_env(cfg)
     device = resolve_device(cfg)
-    cfg = with_precision(cfg, device)
+    cfg = for_device(cfg, device)
     layout = _resolved_layout(cfg, env.world_size, device)  # raises ConfigProblems, before any group
     t_start = time.monotonic()
     dist = init_distributed(cfg, env, device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 
 
 def _dtype(precision: str) -> Any:
@@ -267,7 +267,7 @@ def build_model(
     device here too, for callers that build without ``run_rank``."""
     from megatron.core.distributed import finalize_model_grads
 
-    cfg = with_precision(cfg, "cpu" if on_cpu else "cuda")
+    cfg = for_device(cfg, "cpu" if on_cpu else "cuda")
     o = cfg.optim
     config = transformer_config(cfg, on_cpu=on_cpu, timers=timers, pipeline_layout=pipeline_layout)
     chunks = build_gpt_chunks(cfg, config, on_cpu=on_cpu)

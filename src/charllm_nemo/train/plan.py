@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.layout import ResolvedLayout
 
 if TYPE_CHECKING:
@@ -47,8 +47,9 @@ def _count(n: int) -> str:
 
 
 def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMemory]:
-    """:func:`charllm_nemo.metrics.memory.stage_memory` for a validated config (a
-    ``batch.precision=auto`` taken for ``launch.device``)."""
+    """:func:`charllm_nemo.metrics.memory.stage_memory` for a validated config (its automatic
+    settings taken for ``launch.device``)."""
+    cfg = for_device(cfg, cfg.launch.device)
     o, p = cfg.optim, cfg.parallel
     return stage_memory(
         ModelShape.from_model_config(cfg.model),
@@ -60,7 +61,7 @@ def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMem
         # data-parallel group with the context-parallel ranks in it.
         dp=layout.dp * layout.cp,
         expert_dp=layout.expert_dp,
-        precision=with_precision(cfg, cfg.launch.device).batch.precision,
+        precision=cfg.batch.precision,
         # Megatron-FSDP needs (and train/model.py turns on) the distributed optimizer.
         distributed_optimizer=o.use_distributed_optimizer or p.fsdp,
         fsdp=p.fsdp,
@@ -84,6 +85,7 @@ def _stage_groups(stages: list[StageMemory]) -> list[tuple[int, int, StageMemory
 
 def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
     """The dry run's report, one line per entry."""
+    cfg = for_device(cfg, cfg.launch.device)
     m, b, o, p = cfg.model, cfg.batch, cfg.optim, cfg.parallel
     shape = ModelShape.from_model_config(m)
     params = parameter_count(shape)
@@ -204,7 +206,7 @@ def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, t
     torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
     error, warning = memory_verdict(
         [r for r in ranks if isinstance(r, RankMemory)],
-        distributed_optimizer=cfg.optim.use_distributed_optimizer or cfg.parallel.fsdp,
+        distributed_optimizer=bool(cfg.optim.use_distributed_optimizer) or cfg.parallel.fsdp,
     )
     if error:
         raise ConfigError(error)

@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.train.config import TrainConfig, with_precision
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.launch import resolve_device
 from charllm_nemo.train.layout import ResolvedLayout, alternating_layout, choices, divisors, multiples
 from charllm_nemo.train.presets import CUSTOM, MODEL_PRESETS, OPTIM_PRESETS, PARALLEL_PRESETS
@@ -544,7 +544,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     ``launch.nproc``. Touches no process group, no accelerator and allocates no model.
     """
     device = resolve_device(device)
-    cfg = with_precision(cfg, device)
+    cfg = for_device(cfg, device)
     world = _world_size(cfg, world_size)
     c = _Checker(cfg, world, device)
     c.names()
