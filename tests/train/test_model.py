@@ -7,6 +7,7 @@ from types import ModuleType
 
 import pytest
 
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import model
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.presets import model_preset
@@ -33,3 +34,53 @@ def test_experts_run_as_one_grouped_gemm_on_a_gpu_with_transformer_engine(
     assert not model.grouped_gemm_experts(moe, on_cpu=False)
     monkeypatch.setattr(model, "_have_te", lambda: False)
     assert not model.grouped_gemm_experts(moe, on_cpu=False)
+
+
+def _fake_te(monkeypatch: pytest.MonkeyPatch, initialize_ub: object) -> None:
+    """``transformer_engine.pytorch.module.base`` with ``initialize_ub`` (None: TE not there)."""
+    if initialize_ub is None:
+        monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.module", None)
+        return
+    base = ModuleType("transformer_engine.pytorch.module.base")
+    base.initialize_ub = initialize_ub  # type: ignore[attr-defined]
+    module = ModuleType("transformer_engine.pytorch.module")
+    module.base = base  # type: ignore[attr-defined]
+    for name, mod in (
+        ("transformer_engine", ModuleType("transformer_engine")),
+        ("transformer_engine.pytorch", ModuleType("transformer_engine.pytorch")),
+        ("transformer_engine.pytorch.module", module),
+        ("transformer_engine.pytorch.module.base", base),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_tp_comm_overlap_sets_up_transformer_engines_userbuffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    calls: list[dict[str, object]] = []
+
+    def initialize_ub(shape, tp_size, use_fp8=False, dtype=None, ub_cfgs=None, bootstrap_backend=None):  # type: ignore[no-untyped-def]
+        calls.append(
+            dict(shape=shape, tp_size=tp_size, use_fp8=use_fp8, dtype=dtype, backend=bootstrap_backend)
+        )
+
+    cfg = TrainConfig(model=model_preset("llama3_70b"))
+    cfg.parallel.tp, cfg.parallel.cp, cfg.batch.micro_batch_size = 4, 2, 2
+    cfg.batch.precision = "bf16"
+    _fake_te(monkeypatch, initialize_ub)
+    model.initialize_tp_comm_overlap(cfg)
+    # Megatron-LM's buffer: a microbatch's sequence over CP, by the hidden size.
+    assert calls == [
+        dict(shape=[8192 * 2 // 2, 8192], tp_size=4, use_fp8=False, dtype=torch.bfloat16, backend="nccl")
+    ]
+
+    def old_initialize_ub(shape, tp_size, use_fp8=False, ub_cfgs=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("not to be called: MPI bootstrap only")
+
+    _fake_te(monkeypatch, old_initialize_ub)
+    with pytest.raises(ConfigError, match="bootstraps userbuffers over MPI only"):
+        model.initialize_tp_comm_overlap(cfg)
+    _fake_te(monkeypatch, None)
+    with pytest.raises(
+        ConfigError, match=r"needs TransformerEngine's userbuffers .*set optim\.tp_comm_overlap=false"
+    ):
+        model.initialize_tp_comm_overlap(cfg)

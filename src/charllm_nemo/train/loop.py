@@ -356,9 +356,12 @@ def _train(
     on_cpu = dist.device == "cpu"
     b = cfg.batch
     if not on_cpu:
+        from charllm_nemo.train.model import initialize_tp_comm_overlap
         from charllm_nemo.train.plan import check_gpu_memory
 
         check_gpu_memory(cfg, layout, dist, torch)
+        if cfg.optim.tp_comm_overlap:
+            initialize_tp_comm_overlap(cfg)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())
     config = bundle.config
     data_layout = DataLayout(b.micro_batch_size, b.global_batch_size, dist.dp_size, dist.dp_rank)

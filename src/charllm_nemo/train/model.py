@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
 
 
@@ -101,6 +102,45 @@ def _have_te() -> bool:
     except Exception:  # ImportError, or a broken install raising on import
         return False
     return True
+
+
+def initialize_tp_comm_overlap(cfg: TrainConfig) -> None:
+    """TransformerEngine's userbuffers for ``optim.tp_comm_overlap`` (GPU), which frameworks set
+    up themselves and megatron-core does not: after the model-parallel groups, before the model,
+    as Megatron-LM's ``_initialize_tp_communicators`` does (one buffer shape, the sequence of a
+    microbatch over CP by the hidden size; TE's default overlap settings; NCCL bootstrap). A
+    TransformerEngine without it is a ConfigError naming the way out."""
+    import inspect
+
+    import torch
+
+    way_out = "install TransformerEngine >= 1.9 on the GPU nodes, or set optim.tp_comm_overlap=false"
+    try:
+        from transformer_engine.pytorch.module import base as te_base
+    except Exception as exc:
+        raise ConfigError(
+            f"optim.tp_comm_overlap=true needs TransformerEngine's userbuffers ({exc}); {way_out}"
+        ) from None
+    initialize_ub = getattr(te_base, "initialize_ub", None)
+    if initialize_ub is None:
+        raise ConfigError(
+            f"optim.tp_comm_overlap=true: this TransformerEngine has no initialize_ub; {way_out}"
+        )
+    m, b, p = cfg.model, cfg.batch, cfg.parallel
+    kwargs: dict[str, Any] = {
+        "shape": [m.seq_length * b.micro_batch_size // p.cp, m.hidden_size],
+        "tp_size": p.tp,
+        "use_fp8": False,
+        "dtype": torch.float16 if b.precision == "fp16" else torch.bfloat16,
+        "bootstrap_backend": "nccl",
+    }
+    accepted = inspect.signature(initialize_ub).parameters
+    if "bootstrap_backend" not in accepted:  # TE < 1.9 bootstraps through MPI only
+        raise ConfigError(
+            "optim.tp_comm_overlap=true: this TransformerEngine bootstraps userbuffers over MPI "
+            f"only; {way_out}"
+        )
+    initialize_ub(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
 def grouped_gemm_experts(cfg: TrainConfig, *, on_cpu: bool) -> bool:
