@@ -44,11 +44,11 @@ def test_the_rank_short_by_the_most_is_named() -> None:
         "state before any activation, but its GPU has 60.0 GiB free of 80.0 GiB (2 rank(s) short;"
     )
     assert error.endswith(
-        "Use the distributed optimizer (optim=comm_overlap), more pipeline stages (parallel.pp) or "
-        "tensor parallelism (parallel.tp), more GPUs"
+        "Use the distributed optimizer (optim.use_distributed_optimizer=true), more pipeline stages "
+        "(parallel.pp) or tensor parallelism (parallel.tp), more GPUs"
     )
     error, _ = memory_verdict(ranks, distributed_optimizer=True)
-    assert error is not None and "optim=comm_overlap" not in error
+    assert error is not None and "use_distributed_optimizer" not in error
 
 
 def test_a_tight_rank_is_warned_about() -> None:

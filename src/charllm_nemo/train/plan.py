@@ -173,7 +173,11 @@ def memory_verdict(
     if need > free:
         total = f" of {_bytes(worst.total)}" if worst.total is not None else ""
         short = sum(1 for _, n, f in known if n > f)
-        ways = [] if distributed_optimizer else ["the distributed optimizer (optim=comm_overlap)"]
+        ways = (
+            []
+            if distributed_optimizer
+            else ["the distributed optimizer (optim.use_distributed_optimizer=true)"]
+        )
         ways += ["more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)", "more GPUs"]
         return (
             f"rank {worst.rank} (pipeline stage {worst.stage}) needs at least {_bytes(need)} for its "
