@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,42 @@ def test_telemetry_refuses_an_earlier_run_unless_told_to_replace_it(
     assert main(args) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main([*args, "--overwrite"]) == 0
+
+
+@pytest.fixture
+def logging_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What configure_logging changes (the root's handlers, the package's level) is put back."""
+    import logging
+
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    pkg = logging.getLogger("charllm_nemo")
+    monkeypatch.setattr(pkg, "level", pkg.level)
+
+
+def test_verbose_before_train_reaches_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], logging_restored: None
+) -> None:
+    from charllm_nemo.train.worker import LOG_LEVEL_ENV
+
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    # `charllm -v train ...` is train's (a config error here: exit 2), not argparse's "unrecognized".
+    assert main(["-v", "train", "model=gpt5"]) == 2
+    assert "unrecognized arguments" not in capsys.readouterr().err
+    assert os.environ[LOG_LEVEL_ENV] == "INFO"  # the ranks read it (train/worker.py)
+
+
+def test_rank_logging_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, logging_restored: None
+) -> None:
+    import logging
+
+    from charllm_nemo.train.worker import LOG_LEVEL_ENV, configure_logging
+
+    pkg = logging.getLogger("charllm_nemo")
+    pkg.setLevel(logging.NOTSET)
+    monkeypatch.setenv(LOG_LEVEL_ENV, "loud")  # not a level: logging left alone
+    configure_logging()
+    assert pkg.level == logging.NOTSET
+    monkeypatch.setenv(LOG_LEVEL_ENV, "info")
+    configure_logging()
+    assert pkg.level == logging.INFO

@@ -268,8 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":
-        return cmd_train(argv[1:])
+    lead = 0  # global options before the command
+    while lead < len(argv) and argv[lead] in ("-v", "--verbose"):
+        lead += 1
+    if lead < len(argv) and argv[lead] == "train":
+        if lead:  # -v: every rank logs at INFO (they read it from the environment)
+            from charllm_nemo.train.worker import LOG_LEVEL_ENV
+
+            os.environ[LOG_LEVEL_ENV] = "INFO"
+        return cmd_train(argv[lead + 1 :])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

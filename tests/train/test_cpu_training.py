@@ -220,6 +220,8 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     # Rank 0's per-step figures: streamed to steps.jsonl step by step, all of them in summary.json.
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["steps"] == 3
+    assert list(summary["setup_s"]) == ["init", "telemetry", "model"]
+    assert all(0 < s < TIMEOUT_S for s in summary["setup_s"].values())
     lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == summary["per_step"] == r["summaries"]
 

@@ -238,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else the failing rank's code). In a sweep the worst job's code is returned."""
     import hydra
 
+    from charllm_nemo.train.worker import configure_logging
+
+    configure_logging()  # the launcher's own messages; in-process ranks (srun, torchrun) too
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         conf_dir = find_conf_dir()

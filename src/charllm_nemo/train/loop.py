@@ -134,6 +134,7 @@ class RankResult:
     unmatched_marks: int = 0
     wall_s: float = 0.0
     memory: dict[str, Any] | None = None  # every rank's peak and plan (train/plan.py memory_report)
+    setup_s: dict[str, float] = field(default_factory=dict)  # init, telemetry, model (seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,24 +244,27 @@ def run_rank(
     layout = _resolved_layout(cfg, env.world_size, device)  # raises ConfigProblems, before any group
     t_start = time.monotonic()
     dist = init_distributed(cfg, env, device)
+    setup_s = {"init": time.monotonic() - t_start}  # megatron-core's import, the process groups
     own_session = False
     status = "failed"
     sink = None
     started: list[RankResult] = []  # _train's result once it exists: a partial one if training stops
     try:
+        t0 = time.monotonic()
         if session is None and recorder is None and cfg.telemetry.enabled:
             # A rank keeps a CPU busy; on CPU, one per intra-op thread.
             threads = torch.get_num_threads() if device == "cpu" else 1
             session = _open_session(cfg, dist, env.local_world_size, threads)
             own_session = True
         sink = _open_sink(cfg, dist, session)
+        setup_s["telemetry"] = time.monotonic() - t0
         # Windows are recorded into a session or a caller's recorder; with telemetry off and
         # neither, nothing is marked at all (config.timers stays None: the bench's "off" case).
         marking = session is not None or recorder is not None
         rec = session.windows if session is not None else (recorder or WindowRecorder())
         rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
-        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started)
+        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s)
         status = "complete"
         return result
     except KeyboardInterrupt:  # Ctrl-C (the local launcher forwards it to every rank)
@@ -306,11 +310,22 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         "num_parameters": result.num_parameters,
         "num_microbatches": result.num_microbatches,
         "wall_s": result.wall_s,
+        "setup_s": result.setup_s,
         "memory": result.memory,
         **run_summary(result.summaries),
         "per_step": result.summaries,
     }
     atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
+
+
+def setup_line(setup_s: dict[str, float], num_parameters: int, steps: int) -> str:
+    """Rank 0's line before the first step: how long getting ready took, by part (on a cluster
+    the process groups and the model build can take minutes), and what comes next."""
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in setup_s.items())
+    return (
+        f"charllm train: rank 0 ready after {sum(setup_s.values()):.1f} s ({parts}; "
+        f"{num_parameters:,} parameters on this rank); training {steps} step(s)"
+    )
 
 
 def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, device: Any) -> dict[str, Any]:
@@ -346,6 +361,7 @@ def _train(
     torch: Any,
     sink: Any = None,
     started: list[RankResult] | None = None,
+    setup_s: dict[str, float] | None = None,
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -355,6 +371,8 @@ def _train(
 
     on_cpu = dist.device == "cpu"
     b = cfg.batch
+    setup_s = {} if setup_s is None else setup_s
+    t0 = time.monotonic()
     if not on_cpu:
         from charllm_nemo.train.model import initialize_tp_comm_overlap
         from charllm_nemo.train.plan import check_gpu_memory
@@ -363,6 +381,7 @@ def _train(
         if cfg.optim.tp_comm_overlap:
             initialize_tp_comm_overlap(cfg)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())
+    setup_s["model"] = time.monotonic() - t0
     config = bundle.config
     data_layout = DataLayout(b.micro_batch_size, b.global_batch_size, dist.dp_size, dist.dp_rank)
     n_micro = data_layout.num_microbatches
@@ -396,12 +415,15 @@ def _train(
         num_matrix_parameters=bundle.num_matrix_parameters,
         num_microbatches=n_micro,
         labels=dist.labels(),
+        setup_s=setup_s,
     )
     if started is not None:
         started.append(result)
+    print_steps = cfg.logger.name != "none"
+    if dist.rank == 0 and print_steps:
+        print(setup_line(setup_s, bundle.num_parameters, b.train_steps), file=sys.stderr, flush=True)
     progress = Progress(b.train_steps, enabled=dist.rank == 0)
     steps_file = StepsFile(Path(cfg.telemetry.out_dir) / STEPS_FILE) if dist.rank == 0 else None
-    print_steps = cfg.logger.name != "none"
     # Per-rank figures travel to rank 0 (one fixed-size gather) only when a sink logs them.
     gather_figures = cfg.logger.name == "wandb" and session is not None
     # Only what is reported is computed on the training thread: the console's five figures, or

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,18 @@ from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.config_io import load_train_config
 
 TARGET_ENV = "CHARLLM_WORKER_TARGET"
+LOG_LEVEL_ENV = "CHARLLM_LOG_LEVEL"
+"""A logging level name (``INFO``, ``DEBUG``) for every rank; ``charllm -v train`` sets INFO."""
+
+
+def configure_logging() -> None:
+    """The package's loggers at ``$CHARLLM_LOG_LEVEL`` (others, megatron-core's among them, at
+    WARNING), to stderr, when it names a level; else logging stays as it is (warnings and errors
+    still reach stderr)."""
+    level = getattr(logging, os.environ.get(LOG_LEVEL_ENV, "").upper(), None)
+    if isinstance(level, int):
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("charllm_nemo").setLevel(level)
 
 
 def _target() -> Callable[[TrainConfig], Any]:
@@ -81,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m charllm_nemo.train.worker <config.yaml|config.json>", file=sys.stderr)
         return 2
+    configure_logging()
     try:
         with sigterm_unwinds():
             return run(args[0])
