@@ -72,6 +72,17 @@ def test_inspect_says_what_a_training_run_reported(tmp_path: Path) -> None:
     )
     many = {r: {"status": "complete"} for r in range(16)}
     assert _how_it_ended(tmp_path, many)[0] == "status: complete (16 ranks)"
+    # A run that reached its end also has every rank's memory: the highest peak is named.
+    memory = {
+        "measure": "cuda_max_allocated",
+        "peak_bytes": [3 << 30, 5 << 30],
+        "plan_bytes": [1 << 30, 2 << 30],
+    }
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "memory": {**memory, "pp_stage": [0, 1]}}))
+    assert _how_it_ended(tmp_path, manifests)[2] == (
+        "memory: peak 5.0 GiB (cuda_max_allocated) on rank 1 (pipeline stage 1); its stage's weights, "
+        "gradients and optimizer state: 2.0 GiB"
+    )
 
 
 def test_inspect_into_a_closed_pipe_stops_quietly(run_dir: Path) -> None:

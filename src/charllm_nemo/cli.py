@@ -199,6 +199,12 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
             + (f", {tok:.0f} tokens/s" if tok is not None else "")
             + (f", {energy:.1f} J/step (all ranks)" if energy is not None else "")
         )
+        if isinstance(d.get("memory"), dict):
+            from charllm_nemo.train.plan import memory_line
+
+            line = memory_line(d["memory"])
+            if line:
+                lines.append(line)
     elif steps.is_file():
         n = sum(1 for line in steps.read_text().splitlines() if line.strip())
         lines.append(
