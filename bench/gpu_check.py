@@ -296,6 +296,14 @@ def training(mode: str, out_dir: Path, steps: int, env: dict[str, str], timeout_
                         if k in summ
                     )
                 )
+                mem = summ.get("memory") or {}
+                if mem.get("peak_bytes"):
+                    log(
+                        f"  peak memory {max(p or 0 for p in mem['peak_bytes']) / 2**30:.2f} GiB "
+                        f"({mem.get('measure')}), planned weights+grads+optimizer "
+                        f"{max(p or 0 for p in mem['plan_bytes']) / 2**30:.2f} GiB; "
+                        f"setup {summ.get('setup_s')}"
+                    )
         on = entry["on"]["summary"].get("step_time_s_median")
         off = entry["off"]["summary"].get("step_time_s_median")
         if on and off:
