@@ -119,7 +119,7 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
     """Join the process group and build Megatron-Core's model-parallel groups for ``cfg``.
 
     gloo on CPU (after :func:`charllm_nemo.train.cpu.enable_cpu_support`), NCCL on GPU
-    (``torch.cuda.set_device(local_rank)`` first). Seeds torch and mcore's model-parallel RNG
+    (``torch.cuda.set_device`` to the rank's GPU first). Seeds torch and mcore's model-parallel RNG
     tracker with ``data.seed``. An existing default process group is reused."""
     import torch
 
