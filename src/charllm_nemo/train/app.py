@@ -153,6 +153,14 @@ def _announce(cfg: TrainConfig, layout: ResolvedLayout) -> None:
     )
 
 
+def _validated(cfg: TrainConfig, world: int) -> tuple[TrainConfig, ResolvedLayout]:
+    """``cfg`` with its device decided (once, recorded, shared by ranks) and the settings that
+    follow it resolved (precision, ...), and its layout for ``world`` ranks (ConfigError)."""
+    cfg.launch.device = resolve_device(cfg.launch.device)
+    cfg = for_device(cfg, cfg.launch.device)
+    return cfg, validate(cfg, world_size=world, device=cfg.launch.device)
+
+
 def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
     """Validate ``cfg`` as :func:`run` would and print the plan (train/plan.py) to stdout;
     start nothing, write nothing. The world size is the launcher's, or ``launch.nproc`` outside
@@ -163,9 +171,7 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
         world, _ = world_and_env(cfg, environ)
     except ConfigError:
         world = cfg.launch.nproc
-    cfg.launch.device = resolve_device(cfg.launch.device)
-    cfg = for_device(cfg, cfg.launch.device)
-    layout = validate(cfg, world_size=world, device=cfg.launch.device)
+    cfg, layout = _validated(cfg, world)
     print(f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: valid; nothing started")
     for line in describe_plan(cfg, layout):
         print(f"  {line}")
@@ -182,9 +188,7 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
     if cfg.launch.dry_run:
         return dry_run(cfg, environ)
     world, rank_env = world_and_env(cfg, environ)
-    cfg.launch.device = resolve_device(cfg.launch.device)  # decided once, recorded, shared by ranks
-    cfg = for_device(cfg, cfg.launch.device)  # so are the settings that follow it (precision, ...)
-    layout = validate(cfg, world_size=world, device=cfg.launch.device)
+    cfg, layout = _validated(cfg, world)
     if cfg.launch.launcher == "local" and cfg.launch.device == "cuda":
         problem = local_gpu_problem(cfg.launch.nproc, local_gpu_count(environ))
         if problem:

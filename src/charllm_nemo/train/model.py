@@ -303,8 +303,8 @@ def build_model(
     """Model chunks wrapped for data parallelism, optimizer and LR scheduler, wired into the
     config (``no_sync_func``, ``param_sync_func``, ``finalize_model_grads_func``,
     ``grad_scale_func``) as Megatron-LM's ``training.py`` does. Needs ``parallel_state``
-    initialized (see ``dist.init_distributed``). ``batch.precision=auto`` is resolved for the
-    device here too, for callers that build without ``run_rank``."""
+    initialized (see ``dist.init_distributed``). The device-dependent settings (``config.for_device``)
+    are resolved here too, for callers that build without ``run_rank``."""
     from megatron.core.distributed import finalize_model_grads
 
     cfg = for_device(cfg, "cpu" if on_cpu else "cuda")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.metrics.memory import ADAM_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.layout import choices
 
@@ -149,8 +150,8 @@ def _fallback_cpu_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
-BYTES_PER_PARAMETER_CPU = 16
-"""On CPU (fp32 only): the weight, its gradient and Adam's two moments, 4 bytes each."""
+BYTES_PER_PARAMETER_CPU = WEIGHT_BYTES["fp32"] + GRADIENT_BYTES + ADAM_BYTES
+"""On CPU (fp32 only): the weight, its gradient and Adam's two moments, 4 bytes each (16)."""
 
 
 def host_memory_bytes() -> int | None:
