@@ -544,19 +544,33 @@ def test_a_run_directory_in_a_folder_this_user_cannot_write_is_refused(
 
 
 def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_allocates() -> None:
-    from charllm_nemo.train.validate import cpu_memory_problem
+    from charllm_nemo.train.config import for_device
+    from charllm_nemo.train.plan import cpu_memory_problem, plan_stage_memory
 
     gib = 2**30
-    big = cfg_for("llama3_70b")
-    msg = cpu_memory_problem(big, 1, 24 * gib)
-    assert msg is not None and msg.startswith("model=llama3_70b on CPU needs at least 1,051 GiB (70.55 B")
-    assert "this host has 24.0 GiB: train a small model on a CPU" in msg
-    assert cpu_memory_problem(big, 1, None) is None  # memory unknown: no guess
-    tiny = cfg_for("tiny_gpt")  # 0.26 M parameters: ~4 MB a rank
-    assert cpu_memory_problem(tiny, 2, 24 * gib) is None
-    assert cpu_memory_problem(tiny, 2, 4 * 2**20) is not None  # two ranks, 4 MiB: too little
+    big = for_device(cfg_for("llama3_70b"), "cpu")
+    layout = validate(big, world_size=1, device="cuda")
+    msg = cpu_memory_problem(big, layout, 1, 24 * gib)
+    # 70.55 B parameters (the norms aside) x 16 bytes: fp32 weight, gradient, Adam's two moments
+    assert msg is not None
+    assert msg.startswith("model=llama3_70b on CPU needs at least 1,051.3 GiB for 1 rank(s)")
+    assert "(70.552 B parameters in all" in msg and "this host has 24.0 GiB: train a small model" in msg
+    assert cpu_memory_problem(big, layout, 1, None) is None  # memory unknown: no guess
+    # The same per-stage plan as the dry run: the tied embedding's copy on the last stage and
+    # every stage's ranks count when all ranks are on this host; a rank alone counts the
+    # lightest stage.
+    tiny = cfg_for("tiny_gpt", "pp2")
+    layout = validate(tiny, world_size=2, device="cpu")
+    stages = plan_stage_memory(tiny, layout)
+    both = sum(s.total_bytes for s in stages)
+    assert both == 16 * (sum(s.parameters for s in stages))
+    assert cpu_memory_problem(tiny, layout, 2, both) is None
+    assert cpu_memory_problem(tiny, layout, 2, both - 1) is not None
+    lightest = min(s.total_bytes for s in stages)
+    assert cpu_memory_problem(tiny, layout, 1, lightest) is None
+    assert cpu_memory_problem(tiny, layout, 1, lightest - 1) is not None
     # validate applies it on CPU only (this host has far less than a TB), before any allocation
-    assert "needs at least 1,051 GiB" in one(big, world=1, device="cpu")
+    assert "needs at least 1,051.3 GiB" in one(big, world=1, device="cpu")
     validate(big, world_size=1, device="cuda")  # GPU memory is not this check's business
 
 

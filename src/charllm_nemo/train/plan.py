@@ -218,6 +218,38 @@ def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, t
         log.warning(warning)
 
 
+def cpu_memory_problem(
+    cfg: TrainConfig, layout: ResolvedLayout, local_ranks: int, memory: int | None
+) -> str | None:
+    """A model that cannot fit this host's memory on CPU (a preset meant for GPUs, say), told
+    before anything is allocated: the weights, gradients and optimizer state of the stages of
+    ``local_ranks`` ranks (the same per-stage plan as the dry run and the GPU check; on CPU fp32,
+    16 bytes a parameter), against ``memory`` bytes. ``local_ranks`` equal to the world: every
+    rank on this host; fewer: the lightest stage's ranks. A lower bound (activations and buffers
+    not counted), so it never refuses a run that fits."""
+    if memory is None:
+        return None
+    try:
+        stages = plan_stage_memory(cfg, layout)
+    except (ValueError, TypeError):
+        return None
+    if local_ranks >= layout.world_size:
+        per_stage = layout.world_size // layout.pp
+        need = per_stage * sum(s.total_bytes for s in stages)
+        params = per_stage * sum(s.parameters for s in stages)
+    else:
+        need = local_ranks * min(s.total_bytes for s in stages)
+        params = local_ranks * min(s.parameters for s in stages)
+    if need <= memory:
+        return None
+    return (
+        f"model={cfg.model.name} on CPU needs at least {_bytes(need)} for {local_ranks} rank(s) on "
+        f"this host ({_count(params)} parameters in all, with their fp32 gradients and Adam's two "
+        f"moments; `dry_run=true` prints the plan per stage); this host has {_bytes(memory)}: train "
+        "a small model on a CPU (model=tiny_gpt or tiny_moe), or run on GPUs (launch.device=cuda)"
+    )
+
+
 def peak_memory(torch: Any, on_cpu: bool) -> tuple[str, int | None]:
     """This rank's peak memory so far and what measured it: ``cuda_max_allocated`` (the
     caching allocator's peak of tensors allocated on the rank's GPU) or, on CPU, ``max_rss``

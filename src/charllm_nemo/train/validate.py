@@ -41,8 +41,9 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.launch import resolve_device
 from charllm_nemo.train.layout import ResolvedLayout, alternating_layout, choices, divisors, multiples
+from charllm_nemo.train.plan import cpu_memory_problem
 from charllm_nemo.train.presets import CUSTOM, MODEL_PRESETS, OPTIM_PRESETS, PARALLEL_PRESETS
-from charllm_nemo.train.validate_run import cpu_memory_problem, cpu_problems, host_memory_bytes, run_problems
+from charllm_nemo.train.validate_run import cpu_problems, host_memory_bytes, run_problems
 
 __all__ = [
     "ConfigProblems",
@@ -564,11 +565,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     c.fsdp()
     if device == "cpu":
         c.problems.extend(cpu_problems(cfg))
-        if model_ok and layout_ok:
-            local = world if cfg.launch.launcher == "local" else 1  # others: this rank alone, at least
-            memory = cpu_memory_problem(cfg, local, host_memory_bytes())
-            if memory:
-                c.problems.append(memory)
     if c.problems:
         raise ConfigProblems(c.problems)
     assert dp is not None and virtual is not None and n_micro is not None
@@ -576,7 +572,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     vpp = p.vpp if p.vpp and p.vpp > 1 else None
     chunks = vpp or 1
     per_stage = [sum(virtual[v * p.pp + i] for v in range(chunks)) for i in range(p.pp)]
-    return ResolvedLayout(
+    layout = ResolvedLayout(
         world_size=world,
         tp=p.tp,
         pp=p.pp,
@@ -589,3 +585,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
         layers_per_stage=per_stage,
         layers_per_virtual_stage=virtual,
     )
+    if device == "cpu":
+        local = world if cfg.launch.launcher == "local" else 1  # others: this rank alone, at least
+        memory = cpu_memory_problem(cfg, layout, local, host_memory_bytes())
+        if memory:
+            raise ConfigProblems([memory])
+    return layout

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.metrics.memory import ADAM_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.layout import choices
 
@@ -150,10 +149,6 @@ def _fallback_cpu_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
-BYTES_PER_PARAMETER_CPU = WEIGHT_BYTES["fp32"] + GRADIENT_BYTES + ADAM_BYTES
-"""On CPU (fp32 only): the weight, its gradient and Adam's two moments, 4 bytes each (16)."""
-
-
 def host_memory_bytes() -> int | None:
     """This host's memory (``MemTotal``), or None where /proc/meminfo cannot be read."""
     try:
@@ -164,34 +159,6 @@ def host_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def cpu_memory_problem(cfg: TrainConfig, local_ranks: int, memory: int | None) -> str | None:
-    """A model that cannot fit this host's memory on CPU (a preset meant for GPUs, say), told
-    before it starts allocating, for a run of ``local_ranks`` ranks on this host with
-    ``memory`` bytes. A lower bound: the parameters split over tp * pp * ep and 16 bytes each
-    (``BYTES_PER_PARAMETER_CPU``), activations and buffers not counted, so it never refuses a
-    run that fits."""
-    if memory is None:
-        return None
-    try:
-        from charllm_nemo.metrics.flops import ModelShape, parameter_count
-
-        params = parameter_count(ModelShape.from_model_config(cfg.model)).total
-    except (ImportError, ValueError, TypeError):
-        return None
-    p = cfg.parallel
-    split = max(1, p.tp * p.pp * p.ep)
-    need = local_ranks * params * BYTES_PER_PARAMETER_CPU // split
-    if need <= memory:
-        return None
-    return (
-        f"model={cfg.model.name} on CPU needs at least {need / 2**30:,.0f} GiB ({params / 1e9:.2f} B "
-        f"parameters x {BYTES_PER_PARAMETER_CPU} bytes for fp32 weights, gradients and Adam's two "
-        f"moments, over tp*pp*ep={split}, for {local_ranks} rank(s) on this host); this host has "
-        f"{memory / 2**30:.1f} GiB: train a small model on a CPU (model=tiny_gpt or tiny_moe), or run "
-        "on GPUs (launch.device=cuda)"
-    )
 
 
 def cpu_problems(cfg: TrainConfig) -> list[str]:
