@@ -188,7 +188,19 @@ def summarize_units(units: list[tuple[list[float], list[float]]]) -> dict[str, A
     ]
     m = statistics.fmean(logs)
     half = t975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5 if len(logs) > 1 else 0.0
+    # What ON adds to a step in absolute terms: per unit, mean ON minus mean OFF; and the step
+    # length at which a cost that size would be the target's share (TARGET_FREE - 1).
+    diffs = [statistics.fmean(u[0]) - statistics.fmean(u[1]) for u in units]
+    d = statistics.fmean(diffs)
+    d_half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    share = TARGET_FREE - 1.0
     return {
+        "added_ms": d * 1e3,
+        "added_ms_ci95": [(d - d_half) * 1e3, (d + d_half) * 1e3],
+        # Steps at least this long would keep a fixed cost of added_ms (its upper bound) within
+        # the target; None when it is not above zero.
+        "target_step_ms": d * 1e3 / share if d > 0 else None,
+        "target_step_ms_upper": (d + d_half) * 1e3 / share if d + d_half > 0 else None,
         "steps_on": len(on),
         "steps_off": len(off),
         "median_on_ms": statistics.median(on) * 1e3,
@@ -1444,6 +1456,15 @@ def step_summary_line(name: str, r: dict[str, Any]) -> str:
         f"main_cpu median ratio {fmt_ci(cpu['ratio_median'], cpu['ratio_median_ci95'])}; "
         f"ON {it['median_on_ms']:.2f} ms / OFF {it['median_off_ms']:.2f} ms, {r['pairs']} steps per arm"
     )
+    if "added_ms" in it:
+        lo, hi = it["added_ms_ci95"]
+        line += f"; ON adds {it['added_ms']:.3f} ms [{lo:.3f}, {hi:.3f}] a step (mean per {unit})"
+        if it["target_step_ms_upper"] is not None:
+            at_mean = it["target_step_ms"] or 0.0
+            line += (
+                f": as a fixed cost, within {100 * (TARGET_FREE - 1):.1f} % for steps of at least "
+                f"{it['target_step_ms_upper']:.0f} ms (upper bound; {at_mean:.0f} ms at the mean)"
+            )
     if name == "free":
         line += f"; target <= {TARGET_FREE}: {verdict(r)}"
     return line
