@@ -156,3 +156,44 @@ def test_a_normal_exit_writes_a_complete_run(tmp_path):
     assert 100 <= run.samples.num_rows <= 125
     assert set(run.samples.column("source").to_pylist()) == {"synthetic"}
     assert "synthetic device" in proc.stdout and "step" in proc.stdout
+
+
+_SIGTERM_IN_A_MARK = """
+import os, signal, sys, time
+from charllm_nemo.telemetry.session import TelemetrySession
+
+prev = {prev}
+if prev is not None:
+    signal.signal(signal.SIGTERM, prev)
+session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+with session.windows.window("step", step=0):
+    pass
+# SIGTERM while the training thread is inside the recorder, holding its lock (as in any mark):
+# the handler runs right here, on this thread.
+with session.windows._lock:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+print("went on", flush=True)
+session.close()
+"""
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_sigterm_inside_a_mark_does_not_deadlock_and_still_dies_by_the_signal(tmp_path, sampler):
+    out = tmp_path / "run"
+    code = _SIGTERM_IN_A_MARK.format(prev=None)
+    proc = subprocess.run([sys.executable, "-c", code, str(out), sampler], capture_output=True, timeout=30)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr.decode()
+    assert b"went on" not in proc.stdout
+    run = load_run(out)
+    assert run.manifests[0]["status"] == "terminated"
+    assert run.windows.num_rows >= 1 and run.problems == []
+
+
+def test_sigterm_ignored_before_the_session_stays_ignored_and_the_close_says_terminated(tmp_path):
+    out = tmp_path / "run"
+    code = _SIGTERM_IN_A_MARK.format(prev="signal.SIG_IGN")
+    proc = subprocess.run([sys.executable, "-c", code, str(out), "process"], capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"went on" in proc.stdout
+    assert load_run(out).manifests[0]["status"] == "terminated"

@@ -266,6 +266,9 @@ class TelemetrySession:
         self._closed = False
         self._started = False
         self._prev_sigterm: Any = None
+        self._sigterm = False  # a SIGTERM arrived: whenever the session closes, it was terminated
+        self._die_by_sigterm = False  # SIGTERM's default action, deferred until the close
+        self._closed_fully = False
 
     def _open_backend(self, name: str, indices: Sequence[int] | None, options: dict[str, Any]) -> Backend:
         try:
@@ -357,6 +360,8 @@ class TelemetrySession:
         if self._closed:
             return
         self._closed = True
+        if self._sigterm:
+            status = "terminated"
         try:  # a step in progress (SIGTERM, an exception): its marks so far, before the open windows
             self.windows.flush_pending()
         except Exception:
@@ -427,6 +432,10 @@ class TelemetrySession:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
             self._prev_sigterm = None
         atexit.unregister(self._atexit)
+        self._closed_fully = True
+        if self._die_by_sigterm:  # closed: now SIGTERM's default action, so the exit status says so
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _fall_back_to_thread(self) -> None:
         """The telemetry process did not start: sample, store and compute figures here."""
@@ -449,14 +458,27 @@ class TelemetrySession:
         self.close("complete")
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM (SLURM's before SIGKILL). Closing here could deadlock: the handler runs on the
+        main thread between two of its bytecodes, maybe inside a mark holding a lock that
+        ``close`` takes. So the session only notes it (its close, whenever, says ``terminated``)
+        and leaves the decision to what was there before: an earlier handler is called (it may
+        set a flag and let training finish a checkpoint with telemetry still on, or unwind);
+        SIG_IGN is honoured; the default action becomes ``SystemExit`` in the main thread,
+        which releases every lock on its way out, and the close that follows (a ``with`` block,
+        a ``finally``, or at exit) ends with SIGTERM's default action, so the process still
+        dies by the signal."""
         prev = self._prev_sigterm
-        self.close("terminated")
+        self._sigterm = True
         if callable(prev):
             prev(signum, frame)
-        else:
-            # Default action: die by SIGTERM so the exit status says so.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        elif prev != signal.SIG_IGN:
+            self._die_by_sigterm = True
+            if self._closed_fully:  # closed on another thread, this handler left behind
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif not self._closed:
+                raise SystemExit(128 + signum)
+            # else the close under way on this thread dies by it when it is done
 
     # -- flushing (thread mode) ------------------------------------------------------------
     def flush(self) -> None:
