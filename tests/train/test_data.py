@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 
 from charllm_nemo.errors import ConfigError  # noqa: E402
 from charllm_nemo.train.config import TrainConfig  # noqa: E402
-from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset  # noqa: E402
+from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset, collate  # noqa: E402
 
 
 def test_layout_follows_megatron_sampler_order() -> None:
@@ -74,3 +74,38 @@ def test_missing_indexed_dataset_names_the_field(tmp_path: Path) -> None:
     cfg.data.path = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match=r"data\.path"):
         build_train_dataset(cfg, 4)
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_each_context_parallel_rank_feeds_the_model_its_two_chunks_of_the_sequence(
+    monkeypatch: pytest.MonkeyPatch, cp_rank: int
+) -> None:
+    # CP=2 (GPU only, so the process group is stood in for): the sequence is cut into 2 * cp
+    # chunks and rank r keeps chunks r and 2 * cp - 1 - r (balanced causal work), for every
+    # tensor the model and the loss see; megatron-core's rotary embedding and the pipeline
+    # buffers expect seq_length / cp tokens.
+    from megatron.core import parallel_state
+
+    from charllm_nemo.train.loop import _forward_step
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: cp_rank)
+    cfg = TrainConfig()
+    cfg.model.seq_length = 16
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 2, 2
+    ds = build_train_dataset(cfg, 2)
+    full = collate([ds[0], ds[1]])
+    seen: dict[str, torch.Tensor] = {}
+
+    def model(tokens, position_ids, attention_mask, labels):  # type: ignore[no-untyped-def]
+        seen.update(tokens=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
+        return torch.zeros(tokens.shape)
+
+    _output, loss = _forward_step(iter([{k: v.clone() for k, v in full.items()}]), model)
+    keep = torch.cat(
+        [torch.arange(4 * cp_rank, 4 * cp_rank + 4), torch.arange(12 - 4 * cp_rank, 16 - 4 * cp_rank)]
+    )
+    for key in ("tokens", "position_ids", "labels"):
+        assert torch.equal(seen[key], full[key][:, keep]), key
+    assert torch.equal(seen["attention_mask"], full["attention_mask"][:, :, keep, :])
+    assert loss.args[0].shape == (2, 8)  # the loss mask too
