@@ -339,6 +339,21 @@ def test_recompute_layers_counted_per_uneven_stage() -> None:
     assert "use recompute_num_layers in [1, 1]" in one(cfg, world=2)
 
 
+def test_uniform_recompute_layers_must_divide_every_stage() -> None:
+    # mcore checkpoints layers [i, i + n) while i < the stage's layers: 3 of 4 would run past the
+    # end (IndexError in the first forward, on that stage only).
+    cfg = cfg_for(optim="recompute")  # tiny_gpt: 4 layers, one stage
+    cfg.optim.recompute_granularity, cfg.optim.recompute_method = "full", "uniform"
+    cfg.optim.recompute_num_layers = 3
+    msg = one(cfg)
+    assert "optim.recompute_num_layers=3 with recompute_method=uniform must divide the layers of every" in msg
+    assert "([4]); use one of [1, 2, 4], or recompute_method=block" in msg
+    cfg.optim.recompute_num_layers = 2
+    validate(cfg, world_size=1, device="cpu")
+    cfg.optim.recompute_method, cfg.optim.recompute_num_layers = "block", 3  # block: any count
+    validate(cfg, world_size=1, device="cpu")
+
+
 @pytest.mark.parametrize(
     ("granularity", "method", "layers", "expected"),
     [

@@ -504,6 +504,15 @@ class _Checker:
                 f"(model.num_layers={self.cfg.model.num_layers}, parallel.pp={self.cfg.parallel.pp}, "
                 f"vpp={self.cfg.parallel.vpp}); use recompute_num_layers in [1, {limit}]"
             )
+        elif method == "uniform" and virtual_stages and any(k % n for k in set(virtual_stages)):
+            # mcore checkpoints layers [i, i + n) while i < the chunk's layers: a last group that
+            # runs past the end fails in the first forward (IndexError), on that stage only.
+            fits = divisors(math.gcd(*virtual_stages))
+            self.add(
+                f"optim.recompute_num_layers={n} with recompute_method=uniform must divide the layers of "
+                f"every (virtual) pipeline stage ({sorted(set(virtual_stages))}); use one of {fits}, "
+                "or recompute_method=block"
+            )
 
     # -- FSDP ----------------------------------------------------------------------------------
 
