@@ -172,3 +172,25 @@ def test_a_steps_file_on_a_full_disk_never_stops_training(caplog: pytest.LogCapt
     f.close()
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "cannot write /dev/full" in errors[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("name", "units", "peak"),
+    [
+        ("AMD Instinct MI250X / MI250", 110, 191.5),  # one name for both: the CU count tells
+        ("AMD Instinct MI250X / MI250", 104, 181.05),
+        ("AMD Instinct MI250X / MI250", None, None),  # ambiguous: MFU absent, not guessed
+        ("AMD Instinct MI300X", 38, 1307.4 * 38 / 304),  # a CPX partition
+        ("NVIDIA H100 80GB HBM3", 132, 989.4),
+    ],
+)
+def test_the_gpu_peak_uses_the_devices_compute_units(
+    name: str, units: int | None, peak: float | None
+) -> None:
+    from charllm_nemo.train.config import TrainConfig
+    from charllm_nemo.train.report import Throughput
+
+    cfg = TrainConfig()
+    cfg.batch.precision = "bf16"
+    t = Throughput(cfg, 8, name, on_cpu=False, compute_units=units)
+    assert t.peak == (None if peak is None else pytest.approx(peak))

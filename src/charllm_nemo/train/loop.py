@@ -405,12 +405,14 @@ def _train(
     forward_backward = get_forward_backward_func()
     comm_device = "cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device())
     reports_loss = dist.is_last_stage and dist.tp_rank == 0
+    gpu = None if on_cpu else torch.cuda.get_device_properties(torch.cuda.current_device())
     throughput = Throughput(
         cfg,
         dist.world_size,
-        None if on_cpu else torch.cuda.get_device_name(),
+        None if gpu is None else gpu.name,
         on_cpu,
         list(layout.layers_per_virtual_stage),
+        compute_units=None if gpu is None else gpu.multi_processor_count,
     )
     result = RankResult(
         rank=dist.rank,

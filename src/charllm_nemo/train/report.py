@@ -115,7 +115,11 @@ class Throughput:
         device_name: str | None,
         on_cpu: bool,
         layers_per_virtual_stage: list[int] | None = None,
+        compute_units: int | None = None,
     ) -> None:
+        """``device_name`` and ``compute_units`` (its SMs / CUs: torch's ``multi_processor_count``)
+        identify the peak rate: the count tells an MI250X GCD (110) from an MI250 one (104),
+        which share a name, and scales the rate of a MIG slice or an MI300X CPX partition."""
         self.cfg = cfg
         self.world_size = world_size
         self.model_flops: float | None = None
@@ -144,7 +148,9 @@ class Throughput:
             self.hardware_flops = float(hw.total)
             override = cfg.telemetry.cpu_peak_tflops if on_cpu else None
             name = "cpu" if on_cpu else (device_name or "")
-            self.peak = peak.lookup_peak_tflops(name, b.precision, override_tflops=override)
+            self.peak = peak.lookup_peak_tflops(
+                name, b.precision, override_tflops=override, compute_units=None if on_cpu else compute_units
+            )
         except Exception:  # a metrics error must not stop training; the figures stay absent
             return
         self._rate = throughput.step_throughput
