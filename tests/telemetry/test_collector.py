@@ -449,3 +449,52 @@ def test_requests_in_a_batch_are_answered_together_and_equal_one_by_one(block, t
     c.tick()
     assert shm.read_figures(block, 5) is not None
     c.close()
+
+
+class _Killed(BaseException):
+    """The telemetry process dying at a chosen point of a flush."""
+
+
+@pytest.mark.parametrize(
+    "dies",
+    ["writing samples", "after samples written", "after samples published", "writing windows",
+     "after windows written", "after windows published"],
+)  # fmt: skip
+def test_a_telemetry_process_dying_anywhere_in_a_flush_loses_nothing_and_stores_nothing_twice(
+    block, tmp_path, dies
+):
+    ring, _marks, rec = _wire(block)
+    c = _collector(block, tmp_path)
+    for i in range(10):
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    rec.record("step", None, 0, 5 * PERIOD, step=0)
+    c.take_samples()
+    c.take_marks()
+    kind, when = ("samples" if "samples" in dies else "windows"), dies.split()[0]
+    write, publish = c.writer.write_segment, c.publish
+
+    def write_segment(k, table):
+        if k == kind and when == "writing":
+            raise _Killed
+        path = write(k, table)
+        if k == kind and when == "after" and "written" in dies:
+            raise _Killed
+        return path
+
+    def publish_then_die():
+        publish()
+        if when == "after" and "published" in dies and c.writer.counts()["segments"][kind] == 1:
+            raise _Killed
+
+    c.writer.write_segment, c.publish = write_segment, publish_then_die
+    with pytest.raises(_Killed):
+        c.flush()
+    c.close()
+    for i in range(10, 25):  # sampled after the death: only the salvage stores these
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    rec.record("step", None, 5 * PERIOD, 20 * PERIOD, step=1)
+    counts = salvage(block, tmp_path / "rank=0", source="test", names=rec.names.names)
+    rd = load_rank(tmp_path, 0)
+    assert rd.samples.column("t_mono_ns").to_pylist() == [i * PERIOD for i in range(25)]
+    assert rd.windows.column("step").to_pylist() == [0, 1]
+    assert counts["rows"] == {"samples": 25, "windows": 2}

@@ -40,6 +40,10 @@ from charllm_nemo.telemetry.shm import (
     H_FLUSHES,
     H_MARK_WRITE,
     H_MARKS_FLUSHED,
+    H_PENDING_MARKS,
+    H_PENDING_SAMPLES,
+    H_PENDING_SAMPLES_SEG,
+    H_PENDING_WINDOWS_SEG,
     H_ROWS_LOST,
     H_ROWS_SAMPLES,
     H_ROWS_WINDOWS,
@@ -354,20 +358,29 @@ class Collector:
         """Write what was taken since the last flush: one samples and one windows segment."""
         t0 = time.monotonic_ns()
         try:
+            # Each segment: its intent, the segment, the counts (its number: the commit), then the
+            # ring index. A death anywhere in between loses nothing and stores nothing twice.
+            q = self.block.q
             if self._pending_samples:
                 chunks = self._pending_samples
                 cols = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+                q[H_PENDING_SAMPLES] = self._sample_idx
+                q[H_PENDING_SAMPLES_SEG] = self.writer.counts()["segments"]["samples"] + 1
                 self.writer.write_segment("samples", columns_to_table(cols, self.source))
                 self._pending_samples = []
-            self.block.q[H_SAMPLES_FLUSHED] = self._sample_idx
+                self.publish()
+            q[H_SAMPLES_FLUSHED] = self._sample_idx
             if self._pending_records:
                 if self._names_from_block:
                     read_names(self.block, self.names)
                 recs = np.concatenate(self._pending_records)
                 names = self.names + ["?"] * max(0, int(recs[:, 3:5].max(initial=0)) + 1 - len(self.names))
+                q[H_PENDING_MARKS] = self._mark_idx
+                q[H_PENDING_WINDOWS_SEG] = self.writer.counts()["segments"]["windows"] + 1
                 self.writer.write_segment("windows", records_to_table(recs, names))
                 self._pending_records = []
-            self.block.q[H_MARKS_FLUSHED] = self._mark_idx
+                self.publish()
+            q[H_MARKS_FLUSHED] = self._mark_idx
             self.flushes += 1
         except Exception:
             # Kept for the next try (a full disk may clear); the rings still hold it too.
@@ -426,6 +439,15 @@ class Collector:
 def salvage(block: Block, rank_dir: Path, *, source: str, names: list[str]) -> dict[str, Any]:
     """What a telemetry process that died left unwritten in ``block``: write it (the training
     process calls this at close). Returns the store's counts, as :meth:`SegmentWriter.counts`."""
+    q = block.q
+    # A flush that died after its segment's counts were published but before the ring index
+    # followed: what it stored starts after that segment, not before.
+    for flushed, pending, pending_seg, seg in (
+        (H_SAMPLES_FLUSHED, H_PENDING_SAMPLES, H_PENDING_SAMPLES_SEG, H_SEG_SAMPLES),
+        (H_MARKS_FLUSHED, H_PENDING_MARKS, H_PENDING_WINDOWS_SEG, H_SEG_WINDOWS),
+    ):
+        if q[pending_seg] == q[seg] and q[pending] > q[flushed]:
+            q[flushed] = q[pending]
     c = Collector(block, rank_dir, source=source, period_ns=1, names=names)
     try:
         c.take_samples()

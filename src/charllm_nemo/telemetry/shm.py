@@ -101,6 +101,13 @@ H_FLUSH_ERRORS = 65
 H_FLUSH_NS_MAX = 66
 H_FIGURES_SERVED = 67
 H_ROWS_LOST = 68  # sample rows the store's reader lost (lapped by the sampling loop)
+# A flush's intent, written before its segment: the ring index it stores up to and the segment
+# number that follows it. Once H_SEG_* equals that number the segment is on disk, and a salvage
+# takes the index from here even if H_*_FLUSHED never followed (see collector.salvage).
+H_PENDING_SAMPLES = 69
+H_PENDING_SAMPLES_SEG = 70
+H_PENDING_MARKS = 71
+H_PENDING_WINDOWS_SEG = 72
 HEADER_WORDS = 128
 
 MSG_OFFSET = HEADER_WORDS * 8
