@@ -591,7 +591,8 @@ def test_a_telemetry_process_that_dies_loses_only_its_last_flush_of_samples_and_
         for step in range(3):  # the training process goes on marking into the ring
             with tel.windows.window("step", step=step):
                 time.sleep(0.01)
-        assert tel.step_figures(0, 1) is None  # no figures without it, and no hang
+        # No request_figures (a loop that asks for none): no takeover mid-run, the close salvages.
+        # (tests/telemetry/test_session.py: a loop that asks is taken over at its next step.)
     run = load_run(tmp_path)
     m = run.manifests[0]
     assert m["status"] == "complete" and m["store_process"]["salvaged"] is True

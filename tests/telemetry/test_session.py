@@ -197,3 +197,53 @@ def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_pa
     with TelemetrySession(tmp_path / "wide", backend="synthetic", hz=50, handle_signals=False):
         pass
     assert load_run(tmp_path / "wide").manifests[0]["cpu_affinity"] == sorted(os.sched_getaffinity(0))
+
+
+def test_a_telemetry_process_lost_mid_run_is_taken_over_and_the_run_goes_on_being_recorded(tmp_path, caplog):
+    # The telemetry process is killed (the OOM killer, a crash) between two steps: the next step's
+    # request_figures notices, the training process stores what the rings held, and samples,
+    # stores and computes figures itself from then on. Nothing marked is lost.
+    import signal
+
+    import numpy as np
+
+    from charllm_nemo.train.marks import StepMarker
+
+    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, sampler="process", handle_signals=False)
+    tel.start()
+    marker = StepMarker(tel.windows, num_microbatches=1)
+
+    def step(n: int) -> tuple[int, int]:
+        marker.begin_step(n)
+        marker("forward-compute").start()
+        time.sleep(0.02)
+        marker("forward-compute").stop()
+        timing = marker.end_step()
+        tel.request_figures(timing.t_begin_mono_ns, timing.t_end_mono_ns)
+        return timing.t_begin_mono_ns, timing.t_end_mono_ns
+
+    for n in range(3):
+        step(n)
+    time.sleep(0.6)  # a flush on disk, and some samples not yet
+    os.kill(tel.sampler.pid, signal.SIGKILL)
+    killed_at = time.monotonic_ns()
+    time.sleep(0.2)
+    tel._liveness_due = 0  # the next step checks (they do once a second)
+    step(3)
+    assert tel.sampler_mode == "thread" and "stopped mid-run" in caplog.text
+    for n in range(4, 8):
+        last = step(n)
+    figures = tel.step_figures(*last, wait_s=1.0)
+    assert figures is not None and figures[0]["energy_j"] > 0  # live figures from this process
+    tel.close()
+    run = load_run(tmp_path)
+    m = run.manifests[0]
+    assert m["status"] == "complete" and m["sampler_mode"] == "thread"
+    assert m["telemetry_process_lost"]["store"]["salvaged"] is True
+    assert m["rows"] == {"samples": run.samples.num_rows, "windows": run.windows.num_rows}
+    steps = sorted(r["step"] for r in run.windows.to_pylist() if r["kind"] == "step")
+    assert steps == list(range(8))
+    assert m["windows_recorded"] == run.windows.num_rows
+    t = np.sort(run.samples.column("t_mono_ns").to_numpy())
+    assert t[t < killed_at].size > 100 and t[t > killed_at + 200_000_000].size > 10
+    assert (np.diff(t) > 0).all()

@@ -146,9 +146,14 @@ class Collector:
         self.period_ns = period_ns
         self.flush_interval_ns = int(flush_interval_s * 1e9)
         self.live_window_ns = int(live_window_s * 1e9)
-        self.writer = SegmentWriter(rank_dir, {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]})
-        self.writer.rows_written = {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]}
-        self.writer.bytes_written = q[H_BYTES]
+        self.writer = SegmentWriter.continuing(
+            rank_dir,
+            {
+                "segments": {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]},
+                "rows": {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]},
+                "bytes_written": q[H_BYTES],
+            },
+        )
         self._names_from_block = names is None
         self.names: list[str] = [] if names is None else names
         self.columns = figure_columns()

@@ -68,6 +68,7 @@ from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
     Flusher,
     RankStore,
+    SegmentWriter,
     clear_rank_folder,
     rank_dir,
     records_to_table,
@@ -76,6 +77,10 @@ from charllm_nemo.telemetry.store import (
 from charllm_nemo.telemetry.windows import WindowRecorder
 
 log = logging.getLogger("charllm_nemo.telemetry")
+
+LIVENESS_CHECK_NS = 1_000_000_000
+"""How often (in the windows' time) :meth:`TelemetrySession.request_figures` checks that the
+telemetry process is alive: a ``waitpid`` and a read of the shared block, ~2 µs."""
 
 _ENV_KEYS = (
     "SLURM_JOB_ID",
@@ -269,6 +274,7 @@ class TelemetrySession:
         self._sigterm = False  # a SIGTERM arrived: whenever the session closes, it was terminated
         self._die_by_sigterm = False  # SIGTERM's default action, deferred until the close
         self._closed_fully = False
+        self._liveness_due = 0  # process mode: when request_figures next checks the telemetry process
 
     def _open_backend(self, name: str, indices: Sequence[int] | None, options: dict[str, Any]) -> Backend:
         try:
@@ -412,7 +418,9 @@ class TelemetrySession:
                 },
             }
             store_counts = None
-            recorded = self.windows.total_recorded
+            # Windows the telemetry process had stored, if it was lost mid-run, and those since.
+            lost = self.store.manifest.get("telemetry_process_lost", {})
+            recorded = self.windows.total_recorded + lost.get("store", {}).get("rows", {}).get("windows", 0)
         self.store.close(
             status,
             {
@@ -453,6 +461,43 @@ class TelemetrySession:
         self.store.write_manifest()
         warm_up_parquet_writer()
         self.sampler.start()
+
+    def _take_over(self) -> None:
+        """The telemetry process stopped mid-run (killed, crashed): store what its rings still
+        hold (the salvage at its stop), then sample, store and compute figures in this process,
+        as thread mode does, so that the rest of the run is recorded too. On the training
+        thread, between two steps (from :meth:`request_figures`): no mark is under way."""
+        failed = self.sampler
+        assert isinstance(failed, ProcessSampler)
+        pid = failed.pid
+        self.windows.reset_sink()  # marks from here on: kept in this process
+        self.windows.log_sink = None
+        activity = getattr(self.backend, "mark_activity", None)
+        if activity is not None:  # the synthetic device here follows the marks again
+            activity.on_change = None
+        failed.stop(1.0)
+        counts = failed.store_counts()
+        reason = failed.health.stop_reason or "it exited"
+        self.store.segments = SegmentWriter.continuing(self.store.dir, counts)
+        self.store.manifest["telemetry_process_lost"] = {
+            "pid": pid,
+            "reason": reason,
+            "at_mono_ns": time.monotonic_ns(),
+            "store": {k: counts[k] for k in ("segments", "rows", "salvaged", "marks_dropped") if k in counts},
+        }
+        self._requests.clear()
+        log.error(
+            "telemetry: the telemetry process (pid %s) stopped mid-run (%s); stored what it left "
+            "and sampling in a thread from now on (telemetry_process_lost in the manifest)",
+            pid,
+            reason,
+        )
+        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+        self.sampler_mode = self.store.manifest["sampler_mode"] = "thread"
+        self.store.write_manifest()
+        warm_up_parquet_writer()
+        self.sampler.start()
+        self._flusher.start()
 
     def _atexit(self) -> None:
         self.close("complete")
@@ -527,7 +572,14 @@ class TelemetrySession:
         0.25 s) at the latest.
         Cheap, never blocks; asking again for a window already asked for, with no figure beyond
         those asked for then, does nothing."""
-        if not isinstance(self.sampler, ProcessSampler) or self.sampler.marks is None:
+        if not isinstance(self.sampler, ProcessSampler):
+            return
+        if t_end_mono_ns >= self._liveness_due:  # once a second: is the telemetry process alive?
+            self._liveness_due = t_end_mono_ns + LIVENESS_CHECK_NS
+            if not self.sampler.running:
+                self._take_over()
+                return
+        if self.sampler.marks is None:
             return
         mask, wanted = self._mask_of(figures)
         key = (t_begin_mono_ns, t_end_mono_ns)

@@ -184,6 +184,15 @@ class SegmentWriter:
         self.bytes_written = 0
         self._lock = threading.Lock()
 
+    @classmethod
+    def continuing(cls, folder: Path, counts: dict[str, Any]) -> SegmentWriter:
+        """A writer that goes on where another left off, ``counts`` as :meth:`counts` gives them
+        (next numbers, rows and bytes so far), so that its own counts are the folder's totals."""
+        writer = cls(folder, dict(counts.get("segments", {})))
+        writer.rows_written.update(counts.get("rows", {}))
+        writer.bytes_written = int(counts.get("bytes_written", 0))
+        return writer
+
     def write_segment(self, kind: str, table: pa.Table) -> Path | None:
         """Write one ``samples`` or ``windows`` segment; empty tables write nothing."""
         if table.num_rows == 0:
