@@ -197,3 +197,41 @@ def test_sigterm_ignored_before_the_session_stays_ignored_and_the_close_says_ter
     assert proc.returncode == 0, proc.stderr.decode()
     assert b"went on" in proc.stdout
     assert load_run(out).manifests[0]["status"] == "terminated"
+
+
+_SIGTERM_DURING_CLOSE = """
+import os, signal, sys
+from charllm_nemo.telemetry import session as session_module
+from charllm_nemo.telemetry.session import TelemetrySession
+
+def earlier(signum, frame):  # the trainer's: unwind the rank
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, earlier)
+session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+with session.windows.window("step", step=0):
+    pass
+close_store = session.store.close
+
+def close_store_during_sigterm(*args, **kwargs):  # SIGTERM lands while the session closes
+    os.kill(os.getpid(), signal.SIGTERM)
+    return close_store(*args, **kwargs)
+
+session.store.close = close_store_during_sigterm
+try:
+    session.close("failed")  # a rank failing (its peer died), then the launcher's SIGTERM
+finally:
+    print("closed", session._closed_fully, flush=True)
+"""
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_sigterm_during_a_close_waits_for_it_then_reaches_the_earlier_handler(tmp_path, sampler):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_DURING_CLOSE, str(out), sampler], capture_output=True, timeout=30
+    )
+    assert proc.returncode == 143, proc.stderr.decode()  # the earlier handler's SystemExit, after the close
+    assert b"closed True" in proc.stdout
+    m = load_run(out).manifests[0]
+    assert m["status"] == "failed" and "ended_wall_ns" in m  # finished, with why it was closing

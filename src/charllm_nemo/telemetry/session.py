@@ -272,7 +272,7 @@ class TelemetrySession:
         self._started = False
         self._prev_sigterm: Any = None
         self._sigterm = False  # a SIGTERM arrived: whenever the session closes, it was terminated
-        self._die_by_sigterm = False  # SIGTERM's default action, deferred until the close
+        self._redeliver_sigterm = False  # a SIGTERM held back until the close is done
         self._closed_fully = False
         self._liveness_due = 0  # process mode: when request_figures next checks the telemetry process
 
@@ -441,8 +441,9 @@ class TelemetrySession:
             self._prev_sigterm = None
         atexit.unregister(self._atexit)
         self._closed_fully = True
-        if self._die_by_sigterm:  # closed: now SIGTERM's default action, so the exit status says so
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._redeliver_sigterm:
+            # Closed: now the SIGTERM held back, to the handler before us (restored above; or,
+            # where it could not be, through ours, which hands it on now that we are closed).
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _fall_back_to_thread(self) -> None:
@@ -510,20 +511,22 @@ class TelemetrySession:
         set a flag and let training finish a checkpoint with telemetry still on, or unwind);
         SIG_IGN is honoured; the default action becomes ``SystemExit`` in the main thread,
         which releases every lock on its way out, and the close that follows (a ``with`` block,
-        a ``finally``, or at exit) ends with SIGTERM's default action, so the process still
-        dies by the signal."""
+        a ``finally``, or at exit) ends by re-raising SIGTERM, so the process still dies by the
+        signal. A SIGTERM during a close is held back until the close is done (unwinding out of
+        it would leave the manifest unfinished), then re-raised to the handler before us."""
         prev = self._prev_sigterm
         self._sigterm = True
-        if callable(prev):
+        if self._closed and not self._closed_fully:
+            self._redeliver_sigterm = True
+        elif callable(prev):
             prev(signum, frame)
         elif prev != signal.SIG_IGN:
-            self._die_by_sigterm = True
             if self._closed_fully:  # closed on another thread, this handler left behind
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
-            elif not self._closed:
-                raise SystemExit(128 + signum)
-            # else the close under way on this thread dies by it when it is done
+                return
+            self._redeliver_sigterm = True
+            raise SystemExit(128 + signum)
 
     # -- flushing (thread mode) ------------------------------------------------------------
     def flush(self) -> None:
