@@ -221,7 +221,46 @@ def test_a_run_directory_holding_an_earlier_run_is_refused_or_replaced(
     assert "replaced the earlier run in" in capsys.readouterr().err
     assert (out / "fake" / "rank1.json").exists()  # the ranks ran
     assert app.previous_run_files(out) == []  # rank=2 too, which this 2-rank run would not touch
-    assert (out / "rank=2" / "notes.txt").read_text() == "mine"
+    assert (out / "rank=2" / "notes.txt").read_text() == "mine"  # not ours: kept, and its folder
+
+
+def test_replacing_a_run_of_more_ranks_leaves_no_empty_rank_folder_or_old_rank_log(tmp_path: Path) -> None:
+    # An empty rank=2/ would read as a rank without a manifest, logs/rank2.log as that rank's.
+    out = tmp_path / "run"
+    for rank in range(3):
+        (out / f"rank={rank}").mkdir(parents=True)
+        (out / f"rank={rank}" / "manifest.json").write_text("{}")
+    (out / "logs").mkdir()
+    (out / "logs" / "rank2.log").write_text("old")
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir, cfg.telemetry.overwrite = str(out), True
+    app.check_run_dir(cfg, removes=True)
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_run_directory_that_cannot_be_made_is_a_config_error_not_a_traceback(
+    tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Validation looks at the nearest existing folder's permissions (root passes them all);
+    # /proc refuses new folders to root too, so the launcher makes the folder before anything.
+    assert app.main(["telemetry.out_dir=/proc/charllm-test/run"]) == app.EXIT_CONFIG_ERROR
+    assert "telemetry output directory /proc/charllm-test/run is not writable" in capsys.readouterr().err
+    long_name = tmp_path / ("a" * 300)
+    assert app.main([f"telemetry.out_dir={long_name}"]) == app.EXIT_CONFIG_ERROR
+    assert "cannot be used (File name too long)" in capsys.readouterr().err
+
+
+def test_a_dry_run_inside_an_allocation_with_a_garbled_environment_fails_as_the_run_would(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "gpu[01-04"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert app.main(["launcher=slurm", "dry_run=true"]) == app.EXIT_CONFIG_ERROR
+    assert "cannot parse SLURM node list 'gpu[01-04'" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-04]")
+    assert app.main(["launcher=slurm", "dry_run=true"]) == 0
+    assert "dry run for 4 rank(s)" in capsys.readouterr().out
 
 
 def test_only_the_launching_process_replaces_an_earlier_run(tmp_path: Path) -> None:
@@ -441,7 +480,7 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
     loop = _Loop()
     monkeypatch.setitem(sys.modules, "charllm_nemo.train.loop", loop)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        monkeypatch.setenv(k, "unset")  # restored after the test; run() overwrites them
+        monkeypatch.delenv(k, raising=False)  # restored after the test; run() sets them
     return loop
 
 
@@ -451,8 +490,6 @@ def test_slurm_launcher_runs_the_rank_in_process(
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "cn[3-4]"}
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.delenv("MASTER_ADDR")
-    monkeypatch.delenv("MASTER_PORT")
     cfg = app.load(["launcher=slurm", "parallel=tp2", f"telemetry.out_dir={tmp_path}"])
     assert app.run(cfg) == 0
     ((ran, env),) = fake_loop.calls

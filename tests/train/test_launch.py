@@ -79,6 +79,28 @@ def test_slurm_rank_env_outside_srun() -> None:
         slurm_rank_env({}, 29511)
 
 
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "abc", "SLURM_LOCALID": "0"}, "SLURM_NTASKS='abc'"),
+        ({"SLURM_PROCID": "-1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, "SLURM_PROCID='-1'"),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "0", "SLURM_LOCALID": "x"},
+            "SLURM_NTASKS='0', SLURM_LOCALID='x'",
+        ),
+    ],
+)
+def test_a_garbled_slurm_environment_is_named_not_a_traceback(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{named} must be whole numbers"):
+        slurm_rank_env({**env, "SLURM_JOB_NODELIST": "n1"}, 29511)
+
+
+def test_a_garbled_torchrun_environment_is_named_not_a_traceback() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE='two' must be whole numbers"):
+        torchrun_rank_env(env)
+
+
 def test_torchrun_rank_env() -> None:
     full = {
         "RANK": "1",

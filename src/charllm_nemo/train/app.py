@@ -130,8 +130,14 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
             "to replace that run"
         )
     if removes:
+        # Its rank folders go too (an earlier run with more ranks would leave empty ones that
+        # read as ranks), and so do the local launcher's per-rank logs.
+        old += sorted(out.glob("logs/rank*.log"))
         for path in old:
             path.unlink(missing_ok=True)
+        for folder in [*out.glob("rank=*"), out / "logs"]:
+            with contextlib.suppress(OSError):  # not empty: something not ours is there
+                folder.rmdir()
         print(f"charllm train: replaced the earlier run in {out} ({len(old)} files)", file=sys.stderr)
 
 
@@ -170,6 +176,11 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
     try:
         world, _ = world_and_env(cfg, environ)
     except ConfigError:
+        # Outside the launcher's job (a login node): plan for nproc ranks. Inside one, its
+        # environment is wrong: say so, as the real run would.
+        inside = "SLURM_NTASKS" if cfg.launch.launcher == "slurm" else "WORLD_SIZE"
+        if cfg.launch.launcher != "local" and inside in environ:
+            raise
         world = cfg.launch.nproc
     cfg, layout = _validated(cfg, world)
     print(f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: valid; nothing started")
@@ -194,7 +205,12 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
         if problem:
             raise ConfigError(problem)
     out_dir = Path(cfg.telemetry.out_dir)
-    check_run_dir(cfg, removes=cfg.launch.launcher == "local" or rank_env.get("RANK") == "0")
+    removes = cfg.launch.launcher == "local" or rank_env.get("RANK") == "0"
+    if removes:  # made (and written) now, so that a folder that cannot be is a clear error
+        from charllm_nemo.telemetry.store import check_writable
+
+        check_writable(out_dir)
+    check_run_dir(cfg, removes=removes)
     if cfg.launch.launcher == "local":
         _announce(cfg, layout)
         config_path = save_train_config(cfg, out_dir / "config.yaml")

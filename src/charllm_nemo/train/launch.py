@@ -176,6 +176,7 @@ def slurm_rank_env(environ: Mapping[str, str], master_port: int) -> dict[str, st
             "`srun ... charllm train launcher=slurm ...`, or use launcher=local (one host) or "
             "launcher=none (torchrun)"
         )
+    _check_counts(environ, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "MASTER_PORT"))
     env = {
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": environ["SLURM_NTASKS"],
@@ -188,6 +189,24 @@ def slurm_rank_env(environ: Mapping[str, str], master_port: int) -> dict[str, st
     return env
 
 
+def _check_counts(environ: Mapping[str, str], keys: Sequence[str]) -> None:
+    """ConfigError naming every one of ``keys`` present in ``environ`` that is not a whole
+    number (>= 1 for sizes, >= 0 otherwise): a launcher's variable garbled, not a traceback."""
+    bad = []
+    for key in keys:
+        value = environ.get(key)
+        if value is None:
+            continue
+        least = 1 if key in ("SLURM_NTASKS", "WORLD_SIZE", "MASTER_PORT") else 0
+        if not value.strip().isdigit() or int(value) < least:
+            bad.append(f"{key}={value!r}")
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)} must be whole numbers (sizes and ports >= 1): the launcher's environment is "
+            "not what srun / torchrun set; check the job script"
+        )
+
+
 def torchrun_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The torch.distributed variables torchrun (or a compatible launcher) set; ConfigError
     naming the missing ones."""
@@ -198,6 +217,7 @@ def torchrun_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
             "(`torchrun --nproc-per-node N -m charllm_nemo.cli train launcher=none ...`), or use "
             "launcher=local"
         )
+    _check_counts(environ, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
     return {k: environ[k] for k in DIST_ENV_KEYS}
 
 

@@ -41,6 +41,13 @@ def _collect(problems: list[str], check: Callable[[Any], object], value: Any) ->
 def _out_dir_problem(out_dir: str) -> str | None:
     """Why the run directory cannot be made or written, if it cannot: a file in the way, or a
     folder this user may not write into (checked on the nearest folder that exists)."""
+    try:
+        return _out_dir_path_problem(out_dir)
+    except OSError as exc:  # a name too long, a path through something that is not a folder
+        return f"telemetry.out_dir={out_dir!r} cannot be used ({exc.strerror or exc}); give another directory"
+
+
+def _out_dir_path_problem(out_dir: str) -> str | None:
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
         return f"telemetry.out_dir={out_dir!r} is a file, not a directory; give a directory for the run"
