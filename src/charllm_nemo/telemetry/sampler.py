@@ -21,6 +21,7 @@ records its own health.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,8 @@ from charllm_nemo.telemetry.sample_loop import (
     validate_hz,
 )
 from charllm_nemo.telemetry.schema import INT_NULL, METRICS
+
+log = logging.getLogger("charllm_nemo.telemetry")
 
 __all__ = [
     "MAX_HZ",
@@ -146,8 +149,31 @@ def rows_to_table(rows: Sequence[Row], source: str) -> pa.Table:
     ]
     by_metric = list(zip(*readings, strict=True))
     for i, m in enumerate(METRICS):
-        columns.append(pa.array(by_metric[i], SAMPLES_SCHEMA.field(m.name).type))
+        columns.append(_metric_array(m.name, by_metric[i]))
     return pa.Table.from_arrays(columns, schema=SAMPLES_SCHEMA)
+
+
+_BAD_VALUE = (pa.ArrowException, OverflowError, TypeError, ValueError)
+
+
+def _metric_array(name: str, values: Sequence[Any]) -> pa.Array:
+    """One metric's column. A value that does not fit its type (a driver's 2**64 - 1 in an int64
+    column, a string) becomes null, as the telemetry process's ring does, instead of failing
+    the whole flush."""
+    typ = SAMPLES_SCHEMA.field(name).type
+    try:
+        return pa.array(values, typ)
+    except _BAD_VALUE:
+        kept, bad = [], 0
+        for v in values:
+            try:
+                pa.scalar(v, typ)
+                kept.append(v)
+            except _BAD_VALUE:
+                kept.append(None)
+                bad += 1
+        log.warning("telemetry: %d value(s) of %s did not fit %s: stored as null", bad, name, typ)
+        return pa.array(kept, typ)
 
 
 def columns_to_table(columns: Mapping[str, np.ndarray[Any, Any]], source: str) -> pa.Table:
