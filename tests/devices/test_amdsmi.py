@@ -264,6 +264,15 @@ def test_residency_counters_become_throttle_bits_and_violation_time(install, ope
     r = dev.read()
     assert value(r, "violation_power_ns") == 500_000
     assert value(r, "throttle_reasons") == 0
+    # a snapshot that says nothing ("N/A"): no bits, no times for it; the totals go on after it
+    m["accumulation_counter"] = "N/A"
+    r = dev.read()
+    assert value(r, "throttle_reasons") is None and value(r, "violation_power_ns") is None
+    m["accumulation_counter"] = 20
+    r = dev.read()
+    assert value(r, "violation_power_ns") == 500_000  # re-baselined, not back to 0
+    r = advance(1_000_000, 1000, ppt_residency_acc=1000)
+    assert value(r, "violation_power_ns") == 1_500_000
 
 
 def test_bool_only_throttle_status_is_not_reported_as_bits(install, opened) -> None:

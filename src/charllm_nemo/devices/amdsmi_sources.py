@@ -201,8 +201,19 @@ class Residency:
         self._seen: Any = None
         self._prev: tuple[int, int, tuple[Any, ...]] | None = None
         self.mask: int | None = None
-        self.power_ns: int | None = None
-        self.thermal_ns: int | None = None
+        # The cumulative totals, kept across snapshots that say nothing (N/A) or a reset; what
+        # a sample reports (power_ns / thermal_ns) is None while the snapshot says nothing.
+        self._power_total: int | None = None
+        self._thermal_total: int | None = None
+        self._known = False
+
+    @property
+    def power_ns(self) -> int | None:
+        return self._power_total if self._known else None
+
+    @property
+    def thermal_ns(self) -> int | None:
+        return self._thermal_total if self._known else None
 
     def update(self, r: Any) -> None:
         if r is self._seen:
@@ -211,20 +222,24 @@ class Residency:
         acc = r["accumulation_counter"]
         vals = tuple(r[k] for k, _ in self.FIELDS)
         if type(acc) is not int or not any(type(v) is int for v in vals):
-            self.mask = self.power_ns = self.thermal_ns = None
+            # Says nothing: this sample has no bits or times; the totals wait for the next one
+            # (which re-baselines: the cycles in between are not attributed to any limiter).
+            self.mask = None
             self._prev = None
+            self._known = False
             return
+        self._known = True
         t = r["system_clock_counter"]
         if type(t) is not int:
             t = self._clock()
         prev = self._prev
-        if prev is None or acc < prev[0]:  # first snapshot, or counters reset (driver reload)
+        if prev is None or acc < prev[0]:  # first snapshot, after N/A, or counters reset (driver reload)
             self._prev = (acc, t, vals)
             self.mask = 0
-            if type(vals[0]) is int and self.power_ns is None:
-                self.power_ns = 0
-            if type(vals[1]) is int and self.thermal_ns is None:
-                self.thermal_ns = 0
+            if type(vals[0]) is int and self._power_total is None:
+                self._power_total = 0
+            if type(vals[1]) is int and self._thermal_total is None:
+                self._thermal_total = 0
             return
         p_acc, p_t, p_vals = prev
         d_acc = acc - p_acc
@@ -238,10 +253,10 @@ class Residency:
         self.mask = mask
         dt = t - p_t
         if dt > 0:
-            if self.power_ns is not None and type(vals[0]) is int and type(p_vals[0]) is int:
-                self.power_ns += (max(0, vals[0] - p_vals[0]) * dt) // d_acc
-            if self.thermal_ns is not None and type(vals[1]) is int and type(p_vals[1]) is int:
-                self.thermal_ns += (max(0, vals[1] - p_vals[1]) * dt) // d_acc
+            if self._power_total is not None and type(vals[0]) is int and type(p_vals[0]) is int:
+                self._power_total += (max(0, vals[0] - p_vals[0]) * dt) // d_acc
+            if self._thermal_total is not None and type(vals[1]) is int and type(p_vals[1]) is int:
+                self._thermal_total += (max(0, vals[1] - p_vals[1]) * dt) // d_acc
 
     def extractor(self, attr: str) -> Callable[[Any], Extractor]:
         def make(probe_sources: Any) -> Extractor:
