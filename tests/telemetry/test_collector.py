@@ -498,3 +498,25 @@ def test_a_telemetry_process_dying_anywhere_in_a_flush_loses_nothing_and_stores_
     assert rd.samples.column("t_mono_ns").to_pylist() == [i * PERIOD for i in range(25)]
     assert rd.windows.column("step").to_pylist() == [0, 1]
     assert counts["rows"] == {"samples": 25, "windows": 2}
+
+
+def test_a_request_waits_for_a_sample_past_the_window_end_on_every_device(block, tmp_path):
+    # Process mode: the sampling loop publishes each slot's time once all its devices are in the
+    # ring; a slot half written (device 0 past the end, device 1 not yet) answers nothing.
+    ring, marks, _rec = _wire(block)
+    c = _collector(block, tmp_path)
+    for k in range(5):
+        for dev in (0, 1):
+            ring.emit((k * PERIOD + dev, 0, 0, dev, _reading(k * PERIOD)))
+        block.q[shm.H_SLOT_T] = k * PERIOD
+    marks.request_figures(0, PERIOD, 4 * PERIOD + 5, 0, 1)
+    ring.emit((5 * PERIOD, 0, 0, 0, _reading(5 * PERIOD)))  # slot 5: device 0 only, so far
+    c.tick()
+    assert shm.read_figures(block, 0) is None
+    ring.emit((5 * PERIOD + 1, 0, 0, 1, _reading(5 * PERIOD)))
+    block.q[shm.H_SLOT_T] = 5 * PERIOD
+    ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
+    c.tick()
+    answer = shm.read_figures(block, 0)
+    assert answer is not None and [d for d, _ in answer[2]] == [0, 1]
+    c.close()

@@ -247,3 +247,45 @@ def test_a_telemetry_process_lost_mid_run_is_taken_over_and_the_run_goes_on_bein
     t = np.sort(run.samples.column("t_mono_ns").to_numpy())
     assert t[t < killed_at].size > 100 and t[t > killed_at + 200_000_000].size > 10
     assert (np.diff(t) > 0).all()
+
+
+def test_live_figures_wait_for_every_device_not_just_the_first(tmp_path):
+    # Two devices, the second slow to read: a window must not be answered once device 0 has a
+    # sample past its end while device 1's is still being read (its figures would be NaN).
+    from charllm_nemo.devices.base import DeviceIdentity
+    from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES
+
+    class Dev:
+        def __init__(self, i: int, delay: float) -> None:
+            self.identity = DeviceIdentity(index=i, name="f", vendor="x", backend="fake", uuid=None,
+                                           driver_version=None)  # fmt: skip
+            self.delay = delay
+
+        def read(self) -> tuple:
+            time.sleep(self.delay)
+            values = [None] * len(METRIC_NAMES)
+            values[METRIC_INDEX["power_instant_w"]] = 100.0
+            return tuple(values)
+
+        def supported_metrics(self) -> dict[str, bool]:
+            return {m: True for m in METRIC_NAMES}
+
+    class Backend:
+        name = "fake"
+
+        def __init__(self) -> None:
+            self.devices = [Dev(0, 0.0), Dev(1, 0.03)]
+
+        def close(self) -> None:
+            pass
+
+    tel = TelemetrySession(tmp_path, backend=Backend(), hz=20, handle_signals=False).start()
+    try:
+        time.sleep(0.3)
+        for _ in range(5):
+            t1 = time.monotonic_ns()
+            figs = tel.step_figures(t1 - 200_000_000, t1, wait_s=1.0, figures=["energy_j"])
+            assert figs is not None
+            assert [f["energy_j"] for f in figs] == [pytest.approx(20.0), pytest.approx(20.0)]
+    finally:
+        tel.close()

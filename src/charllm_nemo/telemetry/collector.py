@@ -50,6 +50,7 @@ from charllm_nemo.telemetry.shm import (
     H_SAMPLES_FLUSHED,
     H_SEG_SAMPLES,
     H_SEG_WINDOWS,
+    H_SLOT_T,
     INT_COLUMNS,
     N_FLOAT,
     N_INT,
@@ -187,6 +188,7 @@ class Collector:
 
     # -- taking ----------------------------------------------------------------------------
     def take_samples(self) -> None:
+        slot_t = self.block.q[H_SLOT_T]
         first, end, lost = ring_span(self.block, self._sample_idx)
         self.rows_lost += lost
         n = end - first
@@ -211,7 +213,10 @@ class Collector:
         chunk.update({name: floats[j] for j, name in enumerate(FLOAT_COLUMNS)})
         self._pending_samples.append(chunk)
         self._history.append(chunk)
-        self._last_t = int(chunk["t_mono_ns"][-1])
+        # Live figures need a row past a window's end on every device: the newest complete
+        # slot's time (read before the rows: all of that slot is in them), not the newest row's.
+        newest = int(chunk["t_mono_ns"][-1])
+        self._last_t = max(self._last_t, min(newest, slot_t) if slot_t else newest)
         horizon = self._last_t - self.live_window_ns
         while len(self._history) > 1 and self._history[0]["t_mono_ns"][-1] < horizon:
             self._history.popleft()

@@ -83,6 +83,7 @@ def run_sample_loop(
     emit: Callable[[Row], None],
     should_stop: Callable[[], bool],
     sleep: Callable[[float], object] = time.sleep,
+    on_slot: Callable[[int], object] | None = None,
 ) -> None:
     """Read every device once per ``period_ns`` until ``should_stop()`` (checked once per slot).
 
@@ -91,7 +92,9 @@ def run_sample_loop(
     ``emit((t_mono_ns, t_wall_ns, read_ns, device_index, reading))``; ``health`` is updated in
     place; ``sleep(seconds)`` waits for the next deadline (it may return early). A device that
     raises is dropped (DeviceLost: one error line; anything else: logged with its traceback);
-    with none left the loop ends. Never raises.
+    with none left the loop ends. ``on_slot(t_mono_ns)``, after each slot, gets the time of its
+    first reading: from then on every device still sampled has a row at or after that time
+    (what live figures wait for). Never raises.
     """
     h = health
     period = period_ns
@@ -108,7 +111,9 @@ def run_sample_loop(
                 h.on_time += 1
             if late > h.late_max_ns:
                 h.late_max_ns = late
-            _sample_once(live, h, emit)
+            t_slot = _sample_once(live, h, emit)
+            if on_slot is not None and t_slot is not None:
+                on_slot(t_slot)
             deadline += period
             now = mono()
             if now - deadline >= period:
@@ -123,7 +128,9 @@ def run_sample_loop(
         if live:
             # One last sample at stop, so a window that closed just before stop() is
             # bracketed by samples on both sides and can be attributed.
-            _sample_once(live, h, emit)
+            t_slot = _sample_once(live, h, emit)
+            if on_slot is not None and t_slot is not None:
+                on_slot(t_slot)
         if not live:
             h.stop_reason = "no devices left"
             log.error("telemetry sampler stopped: no device left to sample; training goes on")
@@ -137,9 +144,13 @@ def run_sample_loop(
         h.stopped_mono_ns = mono()
 
 
-def _sample_once(devices: list[tuple[Device, int]], h: SamplerHealth, emit: Callable[[Row], None]) -> None:
-    """Read every device once; a device that fails is removed from ``devices``."""
+def _sample_once(
+    devices: list[tuple[Device, int]], h: SamplerHealth, emit: Callable[[Row], None]
+) -> int | None:
+    """Read every device once; a device that fails is removed from ``devices``. Returns the time
+    of the first reading (None: no device read)."""
     mono = time.monotonic_ns
+    first: int | None = None
     for entry in tuple(devices):
         dev, idx = entry
         t0 = mono()
@@ -158,7 +169,10 @@ def _sample_once(devices: list[tuple[Device, int]], h: SamplerHealth, emit: Call
             continue
         dt = mono() - t0
         emit((t0, tw, dt, idx, reading))
+        if first is None:
+            first = t0
         h.samples += 1
         h.read_ns_total += dt
         if dt > h.read_ns_max:
             h.read_ns_max = dt
+    return first

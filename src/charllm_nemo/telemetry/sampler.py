@@ -110,12 +110,18 @@ class Sampler:
 
     # -- the loop --------------------------------------------------------------------------
     def _run(self) -> None:
-        run_sample_loop(self._devices, self.period_ns, self.health, self._emit, self._stop.is_set)
+        run_sample_loop(
+            self._devices, self.period_ns, self.health, self._emit, self._stop.is_set, on_slot=self._slot_done
+        )
 
     def _emit(self, row: Row) -> None:
         with self._lock:
             self._rows.append(row)
-        self.last_t_mono_ns = row[0]
+
+    def _slot_done(self, t_first: int) -> None:
+        # Every device sampled has a row at or after this: a window ending by then has its
+        # samples past the end on every device.
+        self.last_t_mono_ns = t_first
 
 
 def _arrow_schema() -> pa.Schema:

@@ -108,6 +108,9 @@ H_PENDING_SAMPLES = 69
 H_PENDING_SAMPLES_SEG = 70
 H_PENDING_MARKS = 71
 H_PENDING_WINDOWS_SEG = 72
+# The first reading's time of the newest complete sampling slot: every device still sampled has a
+# ring row at or after it (0: no slot reported, rows written by something else).
+H_SLOT_T = 73
 HEADER_WORDS = 128
 
 MSG_OFFSET = HEADER_WORDS * 8

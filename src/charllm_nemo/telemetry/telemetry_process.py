@@ -29,6 +29,7 @@ still open) and unlinks the block itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -48,6 +49,7 @@ from charllm_nemo.telemetry.shm import (
     FAILED,
     H_HEALTH,
     H_PID,
+    H_SLOT_T,
     H_STATE,
     H_STOP,
     H_STOP_CODE,
@@ -200,7 +202,15 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
         service.start()
     q[H_STATE] = RUNNING
     try:
-        run_sample_loop(backend.devices, round(1e9 / health.hz), health, writer.emit, should_stop, sleep)
+        run_sample_loop(
+            backend.devices,
+            round(1e9 / health.hz),
+            health,
+            writer.emit,
+            should_stop,
+            sleep,
+            on_slot=functools.partial(q.__setitem__, H_SLOT_T),
+        )
     finally:
         publish()
         try:
