@@ -84,3 +84,19 @@ def test_tp_comm_overlap_sets_up_transformer_engines_userbuffers(monkeypatch: py
         ConfigError, match=r"needs TransformerEngine's userbuffers .*set optim\.tp_comm_overlap=false"
     ):
         model.initialize_tp_comm_overlap(cfg)
+
+
+@pytest.mark.parametrize(
+    ("cp", "sp", "needs"), [(2, False, "parallel.cp>1"), (1, True, "parallel.sequence_parallel")]
+)
+def test_a_gpu_run_that_needs_transformer_engine_without_it_is_told_before_the_model(
+    monkeypatch: pytest.MonkeyPatch, cp: int, sp: bool, needs: str
+) -> None:
+    pytest.importorskip("megatron.core")
+    monkeypatch.setattr(model, "_have_te", lambda: False)
+    cfg = TrainConfig(model=model_preset("tiny_gpt"))
+    cfg.parallel.cp, cfg.parallel.sequence_parallel = cp, sp
+    with pytest.raises(ConfigError, match=f"^{needs} need TransformerEngine on GPU"):
+        model.layer_spec(cfg, on_cpu=False)
+    cfg.parallel.cp, cfg.parallel.sequence_parallel = 1, False
+    assert model.layer_spec(cfg, on_cpu=False) is not None  # the local spec serves the rest

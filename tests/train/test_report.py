@@ -194,3 +194,18 @@ def test_the_gpu_peak_uses_the_devices_compute_units(
     cfg.batch.precision = "bf16"
     t = Throughput(cfg, 8, name, on_cpu=False, compute_units=units)
     assert t.peak == (None if peak is None else pytest.approx(peak))
+
+
+def test_fp32_training_on_transformer_engine_is_measured_against_the_tf32_rate() -> None:
+    from charllm_nemo.train.config import TrainConfig
+    from charllm_nemo.train.report import Throughput
+
+    cfg = TrainConfig()
+    cfg.batch.precision = "fp32"
+    name = "NVIDIA H100 80GB HBM3"
+    assert Throughput(cfg, 8, name, on_cpu=False, compute_units=132).peak == pytest.approx(67.0)
+    assert Throughput(cfg, 8, name, on_cpu=False, compute_units=132, tf32_gemms=True).peak == pytest.approx(
+        494.7
+    )
+    cfg.batch.precision = "bf16"  # 16-bit training: its own rate either way
+    assert Throughput(cfg, 8, name, on_cpu=False, tf32_gemms=True).peak == pytest.approx(989.4)

@@ -372,7 +372,7 @@ def _train(
 
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.marks import StepMarker
-    from charllm_nemo.train.model import build_model
+    from charllm_nemo.train.model import build_model, uses_transformer_engine
 
     on_cpu = dist.device == "cpu"
     b = cfg.batch
@@ -413,6 +413,7 @@ def _train(
         on_cpu,
         list(layout.layers_per_virtual_stage),
         compute_units=None if gpu is None else gpu.multi_processor_count,
+        tf32_gemms=uses_transformer_engine(on_cpu),
     )
     result = RankResult(
         rank=dist.rank,

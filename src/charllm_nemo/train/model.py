@@ -156,13 +156,33 @@ def grouped_gemm_experts(cfg: TrainConfig, *, on_cpu: bool) -> bool:
     return TEColumnParallelGroupedLinear is not None
 
 
+def uses_transformer_engine(on_cpu: bool) -> bool:
+    """Whether the model is built from TransformerEngine layers (a GPU with TE installed)."""
+    return not on_cpu and _have_te()
+
+
 def layer_spec(cfg: TrainConfig, *, on_cpu: bool) -> Any:
-    """TransformerEngine layer spec on a GPU with TE installed, else mcore's local spec."""
+    """TransformerEngine layer spec on a GPU with TE installed, else mcore's local spec. A GPU
+    run that needs TE and does not have it is a ConfigError here, on every rank, before the
+    model (megatron-core would fail later: its local attention asserts cp == 1, its torch norms
+    refuse sequence parallelism)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if not on_cpu and _have_te():
+    if uses_transformer_engine(on_cpu):
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.model.num_experts, moe_grouped_gemm=grouped_gemm_experts(cfg, on_cpu=on_cpu)
+        )
+    p = cfg.parallel
+    needs = [
+        f
+        for f, on in (("parallel.cp>1", p.cp > 1), ("parallel.sequence_parallel", p.sequence_parallel))
+        if on
+    ]
+    if not on_cpu and needs:
+        raise ConfigError(
+            f"{' and '.join(needs)} need TransformerEngine on GPU (megatron-core's local layers support "
+            "neither), and it does not import here: install transformer-engine on the GPU nodes, or set "
+            "parallel.cp=1 / parallel.sequence_parallel=false"
         )
     return specs.get_gpt_layer_local_spec(
         num_experts=cfg.model.num_experts, normalization=cfg.model.normalization

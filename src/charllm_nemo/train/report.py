@@ -116,10 +116,13 @@ class Throughput:
         on_cpu: bool,
         layers_per_virtual_stage: list[int] | None = None,
         compute_units: int | None = None,
+        tf32_gemms: bool = False,
     ) -> None:
         """``device_name`` and ``compute_units`` (its SMs / CUs: torch's ``multi_processor_count``)
         identify the peak rate: the count tells an MI250X GCD (110) from an MI250 one (104),
-        which share a name, and scales the rate of a MIG slice or an MI300X CPX partition."""
+        which share a name, and scales the rate of a MIG slice or an MI300X CPX partition.
+        ``tf32_gemms``: fp32 training whose GEMMs run as TF32 (TransformerEngine's layers do):
+        MFU against the TF32 rate, not the CUDA-core FP32 one (which would put it above 100 %)."""
         self.cfg = cfg
         self.world_size = world_size
         self.model_flops: float | None = None
@@ -148,8 +151,9 @@ class Throughput:
             self.hardware_flops = float(hw.total)
             override = cfg.telemetry.cpu_peak_tflops if on_cpu else None
             name = "cpu" if on_cpu else (device_name or "")
+            dtype = "tf32" if tf32_gemms and b.precision == "fp32" and not on_cpu else b.precision
             self.peak = peak.lookup_peak_tflops(
-                name, b.precision, override_tflops=override, compute_units=None if on_cpu else compute_units
+                name, dtype, override_tflops=override, compute_units=None if on_cpu else compute_units
             )
         except Exception:  # a metrics error must not stop training; the figures stay absent
             return
