@@ -12,6 +12,7 @@ The pipeline layout (layers per virtual stage) is resolved by config validation
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,16 +174,21 @@ def layer_spec(cfg: TrainConfig, *, on_cpu: bool) -> Any:
             num_experts=cfg.model.num_experts, moe_grouped_gemm=grouped_gemm_experts(cfg, on_cpu=on_cpu)
         )
     p = cfg.parallel
+    apex_norms = importlib.util.find_spec("apex") is not None  # the local spec's norms then allow SP
     needs = [
-        f
-        for f, on in (("parallel.cp>1", p.cp > 1), ("parallel.sequence_parallel", p.sequence_parallel))
+        field
+        for field, on in (
+            ("parallel.cp>1", p.cp > 1),
+            ("parallel.sequence_parallel", p.sequence_parallel and not apex_norms),
+        )
         if on
     ]
     if not on_cpu and needs:
         raise ConfigError(
-            f"{' and '.join(needs)} need TransformerEngine on GPU (megatron-core's local layers support "
-            "neither), and it does not import here: install transformer-engine on the GPU nodes, or set "
-            "parallel.cp=1 / parallel.sequence_parallel=false"
+            f"{' and '.join(needs)} need TransformerEngine on GPU (megatron-core's local attention "
+            "supports cp=1 only, its torch norms no sequence parallelism), and it does not import here: "
+            "install transformer-engine on the GPU nodes, or set parallel.cp=1 / "
+            "parallel.sequence_parallel=false"
         )
     return specs.get_gpt_layer_local_spec(
         num_experts=cfg.model.num_experts, normalization=cfg.model.normalization
