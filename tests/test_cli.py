@@ -42,8 +42,10 @@ def test_inspect_picks_steps_and_ranks(run_dir: Path, capsys: pytest.CaptureFixt
         line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["0", "step"]
     ]
     assert [r[3] for r in rows] == ["1", "2"]
-    assert main(["inspect", str(run_dir), "--rank", "5"]) == 0  # no such rank: nothing to show
-    assert capsys.readouterr().out.splitlines()[-1] == "no windows to attribute"
+    assert main(["inspect", str(run_dir), "--rank", "5"]) == 2  # no such rank: said, not an empty table
+    assert f"--rank 5: not in {run_dir}; ranks present: [0]" in capsys.readouterr().err
+    assert main(["inspect", str(run_dir / "rank=0" / "manifest.json")]) == 2
+    assert "manifest.json is not a directory" in capsys.readouterr().err
     assert steps_range("7") == (7, 8) and steps_range("10:") == (10, None) and steps_range(":4") == (None, 4)
     with pytest.raises(SystemExit) as bad:
         main(["inspect", str(run_dir), "--steps", "1-3"])

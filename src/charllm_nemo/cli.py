@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.errors import CharllmError
+from charllm_nemo.errors import CharllmError, StoreError
 
 
 def _busy(seconds: float) -> None:
@@ -107,6 +107,9 @@ def _print_run(
     from charllm_nemo.telemetry.reader import load_run
 
     run = load_run(path)
+    missing = sorted(set(ranks or ()) - set(run.ranks))
+    if missing:
+        raise StoreError(f"--rank {', '.join(map(str, missing))}: not in {path}; ranks present: {run.ranks}")
     windows = run.windows
     first, end = steps
     if windows.num_rows and first is not None:

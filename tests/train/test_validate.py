@@ -635,3 +635,11 @@ def test_cpu_fallback_list_when_train_cpu_cannot_be_imported(monkeypatch: pytest
 def test_divisors() -> None:
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert divisors(1) == [1] and divisors(0) == []
+
+
+def test_a_zero_world_is_one_problem_named_where_it_comes_from() -> None:
+    cfg = cfg_for()
+    cfg.launch.nproc = 0
+    assert one(cfg, world=None) == "launch.nproc=0 must be a positive number; e.g. launch.nproc=1"
+    cfg.launch.nproc = 1
+    assert one(cfg, world=0) == "world_size=0 must be >= 1; set launch.nproc (or the srun task count)"

@@ -62,7 +62,8 @@ class RunData:
 def list_ranks(run_dir: str | os.PathLike[str]) -> list[int]:
     path = Path(run_dir)
     if not path.is_dir():
-        raise StoreError(f"run directory {path} does not exist")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise StoreError(f"run directory {path} {what}")
     ranks = sorted(int(m.group(1)) for p in path.iterdir() if p.is_dir() and (m := _RANK_DIR.match(p.name)))
     if not ranks:
         raise StoreError(

@@ -201,7 +201,8 @@ class _Checker:
             "parallel.pipeline_layout_scheme", p.pipeline_layout_scheme, PIPELINE_SCHEMES, none_ok=True
         )
         if self.world < 1:
-            self.add(f"world_size={self.world} must be >= 1; set launch.nproc (or the srun task count)")
+            if self.world != self.cfg.launch.nproc:  # (launch.nproc itself: run_problems says it)
+                self.add(f"world_size={self.world} must be >= 1; set launch.nproc (or the srun task count)")
             ok = False
         return ok
 

@@ -104,7 +104,9 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     _one_of(problems, "launch.device", la.device, DEVICES)
     _positive(problems, "launch.nproc", la.nproc)
     if not 1 <= la.master_port <= 65535:
-        problems.append(f"launch.master_port={la.master_port} is not a TCP port; use one in [1024, 65535]")
+        problems.append(
+            f"launch.master_port={la.master_port} is not a TCP port; use one in [1, 65535], e.g. 29511"
+        )
 
     if d.seed < 0:
         problems.append(f"data.seed={d.seed} must be >= 0")
