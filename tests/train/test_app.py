@@ -395,6 +395,18 @@ def test_main_reports_hydra_errors_as_config_errors(capsys: pytest.CaptureFixtur
     assert app.main(["batch.micro_batchsize=2"]) == app.EXIT_CONFIG_ERROR
 
 
+def test_main_takes_a_port_the_os_gives_free_by_default(tmp_path: Path, fake_worker: None) -> None:
+    # Not one fixed port every run on the host prefers: two runs starting together would both
+    # find it free, and one rank 0 would fail to bind it seconds later.
+    ports = set()
+    for name in ("a", "b"):
+        assert app.main(["nproc=2", f"telemetry.out_dir={tmp_path / name}"]) == 0
+        env = [json.loads((tmp_path / name / "fake" / f"rank{r}.json").read_text())["env"] for r in (0, 1)]
+        assert env[0]["MASTER_PORT"] == env[1]["MASTER_PORT"]
+        ports.add(int(env[0]["MASTER_PORT"]))
+    assert 29511 not in ports and all(1024 <= p <= 65535 for p in ports)
+
+
 def test_main_picks_a_free_port_when_the_configured_one_is_busy(tmp_path: Path, fake_worker: None) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -487,7 +499,8 @@ def fake_loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
 def test_slurm_launcher_runs_the_rank_in_process(
     tmp_path: Path, fake_loop: _Loop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "cn[3-4]"}
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "cn[3-4]",
+             "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}  # fmt: skip
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
     cfg = app.load(["launcher=slurm", "parallel=tp2", f"telemetry.out_dir={tmp_path}"])
@@ -498,7 +511,7 @@ def test_slurm_launcher_runs_the_rank_in_process(
         "WORLD_SIZE": "2",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "cn3",
-        "MASTER_PORT": "29511",
+        "MASTER_PORT": "23936",  # launch.master_port auto: 10000 + (8 * 4242 + 0) % 20000
     }
     assert load_train_config(tmp_path / "config.yaml") == ran  # rank 0 wrote the resolved config
 

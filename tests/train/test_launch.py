@@ -63,6 +63,19 @@ def test_slurm_rank_env() -> None:
     }
 
 
+def test_the_automatic_slurm_port_is_the_same_on_every_task_and_differs_between_jobs() -> None:
+    from charllm_nemo.train.launch import slurm_master_port
+
+    task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "a1"}
+    job = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"}
+    ports = {slurm_rank_env({**task, **job, "SLURM_PROCID": r}, None)["MASTER_PORT"] for r in ("0", "1")}
+    assert ports == {str(slurm_master_port(job))}
+    assert 10000 <= slurm_master_port(job) < 30000
+    assert slurm_master_port(job) != slurm_master_port({**job, "SLURM_JOB_ID": "123457"})
+    assert slurm_master_port(job) != slurm_master_port({**job, "SLURM_STEP_ID": "1"})  # two srun steps
+    assert slurm_rank_env({**task, **job}, 29600)["MASTER_PORT"] == "29600"  # set: used as is
+
+
 def test_slurm_rank_env_respects_a_preset_master() -> None:
     base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODELIST": "a[1-2]"}
     assert slurm_rank_env(base, 1)["MASTER_ADDR"] == "a1"  # SLURM_NODELIST also works

@@ -120,7 +120,9 @@ class LaunchConfig:
     launcher: str = "local"  # "local" | "slurm" | "none" (already inside torchrun/srun)
     nproc: int = 1
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    master_port: int = 29511
+    # None = auto: launcher=local, a port the OS gives free; slurm, one derived from the job and
+    # step ids (every node agrees; jobs sharing a node differ); MASTER_PORT in the environment wins.
+    master_port: int | None = None
     dry_run: bool = False  # validate and print the plan (layout, FLOPs, memory per rank); start nothing
 
 

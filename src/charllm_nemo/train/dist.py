@@ -34,7 +34,8 @@ class RankEnv:
 def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
     """RANK / WORLD_SIZE / LOCAL_RANK (torchrun, ``launcher=local``), else SLURM_PROCID /
     SLURM_NTASKS / SLURM_LOCALID (srun), else a single process. MASTER_ADDR defaults to
-    127.0.0.1 and MASTER_PORT to ``launch.master_port``."""
+    127.0.0.1 and MASTER_PORT to ``launch.master_port`` (auto: under srun the job's port,
+    ``launch.slurm_master_port``; else 29500, torch's)."""
     e = dict(os.environ) if env is None else env
     if "RANK" in e:
         rank, world = int(e["RANK"]), int(e.get("WORLD_SIZE", "1"))
@@ -50,8 +51,16 @@ def rank_env(cfg: TrainConfig, env: dict[str, str] | None = None) -> RankEnv:
         local_rank=local,
         local_world_size=local_ranks_from_env(e, world),
         master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(e.get("MASTER_PORT", cfg.launch.master_port)),
+        master_port=int(e.get("MASTER_PORT") or _default_port(cfg, e)),
     )
+
+
+def _default_port(cfg: TrainConfig, e: dict[str, str]) -> int:
+    if cfg.launch.master_port is not None:
+        return cfg.launch.master_port
+    from charllm_nemo.train.launch import slurm_master_port
+
+    return slurm_master_port(e) if "SLURM_PROCID" in e else 29500
 
 
 @dataclass

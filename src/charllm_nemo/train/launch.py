@@ -162,10 +162,26 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def slurm_rank_env(environ: Mapping[str, str], master_port: int) -> dict[str, str]:
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 10000, 20000
+"""``launch.master_port`` auto under SLURM: a port in [10000, 30000), below Linux's ephemeral range."""
+
+
+def slurm_master_port(environ: Mapping[str, str]) -> int:
+    """The rendezvous port every task of this job step computes alike: from SLURM_JOB_ID and
+    SLURM_STEP_ID, so that jobs (and concurrent steps) sharing a node do not collide as they
+    would on one fixed port."""
+    job = environ.get("SLURM_JOB_ID", "0")
+    step = environ.get("SLURM_STEP_ID", "0")
+    job_n = int(job) if job.isdigit() else sum(job.encode())
+    step_n = int(step) if step.isdigit() else 0
+    return SLURM_PORT_BASE + (8 * job_n + step_n) % SLURM_PORT_SPAN
+
+
+def slurm_rank_env(environ: Mapping[str, str], master_port: int | None) -> dict[str, str]:
     """torch.distributed variables for this srun task: RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
     LOCAL_RANK=SLURM_LOCALID, MASTER_ADDR=first host of SLURM_JOB_NODELIST (SLURM_NODELIST),
-    MASTER_PORT=``master_port``. A MASTER_ADDR / MASTER_PORT already in the environment wins."""
+    MASTER_PORT=``master_port`` (None: :func:`slurm_master_port`). A MASTER_ADDR / MASTER_PORT
+    already in the environment wins."""
     missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if k not in environ]
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if nodelist is None and "MASTER_ADDR" not in environ:
@@ -182,7 +198,8 @@ def slurm_rank_env(environ: Mapping[str, str], master_port: int) -> dict[str, st
         "WORLD_SIZE": environ["SLURM_NTASKS"],
         "LOCAL_RANK": environ["SLURM_LOCALID"],
         "MASTER_ADDR": environ.get("MASTER_ADDR") or expand_nodelist(nodelist or "")[0],
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(master_port),
+        "MASTER_PORT": environ.get("MASTER_PORT")
+        or str(slurm_master_port(environ) if master_port is None else master_port),
     }
     if "SLURM_NODEID" in environ:
         env["GROUP_RANK"] = environ["SLURM_NODEID"]
@@ -225,16 +242,17 @@ def torchrun_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def free_port(preferred: int, host: str = "127.0.0.1") -> int:
-    """``preferred`` if it can be bound on ``host`` now, else a free port the OS picks. Like
+    """``preferred`` if it can be bound on ``host`` now, else (or for 0) a free port the OS picks. Like
     torch's TCPStore, the probe sets SO_REUSEADDR: a port left in TIME_WAIT by a previous run
     counts as free, one that something listens on does not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, preferred))
-            return preferred
-        except OSError:
-            pass
+    if preferred:  # 0: no preference
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, preferred))
+                return preferred
+            except OSError:
+                pass
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
@@ -275,7 +293,7 @@ def launch_local(
     nproc: int,
     *,
     run_dir: str | os.PathLike[str],
-    master_port: int = 29511,
+    master_port: int | None = None,
     worker_argv: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
     grace_s: float = TERMINATE_GRACE_S,
@@ -297,8 +315,11 @@ def launch_local(
             str(config_path),
         ]
     )
-    port = free_port(master_port)
-    if port != master_port:
+    # Auto (None): a port the OS gives free now. A fixed default would be one that every run on
+    # the host prefers: two starting together could both find it free, and one rank 0 would
+    # then fail to bind it (EADDRINUSE) seconds later, after importing torch.
+    port = free_port(0 if master_port is None else master_port)
+    if master_port is not None and port != master_port:
         print(f"charllm train: MASTER_PORT {master_port} is busy; using {port}", file=sys.stderr)
     base = dict(os.environ if env is None else env)
     if nproc > 1 and "OMP_NUM_THREADS" not in base:

@@ -103,7 +103,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     _one_of(problems, "launch.launcher", la.launcher, LAUNCHERS)
     _one_of(problems, "launch.device", la.device, DEVICES)
     _positive(problems, "launch.nproc", la.nproc)
-    if not 1 <= la.master_port <= 65535:
+    if la.master_port is not None and not 1 <= la.master_port <= 65535:
         problems.append(
             f"launch.master_port={la.master_port} is not a TCP port; use one in [1, 65535], e.g. 29511"
         )
