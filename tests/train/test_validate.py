@@ -560,6 +560,7 @@ def test_a_run_directory_in_a_folder_this_user_cannot_write_is_refused(
 
 def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_allocates() -> None:
     from charllm_nemo.train.config import for_device
+    from charllm_nemo.train.plan import RANK_PROCESS_FLOOR_BYTES as FLOOR
     from charllm_nemo.train.plan import cpu_memory_problem, plan_stage_memory
 
     gib = 2**30
@@ -568,8 +569,10 @@ def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_al
     msg = cpu_memory_problem(big, layout, 1, 24 * gib)
     # 70.55 B parameters (the norms aside) x 16 bytes: fp32 weight, gradient, Adam's two moments
     assert msg is not None
-    assert msg.startswith("model=llama3_70b on CPU needs at least 1,051.3 GiB for 1 rank(s)")
-    assert "(70.552 B parameters in all" in msg and "this host has 24.0 GiB: train a small model" in msg
+    assert msg.startswith("model=llama3_70b on CPU needs at least 1,051.6 GiB for 1 rank(s)")
+    assert "1 rank(s) on this host: 1,051.3 GiB of weights, fp32 gradients and Adam's two moments" in msg
+    assert "(the model has 70.552 B parameters;" in msg
+    assert "256.0 MiB per rank for Python, torch and megatron-core; this host has 24.0 GiB" in msg
     assert cpu_memory_problem(big, layout, 1, None) is None  # memory unknown: no guess
     # The same per-stage plan as the dry run: the tied embedding's copy on the last stage and
     # every stage's ranks count when all ranks are on this host; a rank alone counts the
@@ -579,13 +582,16 @@ def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_al
     stages = plan_stage_memory(tiny, layout)
     both = sum(s.total_bytes for s in stages)
     assert both == 16 * (sum(s.parameters for s in stages))
-    assert cpu_memory_problem(tiny, layout, 2, both) is None
-    assert cpu_memory_problem(tiny, layout, 2, both - 1) is not None
+    assert cpu_memory_problem(tiny, layout, 2, both + 2 * FLOOR) is None
+    assert cpu_memory_problem(tiny, layout, 2, both + 2 * FLOOR - 1) is not None
     lightest = min(s.total_bytes for s in stages)
-    assert cpu_memory_problem(tiny, layout, 1, lightest) is None
-    assert cpu_memory_problem(tiny, layout, 1, lightest - 1) is not None
+    assert cpu_memory_problem(tiny, layout, 1, lightest + FLOOR) is None
+    assert cpu_memory_problem(tiny, layout, 1, lightest + FLOOR - 1) is not None
     # validate applies it on CPU only (this host has far less than a TB), before any allocation
-    assert "needs at least 1,051.3 GiB" in one(big, world=1, device="cpu")
+    assert "needs at least 1,051.6 GiB" in one(big, world=1, device="cpu")
+    # far too many ranks of a tiny model: each is a process with torch in it
+    crowd = cfg_for("tiny_gpt", global_batch_size=4096)
+    assert "for 4096 rank(s) on this host" in one(crowd, world=4096, device="cpu")
     validate(big, world_size=1, device="cuda")  # GPU memory is not this check's business
 
 

@@ -218,15 +218,26 @@ def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, t
         log.warning(warning)
 
 
+RANK_PROCESS_FLOOR_BYTES = 256 * 2**20
+"""What a CPU rank's process takes before any model: Python with torch and megatron-core imported
+held 288 MiB of private (unshared) memory here; the check counts 256 MiB."""
+
+
+RANK_PROCESS_FLOOR_BYTES = 256 * 2**20
+"""What a CPU rank's process takes before any model: Python with torch and megatron-core imported
+held 288 MiB of private (unshared) memory here; the check counts 256 MiB."""
+
+
 def cpu_memory_problem(
     cfg: TrainConfig, layout: ResolvedLayout, local_ranks: int, memory: int | None
 ) -> str | None:
-    """A model that cannot fit this host's memory on CPU (a preset meant for GPUs, say), told
-    before anything is allocated: the weights, gradients and optimizer state of the stages of
-    ``local_ranks`` ranks (the same per-stage plan as the dry run and the GPU check; on CPU fp32,
-    16 bytes a parameter), against ``memory`` bytes. ``local_ranks`` equal to the world: every
-    rank on this host; fewer: the lightest stage's ranks. A lower bound (activations and buffers
-    not counted), so it never refuses a run that fits."""
+    """A run that cannot fit this host's memory on CPU (a preset meant for GPUs, or far too many
+    ranks), told before anything is allocated: the weights, gradients and optimizer state of the
+    stages of ``local_ranks`` ranks (the same per-stage plan as the dry run and the GPU check; on
+    CPU fp32, 16 bytes a parameter) and :data:`RANK_PROCESS_FLOOR_BYTES` per rank for the process
+    itself, against ``memory`` bytes. ``local_ranks`` equal to the world: every rank on this
+    host; fewer: the lightest stage's ranks. A lower bound (activations and buffers not counted),
+    so it never refuses a run that fits."""
     if memory is None:
         return None
     try:
@@ -234,19 +245,20 @@ def cpu_memory_problem(
     except (ValueError, TypeError):
         return None
     if local_ranks >= layout.world_size:
-        per_stage = layout.world_size // layout.pp
-        need = per_stage * sum(s.total_bytes for s in stages)
-        params = per_stage * sum(s.parameters for s in stages)
+        state = layout.world_size // layout.pp * sum(s.total_bytes for s in stages)
     else:
-        need = local_ranks * min(s.total_bytes for s in stages)
-        params = local_ranks * min(s.parameters for s in stages)
-    if need <= memory:
+        state = local_ranks * min(s.total_bytes for s in stages)
+    floor = local_ranks * RANK_PROCESS_FLOOR_BYTES
+    if state + floor <= memory:
         return None
+    params = sum(s.parameters for s in stages)  # one replica: the model (its 2-D weights)
     return (
-        f"model={cfg.model.name} on CPU needs at least {_bytes(need)} for {local_ranks} rank(s) on "
-        f"this host ({_count(params)} parameters in all, with their fp32 gradients and Adam's two "
-        f"moments; `dry_run=true` prints the plan per stage); this host has {_bytes(memory)}: train "
-        "a small model on a CPU (model=tiny_gpt or tiny_moe), or run on GPUs (launch.device=cuda)"
+        f"model={cfg.model.name} on CPU needs at least {_bytes(state + floor)} for {local_ranks} rank(s) "
+        f"on this host: {_bytes(state)} of weights, fp32 gradients and Adam's two moments (the model "
+        f"has {_count(params)} parameters; `dry_run=true` prints the plan per stage) and "
+        f"{_bytes(RANK_PROCESS_FLOOR_BYTES)} per rank for Python, torch and megatron-core; this host "
+        f"has {_bytes(memory)}: train a small model, or fewer ranks, on a CPU (model=tiny_gpt or "
+        "tiny_moe, launch.nproc), or run on GPUs (launch.device=cuda)"
     )
 
 
