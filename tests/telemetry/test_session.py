@@ -289,3 +289,21 @@ def test_live_figures_wait_for_every_device_not_just_the_first(tmp_path):
             assert [f["energy_j"] for f in figs] == [pytest.approx(20.0), pytest.approx(20.0)]
     finally:
         tel.close()
+
+
+def test_a_close_that_cannot_store_the_open_windows_still_finishes_the_manifest(tmp_path, caplog):
+    tel = TelemetrySession(tmp_path, backend="synthetic", hz=100, sampler="thread", handle_signals=False)
+    tel.start()
+    tel.windows.begin("step", step=0)  # still open at close
+    write = tel.store.write_segment
+
+    def full_disk(kind, table):
+        if kind == "windows":
+            raise OSError(28, "No space left on device")
+        return write(kind, table)
+
+    tel.store.write_segment = full_disk
+    tel.close("failed")
+    m = load_run(tmp_path).manifests[0]
+    assert m["status"] == "failed" and m["flusher"]["errors"] >= 1
+    assert "could not store the 1 window(s) open at close" in caplog.text

@@ -407,7 +407,13 @@ class TelemetrySession:
             self._flusher.stop()
             self._flusher.flush_once()
             if open_records:
-                self.store.write_segment("windows", records_to_table(open_records, self.windows.names.names))
+                try:  # a full disk: the manifest below must still be written, the backend closed
+                    self.store.write_segment(
+                        "windows", records_to_table(open_records, self.windows.names.names)
+                    )
+                except Exception:
+                    self._flusher.errors += 1
+                    log.exception("could not store the %d window(s) open at close", len(open_records))
             extra = {
                 "flusher": {
                     "flushes": self._flusher.flushes,
