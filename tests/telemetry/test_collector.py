@@ -255,6 +255,35 @@ def test_names_beyond_the_names_area_are_stored_as_a_question_mark(block, tmp_pa
     assert names[:3] == [f"{long}{i}" for i in range(3)] and names[-1] == "?"
 
 
+def test_a_full_names_area_never_writes_past_its_end_into_the_figure_slots(block, tmp_path):
+    # Once not even an empty entry (2 bytes) fits, later names are not published at all: the
+    # figure slot after the area keeps its answer, and the names read back stay whole.
+    ring, marks, _rec = _wire(block)
+    for i in range(10):
+        ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
+    marks.request_figures(0, 0, PERIOD, 0, 1)
+    c = _collector(block, tmp_path)
+    c.tick()  # answers request 0 into slot 0
+    answer = shm.read_figures(block, 0)
+    assert answer is not None
+    code = first = block.q[shm.H_NAMES_COUNT]  # the recorder's own names come first
+    left = shm.NAMES_SIZE - marks._names_used
+    while left > 4098 + 1:  # names of 4096 bytes (the longest kept) until one more fills it
+        marks.publish_name(code, "x" * 4096)
+        code, left = code + 1, left - 4098
+    marks.publish_name(code, "y" * (left - 3))  # 1 byte left: not even an empty entry fits now
+    assert marks._names_used == shm.NAMES_SIZE - 1 and marks.overflow_names == 0
+    for later in range(code + 1, code + 9):
+        marks.publish_name(later, f"later{later}")
+    assert marks._names_used == shm.NAMES_SIZE - 1 and marks.overflow_names == 1  # (then: no code is next)
+    assert block.q[shm.H_NAMES_COUNT] == code + 1  # the later ones: unpublished, stored as "?"
+    assert repr(shm.read_figures(block, 0)) == repr(answer)  # (NaN figures: compared as text)
+    known: list[str] = []
+    shm.read_names(block, known)
+    assert len(known) == code + 1 and known[first:] == ["x" * 4096] * (code - first) + ["y" * (left - 3)]
+    c.close()
+
+
 def test_a_request_computes_only_the_figures_its_mask_names(block, tmp_path):
     ring, marks, _rec = _wire(block)
     for i in range(12):

@@ -535,8 +535,12 @@ class MarkWriter:
             if q[H_NAMES_COUNT] != code:
                 return  # already published (a table re-installed on the same block)
             if self._names_used + 2 + len(data) > NAMES_SIZE:
-                # Full: the code stays unpublished and the telemetry process stores "?" for it.
+                # Full: the telemetry process stores "?" for this code. An empty entry keeps the
+                # codes in order while one fits; after that none is published (nothing may be
+                # written past the area: the figure slots follow it).
                 self.overflow_names += 1
+                if self._names_used + 2 > NAMES_SIZE:
+                    return
                 data = b""
             off = lay.names_offset + self._names_used
             self.block.mm[off : off + 2 + len(data)] = struct.pack("<H", len(data)) + data
