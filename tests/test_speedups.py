@@ -256,3 +256,56 @@ def test_write_ring_refuses_what_does_not_fit_and_bad_ints() -> None:
         with pytest.raises(ValueError):  # the ring runs past the buffer
             write(bytearray(64), 16, 2, 0, 4, [1])
         assert write(buf, 16, 2, 1, 4, []) == 0
+
+
+_EDGES = """
+from charllm_nemo import _hot
+from charllm_nemo.telemetry.windows import WindowRecorder
+from charllm_nemo.train.marks import StepMarker
+
+# A MarkActivity made without __init__: working defaults, not NULL fields.
+a = _hot.MarkActivity.__new__(_hot.MarkActivity)
+a("phase", "forward", True)
+assert a.on_change is None
+
+# A ring whose size overflows int64 (cap * record_len * 8 wraps to 0): refused, not written.
+try:
+    _hot.write_ring(bytearray(1024), 0, 2**61, 2**40, 8, [1] * 8)
+except ValueError as exc:
+    assert "does not fit" in str(exc)
+else:
+    raise AssertionError("write_ring wrote past its buffer")
+
+# A conversion that fails is reported at once, not carried into the next argument's __index__.
+class Index:
+    def __index__(self):
+        raise RuntimeError("must not run")
+try:
+    _hot.write_ring(bytearray(64), "x", Index(), 0, 1, [1])
+except TypeError:
+    pass
+
+# A listener that replaces the marker's listeners list (its only holder) mid-call.
+calls = []
+m = StepMarker(WindowRecorder(), num_microbatches=1)
+m.begin_step(0)
+def swap(kind, name, begin):
+    calls.append("swap")
+    m._listeners = [lambda *args: calls.append("new")]
+m._listeners = [swap, lambda *args: calls.append("second")]
+m("forward-compute").start()
+assert calls == ["swap", "second"], calls
+print("ok")
+"""
+
+
+@needs_c
+def test_c_edge_cases_that_once_crashed_the_process() -> None:
+    # In a child (PYTHONMALLOC=debug catches a freed list still read): a regression here is a
+    # segfault, which must fail this test, not the test run.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONMALLOC": "debug"}
+    proc = subprocess.run([sys.executable, "-c", _EDGES], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])

@@ -30,6 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <time.h>
 
 typedef struct {
@@ -294,16 +295,20 @@ note(MarkBase *m, PyObject *key, PyObject *listener_args)
     Py_DECREF(t);
     if (rc < 0)
         return -1;
-    PyObject *ls = m->listeners;
+    PyObject *ls = m->listeners; /* held: a listener may replace m->listeners */
+    Py_INCREF(ls);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ls); i++) { /* the size is read again: may grow */
         PyObject *fn = PyList_GET_ITEM(ls, i);
         Py_INCREF(fn);
         PyObject *r = PyObject_Call(fn, listener_args, NULL);
         Py_DECREF(fn);
-        if (r == NULL)
+        if (r == NULL) {
+            Py_DECREF(ls);
             return -1;
+        }
         Py_DECREF(r);
     }
+    Py_DECREF(ls);
     return 0;
 }
 
@@ -408,6 +413,23 @@ Activity_init(Activity *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->on_change, Py_None);
     self->published = -1.0;
     return 0;
+}
+
+/* Working values before __init__ (or without it: MarkActivity.__new__(MarkActivity)). */
+static PyObject *
+Activity_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Activity *self = (Activity *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->level_of = PyDict_New();
+    if (self->level_of == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->on_change = Py_NewRef(Py_None);
+    self->published = -1.0;
+    return (PyObject *)self;
 }
 
 static int
@@ -560,7 +582,7 @@ static PyTypeObject ActivityType = {
     .tp_methods = Activity_methods,
     .tp_getset = Activity_getset,
     .tp_init = (initproc)Activity_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Activity_new,
 };
 
 /* -- write_ring ----------------------------------------------------------------------------- */
@@ -581,14 +603,16 @@ write_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "write_ring(buffer, base, cap, w, record_len, *parts)");
         return NULL;
     }
-    long long base = PyLong_AsLongLong(args[1]);
-    long long cap = PyLong_AsLongLong(args[2]);
-    long long w = PyLong_AsLongLong(args[3]);
-    long long rlen = PyLong_AsLongLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (base < 0 || cap <= 0 || w < 0 || rlen <= 0) {
-        PyErr_SetString(PyExc_ValueError, "write_ring: base, w >= 0 and cap, record_len > 0");
+    long long ints[4]; /* base, cap, w, record_len: each checked as it is converted */
+    for (int k = 0; k < 4; k++) {
+        ints[k] = PyLong_AsLongLong(args[1 + k]);
+        if (ints[k] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    long long base = ints[0], cap = ints[1], w = ints[2], rlen = ints[3];
+    if (base < 0 || cap <= 0 || w < 0 || rlen <= 0 || base % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "write_ring: base (a multiple of 8), w >= 0 and cap, record_len > 0");
         return NULL;
     }
     Py_ssize_t total = 0;
@@ -599,7 +623,7 @@ write_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         total += PySequence_Fast_GET_SIZE(args[p]);
     }
-    long long n = (total + rlen - 1) / rlen;
+    long long n = total / rlen + (total % rlen != 0);
     if (n > cap) {
         PyErr_SetString(PyExc_ValueError, "write_ring: more records than the ring holds");
         return NULL;
@@ -608,7 +632,9 @@ write_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (base + cap * rlen * 8 > view.len) {
+    /* base + cap * rlen * 8 <= view.len, without overflowing on the way */
+    if (rlen > LLONG_MAX / 8 || base > (long long)view.len
+        || cap > ((long long)view.len - base) / (rlen * 8)) {
         PyErr_SetString(PyExc_ValueError, "write_ring: the ring does not fit in the buffer");
         goto done;
     }

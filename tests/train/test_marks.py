@@ -241,3 +241,10 @@ def test_a_step_cut_short_hands_over_what_it_marked_with_the_rest_open(Marker: A
     assert all(r["parent_id"] == step_id for r in done) and all(r["step"] == 7 for r in done + still_open)
     rec.flush_pending()  # nothing twice
     assert rec.drain() == [] and len(rec.open_windows()) == 2
+
+
+def test_a_marker_without_microbatches_is_refused() -> None:
+    # Window ids are reserved per microbatch at step end: with none, a stray backward mark would
+    # take ids belonging to the next step.
+    with pytest.raises(ValueError, match="num_microbatches=0 and num_chunks=1 must be >= 1"):
+        StepMarker(WindowRecorder(), num_microbatches=0)

@@ -223,6 +223,8 @@ class _Marker:
         cuda: bool = False,
     ) -> None:
         super().__init__()
+        if num_microbatches < 1 or num_chunks < 1:  # a step's window ids are reserved per microbatch
+            raise ValueError(f"num_microbatches={num_microbatches} and num_chunks={num_chunks} must be >= 1")
         self.recorder = recorder
         self.kinds = frozenset(kinds)
         self._record_phases = "phase" in self.kinds
