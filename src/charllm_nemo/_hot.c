@@ -512,7 +512,9 @@ Activity_call(Activity *self, PyObject *args, PyObject *kwds)
             PyObject *v = PyFloat_FromDouble(level);
             if (v == NULL)
                 return NULL;
-            PyObject *r = PyObject_CallOneArg(self->on_change, v);
+            PyObject *fn = Py_NewRef(self->on_change); /* held: the call may replace it */
+            PyObject *r = PyObject_CallOneArg(fn, v);
+            Py_DECREF(fn);
             Py_DECREF(v);
             if (r == NULL) {
                 /* Where it publishes to was released (the session is stopping): stop publishing. */
