@@ -621,3 +621,21 @@ def test_library_not_loadable_in_a_child_process(fake_nvml_env: Any) -> None:
     assert proc.stdout.startswith("MESSAGE:"), proc.stdout
     assert "no NVIDIA driver found" in proc.stdout
     assert "libnvidia-ml.so.1" in proc.stdout
+
+
+def test_a_rank_beyond_the_gpus_samples_the_one_it_maps_to_not_all_of_them(
+    fake_nvml: Any, tmp_path: Any
+) -> None:
+    # auto backend, local rank 4 on a host with 3 GPUs and no CUDA_VISIBLE_DEVICES: torch drives
+    # GPU 4 % 3 = 1 (train/dist.py); telemetry samples that one, not every GPU (each rank would
+    # count all of their energy as its own).
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    fake_nvml.set_global("device_count", 3)
+    tel = TelemetrySession(
+        tmp_path, backend="auto", local_rank=4, rank=4, sampler="thread", handle_signals=False
+    )
+    try:
+        assert [d.identity.index for d in tel.backend.devices] == [1]
+    finally:
+        tel.close()

@@ -280,10 +280,25 @@ class TelemetrySession:
         try:
             return open_backend(name, indices, **options)
         except Exception:
-            if name == "auto" and indices is not None:
-                # auto with this rank's index found no such device: fall back to what exists.
-                return open_backend(name, None, **options)
-            raise
+            if name != "auto" or indices is None:
+                raise
+        # auto, and this rank's index is not a device here (more ranks than GPUs visible): the
+        # device torch drives then, local_rank modulo the count (train/dist.py), never all of
+        # them (each rank would count every GPU's energy as its own).
+        every = open_backend(name, None, **options)
+        if len(every.devices) <= 1:
+            return every
+        own = every.devices[local_device_ordinal(self.local_rank, len(every.devices))].identity.index
+        every.close()
+        log.warning(
+            "telemetry: rank %d's device %s is not on this host; sampling device %d, the one its "
+            "local rank maps to (local_rank %% %d)",
+            self.rank,
+            list(indices),
+            own,
+            len(every.devices),
+        )
+        return open_backend(name, [own], **options)
 
     def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
         return {
