@@ -209,3 +209,26 @@ def test_fp32_training_on_transformer_engine_is_measured_against_the_tf32_rate()
     )
     cfg.batch.precision = "bf16"  # 16-bit training: its own rate either way
     assert Throughput(cfg, 8, name, on_cpu=False, tf32_gemms=True).peak == pytest.approx(989.4)
+
+
+def test_figures_known_without_energy_still_reach_the_summary_and_the_console() -> None:
+    # A device that reports temperature, peak power and throttling but no energy (a vGPU guest).
+    import torch
+
+    from charllm_nemo.train.report import RankFigures, StepSummary, apply_figures, format_summary, reduce_step
+
+    f = RankFigures(power_peak_w=350.0, temp_gpu_peak_c=81.0, throttle_s=0.02)
+    sums, maxes = reduce_step(torch, "cpu", loss_sum=1.0, loss_tokens=1.0, step_time_s=0.1, figures=f)
+    s = StepSummary(step=0, loss=1.0, step_time_s=0.1)
+    apply_figures(s, sums, maxes)
+    assert (s.energy_j, s.power_peak_w, s.temp_gpu_peak_c) == (None, 350.0, 81.0)
+    assert s.throttle_share == pytest.approx(0.2)
+    assert format_summary(s, 1, 1).endswith("| energy n/a | peak 350 W | max 81 C | throttle 20%")
+
+
+def test_the_energy_median_counts_only_steps_every_rank_reported() -> None:
+    # A step some rank's figures missed is a partial sum over ranks, not the job's energy.
+    rows = [{"step": i, "energy_j": e, "ranks_reporting": n} for i, (e, n) in
+            enumerate([(800, 8), (800, 8), (100, 1), (400, 4), (100, 1), (800, 8)])]  # fmt: skip
+    assert run_summary(rows, world_size=8)["energy_j_median"] == 800
+    assert run_summary(rows)["energy_j_median"] == 400  # (no world size: every step)

@@ -124,6 +124,7 @@ class AsyncSink:
         self.finish_timeout_s = float(finish_timeout_s)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self.logged = 0
+        self._in_flight = False  # a call (other than finish) under way on the sink's thread
         self.dropped = 0
         self.errors = 0
         self.skipped = 0
@@ -194,8 +195,9 @@ class AsyncSink:
         except queue.Full:
             queued = False
         timed_out = not (queued and self._finished.wait(max(deadline - time.monotonic(), 0.0)))
-        # Items still queued behind a hung call (the sentinel itself not counted).
-        abandoned = max(self._queue.qsize() - (1 if queued else 0), 0) if timed_out else 0
+        # Items still queued behind a hung call (the sentinel itself not counted), and the hung
+        # call itself when it is one of the run's (not the backend's own finish).
+        abandoned = max(self._queue.qsize() - (1 if queued else 0), 0) + self._in_flight if timed_out else 0
         self._report = SinkReport(
             name=self.name,
             logged=self.logged,
@@ -240,7 +242,10 @@ class AsyncSink:
             if self._broken:
                 self.skipped += 1
                 continue
-            if not self._call(method, args) and method == "start":
+            self._in_flight = True
+            ok = self._call(method, args)
+            self._in_flight = False
+            if not ok and method == "start":
                 self._broken = True
                 log.warning("sink %s: start failed; its later calls are skipped", self.name)
 

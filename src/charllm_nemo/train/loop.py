@@ -317,7 +317,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         "wall_s": result.wall_s,
         "setup_s": result.setup_s,
         "memory": result.memory,
-        **run_summary(result.summaries),
+        **run_summary(result.summaries, world_size=result.world_size),
         "per_step": result.summaries,
     }
     atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())

@@ -1,10 +1,11 @@
 """Per-step results: cross-rank reduction, throughput/MFU, and rank 0's console line.
 
-Cross-rank figures travel as two small fixed-size float64 tensors (one ``all_reduce`` SUM, one
-MAX), never pickled objects. Per-step energy figures of a rank come from its telemetry session
-one step late (the sampler must have taken a sample after the step ended; asking at once would
-mean waiting), so the figures of step ``k-1`` ride in step ``k``'s reduction and rank 0's console
-line for a step is printed one step after it ends (the last one after a final reduction).
+Cross-rank figures travel as one small fixed-size float64 vector per rank in one ``all_gather``
+(summed or maxed on each rank), never pickled objects. Per-step energy figures of a rank come
+from its telemetry session one step late (the sampler must have taken a sample after the step
+ended; asking at once would mean waiting), so the figures of step ``k-1`` ride in step ``k``'s
+reduction and rank 0's console line for a step is printed one step after it ends (the last one
+after a final reduction).
 """
 
 from __future__ import annotations
@@ -223,14 +224,14 @@ def apply_figures(s: StepSummary, sums: dict[str, float], maxes: dict[str, float
     """Put the reduced telemetry figures of a step into its summary."""
     n = round(sums["reporting"])
     s.ranks_reporting = n
-    if n == 0:
-        return
-    s.energy_j = sums["energy_j"]
-    s.power_avg_w = sums["power_avg_w"] / n
+    # The maxima stand on their own (a device may report temperature but no energy).
     s.power_peak_w = _opt(maxes["power_peak_w"])
     s.temp_gpu_peak_c = _opt(maxes["temp_gpu_peak_c"])
     thr = maxes["throttle_s"]
     s.throttle_share = None if math.isnan(thr) or s.step_time_s <= 0 else thr / s.step_time_s
+    if n:
+        s.energy_j = sums["energy_j"]
+        s.power_avg_w = sums["power_avg_w"] / n
 
 
 def _si(v: float) -> str:
@@ -256,13 +257,15 @@ def format_summary(s: StepSummary, total_steps: int, world_size: int) -> str:
     else:
         partial = "" if s.ranks_reporting >= world_size else f" ({s.ranks_reporting}/{world_size} ranks)"
         parts.append(f"{s.energy_j:.3g} J{partial}")
-        if s.power_avg_w is not None:
-            peak = "" if s.power_peak_w is None else f", peak {s.power_peak_w:.0f} W"
-            parts.append(f"{s.power_avg_w:.0f} W/GPU avg{peak}")
-        if s.temp_gpu_peak_c is not None:
-            parts.append(f"max {s.temp_gpu_peak_c:.0f} C")
-        if s.throttle_share is not None:
-            parts.append(f"throttle {100 * s.throttle_share:.0f}%")
+    peak = "" if s.power_peak_w is None else f"peak {s.power_peak_w:.0f} W"
+    if s.power_avg_w is not None:
+        parts.append(f"{s.power_avg_w:.0f} W/GPU avg" + (f", {peak}" if peak else ""))
+    elif peak:
+        parts.append(peak)
+    if s.temp_gpu_peak_c is not None:
+        parts.append(f"max {s.temp_gpu_peak_c:.0f} C")
+    if s.throttle_share is not None:
+        parts.append(f"throttle {100 * s.throttle_share:.0f}%")
     return " | ".join(parts)
 
 
@@ -375,14 +378,20 @@ SUMMARY_FIELDS: tuple[str, ...] = (
 )
 
 
-def run_summary(summaries: list[dict[str, Any]], skip_first: int = 1) -> dict[str, Any]:
+def run_summary(
+    summaries: list[dict[str, Any]], skip_first: int = 1, world_size: int | None = None
+) -> dict[str, Any]:
     """Medians over steps of each per-step figure (the first ``skip_first`` steps, which carry
     warm-up and allocation, are left out when more steps exist). Keys ``<field>_median``;
-    a field no step reported is None."""
+    a field no step reported is None. ``world_size``: ``energy_j`` (a sum over ranks) only over
+    the steps every rank reported (``ranks_reporting``), not partial sums."""
     rows = summaries[skip_first:] if len(summaries) > skip_first else summaries
     out: dict[str, Any] = {"steps": len(summaries), "steps_in_medians": len(rows)}
     for name in SUMMARY_FIELDS:
-        values = sorted(v for r in rows if (v := r.get(name)) is not None and not math.isnan(v))
+        some = rows
+        if name == "energy_j" and world_size is not None:
+            some = [r for r in rows if r.get("ranks_reporting", world_size) >= world_size]
+        values = sorted(v for r in some if (v := r.get(name)) is not None and not math.isnan(v))
         if not values:
             out[f"{name}_median"] = None
             continue
