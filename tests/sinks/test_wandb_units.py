@@ -290,3 +290,10 @@ def test_the_artifact_holds_the_telemetry_files_and_respects_the_size_bound(tmp_
 def test_calls_before_start_raise_so_the_async_wrapper_counts_them():
     with pytest.raises(RuntimeError, match="start"):
         WandbSink().log_step(0, {})
+
+
+def test_shared_run_ids_differ_for_run_directories_that_end_alike(tmp_path):
+    env = {"SLURM_JOB_ID": ""}
+    a, b = tmp_path / "a" / "runs" / "x", tmp_path / "b" / "runs" / "x"
+    assert shared_run_id(a, env) != shared_run_id(b, env)
+    assert shared_run_id(a, env) == shared_run_id(tmp_path / "a" / "runs" / "x", env)  # every node alike

@@ -297,10 +297,11 @@ def default_run_name(config: Mapping[str, Any], manifest: Mapping[str, Any]) -> 
 
 def shared_run_id(run_dir: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> str:
     """A W&B run id every node computes alike for one job (shared mode): the run directory's
-    name and its parent's, and SLURM_JOB_ID, hashed; e.g. ``charllm-3f2a9c1d0b7e``."""
+    absolute path (on the shared file system all nodes write to) and SLURM_JOB_ID, hashed; e.g.
+    ``charllm-3f2a9c1d0b7e``. Two runs in directories that share their last two names get
+    different ids."""
     e: Mapping[str, str] = os.environ if env is None else env
-    p = Path(run_dir)
-    seed = f"{p.parent.name}/{p.name}|{e.get('SLURM_JOB_ID', '')}"
+    seed = f"{Path(run_dir).absolute()}|{e.get('SLURM_JOB_ID', '')}"
     return "charllm-" + hashlib.sha1(seed.encode()).hexdigest()[:12]
 
 

@@ -196,7 +196,8 @@ def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
         return None
     from charllm_nemo.sinks.config import build_sink
 
-    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    # The node's number: srun's, or torchrun's (GROUP_RANK; launcher=slurm sets it too).
+    node = int(os.environ.get("SLURM_NODEID") or os.environ.get("GROUP_RANK") or 0)
     sink = build_sink(
         cfg.logger, dist.rank, run_dir=cfg.telemetry.out_dir, local_rank=dist.local_rank, node_rank=node
     )
