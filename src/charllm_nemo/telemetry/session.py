@@ -475,11 +475,14 @@ class TelemetrySession:
         log.warning(
             "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )
-        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
-        self.sampler_mode = "thread"
-        self.store.manifest["sampler_mode"] = "thread"
         self.collector_sched = self.store.manifest["collector_sched"] = None
         self.store.manifest["sampler_process_error"] = reason
+        self._sample_here()
+
+    def _sample_here(self) -> None:
+        """From now on, a sampling thread in this process (thread mode); the manifest says so."""
+        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+        self.sampler_mode = self.store.manifest["sampler_mode"] = "thread"
         self.store.write_manifest()
         warm_up_parquet_writer()
         self.sampler.start()
@@ -514,11 +517,7 @@ class TelemetrySession:
             pid,
             reason,
         )
-        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
-        self.sampler_mode = self.store.manifest["sampler_mode"] = "thread"
-        self.store.write_manifest()
-        warm_up_parquet_writer()
-        self.sampler.start()
+        self._sample_here()
         self._flusher.start()
 
     def _atexit(self) -> None:

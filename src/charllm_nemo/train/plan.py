@@ -223,11 +223,6 @@ RANK_PROCESS_FLOOR_BYTES = 256 * 2**20
 held 288 MiB of private (unshared) memory here; the check counts 256 MiB."""
 
 
-RANK_PROCESS_FLOOR_BYTES = 256 * 2**20
-"""What a CPU rank's process takes before any model: Python with torch and megatron-core imported
-held 288 MiB of private (unshared) memory here; the check counts 256 MiB."""
-
-
 def cpu_memory_problem(
     cfg: TrainConfig, layout: ResolvedLayout, local_ranks: int, memory: int | None
 ) -> str | None:
