@@ -639,3 +639,39 @@ def test_a_rank_beyond_the_gpus_samples_the_one_it_maps_to_not_all_of_them(
         assert [d.identity.index for d in tel.backend.devices] == [1]
     finally:
         tel.close()
+
+
+def test_a_rank_samples_the_gpu_its_cuda_visible_devices_uuid_names(
+    fake_nvml: Any, tmp_path: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    # CUDA_VISIBLE_DEVICES by UUID (abbreviated, as CUDA accepts): local rank 1 drives the GPU
+    # the second entry names, physically 0 here, not GPU 1.
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    fake_nvml.set_global("device_count", 3)
+    fake_nvml.set(0, "uuid", "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-fa4e0000-0000-4000-8000-000000000002,GPU-8932F937")
+
+    runs = iter(range(10))
+
+    def own_device(local_rank: int) -> list[int]:
+        tel = TelemetrySession(
+            tmp_path / str(next(runs)),
+            backend="nvml",
+            local_rank=local_rank,
+            rank=local_rank,
+            sampler="thread",
+            handle_signals=False,
+        )
+        try:
+            return [d.identity.index for d in tel.backend.devices]
+        finally:
+            tel.close()
+
+    assert own_device(0) == [2]
+    assert own_device(1) == [0]
+    # A MIG instance is not mapped to its GPU: the local rank's device, with a warning naming the fix.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-8932f937-d72c-4106-c12f-20bd9faed9f6,GPU-8932f937")
+    with caplog.at_level("WARNING"):
+        assert own_device(0) == [0]
+    assert "matches no single device UUID" in caplog.text and "MIG" in caplog.text

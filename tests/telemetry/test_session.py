@@ -12,7 +12,13 @@ import pytest
 from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.session import TelemetrySession, default_device_indices, local_device_ordinal
+from charllm_nemo.telemetry.session import (
+    TelemetrySession,
+    default_device_indices,
+    local_device_ordinal,
+    match_device_uuid,
+    visible_device_entry,
+)
 
 
 def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
@@ -106,7 +112,22 @@ def test_a_rank_samples_the_device_cuda_visible_devices_gives_it():
     assert [local_device_ordinal(r, 1) for r in (0, 3)] == [0, 0]
     assert local_device_ordinal(2, 0) == 2  # nothing visible: the rank's own number, for the error
     assert default_device_indices(1, {}) == [1]
-    assert default_device_indices(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) == [0]
+    assert default_device_indices(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) == [0]  # a UUID: resolved at open
+    assert visible_device_entry(1, {"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b"}) == "GPU-b"
+    assert visible_device_entry(3, {"ROCR_VISIBLE_DEVICES": "GPU-a"}) == "GPU-a"
+    assert visible_device_entry(0, {"CUDA_VISIBLE_DEVICES": ""}) is None
+
+
+def test_a_visible_device_uuid_is_matched_as_cuda_reads_it():
+    uuids = ["GPU-fa4e0000-0000-4000-8000-000000000000", "GPU-8932F937-d72c-4106-c12f-20bd9faed9f6", None]
+    assert match_device_uuid("GPU-8932f937-d72c-4106-c12f-20bd9faed9f6", uuids) == 1  # any case
+    assert match_device_uuid("GPU-8932f937", uuids) == 1  # a unique prefix, as CUDA accepts
+    assert match_device_uuid("8932f937d72c", uuids) == 1  # without GPU- and dashes
+    assert match_device_uuid("GPU-", uuids) is None  # names nothing
+    assert match_device_uuid("GPU-fa4e", [*uuids, "GPU-fa4e0000-1111"]) is None  # ambiguous
+    assert match_device_uuid("GPU-0bad", uuids) is None  # not on this host
+    # a MIG instance: NVML's power and energy are its GPU's, not the instance's
+    assert match_device_uuid("MIG-8932f937-d72c-4106-c12f-20bd9faed9f6", uuids) is None
 
 
 def test_a_bad_rate_fails_before_anything_starts(tmp_path):

@@ -102,16 +102,43 @@ def local_device_ordinal(local_rank: int, visible: int) -> int:
     return local_rank % visible if 0 < visible <= local_rank else local_rank
 
 
-def default_device_indices(local_rank: int, env: Mapping[str, str] | None = None) -> list[int]:
-    """The device a rank drives, as NVML and AMD SMI number it (physically): the entry of
-    CUDA_VISIBLE_DEVICES (or ROCR_VISIBLE_DEVICES) at :func:`local_device_ordinal` when it
-    lists integers, else ``local_rank``."""
+def visible_device_entry(local_rank: int, env: Mapping[str, str] | None = None) -> str | None:
+    """This rank's entry of CUDA_VISIBLE_DEVICES (or ROCR_VISIBLE_DEVICES), the one at
+    :func:`local_device_ordinal`: a physical index or a (possibly abbreviated) UUID; None when
+    neither is set or it lists nothing."""
     env_map: Mapping[str, str] = os.environ if env is None else env
     visible = env_map.get("CUDA_VISIBLE_DEVICES") or env_map.get("ROCR_VISIBLE_DEVICES") or ""
     items = [v.strip() for v in visible.split(",") if v.strip()]
-    if items and all(v.isdigit() for v in items):
-        return [int(items[local_device_ordinal(local_rank, len(items))])]
-    return [local_rank]
+    return items[local_device_ordinal(local_rank, len(items))] if items else None
+
+
+def default_device_indices(local_rank: int, env: Mapping[str, str] | None = None) -> list[int]:
+    """The device a rank drives, as NVML and AMD SMI number it (physically): its
+    :func:`visible_device_entry` when that is an index, else ``local_rank`` (a UUID entry is
+    resolved against the devices' UUIDs when the session opens the backend:
+    :func:`match_device_uuid`)."""
+    entry = visible_device_entry(local_rank, env)
+    return [int(entry)] if entry is not None and entry.isdigit() else [local_rank]
+
+
+def _uuid_key(text: str) -> str:
+    """A UUID as CUDA compares it: case and dashes ignored, a ``GPU-`` prefix optional."""
+    t = text.strip().lower()
+    return (t[4:] if t.startswith("gpu-") else t).replace("-", "")
+
+
+def match_device_uuid(entry: str, uuids: Sequence[str | None]) -> int | None:
+    """The position in ``uuids`` of the one device whose UUID ``entry`` names, as CUDA reads a
+    CUDA_VISIBLE_DEVICES entry: the whole UUID or a unique prefix of it, with or without
+    ``GPU-``, in any case. None when no device or more than one matches, and for MIG instances
+    (``MIG-...``: NVML reports power and energy for the whole GPU, not the instance)."""
+    if entry.strip().lower().startswith("mig-"):
+        return None
+    key = _uuid_key(entry)
+    if not key:
+        return None
+    hits = [i for i, u in enumerate(uuids) if u and _uuid_key(u).startswith(key)]
+    return hits[0] if len(hits) == 1 else None
 
 
 def package_versions() -> dict[str, str | None]:
@@ -210,10 +237,14 @@ class TelemetrySession:
                 )
             mode = "thread"
         if isinstance(backend, str):
-            indices = devices
-            if indices is None and backend != "synthetic":
-                indices = default_device_indices(local_rank)
-            self.backend = self._open_backend(backend, indices, options)
+            entry = visible_device_entry(local_rank) if devices is None and backend != "synthetic" else None
+            if entry is not None and not entry.isdigit():  # a UUID
+                self.backend = self._open_by_uuid(backend, entry, [local_rank], options)
+            else:
+                indices = devices
+                if indices is None and backend != "synthetic":
+                    indices = default_device_indices(local_rank)
+                self.backend = self._open_backend(backend, indices, options)
         else:
             self.backend = backend
         self.source = self.backend.name
@@ -299,6 +330,35 @@ class TelemetrySession:
             len(every.devices),
         )
         return open_backend(name, [own], **options)
+
+    def _open_by_uuid(
+        self, name: str, entry: str, indices: Sequence[int], options: dict[str, Any]
+    ) -> Backend:
+        """The backend on the device whose UUID this rank's CUDA_VISIBLE_DEVICES entry names
+        (``entry``); where none matches (a MIG instance, a UUID from another host, several
+        devices sharing the prefix), ``indices`` (its local rank) as before, with a warning."""
+        try:
+            every = open_backend(name, None, **options)
+        except Exception:
+            every = None
+        if every is not None:
+            pos = match_device_uuid(entry, [d.identity.uuid for d in every.devices])
+            if pos is not None:
+                if len(every.devices) == 1:
+                    return every
+                own = every.devices[pos].identity.index
+                every.close()
+                return open_backend(name, [own], **options)
+            every.close()
+        log.warning(
+            "telemetry: rank %d's visible device %r matches no single device UUID on this host "
+            "(MIG instances are not mapped to their GPU); sampling device %s by local rank. Set "
+            "CUDA_VISIBLE_DEVICES to indices, or a full GPU UUID, to choose it",
+            self.rank,
+            entry,
+            list(indices),
+        )
+        return self._open_backend(name, indices, options)
 
     def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
         return {
