@@ -78,6 +78,8 @@ def test_enable_cpu_support_is_idempotent_and_scoped() -> None:
         mutils.GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t")
         assert mrandom.CudaRNGStatesTracker._charllm_cpu
         assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_charllm_cpu", False)
+        assert torch.distributed.all_reduce._charllm_cpu  # one-rank collectives skipped
+        assert not hasattr(torch.distributed.all_reduce.__wrapped__, "_charllm_cpu")  # once
         tracker = mrandom.get_cuda_rng_tracker()
         mrandom.model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)
         before = torch.get_rng_state()
@@ -90,3 +92,69 @@ def test_enable_cpu_support_is_idempotent_and_scoped() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def _collectives_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks: each collective over a one-rank group and over both ranks, with
+    torch's own functions counted underneath the CPU patch."""
+    import collections
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    calls: collections.Counter[str] = collections.Counter()
+    names = ("all_reduce", "broadcast", "barrier")
+
+    def counting(name: str):
+        orig = getattr(dist, name)
+
+        def call(*a, **k):
+            calls[name] += 1
+            return orig(*a, **k)
+
+        call.__name__ = name
+        return call
+
+    for name in names:  # installed first, so the patch wraps these: they count what reaches torch
+        setattr(dist, name, counting(name))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        from charllm_nemo.train.cpu import _skip_one_rank_collectives
+
+        _skip_one_rank_collectives()
+        _skip_one_rank_collectives()  # idempotent: one layer
+        alone = [dist.new_group([0]), dist.new_group([1])][rank]
+        out: dict[str, object] = {}
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t, group=alone)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=alone)
+        dist.broadcast(t, src=rank, group=alone)
+        dist.barrier(group=alone)
+        out["alone"] = [t.item(), dict(calls)]
+        dist.all_reduce(t, group=alone, async_op=True).wait()  # asynchronous: torch's work handle
+        dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=alone)  # not skipped (only sum/avg/max/min)
+        out["async_and_product"] = dict(calls)
+        dist.all_reduce(t)  # both ranks: summed by torch
+        dist.broadcast(t, src=0)
+        dist.barrier()
+        out["both"] = [t.item(), dict(calls)]
+        with open(f"{out_dir}/{rank}.json", "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_over_one_rank_are_skipped_and_the_rest_reach_torch(tmp_path) -> None:
+    import json
+
+    torch = pytest.importorskip("torch")
+    torch.multiprocessing.spawn(
+        _collectives_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"{rank}.json").read_text())
+        # over one rank: the identity, and nothing reached torch
+        assert r["alone"] == [rank + 1.0, {}]
+        assert r["async_and_product"] == {"all_reduce": 2}
+        assert r["both"] == [3.0, {"all_reduce": 3, "broadcast": 1, "barrier": 1}]
