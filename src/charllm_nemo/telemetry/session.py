@@ -339,7 +339,7 @@ class TelemetrySession:
         devices sharing the prefix), ``indices`` (its local rank) as before, with a warning."""
         try:
             every = open_backend(name, None, **options)
-        except Exception:
+        except Exception:  # the open below, by local rank, raises (or falls back) as it always has
             every = None
         if every is not None:
             pos = match_device_uuid(entry, [d.identity.uuid for d in every.devices])
