@@ -308,6 +308,9 @@ def test_dp2(tmp_path: Path) -> None:
         assert windows(r, "phase", "grad-sync"), "the DP gradient all-reduce is a phase"
     # Step time is the max over ranks: both ranks agree.
     assert results[0]["step_times_s"] == results[1]["step_times_s"]
+    # The per-step summaries (summary.json's) are kept by rank 0 alone.
+    by_rank = {r["rank"]: r for r in results}
+    assert len(by_rank[0]["summaries"]) == 3 and by_rank[1]["summaries"] == []
 
 
 def test_pp2_vpp2_interleaved(tmp_path: Path) -> None:

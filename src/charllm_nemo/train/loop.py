@@ -116,7 +116,8 @@ class PendingSteps:
 class RankResult:
     """What one rank ran. ``losses[i]`` is step i's loss over the global batch (None only if the
     loss could not be reduced); ``step_times_s`` are max over ranks; ``summaries`` hold the
-    per-step figures every rank agrees on (train/report.py ``StepSummary`` as dicts)."""
+    per-step figures every rank agrees on (train/report.py ``StepSummary`` as dicts), kept on
+    rank 0 only (empty elsewhere): it writes them to summary.json."""
 
     rank: int
     world_size: int
@@ -466,7 +467,8 @@ def _train(
         apply_figures(summary, figures_sums, figures_max)
         throughput.fill(summary)
         row = summary.to_dict()
-        result.summaries.append(row)
+        if dist.rank == 0:  # only rank 0 writes summary.json; ~1 KB a step on every rank otherwise
+            result.summaries.append(row)
         if steps_file is not None:
             steps_file.write(row)
         if print_steps:
