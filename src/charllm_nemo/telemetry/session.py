@@ -141,6 +141,16 @@ def match_device_uuid(entry: str, uuids: Sequence[str | None]) -> int | None:
     return hits[0] if len(hits) == 1 else None
 
 
+def _only_device(every: Backend, pos: int, name: str, options: dict[str, Any]) -> Backend:
+    """``every`` (a backend opened on all devices) narrowed to its device at ``pos``: itself when
+    that is its only device, else closed and opened again on that one."""
+    if len(every.devices) <= 1:
+        return every
+    own = every.devices[pos].identity.index
+    every.close()
+    return open_backend(name, [own], **options)
+
+
 def package_versions() -> dict[str, str | None]:
     from importlib import metadata
 
@@ -237,14 +247,14 @@ class TelemetrySession:
                 )
             mode = "thread"
         if isinstance(backend, str):
-            entry = visible_device_entry(local_rank) if devices is None and backend != "synthetic" else None
-            if entry is not None and not entry.isdigit():  # a UUID
-                self.backend = self._open_by_uuid(backend, entry, [local_rank], options)
+            if devices is not None or backend == "synthetic":
+                self.backend = self._open_backend(backend, devices, options)
             else:
-                indices = devices
-                if indices is None and backend != "synthetic":
-                    indices = default_device_indices(local_rank)
-                self.backend = self._open_backend(backend, indices, options)
+                entry = visible_device_entry(local_rank)
+                if entry is not None and not entry.isdigit():  # a UUID
+                    self.backend = self._open_by_uuid(backend, entry, [local_rank], options)
+                else:
+                    self.backend = self._open_backend(backend, default_device_indices(local_rank), options)
         else:
             self.backend = backend
         self.source = self.backend.name
@@ -319,17 +329,16 @@ class TelemetrySession:
         every = open_backend(name, None, **options)
         if len(every.devices) <= 1:
             return every
-        own = every.devices[local_device_ordinal(self.local_rank, len(every.devices))].identity.index
-        every.close()
+        pos = local_device_ordinal(self.local_rank, len(every.devices))
         log.warning(
             "telemetry: rank %d's device %s is not on this host; sampling device %d, the one its "
             "local rank maps to (local_rank %% %d)",
             self.rank,
             list(indices),
-            own,
+            every.devices[pos].identity.index,
             len(every.devices),
         )
-        return open_backend(name, [own], **options)
+        return _only_device(every, pos, name, options)
 
     def _open_by_uuid(
         self, name: str, entry: str, indices: Sequence[int], options: dict[str, Any]
@@ -344,11 +353,7 @@ class TelemetrySession:
         if every is not None:
             pos = match_device_uuid(entry, [d.identity.uuid for d in every.devices])
             if pos is not None:
-                if len(every.devices) == 1:
-                    return every
-                own = every.devices[pos].identity.index
-                every.close()
-                return open_backend(name, [own], **options)
+                return _only_device(every, pos, name, options)
             every.close()
         log.warning(
             "telemetry: rank %d's visible device %r matches no single device UUID on this host "

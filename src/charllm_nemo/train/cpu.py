@@ -347,10 +347,6 @@ def _patch_clip_grad() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
 
 
-_IDENTITY_OPS = ("SUM", "AVG", "MAX", "MIN")
-"""Reductions that are the identity over one rank (PREMUL_SUM scales: not skipped)."""
-
-
 def _one_rank(group: Any, async_op: bool) -> bool:
     """Whether a blocking collective over ``group`` involves only this rank (and so is the
     identity). Asynchronous calls and calls outside an initialized process group are never
@@ -363,11 +359,6 @@ def _one_rank(group: Any, async_op: bool) -> bool:
         return False
 
 
-def _identity_op(op: Any) -> bool:
-    ops = torch.distributed.ReduceOp
-    return any(op == getattr(ops, name) for name in _IDENTITY_OPS)
-
-
 def _skip_one_rank_collectives() -> None:
     """Blocking ``all_reduce`` (sum, average, max, min), ``broadcast`` and ``barrier`` over a
     one-rank group return at once. Over one rank they are the identity, but gloo still hands
@@ -378,11 +369,13 @@ def _skip_one_rank_collectives() -> None:
     dist = torch.distributed
     if getattr(dist.all_reduce, "_charllm_cpu", False):
         return
-    sum_op = dist.ReduceOp.SUM
+    ops = dist.ReduceOp
+    sum_op = ops.SUM
+    identity_ops = (ops.SUM, ops.AVG, ops.MAX, ops.MIN)  # over one rank (PREMUL_SUM scales: not these)
     orig_all_reduce, orig_broadcast, orig_barrier = dist.all_reduce, dist.broadcast, dist.barrier
 
     def all_reduce(tensor: Any, op: Any = sum_op, group: Any = None, async_op: bool = False) -> Any:
-        if _one_rank(group, async_op) and _identity_op(op):
+        if _one_rank(group, async_op) and op in identity_ops:
             return None
         return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
