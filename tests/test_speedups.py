@@ -219,6 +219,82 @@ def test_mark_activity_stops_publishing_where_the_block_was_released(cls: Any) -
         act("phase", "forward", False)
 
 
+def one_step_of_levels(marker: Any, act: Any, step: int) -> list[float]:
+    """The activity levels after each mark of a step with three phases, and after its end."""
+    levels = []
+    marker.begin_step(step)
+    for name in ("forward-compute", "backward-compute", "all-grads-sync"):
+        marker(name).start()
+        levels.append(act.level())
+        marker(name).stop()
+        levels.append(act.level())
+    marker.end_step()
+    return [*levels, act.level()]
+
+
+@needs_c
+def test_c_timers_tell_a_mark_activity_what_the_python_ones_tell_it() -> None:
+    """The C timers update a C MarkActivity listener directly (not through its __call__; the
+    phase's level index cached per timer): the same levels and publications as the Python
+    timers and MarkActivity, and other levels once its __init__ has run again."""
+    seen = {}
+    for marker_cls, act_cls in ((StepMarker, MarkActivity), (PyStepMarker, PyMarkActivity)):
+        rec = WindowRecorder()
+        act = act_cls()
+        published: list[float] = []
+        act.on_change = published.append
+        rec.add_listener(act)
+        marker = marker_cls(rec, num_microbatches=1)
+        seen[act_cls] = (one_step_of_levels(marker, act, 0), published, marker, act)
+    assert seen[MarkActivity][:2] == seen[PyMarkActivity][:2]
+    assert seen[MarkActivity][0] == [1.0, 0.3, 1.0, 0.3, 0.7, 0.3, 0.0]
+    _, _, marker, act = seen[MarkActivity]
+    speedups.hot.MarkActivity.__init__(act, {"backward-x": 0, "backward": 2}, (0.9, 0.6, 0.4), 0.2, 0.1)
+    assert one_step_of_levels(marker, act, 1) == [0.6, 0.2, 0.4, 0.2, 0.6, 0.2, 0.1]
+
+
+@needs_c
+@pytest.mark.parametrize("cls", [MarkActivity, PyMarkActivity])
+def test_a_float_slot_is_written_by_mark_activity_and_dropped_once_released(cls: Any) -> None:
+    import mmap
+
+    mm = mmap.mmap(-1, 4096)
+    slot = speedups.hot.FloatSlot(mm, 3)
+    words = memoryview(mm).cast("d")
+    act = cls()
+    act.on_change = slot  # as the session's activity_publisher() gives it, where C is built
+    act("step", "step", True)
+    assert words[3] == 0.3
+    act("phase", "forward", True)
+    assert words[3] == 1.0 and words[2] == 0.0 and words[4] == 0.0
+    slot(0.25)  # a slot is also an ordinary callable(level)
+    assert words[3] == 0.25
+    words.release()
+    with pytest.raises(BufferError):  # held by the slot: the block cannot be unmapped under it
+        mm.close()
+    slot.release()
+    assert slot.released
+    with pytest.raises(ValueError, match="released"):
+        slot(0.5)
+    act("phase", "forward", False)  # released: dropped, not raised
+    assert act.on_change is None and act.level() == 0.3
+    mm.close()
+
+
+@needs_c
+def test_a_float_slot_refuses_a_word_outside_its_buffer() -> None:
+    FloatSlot = speedups.hot.FloatSlot
+    with pytest.raises(ValueError, match="outside the buffer"):
+        FloatSlot(bytearray(16), 2)
+    with pytest.raises(ValueError, match="outside the buffer"):
+        FloatSlot(bytearray(16), -1)
+    with pytest.raises(BufferError):  # read-only
+        FloatSlot(bytes(16), 0)
+    slot = FloatSlot(bytearray(16), 1)
+    with pytest.raises(TypeError):
+        slot("high")
+
+
 def ring_writers() -> list[Any]:
     from charllm_nemo.telemetry.shm import write_ring_py
 

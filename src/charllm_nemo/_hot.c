@@ -9,6 +9,8 @@
  *    from the window marks), a listener the timers call on every mark.
  * 3. write_ring: telemetry/shm.py's write_ring_py (a step's log, a figure request or window
  *    records written into the shared mark ring at step end).
+ * 4. FloatSlot: one float64 word of a writable buffer (the shared block's activity level), which
+ *    MarkActivity writes directly when it is its on_change: no call, no float object.
  *
  * Megatron-Core runs ``config.timers(name, log_level=...).start()`` and ``.stop()`` between two
  * pieces of training work, ~26 times in a tiny_gpt step. In Python each is two calls (the
@@ -31,6 +33,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <limits.h>
+#include <stdint.h>
 #include <time.h>
 
 typedef struct {
@@ -54,7 +57,37 @@ typedef struct {
     PyObject *args_begin; /* ("phase", phase, True) */
     PyObject *args_end;
     long long open_in; /* the serial of the step in which it was started (0: not open) */
+    PyObject *level_for; /* the MarkActivity whose level index of this phase is cached (or NULL) */
+    unsigned long long level_version; /* that MarkActivity's version when it was cached */
+    Py_ssize_t level_index;
 } Timer;
+
+#define N_LEVELS 3
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *level_of; /* dict: phase name -> index into levels; other names: index 1 */
+    double levels[N_LEVELS];
+    double in_step_level;
+    double idle_level;
+    long long open[N_LEVELS]; /* phases open per activity level */
+    long long in_step;
+    int seen_any;
+    PyObject *on_change; /* None, a FloatSlot (written directly) or a callable(level) */
+    double published;
+    unsigned long long version; /* a new number at each __init__ (level_of may change) */
+} Activity;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view; /* view.obj NULL once released */
+    double *word;
+} FloatSlot;
+
+static PyTypeObject ActivityType;
+static PyTypeObject FloatSlotType;
+static int activity_mark(Activity *self, int is_phase, int is_step, Py_ssize_t index, int begin);
+static int activity_index(Activity *self, PyObject *name, Py_ssize_t *index);
 
 static PyTypeObject MarkBaseType;
 static PyObject *str_phase;   /* "phase" */
@@ -238,6 +271,7 @@ Timer_init(Timer *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->args_begin, ab);
     Py_XSETREF(self->args_end, ae);
     self->open_in = 0;
+    Py_CLEAR(self->level_for);
     return 0;
 }
 
@@ -248,6 +282,7 @@ Timer_traverse(Timer *self, visitproc visit, void *arg)
     Py_VISIT(self->phase);
     Py_VISIT(self->args_begin);
     Py_VISIT(self->args_end);
+    Py_VISIT(self->level_for);
     return 0;
 }
 
@@ -260,6 +295,7 @@ Timer_clear(Timer *self)
     Py_CLEAR(self->k_end);
     Py_CLEAR(self->args_begin);
     Py_CLEAR(self->args_end);
+    Py_CLEAR(self->level_for);
     return 0;
 }
 
@@ -271,10 +307,28 @@ Timer_dealloc(Timer *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A MarkActivity listener told of the timer's begin or end directly: no argument tuple, and the
+ * phase's level index looked up once per MarkActivity (and again after its __init__). */
+static int
+tell_activity(Timer *timer, Activity *act, int begin)
+{
+    if (timer->level_for != (PyObject *)act || timer->level_version != act->version) {
+        Py_ssize_t index;
+        if (activity_index(act, timer->phase, &index) < 0)
+            return -1;
+        Py_INCREF(act);
+        Py_XSETREF(timer->level_for, (PyObject *)act);
+        timer->level_version = act->version;
+        timer->level_index = index;
+    }
+    return activity_mark(act, 1, 0, timer->level_index, begin);
+}
+
 /* Append (key, clock reading) to the step's log, then tell the listeners. */
 static int
-note(MarkBase *m, PyObject *key, PyObject *listener_args)
+note(Timer *timer, int begin)
 {
+    MarkBase *m = timer->m;
     PyObject *t;
     if (m->log == NULL || m->listeners == NULL || m->clock == NULL)
         return 0; /* cleared by the garbage collector (a cycle being torn down) */
@@ -290,7 +344,7 @@ note(MarkBase *m, PyObject *key, PyObject *listener_args)
         return -1;
     PyObject *log = m->log; /* held: a listener may replace m->log */
     Py_INCREF(log);
-    int rc = (PyList_Append(log, key) < 0 || PyList_Append(log, t) < 0) ? -1 : 0;
+    int rc = (PyList_Append(log, begin ? timer->k_begin : timer->k_end) < 0 || PyList_Append(log, t) < 0) ? -1 : 0;
     Py_DECREF(log);
     Py_DECREF(t);
     if (rc < 0)
@@ -300,7 +354,11 @@ note(MarkBase *m, PyObject *key, PyObject *listener_args)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ls); i++) { /* the size is read again: may grow */
         PyObject *fn = PyList_GET_ITEM(ls, i);
         Py_INCREF(fn);
-        PyObject *r = PyObject_Call(fn, listener_args, NULL);
+        PyObject *r;
+        if (PyObject_TypeCheck(fn, &ActivityType) && Py_TYPE(fn)->tp_call == ActivityType.tp_call)
+            r = tell_activity(timer, (Activity *)fn, begin) < 0 ? NULL : Py_NewRef(Py_None);
+        else
+            r = PyObject_Call(fn, begin ? timer->args_begin : timer->args_end, NULL);
         Py_DECREF(fn);
         if (r == NULL) {
             Py_DECREF(ls);
@@ -323,7 +381,7 @@ Timer_start(Timer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
         Py_RETURN_NONE;
     }
     self->open_in = m->serial;
-    if (note(m, self->k_begin, self->args_begin) < 0)
+    if (note(self, 1) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -339,7 +397,7 @@ Timer_stop(Timer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         Py_RETURN_NONE;
     }
     self->open_in = 0;
-    if (note(m, self->k_end, self->args_end) < 0)
+    if (note(self, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -377,20 +435,6 @@ static PyTypeObject TimerType = {
 
 /* -- MarkActivity -------------------------------------------------------------------------- */
 
-#define N_LEVELS 3
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *level_of; /* dict: phase name -> index into levels; other names: index 1 */
-    double levels[N_LEVELS];
-    double in_step_level;
-    double idle_level;
-    long long open[N_LEVELS]; /* phases open per activity level */
-    long long in_step;
-    int seen_any;
-    PyObject *on_change; /* None or a callable(level) */
-    double published;
-} Activity;
 
 static int
 Activity_init(Activity *self, PyObject *args, PyObject *kwds)
@@ -412,6 +456,7 @@ Activity_init(Activity *self, PyObject *args, PyObject *kwds)
     Py_INCREF(Py_None);
     Py_XSETREF(self->on_change, Py_None);
     self->published = -1.0;
+    self->version++;
     return 0;
 }
 
@@ -471,62 +516,93 @@ is_kind(PyObject *kind, PyObject *interned)
     return kind == interned || (PyUnicode_Check(kind) && PyUnicode_Compare(kind, interned) == 0);
 }
 
+/* The index into levels of a phase named ``name``. */
+static int
+activity_index(Activity *self, PyObject *name, Py_ssize_t *index)
+{
+    *index = 1;
+    PyObject *idx = PyDict_GetItemWithError(self->level_of, name);
+    if (idx == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_ssize_t i = PyLong_AsSsize_t(idx);
+    if (i < 0 || i >= N_LEVELS) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "level_of: an index out of range");
+        return -1;
+    }
+    *index = i;
+    return 0;
+}
+
+/* Where the level is published to was released (the session is stopping): stop publishing. */
+static void
+drop_on_change(Activity *self)
+{
+    Py_INCREF(Py_None);
+    Py_XSETREF(self->on_change, Py_None);
+}
+
+/* A mark: a phase of level ``index`` (is_phase) or the step (is_step) begins or ends; anything
+ * else only counts as seen. Publishes the level when it changed. */
+static int
+activity_mark(Activity *self, int is_phase, int is_step, Py_ssize_t index, int begin)
+{
+    self->seen_any = 1;
+    if (is_phase) {
+        long long n = self->open[index] + (begin ? 1 : -1);
+        self->open[index] = n > 0 ? n : 0;
+    }
+    else if (is_step)
+        self->in_step += begin ? 1 : -1;
+    if (self->on_change == Py_None)
+        return 0;
+    double level = activity_level(self);
+    if (level == self->published)
+        return 0;
+    self->published = level;
+    if (Py_IS_TYPE(self->on_change, &FloatSlotType)) {
+        FloatSlot *slot = (FloatSlot *)self->on_change;
+        if (slot->view.obj == NULL)
+            drop_on_change(self);
+        else
+            *slot->word = level;
+        return 0;
+    }
+    PyObject *v = PyFloat_FromDouble(level);
+    if (v == NULL)
+        return -1;
+    PyObject *fn = Py_NewRef(self->on_change); /* held: the call may replace it */
+    PyObject *r = PyObject_CallOneArg(fn, v);
+    Py_DECREF(fn);
+    Py_DECREF(v);
+    if (r == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+        drop_on_change(self);
+    }
+    Py_XDECREF(r);
+    return 0;
+}
+
 /* listener(kind, name, is_begin) */
 static PyObject *
 Activity_call(Activity *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *kind, *name, *is_begin;
     if (kwds != NULL || PyTuple_GET_SIZE(args) != 3) {
         PyErr_SetString(PyExc_TypeError, "MarkActivity(kind, name, is_begin)");
         return NULL;
     }
-    kind = PyTuple_GET_ITEM(args, 0);
-    name = PyTuple_GET_ITEM(args, 1);
-    is_begin = PyTuple_GET_ITEM(args, 2);
-    int begin = PyObject_IsTrue(is_begin);
+    PyObject *kind = PyTuple_GET_ITEM(args, 0);
+    int begin = PyObject_IsTrue(PyTuple_GET_ITEM(args, 2));
     if (begin < 0)
         return NULL;
-    self->seen_any = 1;
-    if (is_kind(kind, str_phase)) {
-        Py_ssize_t i = 1;
-        PyObject *idx = PyDict_GetItemWithError(self->level_of, name);
-        if (idx != NULL) {
-            i = PyLong_AsSsize_t(idx);
-            if (i < 0 || i >= N_LEVELS) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_ValueError, "level_of: an index out of range");
-                return NULL;
-            }
-        }
-        else if (PyErr_Occurred())
-            return NULL;
-        long long n = self->open[i] + (begin ? 1 : -1);
-        self->open[i] = n > 0 ? n : 0;
-    }
-    else if (is_kind(kind, str_step))
-        self->in_step += begin ? 1 : -1;
-    if (self->on_change != Py_None) {
-        double level = activity_level(self);
-        if (level != self->published) {
-            self->published = level;
-            PyObject *v = PyFloat_FromDouble(level);
-            if (v == NULL)
-                return NULL;
-            PyObject *fn = Py_NewRef(self->on_change); /* held: the call may replace it */
-            PyObject *r = PyObject_CallOneArg(fn, v);
-            Py_DECREF(fn);
-            Py_DECREF(v);
-            if (r == NULL) {
-                /* Where it publishes to was released (the session is stopping): stop publishing. */
-                if (!PyErr_ExceptionMatches(PyExc_ValueError) && !PyErr_ExceptionMatches(PyExc_TypeError))
-                    return NULL;
-                PyErr_Clear();
-                Py_INCREF(Py_None);
-                Py_XSETREF(self->on_change, Py_None);
-            }
-            Py_XDECREF(r);
-        }
-    }
+    int is_phase = is_kind(kind, str_phase);
+    Py_ssize_t index = 1;
+    if (is_phase && activity_index(self, PyTuple_GET_ITEM(args, 1), &index) < 0)
+        return NULL;
+    if (activity_mark(self, is_phase, !is_phase && is_kind(kind, str_step), index, begin) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -585,6 +661,96 @@ static PyTypeObject ActivityType = {
     .tp_getset = Activity_getset,
     .tp_init = (initproc)Activity_init,
     .tp_new = Activity_new,
+};
+
+/* -- FloatSlot ----------------------------------------------------------------------------- */
+
+/* FloatSlot(buffer, index): float64 word ``index`` of the writable ``buffer``, held (exported)
+ * until release(). slot(level) writes it; a MarkActivity whose on_change is a FloatSlot writes it
+ * itself. Once released, slot(level) raises ValueError and a MarkActivity drops it, as it drops
+ * an on_change that raises ValueError. */
+static int
+FloatSlot_init(FloatSlot *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "index", NULL};
+    PyObject *buffer;
+    Py_ssize_t index;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "On", kwlist, &buffer, &index))
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (index < 0 || index >= view.len / (Py_ssize_t)sizeof(double) || ((uintptr_t)view.buf) % sizeof(double)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "FloatSlot: index outside the buffer, or the buffer not 8-aligned");
+        return -1;
+    }
+    if (self->view.obj != NULL)
+        PyBuffer_Release(&self->view);
+    self->view = view;
+    self->word = (double *)view.buf + index;
+    return 0;
+}
+
+static void
+FloatSlot_dealloc(FloatSlot *self)
+{
+    if (self->view.obj != NULL)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+FloatSlot_call(FloatSlot *self, PyObject *args, PyObject *kwds)
+{
+    double level;
+    if (!PyArg_ParseTuple(args, "d:FloatSlot", &level))
+        return NULL;
+    if (self->view.obj == NULL) {
+        PyErr_SetString(PyExc_ValueError, "FloatSlot: released");
+        return NULL;
+    }
+    *self->word = level;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+FloatSlot_release(FloatSlot *self, PyObject *unused)
+{
+    if (self->view.obj != NULL)
+        PyBuffer_Release(&self->view);
+    self->word = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+get_released(FloatSlot *self, void *c)
+{
+    return PyBool_FromLong(self->view.obj == NULL);
+}
+
+static PyMethodDef FloatSlot_methods[] = {
+    {"release", (PyCFunction)FloatSlot_release, METH_NOARGS, "let the buffer go (later writes raise ValueError)"},
+    {NULL},
+};
+
+static PyGetSetDef FloatSlot_getset[] = {
+    {"released", (getter)get_released, NULL, "whether release() was called", NULL},
+    {NULL},
+};
+
+static PyTypeObject FloatSlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "charllm_nemo._hot.FloatSlot",
+    .tp_basicsize = sizeof(FloatSlot),
+    .tp_dealloc = (destructor)FloatSlot_dealloc,
+    .tp_call = (ternaryfunc)FloatSlot_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "FloatSlot(buffer, index): one float64 word of a writable buffer; slot(level) writes it",
+    .tp_methods = FloatSlot_methods,
+    .tp_getset = FloatSlot_getset,
+    .tp_init = (initproc)FloatSlot_init,
+    .tp_new = PyType_GenericNew,
 };
 
 /* -- write_ring ----------------------------------------------------------------------------- */
@@ -704,14 +870,16 @@ PyInit__hot(void)
     str_new_timer = PyUnicode_InternFromString("_new_timer");
     if (str_phase == NULL || str_step == NULL || str_new_timer == NULL)
         return NULL;
-    if (PyType_Ready(&MarkBaseType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&ActivityType) < 0)
+    if (PyType_Ready(&MarkBaseType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&ActivityType) < 0
+        || PyType_Ready(&FloatSlotType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&hot_module);
     if (mod == NULL)
         return NULL;
     if (PyModule_AddObjectRef(mod, "MarkBase", (PyObject *)&MarkBaseType) < 0 ||
         PyModule_AddObjectRef(mod, "Timer", (PyObject *)&TimerType) < 0 ||
-        PyModule_AddObjectRef(mod, "MarkActivity", (PyObject *)&ActivityType) < 0) {
+        PyModule_AddObjectRef(mod, "MarkActivity", (PyObject *)&ActivityType) < 0 ||
+        PyModule_AddObjectRef(mod, "FloatSlot", (PyObject *)&FloatSlotType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }
