@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python bench/bench_train_telemetry.py [--quick] [--interleave step|block]
       [--order abba|random] [--decompose] [--profile] [--json-only]
+Pool: .venv/bin/python bench/bench_train_telemetry.py --pool DUMP [DUMP ...]   (--dump-steps files)
 
 What is compared, in ONE process with ONE model (built once, the way ``train/loop.py::_train``
 builds it, and stepped by a copy of its loop body), in one of two ways.
@@ -95,6 +96,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,84 @@ def summarize_units(units: list[tuple[list[float], list[float]]]) -> dict[str, A
         "ratio_paired_mean": math.exp(m),
         "ratio_paired_mean_ci95": [math.exp(m - half), math.exp(m + half)],
         "units": len(units),
+    }
+
+
+Record = tuple[int, str, bool, Sequence[float]]
+
+
+def step_stats(records: list[Record], background: list[float], segment_units: int) -> dict[str, Any]:
+    """Step mode's statistics over timed steps ``records`` ((unit, arm, right after a switch,
+    [iteration, loop_step, main_cpu] s)): summarize_units per timing over every unit with both
+    arms, the load of other processes per segment of ``segment_units`` units (``background``,
+    cores), and the same over the quiet segments' units (None with fewer than
+    MIN_QUIET_ROUNDS of them)."""
+    by_unit: dict[int, tuple[list[list[float]], list[list[float]]]] = {}
+    for u, arm, _sw, t in records:
+        by_unit.setdefault(u, ([], []))[0 if arm == "on" else 1].append(list(t))
+    quiet_segments = {i for i, bg in enumerate(background) if bg < QUIET_CORES}
+
+    def units_of(which: int, quiet_only: bool = False) -> list[tuple[list[float], list[float]]]:
+        return [
+            ([t[which] for t in on], [t[which] for t in off])
+            for u, (on, off) in sorted(by_unit.items())
+            if on and off and (not quiet_only or u // segment_units in quiet_segments)
+        ]
+
+    return {
+        **{t: summarize_units(units_of(w)) for w, t in enumerate(TIMINGS)},
+        "background_cores_mean": statistics.fmean(background),
+        "background_cores_max": max(background),
+        "quiet_rounds": len(quiet_segments),
+        "quiet": (
+            {"on": {t: summarize_units(units_of(w, quiet_only=True)) for w, t in enumerate(TIMINGS)}}
+            if len(quiet_segments) >= MIN_QUIET_ROUNDS
+            else None
+        ),
+    }
+
+
+def pool_dumps(dumps: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``--pool``: the step-mode statistics of several runs' ``--dump-steps`` files taken as one
+    run (``dumps``: (file name, its JSON)), each run's units and segments kept apart. Runs of
+    different configurations, contrasts, model changes, orders or segment sizes are refused."""
+    if not dumps:
+        raise ValueError("--pool needs at least one --dump-steps file")
+    keys = ("config", "contrast", "model_overrides", "order", "unit_steps", "segment_units")
+    first_name, first = dumps[0]
+    records: list[Record] = []
+    background: list[float] = []
+    for name, d in dumps:
+        if not isinstance(d, dict) or "steps" not in d or "background" not in d:
+            raise ValueError(
+                f"{name}: not a --dump-steps file of this bench (an object with 'steps' and "
+                f"'background'; files written before 2026-12-04 hold the steps alone): run it again"
+            )
+        for k in keys:
+            if d.get(k) != first.get(k):
+                raise ValueError(
+                    f"{name}: {k} is {d.get(k)!r} but {first_name} has {first.get(k)!r}; pool runs "
+                    f"of one configuration only"
+                )
+        # Each run starts at a segment boundary of the pooled numbering: unit u of a run stays in
+        # its own segment, u // segment_units, shifted by the segments before it.
+        offset = len(background) * first["segment_units"]
+        records.extend((offset + u, arm, sw, t) for u, arm, sw, t in d["steps"])
+        background.extend(d["background"])
+    stats = step_stats(records, background, first["segment_units"])
+    return {
+        "config": first["config"],
+        "model_overrides": first["model_overrides"],
+        "interleave": "step",
+        "order": first["order"],
+        "contrast": first["contrast"],
+        "pairs": sum(1 for r in records if r[1] == "on"),
+        "units": stats["iteration"]["units"],
+        "unit_steps": first["unit_steps"],
+        "segment_units": first["segment_units"],
+        "segments": len(background),
+        "runs": len(dumps),
+        **stats,
     }
 
 
@@ -856,8 +936,17 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                     s_prev = s1
             tp_cpu_ns = process_cpu_ns(pid) - tp_cpu0
             if opts.get("dump_steps"):
-                steps = [[u, arm, sw, list(t)] for u, arm, sw, t in records]
-                Path(opts["dump_steps"]).write_text(json.dumps(steps))
+                dump = {
+                    "config": opts["config"],
+                    "contrast": opts.get("contrast", "all"),
+                    "model_overrides": opts.get("model_overrides", {}),
+                    "order": opts["order"],
+                    "unit_steps": unit_steps,
+                    "segment_units": units_per_segment,
+                    "background": background,
+                    "steps": [[u, arm, sw, list(t)] for u, arm, sw, t in records],
+                }
+                Path(opts["dump_steps"]).write_text(json.dumps(dump))
         finally:
             switch("on")  # never leave the telemetry process frozen
             config.timers = None
@@ -872,15 +961,6 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         windows_recorded = session.store.manifest["windows_recorded"]  # made here or in its process
         shutil.rmtree(out_root / "steps", ignore_errors=True)
         shutdown_distributed()
-
-        def units_of(which: int, keep: set[int] | None = None) -> list[tuple[list[float], list[float]]]:
-            out: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n_units)]
-            for u, arm, _sw, t in records:
-                out[u][0 if arm == "on" else 1].append(t[which])
-            return [x for i, x in enumerate(out) if keep is None or i in keep]
-
-        quiet_segments = [i for i, bg in enumerate(background) if bg < QUIET_CORES]
-        quiet_units = {u for u in range(n_units) if u // units_per_segment in set(quiet_segments)}
 
         def switch_ratio(arm: str) -> dict[str, Any]:
             after = [t[0] for _u, a, sw, t in records if a == arm and sw]
@@ -917,15 +997,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             "segment_units": units_per_segment,
             "segments": len(background),
             "arms": ["off", "on"],
-            **{t: summarize_units(units_of(w)) for w, t in enumerate(TIMINGS)},
-            "background_cores_mean": statistics.fmean(background),
-            "background_cores_max": max(background),
-            "quiet_rounds": len(quiet_segments),
-            "quiet": (
-                {"on": {t: summarize_units(units_of(w, quiet_units)) for w, t in enumerate(TIMINGS)}}
-                if len(quiet_segments) >= MIN_QUIET_ROUNDS
-                else None
-            ),
+            **step_stats(records, background, units_per_segment),
             "switch": {arm: switch_ratio(arm) for arm in ("on", "off")},
             "steady_iteration": summarize_units(steady) if len(steady) >= 2 else None,
             "sampler": {
@@ -1470,6 +1542,38 @@ def step_summary_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
+def print_pool(files: list[str], json_only: bool = False) -> int:
+    """``--pool``: each run's and the pooled step-mode figures of ``--dump-steps`` files; the
+    pooled ones as the last line, ``BENCH_JSON``. Returns the exit status (2: refused)."""
+    try:
+        dumps = [(f, json.loads(Path(f).read_text())) for f in files]
+        pooled = pool_dumps(dumps)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"--pool: {exc}", file=sys.stderr)
+        return 2
+    name = pooled["config"]
+    if not json_only:
+        for f, d in dumps:
+            it = step_stats(d["steps"], d["background"], d["segment_units"])["iteration"]
+            geo = fmt_ci(it["ratio_paired_mean"], it["ratio_paired_mean_ci95"])
+            load = statistics.fmean(d["background"])
+            print(
+                f"{f}: per-unit geometric mean {geo}, "
+                f"median ratio {fmt_ci(it['ratio_median'], it['ratio_median_ci95'])}, "
+                f"OFF {it['median_off_ms']:.2f} ms, other processes {load:.2f} cores"
+            )
+        print(f"pooled, {pooled['runs']} runs: " + step_summary_line(name, pooled))
+    payload = {
+        "bench": "train_telemetry",
+        "pool": files,
+        "target_free": TARGET_FREE,
+        "verdict_free": verdict(pooled) if name == "free" else None,
+        "results": {name: pooled},
+    }
+    print("BENCH_JSON " + json.dumps(payload))
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~30 s: fewer pairs")
@@ -1560,8 +1664,18 @@ def main() -> None:
         help="step mode: write every timed step (unit, arm, right after a switch, [iteration, loop_step, "
         "main_cpu] s) to FILE with the configuration's name before the suffix",
     )
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        default=None,
+        metavar="DUMP",
+        help="run nothing: pool the steps of earlier runs' --dump-steps files (one configuration) and "
+        "print each run's and the pooled figures, with the verdict over all of them",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.pool is not None:
+        raise SystemExit(print_pool(args.pool, args.json_only))
     args.model_overrides = model_overrides(args.model_set)
     if args.worker is not None:
         try:
