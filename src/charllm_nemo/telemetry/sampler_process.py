@@ -499,10 +499,10 @@ class ProcessSampler:
         """What the synthetic device's ``MarkActivity.on_change`` gets: it sets the activity
         level a synthetic device in the child follows, with no Python frame on the training
         thread: where charllm_nemo._hot is built, a ``FloatSlot`` on the level's word, which the
-        C MarkActivity writes itself (no call, no float object: a mark right after training work
-        costs ~1.5 µs less here); else the block's float view's ``__setitem__`` bound to that
-        word. Once the block is released (stop) it raises ValueError, and MarkActivity stops
-        publishing."""
+        C MarkActivity writes itself (no call, no float object; docs/bench-train.md, "The
+        synthetic device's listener, written to directly"); else the block's float view's
+        ``__setitem__`` bound to that word. Once the block is released (stop) it raises
+        ValueError, and MarkActivity stops publishing."""
         block = self._block
         if block is None:
             raise RuntimeError("activity_publisher() before start() or after stop()")
