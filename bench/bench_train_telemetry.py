@@ -220,31 +220,34 @@ def summarize_units(units: list[tuple[list[float], list[float]]]) -> dict[str, A
 Record = tuple[int, str, bool, Sequence[float]]
 
 
-def step_stats(records: list[Record], background: list[float], segment_units: int) -> dict[str, Any]:
-    """Step mode's statistics over timed steps ``records`` ((unit, arm, right after a switch,
-    [iteration, loop_step, main_cpu] s)): summarize_units per timing over every unit with both
-    arms, the load of other processes per segment of ``segment_units`` units (``background``,
-    cores), and the same over the quiet segments' units (None with fewer than
-    MIN_QUIET_ROUNDS of them)."""
-    by_unit: dict[int, tuple[list[list[float]], list[list[float]]]] = {}
+def step_units(records: list[Record], which: int, keep: Any = None) -> list[tuple[list[float], list[float]]]:
+    """Timing ``which`` (an index into TIMINGS) of timed steps ``records`` ((unit, arm, right
+    after a switch, [iteration, loop_step, main_cpu] s)) as (ON, OFF) per unit, in unit order:
+    every unit with both arms for which ``keep(unit)`` is true (None: all)."""
+    by_unit: dict[int, tuple[list[float], list[float]]] = {}
     for u, arm, _sw, t in records:
-        by_unit.setdefault(u, ([], []))[0 if arm == "on" else 1].append(list(t))
+        if keep is None or keep(u):
+            by_unit.setdefault(u, ([], []))[0 if arm == "on" else 1].append(t[which])
+    return [pair for _u, pair in sorted(by_unit.items()) if pair[0] and pair[1]]
+
+
+def step_stats(records: list[Record], background: list[float], segment_units: int) -> dict[str, Any]:
+    """Step mode's statistics over timed steps ``records`` (see step_units): summarize_units per
+    timing over every unit with both arms, the load of other processes per segment of
+    ``segment_units`` units (``background``, cores), and the same over the quiet segments'
+    units (None with fewer than MIN_QUIET_ROUNDS of them)."""
     quiet_segments = {i for i, bg in enumerate(background) if bg < QUIET_CORES}
 
-    def units_of(which: int, quiet_only: bool = False) -> list[tuple[list[float], list[float]]]:
-        return [
-            ([t[which] for t in on], [t[which] for t in off])
-            for u, (on, off) in sorted(by_unit.items())
-            if on and off and (not quiet_only or u // segment_units in quiet_segments)
-        ]
+    def quiet(u: int) -> bool:
+        return u // segment_units in quiet_segments
 
     return {
-        **{t: summarize_units(units_of(w)) for w, t in enumerate(TIMINGS)},
+        **{t: summarize_units(step_units(records, w)) for w, t in enumerate(TIMINGS)},
         "background_cores_mean": statistics.fmean(background),
         "background_cores_max": max(background),
         "quiet_rounds": len(quiet_segments),
         "quiet": (
-            {"on": {t: summarize_units(units_of(w, quiet_only=True)) for w, t in enumerate(TIMINGS)}}
+            {"on": {t: summarize_units(step_units(records, w, quiet)) for w, t in enumerate(TIMINGS)}}
             if len(quiet_segments) >= MIN_QUIET_ROUNDS
             else None
         ),
@@ -1554,7 +1557,7 @@ def print_pool(files: list[str], json_only: bool = False) -> int:
     name = pooled["config"]
     if not json_only:
         for f, d in dumps:
-            it = step_stats(d["steps"], d["background"], d["segment_units"])["iteration"]
+            it = summarize_units(step_units(d["steps"], 0))  # the iteration timing alone
             geo = fmt_ci(it["ratio_paired_mean"], it["ratio_paired_mean_ci95"])
             load = statistics.fmean(d["background"])
             print(

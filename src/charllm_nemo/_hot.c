@@ -84,6 +84,16 @@ typedef struct {
     double *word;
 } FloatSlot;
 
+/* Write the slot's word; -1 (no exception set) once it was released. */
+static inline int
+slot_write(FloatSlot *slot, double level)
+{
+    if (slot->view.obj == NULL)
+        return -1;
+    *slot->word = level;
+    return 0;
+}
+
 static PyTypeObject ActivityType;
 static PyTypeObject FloatSlotType;
 static int activity_mark(Activity *self, int is_phase, int is_step, Py_ssize_t index, int begin);
@@ -435,7 +445,6 @@ static PyTypeObject TimerType = {
 
 /* -- MarkActivity -------------------------------------------------------------------------- */
 
-
 static int
 Activity_init(Activity *self, PyObject *args, PyObject *kwds)
 {
@@ -561,11 +570,8 @@ activity_mark(Activity *self, int is_phase, int is_step, Py_ssize_t index, int b
         return 0;
     self->published = level;
     if (Py_IS_TYPE(self->on_change, &FloatSlotType)) {
-        FloatSlot *slot = (FloatSlot *)self->on_change;
-        if (slot->view.obj == NULL)
+        if (slot_write((FloatSlot *)self->on_change, level) < 0)
             drop_on_change(self);
-        else
-            *slot->word = level;
         return 0;
     }
     PyObject *v = PyFloat_FromDouble(level);
@@ -706,11 +712,10 @@ FloatSlot_call(FloatSlot *self, PyObject *args, PyObject *kwds)
     double level;
     if (!PyArg_ParseTuple(args, "d:FloatSlot", &level))
         return NULL;
-    if (self->view.obj == NULL) {
+    if (slot_write(self, level) < 0) {
         PyErr_SetString(PyExc_ValueError, "FloatSlot: released");
         return NULL;
     }
-    *self->word = level;
     Py_RETURN_NONE;
 }
 
