@@ -222,12 +222,20 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
 def _train(overrides: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", *overrides]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        # A hung run (an NCCL init, say) must not take the rest of the check with it.
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        log(f"  killed after {timeout_s:g} s\n{out[-2000:]}\n{err[-2000:]}")
+        return {"overrides": overrides, "rc": -9, "wall_s": timeout_s, "error": f"timeout\n{err[-2000:]}"}
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         log(proc.stdout[-3000:])
         log(proc.stderr[-3000:])
         return {"overrides": overrides, "rc": proc.returncode, "wall_s": wall, "error": proc.stderr[-2000:]}
+    log(f"  console (last lines):\n{proc.stdout[-1200:]}")
     return {"overrides": overrides, "rc": 0, "wall_s": wall}
 
 
@@ -248,7 +256,8 @@ def training(mode: str, out_dir: Path, steps: int, env: dict[str, str], timeout_
                 "gpt_1b",
                 [
                     "model=tiny_gpt",
-                    "model.name=gpt_1b",
+                    "model.name=custom",
+                    "model.max_position_embeddings=2048",
                     "model.num_layers=24",
                     "model.hidden_size=2048",
                     "model.num_attention_heads=16",
@@ -365,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--hz", type=float, default=100.0)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--train-timeout", type=float, default=600.0, help="seconds before a training run is killed"
+    )
     args = ap.parse_args(argv)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_training:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
-        report["training"] = training(mode, out_dir, steps, env, timeout_s=600)
+        report["training"] = training(mode, out_dir, steps, env, timeout_s=args.train_timeout)
     report["wall_s"] = time.monotonic() - t_start
     path = out_dir / "gpu_check.json"
     path.write_text(json.dumps(report, indent=2, default=str))

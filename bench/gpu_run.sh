@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# What runs on the lent GPU machine: install the carried wheels, then bench/gpu_check.py.
+# What runs on the lent GPU machine: install the carried wheels, build the C extension for the
+# machine's Python (the pure-Python twins run if that fails), then bench/gpu_check.py. Run
+# directories stay in /tmp/gpucheck; the report, the log and a tarball of the runs go to $OUT
+# (which returns at most 8 files, two folders down).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv || true
-python3 bench/gpu_check.py --mode gpu --out "${OUT:-/tmp/gpucheck}" "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+OUT=${OUT:-/tmp/gpucheck_out}
+mkdir -p "$OUT"
+python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1 || echo "C extension build failed (see build_ext.log)"
+python3 -c "import charllm_nemo.speedups as s; print('speedups in C:', s.IN_C)" || true
+nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,temperature.gpu --format=csv || true
+python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "$@" 2>&1 | tee "$OUT/gpu_check.log"
+rc=${PIPESTATUS[0]}
+cp /tmp/gpucheck/gpu_check.json "$OUT/" 2>/dev/null
+tar -czf "$OUT/gpucheck_runs.tar.gz" -C /tmp gpucheck 2>/dev/null
+ls -la "$OUT"
+exit "$rc"
