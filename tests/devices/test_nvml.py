@@ -214,8 +214,8 @@ def test_nvlink_falls_back_to_summing_links(fake_nvml: Any) -> None:
         dev = b.devices[0]
         fake_nvml.reset_counts()
         reading = dev.read()
-        assert fake_nvml.calls("nvmlDeviceGetFieldValues") == 1
-        assert fake_nvml.field_calls(FI_NVLINK_TX) == 18  # one entry per link, in the same batch
+        assert fake_nvml.calls("nvmlDeviceGetFieldValues") == 2  # the gauges' batch, the counters'
+        assert fake_nvml.field_calls(FI_NVLINK_TX) == 18  # one entry per link, in the counters' batch
         assert value(reading, "nvlink_tx_bytes") == 1000003 * 1024
         assert value(reading, "nvlink_rx_bytes") == 17 * 1024
         assert "links=0,1,2" in dev.identity.extra["metric_sources"]["nvlink_tx_bytes"]
@@ -292,13 +292,13 @@ def test_reasons_logged_name_the_sources_tried(fake_nvml: Any, caplog: pytest.Lo
 # --- call pattern -----------------------------------------------------------------------------
 
 
-def test_one_batched_field_call_per_read(backend: Any, fake_nvml: Any) -> None:
+def test_two_batched_field_calls_per_read(backend: Any, fake_nvml: Any) -> None:
     dev = backend.devices[0]
     fake_nvml.reset_counts()
     n = 7
     for _ in range(n):
         dev.read()
-    assert fake_nvml.calls("nvmlDeviceGetFieldValues") == n
+    assert fake_nvml.calls("nvmlDeviceGetFieldValues") == 2 * n  # gauges, then cumulative counters
     # the other sources: one call each per read; utilization feeds two metrics with one call
     for fn in (
         "nvmlDeviceGetUtilizationRates",
@@ -675,3 +675,22 @@ def test_a_rank_samples_the_gpu_its_cuda_visible_devices_uuid_names(
     with caplog.at_level("WARNING"):
         assert own_device(0) == [0]
     assert "matches no single device UUID" in caplog.text and "MIG" in caplog.text
+
+
+def test_read_gauges_leaves_every_counter_out(backend: Any, fake_nvml: Any) -> None:
+    """read_gauges() is read() without the cumulative metrics: one field batch (no counter field
+    in it) and no dedicated call that serves only a counter; the gauges' values are read()'s."""
+    dev = backend.devices[0]
+    full = dev.read()
+    fake_nvml.reset_counts()
+    gauges = dev.read_gauges()
+    assert fake_nvml.calls("nvmlDeviceGetFieldValues") == 1
+    for fid in (FI_TOTAL_ENERGY, FI_PERF_POLICY_POWER, FI_NVLINK_TX, 197, 198):  # 197/198: PCIe bytes
+        assert fake_nvml.field_calls(fid) == 0, fid
+    for m in METRICS:
+        if m.cumulative:
+            assert gauges[METRIC_INDEX[m.name]] is None, m.name
+            assert full[METRIC_INDEX[m.name]] is not None, m.name
+        elif m.name not in ("power_instant_w", "power_memory_w", "util_gpu_pct"):  # these move
+            assert gauges[METRIC_INDEX[m.name]] == full[METRIC_INDEX[m.name]], m.name
+    assert value(gauges, "power_instant_w") is not None

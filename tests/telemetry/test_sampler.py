@@ -10,6 +10,7 @@ import pytest
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.errors import ConfigError, DeviceLost
 from charllm_nemo.telemetry.reader import to_arrays
+from charllm_nemo.telemetry.sample_loop import SamplerHealth, counter_every, run_sample_loop
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA, Sampler, rows_to_table, validate_hz
 from charllm_nemo.telemetry.schema import INT_NULL, METRIC_NAMES, METRICS
 
@@ -36,6 +37,71 @@ class ScriptedDevice:
 
     def supported_metrics(self):
         return dict.fromkeys(METRIC_NAMES, True)
+
+
+class GaugedDevice(ScriptedDevice):
+    """A ScriptedDevice that also reads without its cumulative counters, as NvmlDevice does."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.gauge_reads = 0
+        self.reading = tuple(100.0 + i if m.kind == "float" else 2**40 + i for i, m in enumerate(METRICS))
+
+    def read_gauges(self):
+        self.gauge_reads += 1
+        return tuple(None if m.cumulative else v for m, v in zip(METRICS, self.reading, strict=True))
+
+
+def _loop(devices, slots: int, every: int):
+    """run_sample_loop for ``slots`` slots (no waiting), then its final sample: the rows, the
+    times on_slot was told, the health."""
+    rows, told, h = [], [], SamplerHealth(hz=100.0)
+    run_sample_loop(
+        devices,
+        10_000_000,
+        h,
+        rows.append,
+        lambda: h.slots >= slots,
+        sleep=lambda s: None,
+        on_slot=told.append,
+        counter_every=every,
+    )
+    return rows, told, h
+
+
+def test_counters_are_read_on_every_nth_slot_and_live_figures_follow_only_those():
+    gauged, plain = GaugedDevice(0), ScriptedDevice(1)
+    rows, told, h = _loop([gauged, plain], slots=12, every=5)
+    # slots 0, 5 and 10 read the gauged device whole, the others through read_gauges; the final
+    # sample at stop is whole too; the device without read_gauges is read whole every time.
+    assert gauged.reads == 4 and gauged.gauge_reads == 9 and plain.reads == 13
+    assert h.counter_every == 5
+    energy = METRIC_NAMES.index("energy_mj")
+    whole = [i for i, r in enumerate(r for r in rows if r[3] == 0) if r[4][energy] is not None]
+    assert whole == [0, 5, 10, 12]
+    # on_slot hears only of the whole slots (a counter delta needs a value past the window's end)
+    firsts = [r[0] for r in rows if r[3] == 0]
+    assert told == [firsts[i] for i in whole]
+
+
+def test_every_slot_is_whole_without_a_gauged_device_or_with_counter_every_1():
+    for devices, every in (([ScriptedDevice(0)], 5), ([GaugedDevice(0)], 1)):
+        rows, told, h = _loop(devices, slots=6, every=every)
+        assert len(told) == len(rows) == 7 and h.counter_every == 1
+        assert devices[0].reads == 7
+
+
+@pytest.mark.parametrize(
+    ("hz", "counter_hz", "every"), [(100, 10, 10), (100, None, 1), (100, 300, 1), (50, 20, 2)]
+)
+def test_counter_every_is_the_nearest_whole_ratio(hz, counter_hz, every):
+    assert counter_every(hz, counter_hz) == every
+
+
+@pytest.mark.parametrize("bad", [0, -1, "often", float("nan")])
+def test_a_counter_rate_that_is_not_positive_is_refused_naming_the_field(bad):
+    with pytest.raises(ConfigError, match=r"telemetry\.counter_hz"):
+        counter_every(100.0, bad)
 
 
 @pytest.mark.parametrize("hz", [0, 0.5, 1000.5, 5000, "fast", None])

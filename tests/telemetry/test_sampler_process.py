@@ -166,7 +166,16 @@ def test_nvml_stand_in_rows_are_exact_including_64_bit_counters_above_2_53(tmp_p
     )
     readings, expected = r["readings"], r["expected"]
     assert len(readings) >= 30
-    assert all(reading == expected for reading in readings)
+    # The counters are read on every 20th slot (200 Hz, counter_hz 10) and at stop; the other rows
+    # hold null for them and the same gauges.
+    assert r["health"]["counter_every"] == 20
+    counters = {i for i, m in enumerate(METRICS) if m.cumulative}
+    gauges_only = [None if i in counters else v for i, v in enumerate(expected)]
+    whole = [reading for reading in readings if reading[METRIC_INDEX["energy_mj"]] is not None]
+    assert 2 <= len(whole) <= len(readings) // 20 + 2
+    assert readings[0] == expected and readings[-1] == expected
+    assert all(reading == expected for reading in whole)
+    assert all(reading == gauges_only for reading in readings if reading not in whole)
     assert _value(expected, "pcie_tx_bytes") == big and _value(expected, "energy_mj") == big + 2
     assert _value(expected, "pcie_rx_bytes") == 2**62 + 7
     assert _value(expected, "temp_hbm_c") is None and _value(expected, "power_instant_w") == 251.234
@@ -627,3 +636,71 @@ def test_a_failing_wake_up_check_never_reaches_the_sampling_loop(caplog):
             svc.nudge()
             assert svc._wake.is_set()
     assert Broken.calls == 1 and caplog.text.count("wake-up check failed") == 1
+
+
+_NVML_SESSION_CHILD = textwrap.dedent(
+    """
+    import json, math, sys, time
+    from charllm_nemo.telemetry.join import attribute_run
+    from charllm_nemo.telemetry.reader import load_rank, load_run, to_arrays
+    from charllm_nemo.telemetry.schema import INT_NULL
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    out = sys.argv[1]
+    steps = []
+    opts = dict(backend="nvml", hz=200, counter_hz=20, sampler=sys.argv[2], handle_signals=False)
+    with TelemetrySession(out, **opts) as tel:
+        mode, period = tel.sampler_mode, tel.figures_period_ns
+        for step in range(4):
+            t0 = time.monotonic_ns()
+            wid = tel.windows.begin("step", step=step, t_mono_ns=t0)
+            time.sleep(0.06 + 0.03 * step)
+            t1 = time.monotonic_ns()
+            tel.windows.end(wid, t_mono_ns=t1)
+            tel.request_figures(t0, t1)
+            steps.append((t0, t1))
+        live = [tel.step_figures(t0, t1, wait_s=2.0)[0] for t0, t1 in steps]
+    stored = sorted(attribute_run(load_run(out), ("step",)).to_pylist(), key=lambda r: r["step"])
+    s = to_arrays(load_rank(out, 0).samples)
+    print("RESULT " + json.dumps({
+        "mode": mode, "period": period, "live": live, "stored": stored,
+        "energy_rows": int((s["energy_mj"] != INT_NULL).sum()),
+        "pcie_rows": int((s["pcie_tx_bytes"] != INT_NULL).sum()),
+        "rows": int(len(s["t_mono_ns"])), "sampler": load_run(out).manifests[0]["sampler"],
+    }, default=lambda v: None))
+    """
+)
+
+
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_nvml_counters_read_apart_still_give_every_live_figure_as_stored(tmp_path, sampler):
+    # NVML reads its cumulative counters on every 10th slot here (200 Hz, counter_hz 20); the
+    # live figures wait for such a slot past each step's end, so counter deltas (violation
+    # times, PCIe bytes) and the energy are there live, equal to the stored run's.
+    pytest.importorskip("pynvml")
+    script = [
+        "0 energy_mode dynamic",
+        "0 energy_update_ms 20",
+        "0 power_square_mw 400000",
+        "0 power_period_ms 30",
+    ]
+    try:
+        env = nvml_stub.subprocess_env(script, tmp_dir=tmp_path)
+    except nvml_stub.StubUnavailable as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NVML_SESSION_CHILD, str(tmp_path / "run"), sampler],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert r["mode"] == sampler and r["period"] == 10 * 5_000_000
+    assert r["sampler"]["counter_every"] == 10
+    assert r["energy_rows"] == r["pcie_rows"] and 0 < r["energy_rows"] <= r["rows"] // 10 + 2
+    for row, figs in zip(r["stored"], r["live"], strict=True):
+        for name in ("energy_j", "violation_power_s", "pcie_tx_bytes", "power_avg_w"):
+            assert figs[name] is not None and not math.isnan(figs[name]), name
+            assert figs[name] == pytest.approx(row[name], rel=1e-9, abs=1e-9), name

@@ -90,6 +90,27 @@ def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_ra
     q = PendingSteps(max_lag=1)
     q.add(step(0, now), 1e-6)
     assert q.lag == 1
+    assert p.batch == p.lag  # every sample can answer a figure: the whole lag is one batch
+
+
+def test_figures_ready_a_counter_period_late_leave_steps_between_a_batch_and_its_reading():
+    from charllm_nemo.train.loop import PendingSteps
+    from charllm_nemo.train.report import StepSummary
+
+    # NVML's counters at 10 Hz, samples at 100 Hz: a figure can be ready 2 * 90 ms after the
+    # samples pass its window. 60 ms steps: batches of 2, and 3 more steps before a batch is read.
+    p = PendingSteps(ready_s=0.18)
+    for i in range(3):
+        p.add((StepSummary(step=i, loss=None, step_time_s=0.06), 0, 0), 0.06)
+    assert (p.batch, p.lag) == (2, 5)
+    # The batch's last window (step d + 1) has ended 4 steps (240 ms) before step d is read.
+    assert (p.lag - p.batch + 1) * 0.06 >= 0.18
+    # Very short steps: the lag is capped, the slack kept, the batch shrinks to one step.
+    p.add((StepSummary(step=3, loss=None, step_time_s=0.01), 0, 0), 0.01)
+    assert (p.batch, p.lag) == (2, 8)  # never shrinks
+    q = PendingSteps(ready_s=0.18)
+    q.add((StepSummary(step=0, loss=None, step_time_s=0.01), 0, 0), 0.01)
+    assert (q.batch, q.lag) == (1, 8)
 
 
 def _reduce_on_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:

@@ -77,6 +77,31 @@ def _binding_version() -> str | None:
 # --- device -----------------------------------------------------------------------------------
 
 
+_FieldPlan = tuple[tuple[int, tuple[int, ...], bool, float], ...]
+_CallPlan = tuple[tuple[Any, tuple[Any, ...], tuple[tuple[int, Any, str, bool, float], ...]], ...]
+_Plan = tuple[FieldBatch | None, _FieldPlan, _CallPlan]
+
+
+def _plan(p: Any, chosen: dict[str, Source]) -> _Plan:
+    """A read plan for ``chosen`` (metric -> source): one field-values batch for the fields,
+    each with its offsets in the batch's unpacked values, then one entry per distinct call."""
+    entries: list[tuple[int, int]] = []
+    field_plan: list[tuple[int, tuple[int, ...], bool, float]] = []
+    calls: dict[str, tuple[Any, tuple[Any, ...], list[tuple[int, Any, str, bool, float]]]] = {}
+    for metric, source in chosen.items():
+        mi = METRIC_INDEX[metric]
+        if isinstance(source, FieldSource):
+            offsets = tuple(3 * (len(entries) + k) for k in range(len(source.entries)))
+            entries.extend(source.entries)
+            field_plan.append((mi, offsets, source.is_float, source.factor))
+        else:
+            fn = resolve(p, source.fn_name)
+            entry = calls.setdefault(source.label, (fn, source.args, []))
+            entry[2].append((mi, source.obj, source.attr, source.is_float, source.factor))
+    fields = FieldBatch(entries) if entries else None
+    return fields, tuple(field_plan), tuple((fn, args, tuple(outs)) for fn, args, outs in calls.values())
+
+
 class NvmlDevice:
     """One NVIDIA GPU opened through NVML; ``read()`` returns one value per ``schema.METRICS``.
 
@@ -86,11 +111,10 @@ class NvmlDevice:
     """
 
     __slots__ = (
-        "_call_plan",
         "_closed",
+        "_counters",
         "_field_fn",
-        "_field_plan",
-        "_fields",
+        "_gauges",
         "_handle",
         "_index",
         "_nvml",
@@ -157,24 +181,12 @@ class NvmlDevice:
                 why = "; ".join(reasons.get(metric, [])) or "NVML has no source for it"
                 self._unsupported(self._index, metric, why)
 
-        # The sampling plan: one batch for the chosen fields, then one entry per distinct call.
-        entries: list[tuple[int, int]] = []
-        field_plan: list[tuple[int, tuple[int, ...], bool, float]] = []
-        calls: dict[str, tuple[Any, tuple[Any, ...], list[tuple[int, Any, str, bool, float]]]] = {}
-        for metric, source in chosen.items():
-            mi = METRIC_INDEX[metric]
-            if isinstance(source, FieldSource):
-                offsets = tuple(3 * (len(entries) + k) for k in range(len(source.entries)))
-                entries.extend(source.entries)
-                field_plan.append((mi, offsets, source.is_float, source.factor))
-            else:
-                fn = resolve(p, source.fn_name)
-                entry = calls.setdefault(source.label, (fn, source.args, []))
-                entry[2].append((mi, source.obj, source.attr, source.is_float, source.factor))
-        self._fields = FieldBatch(entries) if entries else None
+        # Two sampling plans: the gauges, read with every sample, and the cumulative counters,
+        # which cost far more on some drivers (the energy counter ~3 ms on an H200) and are read
+        # only on the sampler's counter slots (read() reads both, read_gauges() the first).
         self._field_fn: Any = field_fn
-        self._field_plan = tuple(field_plan)
-        self._call_plan = tuple((fn, args, tuple(outs)) for fn, args, outs in calls.values())
+        self._gauges = _plan(p, {m: s for m, s in chosen.items() if not METRICS[METRIC_INDEX[m]].cumulative})
+        self._counters = _plan(p, {m: s for m, s in chosen.items() if METRICS[METRIC_INDEX[m]].cumulative})
         self._supported = {m: m in chosen for m in METRIC_NAMES}
         return {m: s.label for m, s in chosen.items()}
 
@@ -273,14 +285,29 @@ class NvmlDevice:
         if self._closed:
             raise DeviceLost(f"NVML GPU {self._index}: the backend was closed")
         out: list[float | int | None] = [None] * _N_METRICS
-        fields = self._fields
+        self._read_plan(self._gauges, out)
+        self._read_plan(self._counters, out)
+        return tuple(out)
+
+    def read_gauges(self) -> Reading:
+        """:meth:`read` without the cumulative counters (``Metric.cumulative``: energy,
+        violation times, PCIe/NVLink bytes), which stay None: what the sampler calls between
+        its counter slots (telemetry.sample_loop)."""
+        if self._closed:
+            raise DeviceLost(f"NVML GPU {self._index}: the backend was closed")
+        out: list[float | int | None] = [None] * _N_METRICS
+        self._read_plan(self._gauges, out)
+        return tuple(out)
+
+    def _read_plan(self, plan: _Plan, out: list[float | int | None]) -> None:
+        fields, field_plan, call_plan = plan
         if fields is not None:
             rc = self._field_fn(self._handle, fields.count, fields.buffer)
             if rc:
-                self._failed(rc, [mi for mi, _, _, _ in self._field_plan])
+                self._failed(rc, [mi for mi, _, _, _ in field_plan])
             else:
                 raw = fields.unpack(fields.buffer)
-                for mi, offsets, is_float, factor in self._field_plan:
+                for mi, offsets, is_float, factor in field_plan:
                     total: int | float = 0
                     for b in offsets:
                         frc = raw[b + 1]
@@ -300,7 +327,7 @@ class NvmlDevice:
                         total += v
                     else:
                         out[mi] = total / factor if is_float else int(total * factor)
-        for fn, args, outputs in self._call_plan:
+        for fn, args, outputs in call_plan:
             rc = fn(*args)
             if rc:
                 self._failed(rc, [o[0] for o in outputs])
@@ -308,7 +335,6 @@ class NvmlDevice:
             for mi, obj, attr, is_float, factor in outputs:
                 value = getattr(obj, attr)
                 out[mi] = value / factor if is_float else value * factor
-        return tuple(out)
 
     def _failed(self, rc: int, metric_indices: Sequence[int]) -> None:
         """A source returned an error while sampling: DeviceLost, or log once and leave None."""

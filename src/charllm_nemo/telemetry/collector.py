@@ -125,9 +125,11 @@ def _picker(columns: tuple[str, ...], keep: frozenset[str] | None) -> tuple[tupl
 class Collector:
     """Takes samples and records from ``block`` and writes them under ``rank_dir``.
 
-    ``period_ns``: the sampling period (live figures slice samples from two periods before a
-    window). ``live_window_s``: how long samples stay in memory for figure requests. ``names``:
-    the record codes' strings (None: read from the block as the training process publishes them).
+    ``period_ns``: how often whole samples arrive: the sampling period, or the counter period
+    where a device reads its counters apart (live figures slice samples from two such periods
+    before a window, so that a counter's tick inside it is found as in the stored run).
+    ``live_window_s``: how long samples stay in memory for figure requests. ``names``: the
+    record codes' strings (None: read from the block as the training process publishes them).
     """
 
     def __init__(

@@ -42,11 +42,37 @@ def validate_hz(hz: float) -> float:
     return value
 
 
+DEFAULT_COUNTER_HZ = 10.0
+"""How often the cumulative counters are read where a device reads them apart (NVML): measured
+on an H200 (driver 580.159), the energy counter alone costs ~3 ms a read and updates every
+100 ms, the thermal violation time ~0.55 ms and each PCIe counter ~0.13 ms, against ~15 µs for
+every other metric together (bench/nvml_costs.py, docs/telemetry.md)."""
+
+
+def counter_every(hz: float, counter_hz: float | None) -> int:
+    """Read the cumulative counters on every n-th slot of a sampler at ``hz``: n for
+    ``counter_hz`` (None: every slot). Raises ConfigError for a rate that is not a positive
+    number."""
+    if counter_hz is None:
+        return 1
+    try:
+        value = float(counter_hz)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(
+            f"telemetry.counter_hz={counter_hz!r} is not a positive rate; use e.g. "
+            f"{DEFAULT_COUNTER_HZ:g} (Hz), or null to read the counters with every sample"
+        )
+    return max(1, round(hz / value))
+
+
 @dataclass
 class SamplerHealth:
     """The sampler's own record of how it did (counts, and ns of CLOCK_MONOTONIC)."""
 
     hz: float
+    counter_every: int = 1  # cumulative counters read on every n-th slot (devices with read_gauges)
     started_mono_ns: int = 0
     stopped_mono_ns: int = 0
     samples: int = 0
@@ -84,6 +110,7 @@ def run_sample_loop(
     should_stop: Callable[[], bool],
     sleep: Callable[[float], object] = time.sleep,
     on_slot: Callable[[int], object] | None = None,
+    counter_every: int = 1,
 ) -> None:
     """Read every device once per ``period_ns`` until ``should_stop()`` (checked once per slot).
 
@@ -94,13 +121,28 @@ def run_sample_loop(
     raises is dropped (DeviceLost: one error line; anything else: logged with its traceback);
     with none left the loop ends. ``on_slot(t_mono_ns)``, after each slot, gets the time of its
     first reading: from then on every device still sampled has a row at or after that time
-    (what live figures wait for). Never raises.
+    (what live figures wait for).
+
+    ``counter_every``: a device with a ``read_gauges()`` method (a ``read()`` with the cumulative
+    counters left None, where those are dear to read) is read whole only on every n-th slot and
+    on the last, and through ``read_gauges()`` on the others; ``on_slot`` then follows only the
+    whole slots, so that a live figure waits for counter values past its window's end (a counter
+    delta needs them). Never raises.
     """
     h = health
     period = period_ns
     half = period // 2
     mono = time.monotonic_ns
     live = [(d, d.identity.index) for d in devices]
+    gauges: dict[int, Callable[[], Any]] = {}
+    if counter_every > 1:
+        for d, idx in live:
+            fn = getattr(d, "read_gauges", None)
+            if fn is not None:
+                gauges[idx] = fn
+    every = counter_every if gauges else 1
+    h.counter_every = every
+    k = 0
     h.started_mono_ns = deadline = mono()
     try:
         while live and not should_stop():
@@ -111,8 +153,10 @@ def run_sample_loop(
                 h.on_time += 1
             if late > h.late_max_ns:
                 h.late_max_ns = late
-            t_slot = _sample_once(live, h, emit)
-            if on_slot is not None and t_slot is not None:
+            whole = k % every == 0
+            k += 1
+            t_slot = _sample_once(live, h, emit, None if whole else gauges)
+            if on_slot is not None and t_slot is not None and whole:
                 on_slot(t_slot)
             deadline += period
             now = mono()
@@ -145,10 +189,14 @@ def run_sample_loop(
 
 
 def _sample_once(
-    devices: list[tuple[Device, int]], h: SamplerHealth, emit: Callable[[Row], None]
+    devices: list[tuple[Device, int]],
+    h: SamplerHealth,
+    emit: Callable[[Row], None],
+    gauges: dict[int, Callable[[], Any]] | None = None,
 ) -> int | None:
-    """Read every device once; a device that fails is removed from ``devices``. Returns the time
-    of the first reading (None: no device read)."""
+    """Read every device once (through ``gauges[index]`` where given, else ``read()``); a device
+    that fails is removed from ``devices``. Returns the time of the first reading (None: no
+    device read)."""
     mono = time.monotonic_ns
     first: int | None = None
     for entry in tuple(devices):
@@ -156,7 +204,7 @@ def _sample_once(
         t0 = mono()
         tw = time.time_ns()
         try:
-            reading = dev.read()
+            reading = gauges[idx]() if gauges and idx in gauges else dev.read()
         except DeviceLost as exc:
             h.devices_lost += 1
             devices.remove(entry)

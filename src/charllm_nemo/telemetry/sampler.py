@@ -32,10 +32,12 @@ import pyarrow as pa
 
 from charllm_nemo.devices.base import Device
 from charllm_nemo.telemetry.sample_loop import (
+    DEFAULT_COUNTER_HZ,
     MAX_HZ,
     MIN_HZ,
     Row,
     SamplerHealth,
+    counter_every,
     run_sample_loop,
     validate_hz,
 )
@@ -44,6 +46,7 @@ from charllm_nemo.telemetry.schema import INT_NULL, METRICS
 log = logging.getLogger("charllm_nemo.telemetry")
 
 __all__ = [
+    "DEFAULT_COUNTER_HZ",
     "MAX_HZ",
     "MIN_HZ",
     "SAMPLES_SCHEMA",
@@ -61,14 +64,23 @@ class Sampler:
     """Samples ``devices`` at ``hz`` on a daemon thread until :meth:`stop`.
 
     Rows accumulate in memory; the store takes them with :meth:`take_rows` (at least every
-    second). ``source`` names the backend and lands in every row of the table.
+    second). ``source`` names the backend and lands in every row of the table. ``counter_hz``:
+    how often a device that reads its cumulative counters apart (``read_gauges``) reads them
+    (None: with every sample; :func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`).
     """
 
     mode = "thread"
 
-    def __init__(self, devices: Sequence[Device], hz: float = 100.0, source: str = "unknown") -> None:
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        hz: float = 100.0,
+        source: str = "unknown",
+        counter_hz: float | None = DEFAULT_COUNTER_HZ,
+    ) -> None:
         self.hz = validate_hz(hz)
         self.period_ns = round(1e9 / self.hz)
+        self.counter_every = counter_every(self.hz, counter_hz)
         self.source = source
         self._devices = list(devices)
         self._rows: list[Row] = []
@@ -111,7 +123,13 @@ class Sampler:
     # -- the loop --------------------------------------------------------------------------
     def _run(self) -> None:
         run_sample_loop(
-            self._devices, self.period_ns, self.health, self._emit, self._stop.is_set, on_slot=self._slot_done
+            self._devices,
+            self.period_ns,
+            self.health,
+            self._emit,
+            self._stop.is_set,
+            on_slot=self._slot_done,
+            counter_every=self.counter_every,
         )
 
     def _emit(self, row: Row) -> None:

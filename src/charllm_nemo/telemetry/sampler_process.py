@@ -56,7 +56,13 @@ from typing import Any, cast
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry import shm
-from charllm_nemo.telemetry.sample_loop import Row, SamplerHealth, validate_hz
+from charllm_nemo.telemetry.sample_loop import (
+    DEFAULT_COUNTER_HZ,
+    Row,
+    SamplerHealth,
+    counter_every,
+    validate_hz,
+)
 from charllm_nemo.telemetry.shm import (
     D_ACTIVITY,
     FAILED,
@@ -226,6 +232,7 @@ class ProcessSampler:
     figure requests (see the module doc). ``nice``: the child's nice value (:data:`DEFAULT_NICE`).
     ``collector_sched``: ``idle`` or ``normal``, its collector thread's policy
     (:data:`DEFAULT_COLLECTOR_SCHED`; ``auto`` is resolved by :func:`resolve_collector_sched`).
+    ``counter_hz``: as for :class:`~charllm_nemo.telemetry.sampler.Sampler`.
     """
 
     mode = "process"
@@ -242,8 +249,10 @@ class ProcessSampler:
         store: dict[str, Any] | None = None,
         nice: int = DEFAULT_NICE,
         collector_sched: str = "normal",
+        counter_hz: float | None = DEFAULT_COUNTER_HZ,
     ) -> None:
         self.hz = validate_hz(hz)
+        self.counter_every = counter_every(self.hz, counter_hz)
         self.nice = validate_nice(nice)
         if validate_collector_sched(collector_sched) == "auto":
             raise ConfigError("ProcessSampler takes collector_sched idle or normal; resolve auto first")
@@ -336,6 +345,7 @@ class ProcessSampler:
             "shared_activity": self._shared_activity,
             "observe_parent": self._observe_parent,
             "hz": self.hz,
+            "counter_every": self.counter_every,
             "parent_pid": os.getpid(),
             "store": self.store,
             "nice": self.nice,
@@ -596,6 +606,7 @@ class ProcessSampler:
         q = block.q
         for i, field in enumerate(HEALTH_FIELDS):
             setattr(h, field, q[shm.H_HEALTH + i])
+        h.counter_every = max(1, h.counter_every)  # 0 until the child's loop has begun
         if self.store is not None:
             h.rows_lost += q[shm.H_ROWS_LOST]
         state = q[H_STATE]

@@ -52,6 +52,7 @@ from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
+from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, counter_every
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import (
     DEFAULT_COLLECTOR_SCHED,
@@ -199,7 +200,11 @@ class TelemetrySession:
     ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
     (:func:`~charllm_nemo.telemetry.sampler_process.resolve_collector_sched`).
     ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
-    (default: StoreError, before anything starts).
+    (default: StoreError, before anything starts). ``counter_hz``: how often the cumulative
+    counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them
+    apart (NVML: :data:`~charllm_nemo.telemetry.sample_loop.DEFAULT_COUNTER_HZ`; None = with
+    every sample); the rows between hold null for them, and live figures wait for the next
+    counter read past a window's end.
     """
 
     def __init__(
@@ -223,8 +228,10 @@ class TelemetrySession:
         local_ranks: int | None = None,
         rank_threads: int = 1,
         overwrite: bool = False,
+        counter_hz: float | None = DEFAULT_COUNTER_HZ,
     ) -> None:
         self.hz = validate_hz(hz)
+        counter_every(self.hz, counter_hz)  # a bad rate fails here, before anything is opened
         nice = validate_nice(nice)
         validate_collector_sched(collector_sched)
         mode = resolve_sampler_mode(sampler, self.hz)
@@ -258,6 +265,13 @@ class TelemetrySession:
         else:
             self.backend = backend
         self.source = self.backend.name
+        # Live figures wait for a slot whose counters were read (telemetry.sample_loop): every
+        # n-th where a device reads them apart (NVML), every slot elsewhere.
+        gauged = any(hasattr(d, "read_gauges") for d in self.backend.devices)
+        every = counter_every(self.hz, counter_hz) if gauged else 1
+        self.figures_period_ns = round(1e9 / self.hz) * every
+        """How often samples that can answer a live figure arrive (ns): a figure of a window is
+        ready about this long after the window's end, at the latest."""
         self.sampler: Sampler | ProcessSampler
         self.collector_sched: dict[str, str] | None = None  # process mode: what applies, and why
         if mode == "process":
@@ -281,6 +295,7 @@ class TelemetrySession:
                     },
                     nice=nice,
                     collector_sched=policy,
+                    counter_hz=counter_hz,
                 )
             except ConfigError as exc:
                 if sampler == "process":
@@ -289,7 +304,7 @@ class TelemetrySession:
                 log.info("telemetry: sampling in a thread: %s", exc)
                 mode = "thread"
         if mode == "thread":
-            self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+            self.sampler = Sampler(self.backend.devices, self.hz, source=self.source, counter_hz=counter_hz)
             self.collector_sched = None  # no telemetry process, no collector thread
         self.sampler_mode = mode
         marks = getattr(self.backend, "mark_activity", None)
@@ -717,11 +732,12 @@ class TelemetrySession:
                     return None
                 break
             time.sleep(min(0.002, 1.0 / self.hz))
-        # Two periods before the window, and one slot (a row per device) more: every sample inside
-        # has its predecessor in the slice, so counter ticks inside are found as in the stored run
-        # (the first sample of a slice is never a tick), a window that begins after a sampling
-        # stall is still bracketed, and live figures equal those computed later.
-        since = t_begin_mono_ns - 2 * self.sampler.period_ns
+        # Two periods of whole samples (counters read) before the window, and one slot (a row per
+        # device) more: every sample inside has its predecessor in the slice, so counter ticks
+        # inside are found as in the stored run (the first sample of a slice is never a tick), a
+        # window that begins after a sampling stall is still bracketed, and live figures equal
+        # those computed later.
+        since = t_begin_mono_ns - 2 * self.figures_period_ns
         arrays = rows_to_arrays(self.live_rows(since, before=len(self.backend.devices)))
         out = []
         win = {

@@ -67,7 +67,7 @@ MAGIC = 0x636C6D2D72696E67  # "clm-ring"
 # -- header words --------------------------------------------------------------------------------
 (H_MAGIC, H_CAPACITY, H_N_INT, H_N_FLOAT, H_WRITE_COUNT, H_STATE, H_STOP, H_PID) = range(8)
 (H_T_SPAWNED, H_T_MAIN, H_T_IMPORTED, H_T_OPENED, H_STOP_CODE, H_MSG_LEN) = range(8, 14)
-H_HEALTH = 16  # .. 26: HEALTH_FIELDS
+H_HEALTH = 16  # .. 27: HEALTH_FIELDS
 HEALTH_FIELDS = (
     "started_mono_ns",
     "stopped_mono_ns",
@@ -80,6 +80,7 @@ HEALTH_FIELDS = (
     "read_ns_max",
     "devices_lost",
     "errors",
+    "counter_every",
 )
 D_ACTIVITY = 40  # float64: the synthetic activity level the training process's marks set
 # The mark ring and the names (written by the training process).

@@ -196,6 +196,11 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
         if readable:
             stdin_readable[0] = True
 
+    # Counter slots (sample_loop): every n-th where a device reads its counters apart (NVML).
+    every = int(config.get("counter_every", 1))
+    if not any(hasattr(d, "read_gauges") for d in backend.devices):
+        every = 1
+    config["figures_period_ns"] = round(1e9 / health.hz) * every
     service: _Service | None = None
     if config.get("store") is not None:
         service = _Service(block, config)
@@ -210,6 +215,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
             should_stop,
             sleep,
             on_slot=functools.partial(q.__setitem__, H_SLOT_T),
+            counter_every=every,
         )
     finally:
         publish()
@@ -253,7 +259,7 @@ class _Service(threading.Thread):
                 block,
                 Path(self.store["rank_dir"]),
                 source=self.store["source"],
-                period_ns=round(1e9 / float(config["hz"])),
+                period_ns=int(config["figures_period_ns"]),
                 flush_interval_s=float(self.store["flush_interval_s"]),
                 live_window_s=float(self.store["live_window_s"]),
             )

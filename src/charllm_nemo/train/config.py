@@ -104,6 +104,9 @@ class TelemetryConfig:
     enabled: bool = True
     backend: str = "auto"  # auto | nvml | amdsmi | synthetic
     hz: float = 100.0
+    # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
+    # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
+    counter_hz: float | None = 10.0
     # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
     # (no GIL shared with training; docs/telemetry.md), threads where none can start.
     sampler: str = "auto"  # auto | thread | process

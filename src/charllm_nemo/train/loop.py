@@ -89,10 +89,16 @@ class PendingSteps:
     from the all-reduced step time and never decreases), so every rank's reduction carries the
     figures of the same step."""
 
-    def __init__(self, max_lag: int = MAX_FIGURES_LAG) -> None:
+    def __init__(self, max_lag: int = MAX_FIGURES_LAG, ready_s: float = 0.0) -> None:
         self.steps: deque[Pending] = deque()
         self.lag = 1
+        self.batch = 1  # the steps whose figures are computed together (request_figures' batch)
         self.max_lag = max_lag
+        # How much later than the samples past a window's end its figures can be ready: 0 where
+        # every sample can answer them; about two counter periods where the backend reads its
+        # counters apart (NVML, telemetry.counter_hz). The lag then leaves that many seconds of
+        # steps between a batch's last window and the step that reads the batch's first.
+        self.ready_s = ready_s
 
     def due(self) -> Pending | None:
         """The step whose figures this step's reduction carries (None while fewer than ``lag``
@@ -108,8 +114,10 @@ class PendingSteps:
         """A step that ended, with the step time all ranks agree on (the reduced maximum)."""
         self.steps.append(step)
         if step_time_s > 0:
-            wanted = min(self.max_lag, math.ceil(FIGURES_BATCH_S / step_time_s))
-            self.lag = max(self.lag, wanted)
+            batch = math.ceil(FIGURES_BATCH_S / step_time_s)
+            slack = math.ceil(self.ready_s / step_time_s)
+            self.lag = max(self.lag, min(self.max_lag, batch + slack))
+            self.batch = max(self.batch, min(batch, self.lag - min(slack, self.lag - 1)))
 
 
 @dataclass
@@ -178,6 +186,7 @@ def _open_session(cfg: TrainConfig, dist: DistInfo, local_ranks: int, rank_threa
         t.out_dir,
         backend=t.backend,
         hz=t.hz,
+        counter_hz=t.counter_hz,
         sampler=t.sampler,
         nice=t.nice,
         collector_sched=t.collector_sched,
@@ -444,8 +453,12 @@ def _train(
         from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, pack_step_figures
 
         wanted_figures = STEP_FIGURE_KEYS
-    pending = PendingSteps(MAX_FIGURES_LAG if session is not None else 1)  # no figures: no lag
-    period_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
+    # How soon after a step's end its figures can be ready: a sampling period, or a counter
+    # period where the backend reads its counters apart (telemetry.counter_hz).
+    sample_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
+    period_ns = session.figures_period_ns if session is not None else sample_ns
+    ready_s = 2 * (period_ns - sample_ns) / 1e9
+    pending = PendingSteps(MAX_FIGURES_LAG if session is not None else 1, ready_s)  # no figures: no lag
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
 
@@ -505,7 +518,7 @@ def _train(
                     timing.t_begin_mono_ns,
                     timing.t_end_mono_ns,
                     wanted_figures,
-                    batch=pending.lag if step < b.train_steps - 1 else 1,
+                    batch=pending.batch if step < b.train_steps - 1 else 1,
                 )
 
             loss_sum = loss_tokens = 0.0

@@ -71,7 +71,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.sinks.config import validate_logger_config
-    from charllm_nemo.telemetry.sample_loop import validate_hz
+    from charllm_nemo.telemetry.sample_loop import MAX_HZ, counter_every, validate_hz
     from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
@@ -84,6 +84,7 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     _collect(problems, validate_nice, t.nice)
     if t.enabled:
         _collect(problems, validate_hz, t.hz)
+        _collect(problems, lambda rate: counter_every(MAX_HZ, rate), t.counter_hz)
     unknown = [w for w in t.windows if w not in WINDOW_KINDS]
     if unknown:
         problems.append(
