@@ -44,9 +44,9 @@ def validate_hz(hz: float) -> float:
 
 DEFAULT_COUNTER_HZ = 10.0
 """How often the cumulative counters are read where a device reads them apart (NVML): measured
-on an H200 (driver 580.159), the energy counter alone costs ~3 ms a read and updates every
-100 ms, the thermal violation time ~0.55 ms and each PCIe counter ~0.13 ms, against ~15 µs for
-every other metric together (bench/nvml_costs.py, docs/telemetry.md)."""
+on an H200 (driver 580.159), the energy counter alone costs 2.4-3 ms a read and updates every
+100 ms, the thermal violation time 0.4-0.6 ms and each PCIe counter 0.08-0.14 ms, against 13 µs
+for every other metric together (bench/nvml_costs.py, docs/devices-nvml.md)."""
 
 
 def counter_every(hz: float, counter_hz: float | None) -> int:
