@@ -67,6 +67,12 @@ def counter_every(hz: float, counter_hz: float | None) -> int:
     return max(1, round(hz / value))
 
 
+def effective_counter_every(devices: Sequence[Device], every: int) -> int:
+    """What :func:`run_sample_loop` applies: ``every`` where some device reads its counters
+    apart (has ``read_gauges``), else 1 (every slot is whole)."""
+    return every if every > 1 and any(hasattr(d, "read_gauges") for d in devices) else 1
+
+
 @dataclass
 class SamplerHealth:
     """The sampler's own record of how it did (counts, and ns of CLOCK_MONOTONIC)."""
@@ -134,14 +140,10 @@ def run_sample_loop(
     half = period // 2
     mono = time.monotonic_ns
     live = [(d, d.identity.index) for d in devices]
+    every = h.counter_every = effective_counter_every(devices, counter_every)
     gauges: dict[int, Callable[[], Any]] = {}
-    if counter_every > 1:
-        for d, idx in live:
-            fn = getattr(d, "read_gauges", None)
-            if fn is not None:
-                gauges[idx] = fn
-    every = counter_every if gauges else 1
-    h.counter_every = every
+    if every > 1:
+        gauges = {idx: d.read_gauges for d, idx in live if hasattr(d, "read_gauges")}
     k = 0
     h.started_mono_ns = deadline = mono()
     try:

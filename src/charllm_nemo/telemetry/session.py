@@ -52,7 +52,7 @@ from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
-from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, counter_every
+from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, counter_every, effective_counter_every
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import (
     DEFAULT_COLLECTOR_SCHED,
@@ -231,7 +231,7 @@ class TelemetrySession:
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
     ) -> None:
         self.hz = validate_hz(hz)
-        counter_every(self.hz, counter_hz)  # a bad rate fails here, before anything is opened
+        every = counter_every(self.hz, counter_hz)  # a bad rate fails here, before anything opens
         nice = validate_nice(nice)
         validate_collector_sched(collector_sched)
         mode = resolve_sampler_mode(sampler, self.hz)
@@ -267,9 +267,9 @@ class TelemetrySession:
         self.source = self.backend.name
         # Live figures wait for a slot whose counters were read (telemetry.sample_loop): every
         # n-th where a device reads them apart (NVML), every slot elsewhere.
-        gauged = any(hasattr(d, "read_gauges") for d in self.backend.devices)
-        every = counter_every(self.hz, counter_hz) if gauged else 1
-        self.figures_period_ns = round(1e9 / self.hz) * every
+        self.counter_every = effective_counter_every(self.backend.devices, every)
+        """Sampling slots per counter read (1: the counters come with every sample)."""
+        self.figures_period_ns = round(1e9 / self.hz) * self.counter_every
         """How often samples that can answer a live figure arrive (ns): a figure of a window is
         ready about this long after the window's end, at the latest."""
         self.sampler: Sampler | ProcessSampler

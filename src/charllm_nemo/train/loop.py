@@ -117,7 +117,7 @@ class PendingSteps:
             batch = math.ceil(FIGURES_BATCH_S / step_time_s)
             slack = math.ceil(self.ready_s / step_time_s)
             self.lag = max(self.lag, min(self.max_lag, batch + slack))
-            self.batch = max(self.batch, min(batch, self.lag - min(slack, self.lag - 1)))
+            self.batch = max(self.batch, 1, min(batch, self.lag - slack))
 
 
 @dataclass
@@ -456,8 +456,9 @@ def _train(
     # How soon after a step's end its figures can be ready: a sampling period, or a counter
     # period where the backend reads its counters apart (telemetry.counter_hz).
     sample_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
-    period_ns = session.figures_period_ns if session is not None else sample_ns
-    ready_s = 2 * (period_ns - sample_ns) / 1e9
+    every = session.counter_every if session is not None else 1
+    period_ns = sample_ns * every
+    ready_s = 2 * (every - 1) * sample_ns / 1e9  # 0 where every sample can answer a figure
     pending = PendingSteps(MAX_FIGURES_LAG if session is not None else 1, ready_s)  # no figures: no lag
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
