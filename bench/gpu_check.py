@@ -313,7 +313,8 @@ def training(mode: str, out_dir: Path, steps: int, env: dict[str, str], timeout_
                     log(
                         f"  peak memory {max(p or 0 for p in mem['peak_bytes']) / 2**30:.2f} GiB "
                         f"({mem.get('measure')}), planned weights+grads+optimizer "
-                        f"{max(p or 0 for p in mem['plan_bytes']) / 2**30:.2f} GiB; "
+                        f"{max(p or 0 for p in mem['plan_bytes']) / 2**30:.2f} GiB, estimated activations "
+                        f"{max(a or 0 for a in mem.get('activation_bytes') or [0]) / 2**30:.2f} GiB; "
                         f"setup {summ.get('setup_s')}"
                     )
         on = entry["on"]["summary"].get("step_time_s_median")

@@ -328,6 +328,10 @@ def test_a_dry_run_prints_the_plan_and_starts_nothing(
     assert "(distributed optimizer: split over dp=16)" in text
     assert "stage 0: 12 layers, 2.797 B parameters: 17.6 GiB (weights 5.2 GiB" in text
     assert "stages 1-6: 12 layers, 2.718 B parameters" in text
+    # Activations: full recomputation keeps each layer's input; 1F1B holds pp - stage microbatches.
+    assert "(estimate; megatron-core's local layers: unfused attention keeps the s x s scores; " in text
+    assert "stage 0: 8 microbatch(es) in flight: 4.5 GiB; peak 22.1 GiB" in text
+    assert "stage 7: 1 microbatch(es) in flight: 772.0 MiB; peak 18.3 GiB" in text
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

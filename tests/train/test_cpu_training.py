@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core")
 
 from charllm_nemo.telemetry.sampler_process import resolve_collector_sched
 from charllm_nemo.train.config import ModelConfig, TrainConfig
-from charllm_nemo.train.plan import plan_stage_memory
+from charllm_nemo.train.plan import plan_stage_activations, plan_stage_memory
 from charllm_nemo.train.validate import validate
 
 WORKER = Path(__file__).with_name("_cpu_rank.py")
@@ -243,9 +243,11 @@ def test_pp2_1f1b_interleaving_visible(tmp_path: Path) -> None:
     assert_memory_plan_matches(cfg, results)  # the tied output layer's copy on the last stage too
     # Every rank's peak beside its stage's plan, gathered at the end, in rank 0's summary.json.
     memory = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
-    stages = plan_stage_memory(cfg, validate(cfg, world_size=2, device="cpu"))
+    layout = validate(cfg, world_size=2, device="cpu")
+    stages = plan_stage_memory(cfg, layout)
     assert memory["measure"] == "max_rss" and memory["pp_stage"] == [0, 1]
     assert memory["plan_bytes"] == [s.total_bytes for s in stages]
+    assert memory["activation_bytes"] == [a.total_bytes for a in plan_stage_activations(cfg, layout, "local")]
     assert all(peak > 100 * 2**20 for peak in memory["peak_bytes"])  # torch's own RSS, at least
     assert results[1]["memory"] == memory  # every rank has the same report
     by_stage = {r["labels"]["pp_stage"]: r for r in results}

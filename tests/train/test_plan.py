@@ -16,6 +16,7 @@ from charllm_nemo.train.plan import (
     memory_line,
     memory_report,
     memory_verdict,
+    plan_stage_activations,
     plan_stage_memory,
 )
 from charllm_nemo.train.validate import validate
@@ -62,6 +63,30 @@ def test_a_tight_rank_is_warned_about() -> None:
     )
 
 
+def test_an_estimated_peak_over_free_memory_is_warned_about() -> None:
+    # The state fits everywhere; with the activations, ranks 1 and 2 do not: the tightest is named.
+    ranks = [
+        RankMemory(0, 0, 30 * GiB, 79 * GiB, 80 * GiB, activations=40 * GiB),  # fits: 70 of 79
+        RankMemory(1, 1, 30 * GiB, 79 * GiB, 80 * GiB, activations=55 * GiB),  # 85 of 79
+        RankMemory(2, 2, 30 * GiB, 60 * GiB, 80 * GiB, activations=40 * GiB),  # 70 of 60: tightest
+    ]
+    error, warning = memory_verdict(ranks)
+    assert error is None
+    assert warning == (
+        "rank 2 (pipeline stage 2) will likely run out of memory: its estimated peak is 70.0 GiB "
+        "(30.0 GiB of weights, gradients and optimizer state, 40.0 GiB of activations), its GPU has "
+        "60.0 GiB free (2 rank(s) over; `dry_run=true` prints the estimate per stage). Use activation "
+        "recomputation (optim=recompute, or optim.recompute_granularity=selective), a smaller "
+        "batch.micro_batch_size, or more tensor / pipeline parallelism (parallel.tp, parallel.pp)"
+    )
+    # Estimated to fit: no warning, even with the state above TIGHT_SHARE of free memory.
+    fits = RankMemory(0, 0, 75 * GiB, 79 * GiB, 80 * GiB, activations=3 * GiB)
+    assert memory_verdict([fits]) == (None, None)
+    # The state alone too large stays an error, whatever the activations.
+    error, _ = memory_verdict([RankMemory(0, 0, 85 * GiB, 79 * GiB, 80 * GiB, activations=1 * GiB)])
+    assert error is not None and error.startswith("rank 0 (pipeline stage 0) needs at least 85.0 GiB")
+
+
 def _gpt3_tp8pp8(*overrides: str) -> tuple[Any, Any]:
     cfg = app.load(
         ["model=gpt3_175b", "parallel=gpt3_175b_tp8pp8", "batch.global_batch_size=1536", *overrides]
@@ -88,10 +113,11 @@ class _FakeTorch:
 def test_every_rank_fails_together_when_a_gpu_cannot_hold_its_stage() -> None:
     cfg, layout = _gpt3_tp8pp8("optim.use_distributed_optimizer=false")  # 46.9 GiB on stage 0
     need = plan_stage_memory(cfg, layout)[0].total_bytes
+    acts = plan_stage_activations(cfg, layout, "te")[0].total_bytes
     dist = DistInfo(rank=0, world_size=2, local_rank=0, device="cuda", backend="nccl", pp_rank=0)
     ok = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 80 * GiB, 80 * GiB)])
-    check_gpu_memory(cfg, layout, dist, ok)
-    assert ok.sent == [RankMemory(0, 0, need, 80 * GiB, 80 * GiB)]
+    check_gpu_memory(cfg, layout, dist, ok, "te")
+    assert ok.sent == [RankMemory(0, 0, need, 80 * GiB, 80 * GiB, acts)]
     # The other rank's GPU is short: this rank, whose own GPU fits, fails too, naming that one.
     short = _FakeTorch(80 * GiB, 80 * GiB, [RankMemory(1, 1, need, 40 * GiB, 80 * GiB)])
     with pytest.raises(ConfigError, match=r"^rank 1 \(pipeline stage 1\) needs at least 46\.9 GiB"):
@@ -107,20 +133,53 @@ def test_a_rank_that_cannot_tell_still_takes_part() -> None:
     fake = _FakeTorch(0, 0, [])
     fake.cuda = SimpleNamespace()  # no mem_get_info: e.g. a runtime without it
     check_gpu_memory(cfg, layout, dist, fake)
-    assert fake.sent == [RankMemory(0, 0, plan_stage_memory(cfg, layout)[0].total_bytes, None, None)]
+    need = plan_stage_memory(cfg, layout)[0].total_bytes
+    acts = plan_stage_activations(cfg, layout, "local")[0].total_bytes
+    assert fake.sent == [RankMemory(0, 0, need, None, None, acts)]
+
+
+def test_the_estimated_peak_is_warned_about_on_rank_0_only(caplog: pytest.LogCaptureFixture) -> None:
+    # GPT-3 175B, tp8 pp8, no recomputation: stage 0 keeps 8 microbatches of 12 layers; with
+    # megatron-core's local attention (s x s scores) that does not fit next to the state in
+    # 60 GiB free. The run goes on (an estimate), and rank 0 says what to change.
+    cfg, layout = _gpt3_tp8pp8()
+    need = plan_stage_memory(cfg, layout)[0].total_bytes
+    acts = plan_stage_activations(cfg, layout, "local")[0].total_bytes
+    assert need < 60 * GiB < need + acts
+    for rank in (1, 0):
+        dist = DistInfo(rank=rank, world_size=1, local_rank=0, device="cuda", backend="nccl")
+        with caplog.at_level("WARNING", logger="charllm_nemo.train"):
+            check_gpu_memory(cfg, layout, dist, _FakeTorch(60 * GiB, 80 * GiB, []), "local")
+        warned = [r.getMessage() for r in caplog.records if "will likely run out of memory" in r.getMessage()]
+        assert len(warned) == (1 if rank == 0 else 0)
+    # Selective recomputation drops the scores: the same GPU then holds the estimate.
+    cfg, layout = _gpt3_tp8pp8("optim.recompute_granularity=selective")
+    caplog.clear()
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device="cuda", backend="nccl")
+    with caplog.at_level("WARNING", logger="charllm_nemo.train"):
+        check_gpu_memory(cfg, layout, dist, _FakeTorch(60 * GiB, 80 * GiB, []), "local")
+    assert not caplog.records
 
 
 def test_the_memory_report_and_its_line() -> None:
-    ranks = [(50 * GiB, 17 * GiB, 0), (None, None, 1), (61 * GiB, 16 * GiB, 1)]
+    ranks = [(50 * GiB, 17 * GiB, 0, 30 * GiB), (None, None, 1, None), (61 * GiB, 16 * GiB, 1, 44 * GiB)]
     report = memory_report("cuda_max_allocated", ranks)
     assert report == {
         "measure": "cuda_max_allocated",
         "peak_bytes": [50 * GiB, None, 61 * GiB],
         "plan_bytes": [17 * GiB, None, 16 * GiB],
+        "activation_bytes": [30 * GiB, None, 44 * GiB],
         "pp_stage": [0, 1, 1],
     }
     assert memory_line(report) == (
         "memory: peak 61.0 GiB (cuda_max_allocated) on rank 2 (pipeline stage 1); its stage's "
+        "weights, gradients and optimizer state: 16.0 GiB, activations (estimated): 44.0 GiB, "
+        "together 60.0 GiB"
+    )
+    assert memory_line(memory_report("max_rss", [(None, 1, 0, None)])) is None
+    # A summary.json from before the estimate (no activation_bytes) still reads.
+    del report["activation_bytes"]
+    assert memory_line(report) == (
+        "memory: peak 61.0 GiB (cuda_max_allocated) on rank 2 (pipeline stage 1); its stage's "
         "weights, gradients and optimizer state: 16.0 GiB"
     )
-    assert memory_line(memory_report("max_rss", [(None, 1, 0)])) is None

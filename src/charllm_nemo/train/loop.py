@@ -345,26 +345,34 @@ def setup_line(setup_s: dict[str, float], num_parameters: int, steps: int) -> st
 
 
 def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, device: Any) -> dict[str, Any]:
-    """Every rank's peak memory and its stage's planned weights, gradients and optimizer state
-    (train/plan.py), on every rank: one all_gather at the end of training (none with one rank).
-    -1 stands for "unknown" on the wire and None in the result."""
-    from charllm_nemo.train.plan import memory_report, peak_memory, plan_stage_memory
+    """Every rank's peak memory, its stage's planned weights, gradients and optimizer state and
+    its stage's estimated activations (train/plan.py), on every rank: one all_gather at the end
+    of training (none with one rank). -1 stands for "unknown" on the wire and None in the
+    result."""
+    from charllm_nemo.train.model import uses_transformer_engine
+    from charllm_nemo.train.plan import memory_report, peak_memory, plan_stage_activations, plan_stage_memory
 
-    measure, peak = peak_memory(torch, dist.device == "cpu")
-    try:
-        plan: int | None = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
-    except Exception:  # a figure, never a reason to fail
-        plan = None
-    mine = [-1 if peak is None else peak, -1 if plan is None else plan, dist.pp_rank]
+    on_cpu = dist.device == "cpu"
+    measure, peak = peak_memory(torch, on_cpu)
+    plan = acts = None
+    try:  # figures, never a reason to fail
+        plan = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
+        implementation = "te" if uses_transformer_engine(on_cpu) else "local"
+        acts = plan_stage_activations(cfg, layout, implementation)[dist.pp_rank].total_bytes
+    except Exception:
+        log.debug("no memory plan for this rank", exc_info=True)
+    mine = [-1 if v is None else v for v in (peak, plan, dist.pp_rank, acts)]
     rows = [mine]
     if dist.world_size > 1:
         t = torch.tensor(mine, dtype=torch.int64, device=device)
         out = [torch.empty_like(t) for _ in range(dist.world_size)]
         torch.distributed.all_gather(out, t)
         rows = [[int(v) for v in o.tolist()] for o in out]
-    return memory_report(
-        measure, [(p if p >= 0 else None, n if n >= 0 else None, stage) for p, n, stage in rows]
-    )
+    return memory_report(measure, [(_known(p), _known(n), stage, _known(a)) for p, n, stage, a in rows])
+
+
+def _known(value: int) -> int | None:
+    return None if value < 0 else value
 
 
 def _train(
@@ -393,7 +401,7 @@ def _train(
         from charllm_nemo.train.model import initialize_tp_comm_overlap
         from charllm_nemo.train.plan import check_gpu_memory
 
-        check_gpu_memory(cfg, layout, dist, torch)
+        check_gpu_memory(cfg, layout, dist, torch, "te" if uses_transformer_engine(on_cpu) else "local")
         if cfg.optim.tp_comm_overlap:
             initialize_tp_comm_overlap(cfg)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())

@@ -2,18 +2,21 @@
 the check every GPU rank makes against the same figures before it builds the model.
 
 For planning a job (or a sweep) from a login node: the resolved layout, the work of one step
-(tokens, model and hardware FLOPs, per rank) and the memory each pipeline stage's ranks need for
-weights, gradients and optimizer state (``charllm_nemo.metrics.memory``). Framework-free: no
-torch, no process group, nothing written (:func:`check_gpu_memory` is handed the rank's torch).
+(tokens, model and hardware FLOPs, per rank), the memory each pipeline stage's ranks need for
+weights, gradients and optimizer state (``charllm_nemo.metrics.memory``) and an estimate of the
+activations they keep (``charllm_nemo.metrics.activations``). Framework-free: no torch, no
+process group, nothing written (:func:`check_gpu_memory` is handed the rank's torch).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.metrics.activations import ActivationSetup, StageActivations, stage_activations
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, parameter_count
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
 from charllm_nemo.train.config import TrainConfig, for_device
@@ -70,17 +73,64 @@ def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMem
     )
 
 
-def _stage_groups(stages: list[StageMemory]) -> list[tuple[int, int, StageMemory]]:
-    """Consecutive stages with the same figures, as (first, last, figures)."""
-    groups: list[tuple[int, int, StageMemory]] = []
-    for s in stages:
-        if groups:
-            first, _, same = groups[-1]
-            if (same.layers, same.parameters, same.total_bytes) == (s.layers, s.parameters, s.total_bytes):
-                groups[-1] = (first, s.stage, same)
-                continue
-        groups.append((s.stage, s.stage, s))
-    return groups
+def layer_implementation(device: str) -> str:
+    """What the model's layers will be built from, as far as this host can tell (the dry run
+    plans from a login node): ``te`` for a GPU run where TransformerEngine is installed, else
+    ``local`` (train/model.py ``layer_spec``; the rank itself knows: ``uses_transformer_engine``)."""
+    if device != "cpu" and importlib.util.find_spec("transformer_engine") is not None:
+        return "te"
+    return "local"
+
+
+IMPLEMENTATION_TEXT = {
+    "local": "megatron-core's local layers: unfused attention keeps the s x s scores",
+    "te": "TransformerEngine layers: flash attention keeps no s x s scores",
+}
+
+
+def plan_stage_activations(
+    cfg: TrainConfig, layout: ResolvedLayout, implementation: str | None = None
+) -> list[StageActivations]:
+    """:func:`charllm_nemo.metrics.activations.stage_activations` for a validated config:
+    what each pipeline stage's ranks keep for the backward at the schedule's peak.
+    ``implementation``: ``local`` or ``te`` (None: :func:`layer_implementation`)."""
+    cfg = for_device(cfg, cfg.launch.device)
+    m, b, o = cfg.model, cfg.batch, cfg.optim
+    setup = ActivationSetup(
+        micro_batch_size=b.micro_batch_size,
+        precision=b.precision,
+        normalization=m.normalization,
+        rope=m.position_embedding == "rope",
+        implementation=implementation or layer_implementation(cfg.launch.device),
+        tp=layout.tp,
+        cp=layout.cp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute_granularity=o.recompute_granularity,
+        recompute_method=o.recompute_method,
+        recompute_num_layers=o.recompute_num_layers,
+    )
+    return stage_activations(
+        ModelShape.from_model_config(m),
+        setup,
+        pp=layout.pp,
+        layers_per_virtual_stage=layout.layers_per_virtual_stage,
+        num_microbatches=layout.num_microbatches,
+    )
+
+
+def _groups(keys: list[Any]) -> list[tuple[int, int]]:
+    """Runs of equal consecutive ``keys``, as (first index, last index)."""
+    runs: list[tuple[int, int]] = []
+    for i, key in enumerate(keys):
+        if runs and keys[runs[-1][0]] == key:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _which(first: int, last: int) -> str:
+    return f"stage {first}" if first == last else f"stages {first}-{last}"
 
 
 def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
@@ -128,34 +178,59 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
     lines.append(
         "memory per rank for weights, gradients and optimizer state"
         + (f" ({sharded}: split over {over})" if sharded else "")
-        + "; activations and buffers not included:"
+        + ":"
     )
-    for first, last, s in _stage_groups(stages):
-        which = f"stage {first}" if first == last else f"stages {first}-{last}"
+    for first, last in _groups([(s.layers, s.parameters, s.total_bytes) for s in stages]):
+        s = stages[first]
         experts = f" ({_count(s.expert_parameters)} in experts)" if s.expert_parameters else ""
         lines.append(
-            f"  {which}: {s.layers} layers, {_count(s.parameters)} parameters{experts}: "
+            f"  {_which(first, last)}: {s.layers} layers, {_count(s.parameters)} parameters{experts}: "
             f"{_bytes(s.total_bytes)} (weights {_bytes(s.weight_bytes)}, "
             f"gradients {_bytes(s.gradient_bytes)}, optimizer {_bytes(s.optimizer_bytes)})"
+        )
+    implementation = layer_implementation(cfg.launch.device)
+    acts = plan_stage_activations(cfg, layout, implementation)
+    recompute = f"recompute {o.recompute_granularity}" if o.recompute_granularity else "no recomputation"
+    hint = ""
+    if implementation == "local" and cfg.launch.device != "cpu":
+        hint = "; TransformerEngine is not importable here"
+    lines.append(
+        f"activations kept for the backward (estimate; {IMPLEMENTATION_TEXT[implementation]}{hint}; "
+        f"{recompute}) and the peak with the state above:"
+    )
+    for first, last in _groups(
+        [(a.in_flight, a.total_bytes, s.total_bytes) for a, s in zip(acts, stages, strict=True)]
+    ):
+        a = acts[first]
+        lines.append(
+            f"  {_which(first, last)}: {a.in_flight} microbatch(es) in flight: "
+            f"{_bytes(a.total_bytes)}; peak {_bytes(a.total_bytes + stages[first].total_bytes)}"
         )
     return lines
 
 
 TIGHT_SHARE = 0.9
 """A rank whose weights, gradients and optimizer state take more than this share of its GPU's
-free memory is warned about: activations come on top."""
+free memory is warned about when its activations are not estimated: they come on top."""
+
+ACTIVATION_FIXES = (
+    "activation recomputation (optim=recompute, or optim.recompute_granularity=selective), a "
+    "smaller batch.micro_batch_size, or more tensor / pipeline parallelism (parallel.tp, parallel.pp)"
+)
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's need (its stage's weights, gradients and optimizer state) and its GPU's free
-    and total memory at start, in bytes; None where the rank could not tell."""
+    """One rank's need (its stage's weights, gradients and optimizer state), its GPU's free and
+    total memory at start, and the activations its stage keeps at the schedule's peak
+    (estimated, :func:`plan_stage_activations`), in bytes; None where the rank could not tell."""
 
     rank: int
     stage: int
     need: int | None
     free: int | None
     total: int | None
+    activations: int | None = None
 
 
 def memory_verdict(
@@ -163,9 +238,11 @@ def memory_verdict(
 ) -> tuple[str | None, str | None]:
     """(error, warning) for a run whose ranks reported ``ranks`` (every rank gets the same
     list, so every rank reaches the same verdict). The error names the rank short by the most:
-    its GPU cannot hold even its stage's weights, gradients and optimizer state; the warning, the
-    tightest rank above ``TIGHT_SHARE`` of its free memory. ``distributed_optimizer``: it is on
-    already (not suggested then)."""
+    its GPU cannot hold even its stage's weights, gradients and optimizer state (a certainty, so
+    the run stops). The warning names the tightest rank whose estimated peak (that state plus
+    its activations) exceeds its free memory (an estimate, so the run goes on), or, where the
+    activations are unknown, whose state alone takes over ``TIGHT_SHARE`` of it.
+    ``distributed_optimizer``: it is on already (not suggested then)."""
     known = [(r, r.need, r.free) for r in ranks if r.need is not None and r.free is not None]
     if not known:
         return None, None
@@ -185,8 +262,17 @@ def memory_verdict(
             f"{_bytes(free)} free{total} ({short} rank(s) short; `dry_run=true` prints the plan per "
             f"stage). Use {', '.join(ways)}"
         ), None
-    tight, need, free = max(known, key=lambda k: k[1] / max(k[2], 1))
-    if need > TIGHT_SHARE * free:
+    tight, need, free = max(known, key=lambda k: (k[1] + (k[0].activations or 0)) / max(k[2], 1))
+    if tight.activations is not None and need + tight.activations > free:
+        over = sum(1 for r, n, f in known if r.activations is not None and n + r.activations > f)
+        return None, (
+            f"rank {tight.rank} (pipeline stage {tight.stage}) will likely run out of memory: its "
+            f"estimated peak is {_bytes(need + tight.activations)} ({_bytes(need)} of weights, "
+            f"gradients and optimizer state, {_bytes(tight.activations)} of activations), its GPU "
+            f"has {_bytes(free)} free ({over} rank(s) over; `dry_run=true` prints the estimate per "
+            f"stage). Use {ACTIVATION_FIXES}"
+        )
+    if tight.activations is None and need > TIGHT_SHARE * free:
         return None, (
             f"rank {tight.rank} (pipeline stage {tight.stage}): weights, gradients and optimizer "
             f"state take {_bytes(need)} of its GPU's {_bytes(free)} free; activations may not fit"
@@ -194,20 +280,29 @@ def memory_verdict(
     return None, None
 
 
-def check_gpu_memory(cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, torch: Any) -> None:
+def check_gpu_memory(
+    cfg: TrainConfig, layout: ResolvedLayout, dist: DistInfo, torch: Any, implementation: str = "local"
+) -> None:
     """Before the model is built (GPU): every rank gathers every rank's need (its stage's
-    weights, gradients and optimizer state, train/plan.py) and its GPU's free memory. When a
-    GPU cannot hold even that, every rank raises the same ConfigError at once, instead of that
-    rank running out of memory minutes later while the others wait for it in a collective. A
-    rank that cannot tell (an error here) reports nothing and takes part all the same."""
-    need = free = total = None
+    weights, gradients and optimizer state, train/plan.py), its stage's estimated activations
+    (built from ``implementation``'s layers: ``local`` or ``te``) and its GPU's free memory. When
+    a GPU cannot hold even the state, every rank raises the same ConfigError at once, instead of
+    that rank running out of memory minutes later while the others wait for it in a collective;
+    when the estimated peak does not fit, rank 0 warns. A rank that cannot tell (an error here)
+    reports nothing and takes part all the same."""
+    need = free = total = activations = None
     try:
         need = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
-        free, total = (int(v) for v in torch.cuda.mem_get_info())
+        activations = plan_stage_activations(cfg, layout, implementation)[dist.pp_rank].total_bytes
     except Exception:  # the check must not be what stops a run
-        log.debug("GPU memory check: this rank cannot tell", exc_info=True)
+        log.debug("GPU memory check: this rank cannot tell its plan", exc_info=True)
+    try:
+        free, total = (int(v) for v in torch.cuda.mem_get_info())
+    except Exception:
+        log.debug("GPU memory check: this rank cannot tell its free memory", exc_info=True)
     ranks: list[Any] = [None] * dist.world_size
-    torch.distributed.all_gather_object(ranks, RankMemory(dist.rank, dist.pp_rank, need, free, total))
+    mine = RankMemory(dist.rank, dist.pp_rank, need, free, total, activations)
+    torch.distributed.all_gather_object(ranks, mine)
     error, warning = memory_verdict(
         [r for r in ranks if isinstance(r, RankMemory)],
         distributed_optimizer=bool(cfg.optim.use_distributed_optimizer) or cfg.parallel.fsdp,
@@ -271,15 +366,18 @@ def peak_memory(torch: Any, on_cpu: bool) -> tuple[str, int | None]:
     return "max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def memory_report(measure: str, ranks: list[tuple[int | None, int | None, int]]) -> dict[str, Any]:
-    """``summary.json``'s ``memory`` from every rank's (peak, plan, pipeline stage): the peaks
-    (``measure``) beside each rank's planned weights, gradients and optimizer state (the lower
-    bound the dry run prints), indexed by rank."""
+def memory_report(
+    measure: str, ranks: list[tuple[int | None, int | None, int, int | None]]
+) -> dict[str, Any]:
+    """``summary.json``'s ``memory`` from every rank's (peak, plan, pipeline stage, activations):
+    the peaks (``measure``) beside each rank's planned weights, gradients and optimizer state
+    (the lower bound the dry run prints) and its stage's estimated activations, indexed by rank."""
     return {
         "measure": measure,
-        "peak_bytes": [peak for peak, _, _ in ranks],
-        "plan_bytes": [plan for _, plan, _ in ranks],
-        "pp_stage": [stage for _, _, stage in ranks],
+        "peak_bytes": [peak for peak, _, _, _ in ranks],
+        "plan_bytes": [plan for _, plan, _, _ in ranks],
+        "activation_bytes": [act for _, _, _, act in ranks],
+        "pp_stage": [stage for _, _, stage, _ in ranks],
     }
 
 
@@ -290,6 +388,9 @@ def memory_line(report: dict[str, Any]) -> str | None:
         return None
     peak, rank = max(known)
     plan = report["plan_bytes"][rank]
+    acts = report.get("activation_bytes", [None] * len(report["peak_bytes"]))[rank]
     planned = f"; its stage's weights, gradients and optimizer state: {_bytes(plan)}" if plan else ""
+    if plan and acts:
+        planned += f", activations (estimated): {_bytes(acts)}, together {_bytes(plan + acts)}"
     where = f"rank {rank} (pipeline stage {report['pp_stage'][rank]})"
     return f"memory: peak {_bytes(peak)} ({report['measure']}) on {where}{planned}"
