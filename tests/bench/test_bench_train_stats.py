@@ -83,9 +83,20 @@ def test_pooled_runs_count_every_run_s_quads_and_find_the_common_slowdown() -> N
     # One run's interval is wider than the pooled one: pooling is what narrows it.
     one = bench.pool_dumps(dumps[:1])["iteration"]["ratio_paired_mean_ci95"]
     assert one[1] - one[0] > hi - lo
-    # The verdict is one run's rule over the pooled quads: the median ratio's interval.
+    # The verdict is one run's rule over the pooled quads: the geometric mean's interval.
     assert bench.verdict(bench.pool_dumps([(f"n{i}", _dump(rng, 1.0)) for i in range(2)])) == "MET"
     assert bench.verdict(bench.pool_dumps([(f"s{i}", _dump(rng, 1.02)) for i in range(2)])) == "MISSED"
+
+
+def test_the_verdict_follows_the_geometric_mean_not_the_median() -> None:
+    bench = _bench()
+    stats = {"ratio_median_ci95": [1.004, 1.0115], "ratio_paired_mean_ci95": [1.0051, 1.0109]}
+    r = {"iteration": stats, "background_cores_mean": 0.0}
+    assert bench.verdict(r) == "MISSED"  # the median's interval straddles 1.005; the mean's does not
+    stats["ratio_paired_mean_ci95"] = [1.001, 1.0049]
+    assert bench.verdict(r) == "MET"
+    stats["ratio_paired_mean_ci95"] = [1.0049, 1.0051]
+    assert bench.verdict(r).startswith("INCONCLUSIVE (the interval straddles the target)")
 
 
 def test_pooling_keeps_each_run_s_load_with_its_own_units() -> None:
