@@ -84,6 +84,16 @@ def test_microbatches_in_flight_follow_megatron_cores_warmup() -> None:
     assert in_flight_microbatches(0, 4, 4, vpp=4) == 16
 
 
+@pytest.mark.parametrize(("pp", "vpp"), [(2, 2), (4, 2), (4, 5), (8, 3), (16, 6)])
+def test_the_first_stage_holds_megatron_lms_interleaving_penalty(pp: int, vpp: int) -> None:
+    # Megatron-LM's theoretical_memory_usage.py: the first stage holds the activations of all L
+    # layers once (1F1B), times 1 + (pp - 1) / (pp * vpp) when interleaved (Korthikanti et al.).
+    chunk_passes = in_flight_microbatches(0, pp, 1000, vpp=vpp)
+    layers_held = chunk_passes / (pp * vpp)  # in units of the model's L layers
+    assert layers_held == pytest.approx(1 + (pp - 1) / (pp * vpp))
+    assert in_flight_microbatches(0, pp, 1000) / pp == 1  # 1F1B: pp microbatches of L / pp layers
+
+
 def test_full_recomputation_keeps_the_inputs_of_the_checkpointed_layers() -> None:
     shape = _shape(8, 256, 8, 1024, 1000, 128)
     layer_input = 2 * 4 * 128 * 256  # bf16 [s, b, h] with b = 4
