@@ -203,3 +203,56 @@ def test_the_estimate_matches_what_megatron_core_saves_on_cpu() -> None:
         stage = _one_stage(ModelShape.from_model_config(m), setup)
         # Left out on purpose: the norms' statistics, rotary tables, masks, token ids (~1-2 %).
         assert 0.97 < stage.saved_bytes / saved <= 1.0, (case, stage.saved_bytes, saved)
+
+
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_the_microbatches_in_flight_match_a_real_pipeline_step(vpp: int | None) -> None:
+    # Two ranks, PP=2 (1F1B; with vpp=2 interleaved), 4 microbatches: the peak of the storages
+    # saved for the backward on each rank during one step of megatron-core's schedule.
+    pytest.importorskip("megatron.core")
+    model = {**SMALL, "num_layers": 4}
+    case = {
+        "model": model,
+        "precision": "fp32",
+        "micro_batch_size": 3,
+        "pp": 2,
+        "vpp": vpp,
+        "global_batch_size": 12,
+    }
+    port = _free_port()
+    helper = Path(__file__).with_name("_saved_tensors_schedule.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(helper), json.dumps(case)],
+            env=dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    peaks = {}
+    for proc, out in zip(procs, outputs, strict=True):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, out[-3000:]
+        result = json.loads(lines[0][len("RESULT ") :])
+        assert result["left"] == 0  # every saved tensor was released by the backward
+        peaks[result["stage"]] = result["peak"]
+    m = ModelConfig(**{**vars(model_preset("tiny_gpt")), **model})
+    chunks = [1, 1, 1, 1] if vpp else [2, 2]
+    stages = stage_activations(
+        ModelShape.from_model_config(m), ActivationSetup(3, "fp32"), pp=2,
+        layers_per_virtual_stage=chunks, num_microbatches=4,
+    )  # fmt: skip
+    assert [s.in_flight for s in stages] == ([5, 3] if vpp else [2, 1])
+    for s in stages:
+        assert 0.97 < s.saved_bytes / peaks[s.stage] <= 1.0, (s, peaks)
