@@ -3,7 +3,7 @@ keep for their backwards: ``python _saved_tensors_schedule.py '<case json>'``; p
 ``RESULT <json>`` (this rank's pipeline stage and peak bytes).
 
 The case is ``_saved_tensors.py``'s (model fields over tiny_gpt's, precision, micro batch size)
-plus ``pp``, ``vpp`` and ``global_batch_size``. The model, data and schedule are the trainer's
+plus ``pp``, ``vpp``, ``tp``, ``ep`` and ``global_batch_size``. The model, data and schedule are the trainer's
 (train/model.py ``build_model``, train/data.py, megatron-core's ``get_forward_backward_func``).
 Every tensor saved for the backward is wrapped when autograd packs it; the wrapper's release
 (autograd drops it once the backward used it) ends its storage's share, so the running sum of
@@ -81,7 +81,8 @@ def main(case: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cfg = config_of(case)
-    cfg.parallel.pp, cfg.parallel.vpp = case["pp"], case.get("vpp")
+    p = cfg.parallel
+    p.pp, p.vpp, p.tp, p.ep = case.get("pp", 1), case.get("vpp"), case.get("tp", 1), case.get("ep", 1)
     cfg.batch.global_batch_size = case["global_batch_size"]
     cfg.batch.train_steps = 1
     init_distributed(cfg, device="cpu")
@@ -102,7 +103,12 @@ def main(case: dict[str, Any]) -> dict[str, Any]:
             micro_batch_size=b.micro_batch_size,
             forward_only=False,
         )
-    return {"stage": ps.get_pipeline_model_parallel_rank(), "peak": live.peak, "left": live.now}
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "peak": live.peak,
+        "left": live.now,
+    }
 
 
 if __name__ == "__main__":

@@ -205,20 +205,24 @@ def test_the_estimate_matches_what_megatron_core_saves_on_cpu() -> None:
         assert 0.97 < stage.saved_bytes / saved <= 1.0, (case, stage.saved_bytes, saved)
 
 
-@pytest.mark.parametrize("vpp", [None, 2])
-def test_the_microbatches_in_flight_match_a_real_pipeline_step(vpp: int | None) -> None:
-    # Two ranks, PP=2 (1F1B; with vpp=2 interleaved), 4 microbatches: the peak of the storages
-    # saved for the backward on each rank during one step of megatron-core's schedule.
+SCHEDULES = [  # two ranks each: (model, parallel sizes, microbatches in flight per stage)
+    ({**SMALL, "num_layers": 4}, {"pp": 2}, [2, 1]),  # 1F1B
+    ({**SMALL, "num_layers": 4}, {"pp": 2, "vpp": 2}, [5, 3]),  # interleaved: chunk passes
+    ({**SMALL, "num_layers": 4}, {"tp": 2}, [1]),  # heads and FFN split, the rest replicated
+    (MOE, {"ep": 2}, [1]),  # two experts a rank, the tokens routed to them
+]
+
+
+@pytest.mark.parametrize(("model", "sizes", "in_flight"), SCHEDULES, ids=["pp2", "pp2-vpp2", "tp2", "ep2"])
+def test_the_estimate_matches_a_real_step_on_two_ranks(
+    model: dict[str, Any], sizes: dict[str, int], in_flight: list[int]
+) -> None:
+    # The peak of the storages saved for the backward on each rank during one step of
+    # megatron-core's schedule (4 microbatches of 3), against the stage's estimate. With EP the
+    # ranks' experts get unequal shares of the tokens (routing is not balanced): their sum is
+    # compared with the estimate's (which assumes balanced routing) over the stage's ranks.
     pytest.importorskip("megatron.core")
-    model = {**SMALL, "num_layers": 4}
-    case = {
-        "model": model,
-        "precision": "fp32",
-        "micro_batch_size": 3,
-        "pp": 2,
-        "vpp": vpp,
-        "global_batch_size": 12,
-    }
+    case = {"model": model, "precision": "fp32", "micro_batch_size": 3, "global_batch_size": 12, **sizes}
     port = _free_port()
     helper = Path(__file__).with_name("_saved_tensors_schedule.py")
     procs = [
@@ -240,19 +244,21 @@ def test_the_microbatches_in_flight_match_a_real_pipeline_step(vpp: int | None) 
         for rank in range(2)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    peaks = {}
+    peaks: dict[int, list[int]] = {}
     for proc, out in zip(procs, outputs, strict=True):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, out[-3000:]
         result = json.loads(lines[0][len("RESULT ") :])
         assert result["left"] == 0  # every saved tensor was released by the backward
-        peaks[result["stage"]] = result["peak"]
+        peaks.setdefault(result["stage"], []).append(result["peak"])
     m = ModelConfig(**{**vars(model_preset("tiny_gpt")), **model})
-    chunks = [1, 1, 1, 1] if vpp else [2, 2]
+    pp, vpp = sizes.get("pp", 1), sizes.get("vpp") or 1
+    setup = ActivationSetup(3, "fp32", m.normalization, m.position_embedding == "rope", tp=sizes.get("tp", 1))
     stages = stage_activations(
-        ModelShape.from_model_config(m), ActivationSetup(3, "fp32"), pp=2,
-        layers_per_virtual_stage=chunks, num_microbatches=4,
+        ModelShape.from_model_config(m), setup, pp=pp,
+        layers_per_virtual_stage=[m.num_layers // (pp * vpp)] * (pp * vpp), num_microbatches=4,
     )  # fmt: skip
-    assert [s.in_flight for s in stages] == ([5, 3] if vpp else [2, 1])
+    assert [s.in_flight for s in stages] == in_flight
     for s in stages:
-        assert 0.97 < s.saved_bytes / peaks[s.stage] <= 1.0, (s, peaks)
+        measured = peaks[s.stage]
+        assert 0.97 < s.saved_bytes * len(measured) / sum(measured) <= 1.0, (s, peaks)
