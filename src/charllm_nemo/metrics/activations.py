@@ -21,9 +21,10 @@ on top of them when the last stage starts its backward (:attr:`StageActivations.
   saved_tensors_hooks``), and ``tests/metrics/test_activations_measured.py`` checks the sum
   against the same hooks on models built by ``train/model.py``.
 * ``te``: TransformerEngine layers (flash attention: no ``s x s`` term; fused norms and GLU).
-  Korthikanti et al.'s accounting ("Reducing Activation Recomputation in Large Transformer
-  Models", 2022) without dropout masks (``train/model.py`` trains without dropout). Not yet
-  checked against a run.
+  For MHA without rotary embeddings Korthikanti et al.'s accounting ("Reducing Activation
+  Recomputation in Large Transformer Models", 2022) without dropout masks (``train/model.py``
+  trains without dropout), plus megatron-core's own copies of query and key. Not yet checked
+  against a run.
 
 Parallelism: tensor parallelism splits the heads and the FFN (the norms' inputs and the inputs
 of the column-parallel GEMMs are replicated unless ``sequence_parallel``, which splits them too);
@@ -129,10 +130,12 @@ def layer_activation_bytes(shape: ModelShape, layer_index: int, setup: Activatio
     # per head (new tensors of the query's width) inside the core attention.
     gqa = shape.query_groups < shape.num_attention_heads
     new_q = setup.rope or gqa
-    if not local:  # flash attention keeps q, k, v (views of the QKV output) and its output
-        total += qkv_storage + FP32 * heads * tokens  # + the softmax statistics
-    elif selective:  # the checkpointed core attention keeps its inputs; v is a view
-        total += e * tokens * ((hq if new_q else 0) + (hkv if setup.rope else 0)) // t + qkv_storage
+    # The core attention's inputs: q and k where copied, v a view of the QKV output.
+    core_inputs = e * tokens * ((hq if new_q else 0) + (hkv if setup.rope else 0)) // t + qkv_storage
+    if not local:  # flash attention keeps its inputs, its output and the softmax statistics
+        total += core_inputs + FP32 * heads * tokens
+    elif selective:  # the checkpointed core attention keeps its inputs
+        total += core_inputs
     else:
         new = (new_q, setup.rope or gqa, gqa)
         total += e * tokens * hq * sum(new) // t
