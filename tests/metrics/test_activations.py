@@ -58,6 +58,9 @@ def test_a_transformer_engine_layer_is_korthikantis_count_without_dropout() -> N
         replicated = 8 * sbh // (tp if sp else 1)
         expected = replicated + 24 * sbh // tp + 4 * (a // tp) * s * b
         assert layer_activation_bytes(GPT3, 0, setup) == expected
+        # Rotary embeddings: megatron-core's attention copies query and key first (2 bytes each).
+        rope = ActivationSetup(b, "bf16", rope=True, implementation="te", tp=tp, sequence_parallel=sp)
+        assert layer_activation_bytes(GPT3, 0, rope) == expected + 4 * sbh // tp
 
 
 def test_a_local_layer_keeps_the_scores_in_fp32_and_in_16_bit() -> None:
