@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.train import app
+from charllm_nemo.train import app, plan
 from charllm_nemo.train.dist import DistInfo
 from charllm_nemo.train.plan import (
     RankMemory,
@@ -138,7 +138,9 @@ def test_a_rank_that_cannot_tell_still_takes_part() -> None:
     assert fake.sent == [RankMemory(0, 0, need, None, None, acts)]
 
 
-def test_the_estimated_peak_is_warned_about_on_rank_0_only(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_estimated_peak_is_warned_about_on_rank_0_only(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # GPT-3 175B, tp8 pp8, no recomputation: stage 0 keeps 8 microbatches of 12 layers; with
     # megatron-core's local attention (s x s scores) that does not fit next to the state in
     # 60 GiB free. The run goes on (an estimate), and rank 0 says what to change.
@@ -152,6 +154,19 @@ def test_the_estimated_peak_is_warned_about_on_rank_0_only(caplog: pytest.LogCap
             check_gpu_memory(cfg, layout, dist, _FakeTorch(60 * GiB, 80 * GiB, []), "local")
         warned = [r.getMessage() for r in caplog.records if "will likely run out of memory" in r.getMessage()]
         assert len(warned) == (1 if rank == 0 else 0)
+    # The warning says what each recomputation setting would bring the peak to.
+    assert warned[0].endswith(
+        "Its estimated peak with optim.recompute_granularity=selective: 42.3 GiB (fits); "
+        "with optim=recompute: 22.1 GiB (fits)"
+    )
+    # Advice that cannot be worked out is left out; the warning (and the run) go on.
+    caplog.clear()
+    monkeypatch.setattr(plan, "recompute_estimates", lambda *a: 1 / 0)
+    with caplog.at_level("WARNING", logger="charllm_nemo.train"):
+        check_gpu_memory(cfg, layout, dist, _FakeTorch(60 * GiB, 80 * GiB, []), "local")
+    (message,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert message.endswith("more tensor / pipeline parallelism (parallel.tp, parallel.pp)")
+    monkeypatch.undo()
     # Selective recomputation drops the scores: the same GPU then holds the estimate.
     cfg, layout = _gpt3_tp8pp8("optim.recompute_granularity=selective")
     caplog.clear()

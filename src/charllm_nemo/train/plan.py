@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.errors import ConfigError
@@ -218,6 +219,31 @@ ACTIVATION_FIXES = (
     "smaller batch.micro_batch_size, or more tensor / pipeline parallelism (parallel.tp, parallel.pp)"
 )
 
+RECOMPUTE_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("optim.recompute_granularity=selective", {"recompute_granularity": "selective"}),
+    (
+        "optim=recompute",  # conf/optim/recompute.yaml: full, uniform, one layer a checkpoint
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    ),
+)
+"""The recomputation settings a warning about activations estimates, as (how to ask for it,
+the ``optim`` fields it sets; the others of recompute_method / recompute_num_layers None)."""
+
+
+def recompute_estimates(
+    cfg: TrainConfig, layout: ResolvedLayout, implementation: str, stage: int
+) -> list[tuple[str, int]]:
+    """Pipeline stage ``stage``'s estimated activations under each of :data:`RECOMPUTE_OPTIONS`
+    that keeps less than ``cfg``'s own setting, as (how to ask for it, bytes)."""
+    now = plan_stage_activations(cfg, layout, implementation)[stage].total_bytes
+    out = []
+    for text, fields in RECOMPUTE_OPTIONS:
+        optim = replace(cfg.optim, **{"recompute_method": None, "recompute_num_layers": None, **fields})
+        acts = plan_stage_activations(replace(cfg, optim=optim), layout, implementation)[stage].total_bytes
+        if acts < now:
+            out.append((text, acts))
+    return out
+
 
 @dataclass(frozen=True)
 class RankMemory:
@@ -234,7 +260,9 @@ class RankMemory:
 
 
 def memory_verdict(
-    ranks: list[RankMemory], distributed_optimizer: bool = False
+    ranks: list[RankMemory],
+    distributed_optimizer: bool = False,
+    alternatives: Callable[[int], list[tuple[str, int]]] | None = None,
 ) -> tuple[str | None, str | None]:
     """(error, warning) for a run whose ranks reported ``ranks`` (every rank gets the same
     list, so every rank reaches the same verdict). The error names the rank short by the most:
@@ -242,7 +270,9 @@ def memory_verdict(
     the run stops). The warning names the tightest rank whose estimated peak (that state plus
     its activations) exceeds its free memory (an estimate, so the run goes on), or, where the
     activations are unknown, whose state alone takes over ``TIGHT_SHARE`` of it.
-    ``distributed_optimizer``: it is on already (not suggested then)."""
+    ``distributed_optimizer``: it is on already (not suggested then). ``alternatives(stage)``:
+    the stage's activations under other recomputation settings (:func:`recompute_estimates`),
+    each quoted in the warning with the peak it would give."""
     known = [(r, r.need, r.free) for r in ranks if r.need is not None and r.free is not None]
     if not known:
         return None, None
@@ -265,12 +295,17 @@ def memory_verdict(
     tight, need, free = max(known, key=lambda k: (k[1] + (k[0].activations or 0)) / max(k[2], 1))
     if tight.activations is not None and need + tight.activations > free:
         over = sum(1 for r, n, f in known if r.activations is not None and n + r.activations > f)
+        options = alternatives(tight.stage) if alternatives is not None else []
+        estimates = "; ".join(
+            f"with {text}: {_bytes(need + acts)}{' (fits)' if need + acts <= free else ''}"
+            for text, acts in options
+        )
         return None, (
             f"rank {tight.rank} (pipeline stage {tight.stage}) will likely run out of memory: its "
             f"estimated peak is {_bytes(need + tight.activations)} ({_bytes(need)} of weights, "
             f"gradients and optimizer state, {_bytes(tight.activations)} of activations), its GPU "
             f"has {_bytes(free)} free ({over} rank(s) over; `dry_run=true` prints the estimate per "
-            f"stage). Use {ACTIVATION_FIXES}"
+            f"stage). Use {ACTIVATION_FIXES}" + (f". Its estimated peak {estimates}" if estimates else "")
         )
     if tight.activations is None and need > TIGHT_SHARE * free:
         return None, (
@@ -306,11 +341,21 @@ def check_gpu_memory(
     error, warning = memory_verdict(
         [r for r in ranks if isinstance(r, RankMemory)],
         distributed_optimizer=bool(cfg.optim.use_distributed_optimizer) or cfg.parallel.fsdp,
+        alternatives=lambda stage: _quietly(recompute_estimates, cfg, layout, implementation, stage),
     )
     if error:
         raise ConfigError(error)
     if warning and dist.rank == 0:
         log.warning(warning)
+
+
+def _quietly(fn: Callable[..., list[Any]], *args: Any) -> list[Any]:
+    """``fn(*args)``, or [] when it raises: advice must not be what stops a run."""
+    try:
+        return fn(*args)
+    except Exception:
+        log.debug("GPU memory check: no advice", exc_info=True)
+        return []
 
 
 RANK_PROCESS_FLOOR_BYTES = 256 * 2**20
