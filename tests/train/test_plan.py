@@ -176,6 +176,23 @@ def test_the_estimated_peak_is_warned_about_on_rank_0_only(
     assert not caplog.records
 
 
+def test_the_dry_run_gives_the_highest_peak_under_each_recomputation_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plan, "layer_implementation", lambda device: "local")
+    cfg, layout = _gpt3_tp8pp8()
+    assert plan.describe_plan(cfg, layout)[-1] == (
+        "  the highest peak, stage 0's, with optim.recompute_granularity=selective: 42.3 GiB; "
+        "with optim=recompute: 22.1 GiB"
+    )
+    # Selective already: only full recomputation keeps less; full already: nothing does.
+    cfg, layout = _gpt3_tp8pp8("optim.recompute_granularity=selective")
+    last = plan.describe_plan(cfg, layout)[-1]
+    assert last == "  the highest peak, stage 0's, with optim=recompute: 22.1 GiB"
+    cfg, layout = _gpt3_tp8pp8("optim=recompute")
+    assert "the highest peak" not in "\n".join(plan.describe_plan(cfg, layout))
+
+
 def test_the_memory_report_and_its_line() -> None:
     ranks = [(50 * GiB, 17 * GiB, 0, 30 * GiB), (None, None, 1, None), (61 * GiB, 16 * GiB, 1, 44 * GiB)]
     report = memory_report("cuda_max_allocated", ranks)

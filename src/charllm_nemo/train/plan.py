@@ -207,6 +207,13 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
             f"  {_which(first, last)}: {a.in_flight} microbatch(es) in flight: "
             f"{_bytes(a.total_bytes)}; peak {_bytes(a.total_bytes + stages[first].total_bytes)}"
         )
+    top = max(range(len(stages)), key=lambda i: acts[i].total_bytes + stages[i].total_bytes)
+    options = recompute_estimates(cfg, layout, implementation, top)
+    if options:
+        lines.append(
+            f"  the highest peak, stage {top}'s, "
+            + "; ".join(f"with {text}: {_bytes(stages[top].total_bytes + b)}" for text, b in options)
+        )
     return lines
 
 
