@@ -5,7 +5,7 @@ counts weights, gradients and optimizer state): no framework. Together they esti
 peak before anything is allocated.
 
 **What is counted**: the tensors autograd saves for the backward pass of one microbatch (per
-layer, for the embedding's output and for the loss), times the microbatches a pipeline stage
+layer, and on the last stage for the output layer and the loss), times the microbatches a pipeline stage
 holds at once under Megatron-Core's schedules, plus the gradient of the logits, which exists
 on top of them when the last stage starts its backward (:attr:`StageActivations.loss_grad_bytes`).
 
@@ -18,8 +18,9 @@ on top of them when the last stage starts its backward (:attr:`StageActivations.
   ``x_linear + offset`` and the FC2 input are separate tensors), query, key and value copied
   where rotary embeddings or the key/value expansion of GQA make new tensors. Each term was read
   off the saved tensors of megatron-core 0.16.1 on torch 2.13 (``autograd.graph.
-  saved_tensors_hooks``), and ``tests/metrics/test_activations_measured.py`` checks the sum
-  against the same hooks on models built by ``train/model.py``.
+  saved_tensors_hooks``), and ``tests/metrics/test_activations.py`` checks the sum against the
+  same hooks on models built by ``train/model.py``, in one process and over a step of two ranks
+  (PP, PP x VPP, TP, EP).
 * ``te``: TransformerEngine layers (flash attention: no ``s x s`` term; fused norms and GLU).
   For MHA without rotary embeddings Korthikanti et al.'s accounting ("Reducing Activation
   Recomputation in Large Transformer Models", 2022) without dropout masks (``train/model.py``

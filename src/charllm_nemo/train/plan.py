@@ -233,8 +233,9 @@ RECOMPUTE_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     ),
 )
-"""The recomputation settings a warning about activations estimates, as (how to ask for it,
-the ``optim`` fields it sets; the others of recompute_method / recompute_num_layers None)."""
+"""The recomputation settings whose peak the dry run and the memory warning estimate, as (how to
+ask for it, the ``optim`` fields it sets; ``recompute_method`` / ``recompute_num_layers`` None
+where not set)."""
 
 
 def recompute_estimates(
