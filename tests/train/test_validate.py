@@ -561,17 +561,19 @@ def test_a_run_directory_in_a_folder_this_user_cannot_write_is_refused(
 def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_allocates() -> None:
     from charllm_nemo.train.config import for_device
     from charllm_nemo.train.plan import RANK_PROCESS_FLOOR_BYTES as FLOOR
-    from charllm_nemo.train.plan import cpu_memory_problem, plan_stage_memory
+    from charllm_nemo.train.plan import cpu_memory_problem, plan_stage_activations, plan_stage_memory
 
     gib = 2**30
     big = for_device(cfg_for("llama3_70b"), "cpu")
     layout = validate(big, world_size=1, device="cuda")
     msg = cpu_memory_problem(big, layout, 1, 24 * gib)
-    # 70.55 B parameters (the norms aside) x 16 bytes: fp32 weight, gradient, Adam's two moments
+    # 70.55 B parameters (the norms aside) x 16 bytes: fp32 weight, gradient, Adam's two moments;
+    # and one microbatch of 8192 tokens through 80 layers of unfused attention in fp32.
     assert msg is not None
-    assert msg.startswith("model=llama3_70b on CPU needs at least 1,051.6 GiB for 1 rank(s)")
+    assert msg.startswith("model=llama3_70b on CPU needs at least 2,890.1 GiB for 1 rank(s)")
     assert "1 rank(s) on this host: 1,051.3 GiB of weights, fp32 gradients and Adam's two moments" in msg
-    assert "(the model has 70.552 B parameters;" in msg
+    assert "(the model has 70.552 B parameters), 1,838.6 GiB of activations for" in msg
+    assert "batch.micro_batch_size=1 and model.seq_length=8192 (estimated;" in msg
     assert "256.0 MiB per rank for Python, torch and megatron-core; this host has 24.0 GiB" in msg
     assert cpu_memory_problem(big, layout, 1, None) is None  # memory unknown: no guess
     # The same per-stage plan as the dry run: the tied embedding's copy on the last stage and
@@ -580,15 +582,22 @@ def test_a_model_that_cannot_fit_the_hosts_memory_on_cpu_is_refused_before_it_al
     tiny = cfg_for("tiny_gpt", "pp2")
     layout = validate(tiny, world_size=2, device="cpu")
     stages = plan_stage_memory(tiny, layout)
-    both = sum(s.total_bytes for s in stages)
-    assert both == 16 * (sum(s.parameters for s in stages))
+    acts = plan_stage_activations(tiny, layout, "local")
+    assert sum(s.total_bytes for s in stages) == 16 * (sum(s.parameters for s in stages))
+    both = sum(s.total_bytes + a.total_bytes for s, a in zip(stages, acts, strict=True))
     assert cpu_memory_problem(tiny, layout, 2, both + 2 * FLOOR) is None
     assert cpu_memory_problem(tiny, layout, 2, both + 2 * FLOOR - 1) is not None
-    lightest = min(s.total_bytes for s in stages)
+    lightest = min(s.total_bytes + a.total_bytes for s, a in zip(stages, acts, strict=True))
     assert cpu_memory_problem(tiny, layout, 1, lightest + FLOOR) is None
     assert cpu_memory_problem(tiny, layout, 1, lightest + FLOOR - 1) is not None
+    # A small model with a sequence and micro batch far too large: its activations alone.
+    long = cfg_for("tiny_gpt", micro_batch_size=8, global_batch_size=8)
+    long.model.seq_length = long.model.max_position_embeddings = 16384
+    layout = validate(long, world_size=1, device="cuda")
+    msg = cpu_memory_problem(long, layout, 1, 24 * gib)
+    assert msg is not None and "of activations for batch.micro_batch_size=8 and model.seq_length=16384" in msg
     # validate applies it on CPU only (this host has far less than a TB), before any allocation
-    assert "needs at least 1,051.6 GiB" in one(big, world=1, device="cpu")
+    assert "needs at least 2,890.1 GiB" in one(big, world=1, device="cpu")
     # far too many ranks of a tiny model: each is a process with torch in it
     crowd = cfg_for("tiny_gpt", global_batch_size=4096)
     assert "for 4096 rank(s) on this host" in one(crowd, world=4096, device="cpu")

@@ -374,34 +374,45 @@ held 288 MiB of private (unshared) memory here; the check counts 256 MiB."""
 def cpu_memory_problem(
     cfg: TrainConfig, layout: ResolvedLayout, local_ranks: int, memory: int | None
 ) -> str | None:
-    """A run that cannot fit this host's memory on CPU (a preset meant for GPUs, or far too many
-    ranks), told before anything is allocated: the weights, gradients and optimizer state of the
-    stages of ``local_ranks`` ranks (the same per-stage plan as the dry run and the GPU check; on
-    CPU fp32, 16 bytes a parameter) and :data:`RANK_PROCESS_FLOOR_BYTES` per rank for the process
-    itself, against ``memory`` bytes. ``local_ranks`` equal to the world: every rank on this
-    host; fewer: the lightest stage's ranks. A lower bound (activations and buffers not counted),
-    so it never refuses a run that fits."""
+    """A run that cannot fit this host's memory on CPU (a preset meant for GPUs, far too many
+    ranks, or a micro batch or sequence far too large), told before anything is allocated: the
+    weights, gradients and optimizer state of the stages of ``local_ranks`` ranks (the same
+    per-stage plan as the dry run and the GPU check; on CPU fp32, 16 bytes a parameter), their
+    estimated activations (megatron-core's local layers: :func:`plan_stage_activations`, which
+    came to 0.98-0.99 of what the CPU ranks really kept) and :data:`RANK_PROCESS_FLOOR_BYTES` per
+    rank for the process itself, against ``memory`` bytes. ``local_ranks`` equal to the world:
+    every rank on this host; fewer: the lightest stage's ranks. Buffers and the allocator are not
+    counted, so it refuses no run that fits."""
     if memory is None:
         return None
     try:
         stages = plan_stage_memory(cfg, layout)
+        acts = plan_stage_activations(cfg, layout, "local")
     except (ValueError, TypeError):
         return None
+    per_stage = [(s.total_bytes, a.total_bytes) for s, a in zip(stages, acts, strict=True)]
     if local_ranks >= layout.world_size:
-        state = layout.world_size // layout.pp * sum(s.total_bytes for s in stages)
+        ranks_per_stage = layout.world_size // layout.pp
+        state = ranks_per_stage * sum(st for st, _ in per_stage)
+        activations = ranks_per_stage * sum(a for _, a in per_stage)
     else:
-        state = local_ranks * min(s.total_bytes for s in stages)
+        lightest = min(per_stage, key=sum)
+        state, activations = local_ranks * lightest[0], local_ranks * lightest[1]
     floor = local_ranks * RANK_PROCESS_FLOOR_BYTES
-    if state + floor <= memory:
+    need = state + activations + floor
+    if need <= memory:
         return None
     params = sum(s.parameters for s in stages)  # one replica: the model (its 2-D weights)
     return (
-        f"model={cfg.model.name} on CPU needs at least {_bytes(state + floor)} for {local_ranks} rank(s) "
+        f"model={cfg.model.name} on CPU needs at least {_bytes(need)} for {local_ranks} rank(s) "
         f"on this host: {_bytes(state)} of weights, fp32 gradients and Adam's two moments (the model "
-        f"has {_count(params)} parameters; `dry_run=true` prints the plan per stage) and "
+        f"has {_count(params)} parameters), {_bytes(activations)} of activations for "
+        f"batch.micro_batch_size={cfg.batch.micro_batch_size} and model.seq_length="
+        f"{cfg.model.seq_length} (estimated; `dry_run=true` prints both per stage) and "
         f"{_bytes(RANK_PROCESS_FLOOR_BYTES)} per rank for Python, torch and megatron-core; this host "
-        f"has {_bytes(memory)}: train a small model, or fewer ranks, on a CPU (model=tiny_gpt or "
-        "tiny_moe, launch.nproc), or run on GPUs (launch.device=cuda)"
+        f"has {_bytes(memory)}: train a small model, a smaller micro batch or sequence, or fewer "
+        "ranks, on a CPU (model=tiny_gpt or tiny_moe, launch.nproc), or run on GPUs "
+        "(launch.device=cuda)"
     )
 
 
