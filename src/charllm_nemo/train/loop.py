@@ -349,7 +349,7 @@ def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, de
     its stage's estimated activations (train/plan.py), on every rank: one all_gather at the end
     of training (none with one rank). -1 stands for "unknown" on the wire and None in the
     result."""
-    from charllm_nemo.train.model import uses_transformer_engine
+    from charllm_nemo.train.model import layers_built
     from charllm_nemo.train.plan import memory_report, peak_memory, plan_stage_activations, plan_stage_memory
 
     on_cpu = dist.device == "cpu"
@@ -357,8 +357,7 @@ def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, de
     plan = acts = None
     try:  # figures, never a reason to fail
         plan = plan_stage_memory(cfg, layout)[dist.pp_rank].total_bytes
-        implementation = "te" if uses_transformer_engine(on_cpu) else "local"
-        acts = plan_stage_activations(cfg, layout, implementation)[dist.pp_rank].total_bytes
+        acts = plan_stage_activations(cfg, layout, layers_built(on_cpu))[dist.pp_rank].total_bytes
     except Exception:
         log.debug("no memory plan for this rank", exc_info=True)
     mine = [-1 if v is None else v for v in (peak, plan, dist.pp_rank, acts)]
@@ -391,7 +390,7 @@ def _train(
 
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.marks import StepMarker
-    from charllm_nemo.train.model import build_model, uses_transformer_engine
+    from charllm_nemo.train.model import build_model, layers_built, uses_transformer_engine
 
     on_cpu = dist.device == "cpu"
     b = cfg.batch
@@ -401,7 +400,7 @@ def _train(
         from charllm_nemo.train.model import initialize_tp_comm_overlap
         from charllm_nemo.train.plan import check_gpu_memory
 
-        check_gpu_memory(cfg, layout, dist, torch, "te" if uses_transformer_engine(on_cpu) else "local")
+        check_gpu_memory(cfg, layout, dist, torch, layers_built(on_cpu))
         if cfg.optim.tp_comm_overlap:
             initialize_tp_comm_overlap(cfg)
     bundle = build_model(cfg, on_cpu=on_cpu, pipeline_layout=layout.mcore_pipeline_layout())

@@ -162,6 +162,12 @@ def uses_transformer_engine(on_cpu: bool) -> bool:
     return not on_cpu and _have_te()
 
 
+def layers_built(on_cpu: bool) -> str:
+    """``te`` or ``local``: the layers this rank builds, as the activation estimate names them
+    (charllm_nemo.metrics.activations)."""
+    return "te" if uses_transformer_engine(on_cpu) else "local"
+
+
 def layer_spec(cfg: TrainConfig, *, on_cpu: bool) -> Any:
     """TransformerEngine layer spec on a GPU with TE installed, else mcore's local spec. A GPU
     run that needs TE and does not have it is a ConfigError here, on every rank, before the

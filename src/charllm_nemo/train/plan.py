@@ -77,7 +77,7 @@ def plan_stage_memory(cfg: TrainConfig, layout: ResolvedLayout) -> list[StageMem
 def layer_implementation(device: str) -> str:
     """What the model's layers will be built from, as far as this host can tell (the dry run
     plans from a login node): ``te`` for a GPU run where TransformerEngine is installed, else
-    ``local`` (train/model.py ``layer_spec``; the rank itself knows: ``uses_transformer_engine``)."""
+    ``local`` (train/model.py ``layer_spec``; the rank itself knows: ``layers_built``)."""
     if device != "cpu" and importlib.util.find_spec("transformer_engine") is not None:
         return "te"
     return "local"
