@@ -100,3 +100,13 @@ def test_a_gpu_run_that_needs_transformer_engine_without_it_is_told_before_the_m
         model.layer_spec(cfg, on_cpu=False)
     cfg.parallel.cp, cfg.parallel.sequence_parallel = 1, False
     assert model.layer_spec(cfg, on_cpu=False) is not None  # the local spec serves the rest
+
+
+def test_the_layers_a_rank_builds_are_named_for_the_activation_estimate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(model, "_have_te", lambda: True)
+    assert model.layers_built(on_cpu=False) == "te"
+    assert model.layers_built(on_cpu=True) == "local"  # CPU: always megatron-core's local spec
+    monkeypatch.setattr(model, "_have_te", lambda: False)
+    assert model.layers_built(on_cpu=False) == "local"
