@@ -254,36 +254,42 @@ def step_stats(records: list[Record], background: list[float], segment_units: in
     }
 
 
-def pool_dumps(dumps: list[tuple[str, dict[str, Any]]], check_only: bool = False) -> dict[str, Any]:
-    """``--pool``: the step-mode statistics of several runs' ``--dump-steps`` files taken as one
-    run (``dumps``: (file name, its JSON)), each run's units and segments kept apart. Runs of
-    different configurations, contrasts, model changes, orders or segment sizes are refused
-    (ValueError). ``check_only``: refuse or return {} without computing anything."""
+def check_dumps(dumps: list[tuple[str, dict[str, Any]]]) -> None:
+    """Refuse (ValueError, naming the file and the field) a set of ``--dump-steps`` files
+    (``dumps``: (file name, its JSON)) that cannot be pooled: none, one that is not a dump of
+    this bench, or runs of different configurations, contrasts, model changes, orders or
+    segment sizes."""
     if not dumps:
         raise ValueError("--pool needs at least one --dump-steps file")
-    keys = ("config", "contrast", "model_overrides", "order", "unit_steps", "segment_units")
     first_name, first = dumps[0]
-    records: list[Record] = []
-    background: list[float] = []
     for name, d in dumps:
         if not isinstance(d, dict) or "steps" not in d or "background" not in d:
             raise ValueError(
                 f"{name}: not a --dump-steps file of this bench (an object with 'steps' and "
                 f"'background'; files written before 2026-12-04 hold the steps alone): run it again"
             )
-        for k in keys:
+        for k in ("config", "contrast", "model_overrides", "order", "unit_steps", "segment_units"):
             if d.get(k) != first.get(k):
                 raise ValueError(
                     f"{name}: {k} is {d.get(k)!r} but {first_name} has {first.get(k)!r}; pool runs "
                     f"of one configuration only"
                 )
+
+
+def pool_dumps(dumps: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``--pool``: the step-mode statistics of several runs' ``--dump-steps`` files taken as one
+    run (``dumps``: (file name, its JSON)), each run's units and segments kept apart. A set
+    :func:`check_dumps` refuses raises its ValueError."""
+    check_dumps(dumps)
+    first = dumps[0][1]
+    records: list[Record] = []
+    background: list[float] = []
+    for _name, d in dumps:
         # Each run starts at a segment boundary of the pooled numbering: unit u of a run stays in
         # its own segment, u // segment_units, shifted by the segments before it.
         offset = len(background) * first["segment_units"]
         records.extend((offset + u, arm, sw, t) for u, arm, sw, t in d["steps"])
         background.extend(d["background"])
-    if check_only:
-        return {}
     stats = step_stats(records, background, first["segment_units"])
     return {
         "config": first["config"],
@@ -1556,7 +1562,7 @@ def print_pool(files: list[str], json_only: bool = False) -> int:
     pooled ones as the last line, ``BENCH_JSON``. Returns the exit status (2: refused)."""
     try:
         dumps = [(f, json.loads(Path(f).read_text())) for f in files]
-        pool_dumps(dumps, check_only=True)  # refuse a bad set before any statistics
+        check_dumps(dumps)  # refuse a bad set before any statistics
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"--pool: {exc}", file=sys.stderr)
         return 2

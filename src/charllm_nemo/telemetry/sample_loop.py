@@ -73,6 +73,13 @@ def effective_counter_every(devices: Sequence[Device], every: int) -> int:
     return every if every > 1 and any(hasattr(d, "read_gauges") for d in devices) else 1
 
 
+def figures_period_ns(hz: float, every: int) -> int:
+    """How often whole samples (counters read), the ones a live figure waits for, arrive at
+    ``hz`` with counters on every ``every``-th slot (ns). The session and the telemetry
+    process both slice live samples by it, so that their figures agree."""
+    return round(1e9 / hz) * every
+
+
 @dataclass
 class SamplerHealth:
     """The sampler's own record of how it did (counts, and ns of CLOCK_MONOTONIC)."""

@@ -52,7 +52,12 @@ from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.collector import decode_figures
-from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, counter_every, effective_counter_every
+from charllm_nemo.telemetry.sample_loop import (
+    DEFAULT_COUNTER_HZ,
+    counter_every,
+    effective_counter_every,
+    figures_period_ns,
+)
 from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
 from charllm_nemo.telemetry.sampler_process import (
     DEFAULT_COLLECTOR_SCHED,
@@ -269,7 +274,7 @@ class TelemetrySession:
         # n-th where a device reads them apart (NVML), every slot elsewhere.
         self.counter_every = effective_counter_every(self.backend.devices, every)
         """Sampling slots per counter read (1: the counters come with every sample)."""
-        self.figures_period_ns = round(1e9 / self.hz) * self.counter_every
+        self.figures_period_ns = figures_period_ns(self.hz, self.counter_every)
         """How often samples that can answer a live figure arrive (ns): a figure of a window is
         ready about this long after the window's end, at the latest."""
         self.sampler: Sampler | ProcessSampler

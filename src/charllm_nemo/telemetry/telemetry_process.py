@@ -43,7 +43,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.telemetry.sample_loop import SamplerHealth, effective_counter_every, run_sample_loop
+from charllm_nemo.telemetry.sample_loop import (
+    SamplerHealth,
+    effective_counter_every,
+    figures_period_ns,
+    run_sample_loop,
+)
 from charllm_nemo.telemetry.shm import (
     D_ACTIVITY,
     FAILED,
@@ -198,7 +203,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
 
     # Counter slots (sample_loop): every n-th where a device reads its counters apart (NVML).
     every = effective_counter_every(backend.devices, int(config.get("counter_every", 1)))
-    config["figures_period_ns"] = round(1e9 / health.hz) * every
+    config["figures_period_ns"] = figures_period_ns(health.hz, every)
     service: _Service | None = None
     if config.get("store") is not None:
         service = _Service(block, config)
