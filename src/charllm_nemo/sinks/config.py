@@ -40,7 +40,8 @@ class LoggerConfig:
     ``rank/<r>/<figure>`` (None = all of charllm_nemo.sinks.keys.STEP_FIGURE_KEYS; a list keeps
     the key count down on large jobs), ``rank_every`` per-rank keys every N steps (aggregates
     every step). Queue: ``queue_size`` items (a full queue drops new ones and
-    counts them), ``finish_timeout_s`` (the most the end of training waits for the sink).
+    counts them), ``finish_timeout_s`` (the most the end of training waits for the other ranks
+    to close their telemetry, and then for the sink).
     End of run: ``log_windows_table`` (at most ``table_max_rows`` rows), ``upload_artifact``
     (skipped when the run directory is over ``artifact_max_mb`` MiB). ``shared``: W&B shared
     mode, one writer per node (online only; see docs/wandb.md). ``settings``: extra

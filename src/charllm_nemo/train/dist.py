@@ -11,12 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.sampler_process import local_ranks_from_env
 from charllm_nemo.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -210,3 +214,56 @@ def shutdown_distributed() -> None:
         ps.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+CLOSED_KEY = "charllm/closed/{rank}"
+"""The key each rank sets in the process group's store when its telemetry is closed (its files
+under the run directory are final); the value is how its run ended (``complete``, ``failed``, ...)."""
+
+
+def announce_closed(torch: Any, rank: int, status: str) -> None:
+    """Tell rank 0, through the default process group's store, that this rank's telemetry is
+    closed and how its run ended. Never raises: a store that is gone (rank 0 exited) only
+    means nobody waits."""
+    try:
+        torch.distributed.distributed_c10d._get_default_store().set(CLOSED_KEY.format(rank=rank), status)
+    except Exception:  # the end of a run: nothing here may hide why it ended
+        log.debug("could not announce rank %d closed", rank, exc_info=True)
+
+
+def wait_for_ranks_closed(torch: Any, ranks: Sequence[int], timeout_s: float) -> dict[int, str | None]:
+    """On rank 0: wait until each of ``ranks`` has :func:`announce_closed`, at most ``timeout_s``
+    seconds. Returns each one's status, None for a rank not heard from by then. Unlike a
+    barrier, a rank that failed still answers (it announces ``failed``), one that died costs
+    ``timeout_s`` rather than the process group's timeout, and the other ranks do not wait."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    keys = {r: CLOSED_KEY.format(rank=r) for r in ranks}
+    try:
+        store.wait(list(keys.values()), timedelta(seconds=timeout_s))
+        heard = list(keys)
+    except Exception:  # torch raises DistStoreError (a RuntimeError) on the timeout
+        heard = [r for r, key in keys.items() if store.check([key])]
+    statuses: dict[int, str | None] = dict.fromkeys(keys)
+    if heard:
+        values = store.multi_get([keys[r] for r in heard])
+        statuses.update({r: bytes(v).decode() for r, v in zip(heard, values, strict=True)})
+    return statuses
+
+
+def closing_problems(statuses: dict[int, str | None], timeout_s: float) -> str | None:
+    """Rank 0's line about the ranks that did not close cleanly (None when every rank says
+    ``complete``): which ended how, and which were not heard from within ``timeout_s``."""
+    silent = [r for r, s in statuses.items() if s is None]
+    ended: dict[str, list[int]] = {}
+    for r, s in statuses.items():
+        if s is not None and s != "complete":
+            ended.setdefault(s, []).append(r)
+    parts = [f"rank(s) {_ranks(rs)} ended {s}" for s, rs in sorted(ended.items())]
+    if silent:
+        parts.append(f"rank(s) {_ranks(silent)} had not closed their telemetry after {timeout_s:g} s")
+    return "; ".join(parts) or None
+
+
+def _ranks(ranks: list[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:most]))
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")

@@ -217,12 +217,26 @@ def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
     return sink
 
 
-def _finish_sink(sink: Any, cfg: TrainConfig, ok: bool, torch: Any) -> None:
-    """After every rank closed its telemetry: a barrier (so the run directory is final), then
-    rank 0 finishes W&B (windows table, artifact) within logger.finish_timeout_s."""
+def _finish_sink(sink: Any, cfg: TrainConfig, rank: int, status: str, torch: Any) -> None:
+    """Once this rank closed its telemetry: every rank says so and how it ended; rank 0, when
+    its own run is complete, waits for every other rank's word (so the run directory is final)
+    at most logger.finish_timeout_s, names the ranks that failed or stayed silent, then finishes
+    W&B (windows table, artifact) within logger.finish_timeout_s. No barrier: a rank that failed
+    after training does not hold rank 0 for the process group's timeout, and the other ranks
+    leave at once."""
     dist = torch.distributed
-    if ok and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
+        from charllm_nemo.train.dist import announce_closed, closing_problems, wait_for_ranks_closed
+
+        if rank != 0:
+            announce_closed(torch, rank, status)
+        elif sink is not None and status == "complete":
+            timeout_s = cfg.logger.finish_timeout_s
+            statuses = wait_for_ranks_closed(torch, range(1, world), timeout_s)
+            problems = closing_problems(statuses, timeout_s)
+            if problems:
+                print(f"charllm: {problems}; W&B gets the run directory as is", file=sys.stderr, flush=True)
     if sink is None:
         return
     sink.finish(Path(cfg.telemetry.out_dir))
@@ -297,12 +311,18 @@ def run_rank(
                 _write_summary(cfg, layout, started[0], status)
             except Exception:  # never hide why training stopped
                 log.exception("could not write summary.json")
-        if own_session and session is not None:
-            session.close(status)
-        if sink is not None or cfg.logger.name == "wandb":
-            _finish_sink(sink, cfg, status == "complete", torch)
-        if shutdown:
-            shutdown_distributed()
+        closed = status
+        try:
+            if own_session and session is not None:
+                session.close(status)
+        except Exception:
+            closed = "failed"  # its telemetry did not close (a full disk, say): rank 0 hears so
+            raise
+        finally:
+            if sink is not None or cfg.logger.name == "wandb":
+                _finish_sink(sink, cfg, dist.rank, closed, torch)
+            if shutdown:
+                shutdown_distributed()
 
 
 def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: str) -> None:
