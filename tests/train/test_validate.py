@@ -48,7 +48,7 @@ def one(cfg: TrainConfig, world: int | None = 1, device: str = "cuda") -> str:
 
 def test_valid_config_resolves_its_layout() -> None:
     cfg = cfg_for("tiny_moe", "tp2ep2", global_batch_size=8, micro_batch_size=2)
-    layout = validate(cfg, world_size=8, device="cpu")
+    layout = validate(cfg, world_size=8, device="cuda")
     assert layout == ResolvedLayout(
         world_size=8,
         tp=2,
@@ -136,10 +136,26 @@ def test_ep_must_divide_the_experts() -> None:
     assert any("parallel.ep=3 does not divide model.num_experts=4; use ep in [1, 2, 4]" in p for p in found)
 
 
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism() -> None:
+    # megatron-core 0.16's MoELayer.forward raises at the first training step otherwise.
+    cfg = cfg_for("tiny_moe", "tp2")
+    gpu = one(cfg, world=2, device="cuda")
+    assert gpu.startswith("model.num_experts=4 with parallel.tp=2 needs parallel.sequence_parallel=true")
+    assert "set parallel.sequence_parallel=true, or parallel.tp=1" in gpu
+    cpu = one(cfg, world=2, device="cpu")  # CPU has no sequence parallelism: only tp=1 is a way out
+    assert "on CPU, which has no sequence parallelism, set parallel.tp=1" in cpu
+    cfg.parallel.sequence_parallel = True
+    assert validate(cfg, world_size=2, device="cuda").tp == 2
+    cfg.model.num_experts = None  # a dense model: tensor parallelism alone is fine
+    cfg.parallel.sequence_parallel = False
+    assert validate(cfg, world_size=2, device="cpu").tp == 2
+
+
 def test_ep_is_carved_from_dp_times_cp() -> None:
     # TP=2 on 4 ranks leaves DP=2: EP=4 cannot fit although 4 divides the 4 experts.
     cfg = cfg_for("tiny_moe", "tp2")
     cfg.parallel.ep = 4
+    cfg.parallel.sequence_parallel = True  # megatron-core's MoE needs it with TP
     msg = one(cfg, world=4)
     assert "parallel.ep=4 does not divide dp*cp=2" in msg
     assert "use ep in [1, 2]" in msg and "launch.nproc in [8" in msg

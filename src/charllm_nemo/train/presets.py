@@ -156,7 +156,7 @@ def _parallels() -> dict[str, ParallelConfig]:
         P(name="ep2", ep=2),
         P(name="dp2", dp=2),
         P(name="tp2pp2", tp=2, pp=2),
-        P(name="tp2ep2", tp=2, ep=2),
+        P(name="tp2ep2", tp=2, ep=2, sequence_parallel=True),  # MoE with TP needs SP: GPU only
         P(name="fsdp", fsdp=True),  # Megatron-FSDP over the data-parallel ranks (GPU only)
         P(name="fsdp_torch", fsdp=True, fsdp_impl="torch_fsdp2"),  # PyTorch FSDP2 (GPU only)
         # Paper-scale layouts (the world size sets DP: e.g. GPT-3 175B TP8 PP8 on 1024 GPUs is

@@ -279,6 +279,21 @@ class _Checker:
                     f"{choices([t for t in divisors(value) if t <= 64])}"
                     + (" or pad the vocabulary to a multiple of tp" if name == "model.vocab_size" else "")
                 )
+        if m.num_experts and tp > 1 and not p.sequence_parallel:
+            # megatron-core 0.16's MoELayer.forward raises in training when its attention TP group
+            # spans ranks and sequence parallelism is off: refuse it here, not at the first step.
+            fix = (
+                "on CPU, which has no sequence parallelism, set parallel.tp=1 and spread the experts "
+                "with parallel.ep (e.g. parallel=ep2)"
+                if self.device == "cpu"
+                else "set parallel.sequence_parallel=true, or parallel.tp=1 and spread the experts "
+                "with parallel.ep"
+            )
+            self.add(
+                f"model.num_experts={m.num_experts} with parallel.tp={tp} needs "
+                f"parallel.sequence_parallel=true (megatron-core's MoE layer refuses to train with "
+                f"tensor but no sequence parallelism); {fix}"
+            )
         if p.sequence_parallel:
             if tp == 1:
                 self.add(
