@@ -179,18 +179,26 @@ def test_the_estimated_peak_is_warned_about_on_rank_0_only(
 def test_the_dry_run_gives_the_highest_peak_under_each_recomputation_setting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Planned for GPU nodes from a host without TransformerEngine (as here): the local layers'
+    # estimate, and last the one for TE layers, which keep no s x s scores (as selective does).
     monkeypatch.setattr(plan, "layer_implementation", lambda device: "local")
     cfg, layout = _gpt3_tp8pp8()
-    assert plan.describe_plan(cfg, layout)[-1] == (
+    assert plan.describe_plan(cfg, layout)[-2:] == [
         "  the highest peak, stage 0's, with optim.recompute_granularity=selective: 42.3 GiB; "
-        "with optim=recompute: 22.1 GiB"
-    )
+        "with optim=recompute: 22.1 GiB",
+        "  with TransformerEngine layers instead (GPU nodes that have it): the highest peak, "
+        "stage 0's, 42.3 GiB",
+    ]
     # Selective already: only full recomputation keeps less; full already: nothing does.
     cfg, layout = _gpt3_tp8pp8("optim.recompute_granularity=selective")
-    last = plan.describe_plan(cfg, layout)[-1]
+    last = plan.describe_plan(cfg, layout)[-2]
     assert last == "  the highest peak, stage 0's, with optim=recompute: 22.1 GiB"
     cfg, layout = _gpt3_tp8pp8("optim=recompute")
-    assert "the highest peak" not in "\n".join(plan.describe_plan(cfg, layout))
+    assert "the highest peak, stage 0's, with" not in "\n".join(plan.describe_plan(cfg, layout))
+    # Where TE imports, its estimate is the plan's own: no second line.
+    monkeypatch.setattr(plan, "layer_implementation", lambda device: "te")
+    cfg, layout = _gpt3_tp8pp8()
+    assert not any("TransformerEngine layers instead" in line for line in plan.describe_plan(cfg, layout))
 
 
 def test_the_memory_report_and_its_line() -> None:

@@ -214,6 +214,14 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
             f"  the highest peak, stage {top}'s, "
             + "; ".join(f"with {text}: {_bytes(stages[top].total_bytes + b)}" for text, b in options)
         )
+    if hint:  # planned from a host without TE for GPU nodes that may well have it
+        te_acts = plan_stage_activations(cfg, layout, "te")
+        te = [a.total_bytes + s.total_bytes for a, s in zip(te_acts, stages, strict=True)]
+        k = max(range(len(te)), key=te.__getitem__)
+        lines.append(
+            f"  with TransformerEngine layers instead (GPU nodes that have it): the highest peak, "
+            f"stage {k}'s, {_bytes(te[k])}"
+        )
     return lines
 
 
