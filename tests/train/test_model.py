@@ -9,7 +9,7 @@ import pytest
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import model
-from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.presets import model_preset
 
 
@@ -110,3 +110,15 @@ def test_the_layers_a_rank_builds_are_named_for_the_activation_estimate(
     assert model.layers_built(on_cpu=True) == "local"  # CPU: always megatron-core's local spec
     monkeypatch.setattr(model, "_have_te", lambda: False)
     assert model.layers_built(on_cpu=False) == "local"
+
+
+@pytest.mark.parametrize(("topk", "pre_softmax"), [(1, True), (2, False)])
+def test_top1_routing_takes_the_softmax_before_choosing(topk: int, pre_softmax: bool) -> None:
+    # megatron-core refuses top-1 with the softmax after the choice (over one logit: always 1,
+    # no gradient); top-2 keeps Mixtral's softmax over the chosen two.
+    pytest.importorskip("megatron.core")
+    cfg = TrainConfig(model=model_preset("tiny_moe"))
+    cfg.model.moe_router_topk = topk
+    config = model.transformer_config(for_device(cfg, "cpu"), on_cpu=True)
+    assert config.moe_router_topk == topk
+    assert config.moe_router_pre_softmax is pre_softmax

@@ -84,6 +84,10 @@ def transformer_config(
         kw.update(
             num_moe_experts=m.num_experts,
             moe_router_topk=m.moe_router_topk,
+            # Top-1 (Switch-style) takes the softmax over all experts before choosing: a softmax
+            # over the one chosen logit is 1 with a zero gradient, which megatron-core refuses.
+            # Top-k > 1 keeps Mixtral's softmax over the k chosen logits.
+            moe_router_pre_softmax=m.moe_router_topk == 1,
             moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
             moe_token_dispatcher_type=m.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
