@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test,megatron
 . .venv/bin/activate
-ruff check src tests bench
-ruff format --check src tests bench
+ruff check src tests bench scripts
+ruff format --check src tests bench scripts
 mypy
 CHARLLM_REQUIRE_C=1 pytest "$@"  # the C module must have built here (tests/test_speedups.py)
