@@ -11,7 +11,14 @@ pytest.importorskip("megatron.core")
 
 from charllm_nemo.errors import ConfigError  # noqa: E402
 from charllm_nemo.train.config import TrainConfig  # noqa: E402
-from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset, collate  # noqa: E402
+from charllm_nemo.train.data import (  # noqa: E402
+    DataLayout,
+    MicrobatchIterator,
+    build_train_dataset,
+    check_token_ids,
+    collate,
+    token_check,
+)
 
 
 def test_layout_follows_megatron_sampler_order() -> None:
@@ -74,6 +81,50 @@ def test_missing_indexed_dataset_names_the_field(tmp_path: Path) -> None:
     cfg.data.path = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match=r"data\.path"):
         build_train_dataset(cfg, 4)
+
+
+def _corpus(prefix: str, high: int) -> None:
+    """40 documents of token ids drawn from [0, high)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        builder.add_item(
+            torch.randint(0, high, (int(torch.randint(20, 300, (1,), generator=gen)),), generator=gen)
+        )
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def test_data_tokenized_for_a_larger_vocabulary_is_refused_before_the_embedding(tmp_path: Path) -> None:
+    # Ids up to 4999 into a 1024-row embedding: an IndexError on CPU, a device-side assert (and
+    # a dead CUDA context) on a GPU. The iterator names both fields at the first microbatch.
+    prefix = str(tmp_path / "corpus")
+    _corpus(prefix, 5000)
+    cfg = TrainConfig()
+    cfg.data.path = prefix
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 4, 1
+    layout = DataLayout(1, 4, 1, 0)
+    dataset = build_train_dataset(cfg, 4)
+    it = MicrobatchIterator(dataset, layout, 1, **token_check(cfg))
+    with pytest.raises(ConfigError) as info:
+        next(it)
+    msg = str(info.value)
+    assert msg.startswith(f"data.path={prefix!r} holds token id ")
+    assert "(step 0, microbatch 0) but model.vocab_size=1024 takes ids 0..1023" in msg
+    cfg.model.vocab_size = 5000  # the tokenizer's size: the same data then trains
+    assert len(list(MicrobatchIterator(dataset, layout, 1, **token_check(cfg)))) == 4
+    assert token_check(TrainConfig()) == {}  # the mock dataset draws from vocab_size itself
+
+
+def test_token_ids_are_checked_at_both_ends() -> None:
+    ok = {"tokens": torch.tensor([[0, 5]]), "labels": torch.tensor([[5, 9]])}
+    check_token_ids(ok, 10, "d", 0, 0)
+    with pytest.raises(ConfigError, match=r"holds token id 10 .*\(at least 11\)"):
+        check_token_ids({"tokens": ok["tokens"], "labels": torch.tensor([[5, 10]])}, 10, "d", 0, 0)
+    with pytest.raises(ConfigError, match="holds token id -1 "):
+        check_token_ids({"tokens": torch.tensor([[-1, 5]]), "labels": ok["labels"]}, 10, "d", 2, 3)
 
 
 @pytest.mark.parametrize("cp_rank", [0, 1])

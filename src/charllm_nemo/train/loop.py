@@ -408,7 +408,7 @@ def _train(
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
+    from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset, token_check
     from charllm_nemo.train.marks import StepMarker
     from charllm_nemo.train.model import build_model, layers_built, uses_transformer_engine
 
@@ -430,7 +430,10 @@ def _train(
     n_micro = data_layout.num_microbatches
     dataset = build_train_dataset(cfg, b.train_steps * b.global_batch_size)
     data_device = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
-    iters = [MicrobatchIterator(dataset, data_layout, b.train_steps, data_device) for _ in bundle.chunks]
+    check = token_check(cfg)  # real data: its token ids against model.vocab_size
+    iters = [
+        MicrobatchIterator(dataset, data_layout, b.train_steps, data_device, **check) for _ in bundle.chunks
+    ]
     marker = StepMarker(
         rec,
         num_microbatches=n_micro,
