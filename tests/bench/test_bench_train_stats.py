@@ -3,24 +3,16 @@ step it reports must recover a known slowdown."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.load_script import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_train_telemetry", REPO / "bench" / "bench_train_telemetry.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/bench_train_telemetry.py")
 
 
 def test_a_known_fixed_cost_per_step_is_recovered_with_its_break_even_step_length() -> None:

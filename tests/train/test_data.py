@@ -58,17 +58,22 @@ def test_mock_dataset_builds_offline() -> None:
     check_batches(cfg, ds, 3)
 
 
-def test_indexed_bin_idx_dataset(tmp_path: Path) -> None:
+def _corpus(prefix: str, high: int) -> None:
+    """A Megatron indexed dataset at ``prefix``: 40 documents of 20-299 token ids in [0, high)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    prefix = str(tmp_path / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
     gen = torch.Generator().manual_seed(0)
     for _ in range(40):
         n = int(torch.randint(20, 300, (1,), generator=gen))
-        builder.add_item(torch.randint(0, 1000, (n,), generator=gen))
+        builder.add_item(torch.randint(0, high, (n,), generator=gen))
         builder.end_document()
     builder.finalize(prefix + ".idx")
+
+
+def test_indexed_bin_idx_dataset(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "corpus")
+    _corpus(prefix, 1000)
     cfg = TrainConfig()
     cfg.data.path = prefix
     cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 4, 1
@@ -81,20 +86,6 @@ def test_missing_indexed_dataset_names_the_field(tmp_path: Path) -> None:
     cfg.data.path = str(tmp_path / "nope")
     with pytest.raises(ConfigError, match=r"data\.path"):
         build_train_dataset(cfg, 4)
-
-
-def _corpus(prefix: str, high: int) -> None:
-    """40 documents of token ids drawn from [0, high)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        builder.add_item(
-            torch.randint(0, high, (int(torch.randint(20, 300, (1,), generator=gen)),), generator=gen)
-        )
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
 
 
 def test_data_tokenized_for_a_larger_vocabulary_is_refused_before_the_embedding(tmp_path: Path) -> None:

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_random_configs.py"
+from tests.load_script import load_script
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_random_configs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/train_random_configs.py")
 
 
 def test_drawn_configs_are_those_validation_accepts_for_their_world() -> None:
