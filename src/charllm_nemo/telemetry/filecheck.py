@@ -149,16 +149,17 @@ def _matches(value: object, kinds: tuple[str, ...]) -> bool:
 
 
 def validate_object(
-    data: object, path: Path | str, spec: Spec, problems: list[str], what: str = ""
+    data: object, path: Path | str, spec: Spec, problems: list[str], what: str = "", whole: str = "file"
 ) -> dict[str, Any]:
     """``data`` with every field that ``spec`` names and that holds a value of another kind
     removed; each removal, and a ``data`` that is not an object at all (then ``{}``), is a line
     in ``problems``: ``<path>: field 'status' is int (5), expected string; ignored``.
-    ``what`` prefixes the field name (``per_step[3].``)."""
+    ``what`` prefixes the field name (``per_step[3].``); ``whole`` names what ``data`` is when
+    it has no ``what`` (``file``, ``line``)."""
     if not isinstance(data, dict):
         if data is not None:
             problems.append(
-                f"{path}: {what or 'file'} holds a JSON {json_kind(data)}, not an object; ignored"
+                f"{path}: {what.rstrip('.') or whole} holds a JSON {json_kind(data)}, not an object; ignored"
             )
         return {}
     out: dict[str, Any] = {}
@@ -189,9 +190,9 @@ def validate_manifest(data: object, path: Path | str, problems: list[str]) -> di
 
 
 def validate_step(data: object, path: Path | str, problems: list[str], what: str = "") -> dict[str, Any]:
-    """One step's figures (a ``steps.jsonl`` line or a ``per_step`` entry) checked against
-    :data:`STEP_SPEC`."""
-    return validate_object(data, path, STEP_SPEC, problems, what)
+    """One step's figures (a ``steps.jsonl`` line, ``path`` then ending in ``:<line>``, or a
+    ``per_step`` entry) checked against :data:`STEP_SPEC`."""
+    return validate_object(data, path, STEP_SPEC, problems, what, whole="line")
 
 
 def validate_summary(data: object, path: Path | str, problems: list[str]) -> dict[str, Any]:

@@ -287,10 +287,16 @@ def read_json(path: Path, cap: int, problems: list[str]) -> Any:
 
 
 def iter_jsonl(path: Path, cap: int, problems: list[str]) -> Iterator[Any]:
-    """The JSON value of each non-blank line of ``path`` (at most ``cap`` bytes, each line at most
-    :data:`MAX_LINE_BYTES`). A line that does not parse, is too long or is not UTF-8 is skipped
-    with a line in ``problems`` naming the file and the line number (a truncated last line, as a
-    full disk or a kill leaves, says so)."""
+    """The JSON value of each good line of ``path``, as :func:`iter_jsonl_numbered` reads them."""
+    for _, value in iter_jsonl_numbered(path, cap, problems):
+        yield value
+
+
+def iter_jsonl_numbered(path: Path, cap: int, problems: list[str]) -> Iterator[tuple[int, Any]]:
+    """(line number from 1, JSON value) of each non-blank line of ``path`` (at most ``cap``
+    bytes, each line at most :data:`MAX_LINE_BYTES`). A line that does not parse, is too long
+    or is not UTF-8 is skipped with a line in ``problems`` naming the file and the line number
+    (a truncated last line, as a full disk or a kill leaves, says so)."""
     try:
         f = open_regular(path, cap)
     except UnsafeFileError as exc:
@@ -322,7 +328,7 @@ def iter_jsonl(path: Path, cap: int, problems: list[str]) -> Iterator[Any]:
                 continue
             last = not raw.endswith(b"\n")
             try:
-                yield json.loads(raw.decode("utf-8"))
+                yield lineno, json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:
                 problems.append(f"{path}:{lineno}: bytes that are not UTF-8 (at byte {exc.start}); skipped")
             except (ValueError, RecursionError) as exc:

@@ -61,10 +61,11 @@ class RunData:
 def list_ranks(run_dir: str | os.PathLike[str]) -> list[int]:
     """The run's accepted ranks (:func:`~charllm_nemo.telemetry.layout.scan_run`), ascending;
     StoreError when there is none."""
-    return _ranks_of(scan_run(run_dir))
+    return accepted_ranks(scan_run(run_dir))
 
 
-def _ranks_of(files: RunFiles) -> list[int]:
+def accepted_ranks(files: RunFiles) -> list[int]:
+    """``files``' ranks, ascending; StoreError naming the folder when it has none."""
     if not files.ranks:
         raise StoreError(
             f"{files.path} is not a charllm run directory (no rank=N folders); "
@@ -108,7 +109,9 @@ def load_rank(run_dir: str | os.PathLike[str], rank: int, files: RankFiles | Non
         run = scan_run(run_dir)
         if rank not in run.ranks:
             folder = Path(run_dir) / f"rank={rank}"
-            raise StoreError(f"{folder} is not a rank folder of the run; ranks present: {_ranks_of(run)}")
+            raise StoreError(
+                f"{folder} is not a rank folder of the run; ranks present: {accepted_ranks(run)}"
+            )
         files = run.ranks[rank]
         problems += [
             i.message() for i in run.ignored if i.kind != "temporary" and files.folder in i.path.parents
@@ -130,11 +133,12 @@ def load_rank(run_dir: str | os.PathLike[str], rank: int, files: RankFiles | Non
     return RankData(rank, manifest, samples, windows, problems)
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> RunData:
+def load_run(run_dir: str | os.PathLike[str], files: RunFiles | None = None) -> RunData:
     """Load every rank of a run; tables gain an int32 ``rank`` column as their first column.
-    Only what :func:`scan_run` accepts is read; what it ignored is in ``problems``."""
-    files = scan_run(run_dir)
-    ranks = _ranks_of(files)
+    Only what :func:`scan_run` accepts is read (``files``: its result, if the caller has it);
+    what it ignored is in ``problems``."""
+    files = scan_run(run_dir) if files is None else files
+    ranks = accepted_ranks(files)
     manifests: dict[int, dict[str, Any]] = {}
     samples, windows = [], []
     problems = files.problems()
