@@ -155,6 +155,26 @@ def test_config_file_round_trip(tmp_path: Path, suffix: str) -> None:
     assert load_train_config(path) == cfg
 
 
+def test_config_yaml_keeps_no_secret_and_the_ranks_still_get_it(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A token given as an override was stored in plaintext in config.yaml (and so in the W&B
+    # artifact); the ranks read that same file, so they must get the real value another way.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "run"
+    secret = "hf_" + "Zq9" * 12
+    overrides = [f"telemetry.out_dir={out}", f"+extra.hf_token={secret}", "+extra.num_tokens=7"]
+    assert app.main(overrides) == 0
+    text = (out / "config.yaml").read_text()
+    assert secret not in text and "hf_token: <redacted>" in text and "num_tokens: 7" in text
+    assert "moe_token_dispatcher: allgather" in text  # an ordinary name that contains "token"
+    rank0 = json.loads((out / "fake" / "rank0.json").read_text())
+    assert rank0["extra"] == {"hf_token": secret, "num_tokens": 7}
+    assert list((tmp_path / "tmp").iterdir()) == []  # the ranks' private copy is gone
+    assert load_train_config(out / "config.yaml").extra["hf_token"] == "<redacted>"
+
+
 def test_config_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_train_config(tmp_path / "none.yaml")

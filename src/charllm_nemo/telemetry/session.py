@@ -51,6 +51,7 @@ import charllm_nemo
 from charllm_nemo.devices.base import Backend
 from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.redact import redact_secrets
 from charllm_nemo.telemetry.collector import decode_figures
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
@@ -386,7 +387,7 @@ class TelemetrySession:
         return self._open_backend(name, indices, options)
 
     def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
-        return {
+        manifest = {
             "kind": "charllm-nemo telemetry",
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -407,6 +408,9 @@ class TelemetrySession:
             "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
             "config": config or {},
         }
+        # Redacted once, here: every rewrite of the manifest (close, a lost telemetry process, a
+        # kill) starts from this dict, so none holds a token or password of the config or argv.
+        return redact_secrets(manifest)  # type: ignore[no-any-return]
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> TelemetrySession:

@@ -29,7 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
-from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
+from charllm_nemo.train.config_io import (
+    config_for_ranks,
+    register_resolvers,
+    resolved,
+    save_train_config,
+    train_config_from,
+)
 from charllm_nemo.train.launch import (
     launch_local,
     local_gpu_count,
@@ -213,8 +219,10 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
     check_run_dir(cfg, removes=removes)
     if cfg.launch.launcher == "local":
         _announce(cfg, layout)
-        config_path = save_train_config(cfg, out_dir / "config.yaml")
-        rc = launch_local(config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port)
+        with config_for_ranks(cfg, out_dir / "config.yaml") as config_path:  # secrets: not in the run dir
+            rc = launch_local(
+                config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
+            )
         _where(out_dir)
         return rc
     # slurm / none: this process is one rank.
