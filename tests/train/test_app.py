@@ -258,6 +258,21 @@ def test_replacing_a_run_of_more_ranks_leaves_no_empty_rank_folder_or_old_rank_l
     assert sorted(p.name for p in out.iterdir()) == []
 
 
+def test_a_rank_folder_linked_to_another_run_is_in_the_way_and_only_the_link_goes(tmp_path: Path) -> None:
+    # overwrite removed the store files of the run the link pointed at, through the link.
+    other = tmp_path / "other" / "rank=0"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text("{}")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "rank=0").symlink_to(other)
+    assert app.previous_run_files(out) == [out / "rank=0"]
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir, cfg.telemetry.overwrite = str(out), True
+    app.check_run_dir(cfg, removes=True)
+    assert list(out.iterdir()) == [] and (other / "manifest.json").exists()
+
+
 def test_a_run_directory_that_cannot_be_made_is_a_config_error_not_a_traceback(
     tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

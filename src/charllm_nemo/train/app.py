@@ -115,6 +115,12 @@ def previous_run_files(out_dir: Path) -> list[Path]:
 
     found = [out_dir / name for name in RUN_FILES if (out_dir / name).is_file()]
     for folder in sorted(out_dir.glob("rank=*")):
+        if folder.is_symlink():
+            # A rank folder linked to another run's: the link is in the way (the ranks would
+            # write through it into that run), and only the link goes with overwrite, never
+            # the files it points at.
+            found.append(folder)
+            continue
         found += rank_files(folder)
     return found
 
