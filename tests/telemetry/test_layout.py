@@ -18,7 +18,7 @@ from charllm_nemo.telemetry.layout import (
     read_json,
     scan_run,
 )
-from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.reader import CorruptSegmentWarning, load_run
 from charllm_nemo.telemetry.sampler import rows_to_table
 from charllm_nemo.telemetry.schema import METRICS
 from charllm_nemo.telemetry.store import RankStore
@@ -165,3 +165,31 @@ def test_a_path_that_is_not_a_directory_is_a_clear_error(tmp_path: Path) -> None
     with pytest.raises(StoreError, match="is not a directory"):
         scan_run(tmp_path / "f")
     assert scan_run(tmp_path).ranks == {}
+
+
+def test_a_segment_that_claims_to_unpack_to_gigabytes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from charllm_nemo.telemetry import layout
+
+    run = _write_run(tmp_path, (0,), rows=200)
+    seg = scan_run(run).ranks[0].samples[0]
+    assert layout.read_parquet(seg).num_rows == 200
+    monkeypatch.setattr(layout, "MAX_SEGMENT_UNPACKED", 1000)  # stands in for a 4 GiB claim
+    with pytest.raises(UnsafeFileError, match=r"unpack to \d+ bytes, over the"):
+        layout.read_parquet(seg)
+    with pytest.warns(CorruptSegmentWarning, match="samples segment skipped"):
+        data = load_run(run)
+    assert data.samples.num_rows == 0 and "unpack to" in data.problems[0]
+
+
+def test_a_rank_folder_whose_manifest_names_another_rank_is_reported(tmp_path: Path) -> None:
+    import shutil
+
+    run = _write_run(tmp_path, (0,))
+    shutil.copytree(run / "rank=0", run / "rank=1")  # a copy: rank 0's data under rank 1
+    data = load_run(run)
+    assert data.ranks == [0, 1]
+    assert data.problems == [
+        f"{run / 'rank=1' / 'manifest.json'}: field 'rank' says 0, but the folder is rank=1; read as rank 1"
+    ]

@@ -46,6 +46,10 @@ SIZE_CAPS: dict[str, int] = {
 and argv included); ``summary.json`` grows by ~0.5 KiB per step; ``steps.jsonl`` is read line by
 line (each line at most :data:`MAX_LINE_BYTES`); a segment holds half a second of samples."""
 
+MAX_SEGMENT_UNPACKED = 4096 * MiB
+"""Most bytes a segment's row groups may unpack to, as its footer states (a 0.5 s segment of 8
+devices at 1 kHz is ~1 MiB)."""
+
 MAX_LINE_BYTES = 1 * MiB
 """Longest ``steps.jsonl`` line read, in bytes (a step's line is ~0.5 KiB)."""
 
@@ -338,9 +342,18 @@ def iter_jsonl_numbered(path: Path, cap: int, problems: list[str]) -> Iterator[t
 
 def read_parquet(path: Path, columns: list[str] | None = None, cap: int = SIZE_CAPS["segment"]) -> Any:
     """A segment as a ``pyarrow.Table`` (``columns``: only those), opened as :func:`open_regular`
-    does. Raises UnsafeFileError for a file that is not a regular one or too large; pyarrow's
-    own errors for a damaged one."""
+    does. Raises UnsafeFileError for a file that is not a regular one, too large, or whose
+    footer says it unpacks to more than :data:`MAX_SEGMENT_UNPACKED` bytes (a small file can
+    claim gigabytes); pyarrow's own errors for a damaged one."""
     import pyarrow.parquet as pq
 
     with open_regular(path, cap) as f:
+        meta = pq.ParquetFile(f).metadata
+        unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if unpacked > MAX_SEGMENT_UNPACKED:
+            raise UnsafeFileError(
+                f"{path}: its row groups unpack to {unpacked} bytes, over the "
+                f"{_mib(MAX_SEGMENT_UNPACKED)} a reader accepts for a segment; not read"
+            )
+        f.seek(0)
         return pq.read_table(f, columns=columns)

@@ -22,7 +22,15 @@ import pyarrow.compute as pc
 
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import validate_manifest
-from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, RunFiles, read_json, read_parquet, scan_run
+from charllm_nemo.telemetry.layout import (
+    SIZE_CAPS,
+    RankFiles,
+    RunFiles,
+    UnsafeFileError,
+    read_json,
+    read_parquet,
+    scan_run,
+)
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
@@ -80,6 +88,10 @@ def _read_segments(paths: tuple[Path, ...], kind: str, schema: pa.Schema, proble
         try:
             t = read_parquet(p)
             tables.append(t.select(schema.names).cast(schema))
+        except UnsafeFileError as exc:  # not opened: says which file and why itself
+            msg = f"{exc} ({kind} segment skipped)"
+            problems.append(msg)
+            warnings.warn(msg, CorruptSegmentWarning, stacklevel=3)
         except Exception as exc:  # pyarrow raises several types for a damaged file
             msg = f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {exc})"
             problems.append(msg)
@@ -95,9 +107,14 @@ def read_manifest(files: RankFiles, problems: list[str]) -> dict[str, Any]:
     if files.manifest is None:
         problems.append(f"{files.folder / 'manifest.json'}: no readable manifest")
         return {}
-    return validate_manifest(
-        read_json(files.manifest, SIZE_CAPS["manifest"], problems), files.manifest, problems
-    )
+    raw = read_json(files.manifest, SIZE_CAPS["manifest"], problems)
+    manifest = validate_manifest(raw, files.manifest, problems)
+    if manifest.get("rank", files.rank) != files.rank:  # a rank folder copied or renamed
+        problems.append(
+            f"{files.manifest}: field 'rank' says {manifest['rank']}, but the folder is "
+            f"rank={files.rank}; read as rank {files.rank}"
+        )
+    return manifest
 
 
 def load_rank(run_dir: str | os.PathLike[str], rank: int, files: RankFiles | None = None) -> RankData:
