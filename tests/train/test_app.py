@@ -273,6 +273,18 @@ def test_a_rank_folder_linked_to_another_run_is_in_the_way_and_only_the_link_goe
     assert list(out.iterdir()) == [] and (other / "manifest.json").exists()
 
 
+def test_file_names_in_the_refusal_are_escaped_for_the_terminal(tmp_path: Path) -> None:
+    (tmp_path / "rank=0").mkdir()
+    (tmp_path / "rank=0" / "samples-\x1b[2J.parquet").write_bytes(b"")
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir = str(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"already holds a run \(rank=0/samples-\\x1b\[2J\.parquet\)"
+    ) as err:
+        app.check_run_dir(cfg, removes=True)
+    assert "\x1b" not in str(err.value)
+
+
 def test_a_run_directory_that_cannot_be_made_is_a_config_error_not_a_traceback(
     tmp_path: Path, fake_worker: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.filecheck import validate_manifest
+from charllm_nemo.telemetry.filecheck import printable, validate_manifest
 from charllm_nemo.telemetry.layout import (
     SIZE_CAPS,
     RankFiles,
@@ -91,11 +91,11 @@ def _read_segments(paths: tuple[Path, ...], kind: str, schema: pa.Schema, proble
         except UnsafeFileError as exc:  # not opened: says which file and why itself
             msg = f"{exc} ({kind} segment skipped)"
             problems.append(msg)
-            warnings.warn(msg, CorruptSegmentWarning, stacklevel=3)
+            warnings.warn(printable(msg, 1000), CorruptSegmentWarning, stacklevel=3)
         except Exception as exc:  # pyarrow raises several types for a damaged file
             msg = f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {exc})"
             problems.append(msg)
-            warnings.warn(msg, CorruptSegmentWarning, stacklevel=3)
+            warnings.warn(printable(msg, 1000), CorruptSegmentWarning, stacklevel=3)
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)

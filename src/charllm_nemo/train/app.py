@@ -129,6 +129,7 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
     """Refuse a run directory that holds an earlier run (ConfigError: its files would mix with
     this run's), unless ``telemetry.overwrite``; then the process that ``removes`` (the launcher,
     or rank 0 of an in-process launcher, before any rank can write) deletes them."""
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.store import describe_files
 
     out = Path(cfg.telemetry.out_dir)
@@ -136,8 +137,9 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
     if not old:
         return
     if not cfg.telemetry.overwrite:
+        found = printable(describe_files(old, out), 1000)  # file names: anyone's, escaped for a terminal
         raise ConfigError(
-            f"telemetry.out_dir={str(out)!r} already holds a run ({describe_files(old, out)}); give a "
+            f"telemetry.out_dir={str(out)!r} already holds a run ({found}); give a "
             "new directory (the default, runs/<time>, is new for every run), or telemetry.overwrite=true "
             "to replace that run"
         )
