@@ -348,12 +348,12 @@ def read_parquet(path: Path, columns: list[str] | None = None, cap: int = SIZE_C
     import pyarrow.parquet as pq
 
     with open_regular(path, cap) as f:
-        meta = pq.ParquetFile(f).metadata
+        pf = pq.ParquetFile(f)  # the footer, parsed once: checked, then used to read
+        meta = pf.metadata
         unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
         if unpacked > MAX_SEGMENT_UNPACKED:
             raise UnsafeFileError(
                 f"{path}: its row groups unpack to {unpacked} bytes, over the "
                 f"{_mib(MAX_SEGMENT_UNPACKED)} a reader accepts for a segment; not read"
             )
-        f.seek(0)
-        return pq.read_table(f, columns=columns)
+        return pf.read(columns=columns)
