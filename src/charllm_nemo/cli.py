@@ -208,7 +208,7 @@ def window_table_lines(table: Any) -> list[str]:
     Each column is as wide as its widest cell, so a long phase name shifts no column; names are
     cut at :data:`NAME_WIDTH` characters. ``mb`` is the microbatch index of microbatch and
     phase rows (``-`` for a step, or a phase outside any microbatch such as the optimizer);
-    ``dev`` appears when a rank sampled more than one device."""
+    ``dev`` (the device index) appears when the rows hold more than one device."""
     from charllm_nemo.telemetry.filecheck import printable
 
     cols = [
