@@ -127,7 +127,7 @@ def config_for_ranks(cfg: TrainConfig, record: Path) -> Iterator[Path]:
     the local launcher's ranks load. When ``cfg`` holds no secret that is ``record`` itself;
     otherwise the full config goes to a file only this user can read (mode 0600, in a private
     temporary folder outside the run directory, so neither the artifact nor another user sees
-    it), removed when the block ends."""
+    it), removed when the block ends (a launcher killed with SIGKILL leaves it: still 0600)."""
     save_train_config(cfg, record)
     if redact_secrets(to_dict(cfg)) == to_dict(cfg):
         yield record
