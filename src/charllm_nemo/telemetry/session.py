@@ -624,7 +624,10 @@ class TelemetrySession:
         if self._closed and not self._closed_fully:
             self._redeliver_sigterm = True
         elif callable(prev):
-            prev(signum, frame)
+            try:
+                prev(signum, frame)
+            finally:
+                self._keep_sigterm_handler()
         elif prev != signal.SIG_IGN:
             if self._closed_fully:  # closed on another thread, this handler left behind
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -632,6 +635,17 @@ class TelemetrySession:
                 return
             self._redeliver_sigterm = True
             raise SystemExit(128 + signum)
+
+    def _keep_sigterm_handler(self) -> None:
+        """Put this session's SIGTERM handler back if the handler it called replaced it (one that
+        sets SIG_DFL so that "a second SIGTERM kills at once"): a second SIGTERM during the close
+        must still be held back until the close is done, then go to that replacement."""
+        if self._closed_fully or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current != self._on_sigterm:
+            self._prev_sigterm = current
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # -- flushing (thread mode) ------------------------------------------------------------
     def flush(self) -> None:
