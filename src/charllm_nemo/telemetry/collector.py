@@ -34,6 +34,7 @@ from charllm_nemo.telemetry.sampler import columns_to_table
 from charllm_nemo.telemetry.shm import (
     FLOAT_COLUMNS,
     H_BYTES,
+    H_DISK_FULL,
     H_FIGURES_SERVED,
     H_FLUSH_ERRORS,
     H_FLUSH_NS_MAX,
@@ -46,6 +47,8 @@ from charllm_nemo.telemetry.shm import (
     H_PENDING_WINDOWS_SEG,
     H_ROWS_LOST,
     H_ROWS_SAMPLES,
+    H_ROWS_UNWRITTEN_SAMPLES,
+    H_ROWS_UNWRITTEN_WINDOWS,
     H_ROWS_WINDOWS,
     H_SAMPLES_FLUSHED,
     H_SEG_SAMPLES,
@@ -155,6 +158,11 @@ class Collector:
                 "segments": {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]},
                 "rows": {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]},
                 "bytes_written": q[H_BYTES],
+                "rows_unwritten": {
+                    "samples": q[H_ROWS_UNWRITTEN_SAMPLES],
+                    "windows": q[H_ROWS_UNWRITTEN_WINDOWS],
+                },
+                "disk_full": bool(q[H_DISK_FULL]),
             },
         )
         self._names_from_block = names is None
@@ -407,6 +415,10 @@ class Collector:
         q[H_SEG_SAMPLES], q[H_SEG_WINDOWS] = c["segments"]["samples"], c["segments"]["windows"]
         q[H_ROWS_SAMPLES], q[H_ROWS_WINDOWS] = c["rows"]["samples"], c["rows"]["windows"]
         q[H_BYTES] = c["bytes_written"]
+        if self.writer.disk_full is not None:
+            q[H_DISK_FULL] = 1
+            q[H_ROWS_UNWRITTEN_SAMPLES] = self.writer.rows_unwritten["samples"]
+            q[H_ROWS_UNWRITTEN_WINDOWS] = self.writer.rows_unwritten["windows"]
         q[H_FLUSHES], q[H_FLUSH_ERRORS], q[H_FLUSH_NS_MAX] = (
             self.flushes,
             self.flush_errors,

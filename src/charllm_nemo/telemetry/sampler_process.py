@@ -559,7 +559,25 @@ class ProcessSampler:
             "marks_dropped": q[shm.H_MARKS_DROPPED],
             "done": q[H_SVC_STATE] == SVC_DONE,
             "state": q[H_SVC_STATE],
+            **self._disk_full_counts(q),
         }
+
+    @staticmethod
+    def _disk_full_counts(q: Any) -> dict[str, Any]:
+        """``disk_full`` and ``rows_unwritten``, only once the store hit a full disk."""
+        if not q[shm.H_DISK_FULL]:
+            return {}
+        unwritten = {"samples": q[shm.H_ROWS_UNWRITTEN_SAMPLES], "windows": q[shm.H_ROWS_UNWRITTEN_WINDOWS]}
+        return {"disk_full": True, "rows_unwritten": unwritten}
+
+    @property
+    def disk_full(self) -> bool:
+        """Whether the telemetry process's store hit a full disk and stopped writing (a read of
+        the shared block)."""
+        block = self._block
+        if block is None:
+            return bool(self._final_store and self._final_store.get("disk_full"))
+        return bool(block.q[shm.H_DISK_FULL])
 
     # -- data (bare mode) -------------------------------------------------------------------
     def take_rows(self) -> list[Row]:

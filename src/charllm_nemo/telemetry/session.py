@@ -72,6 +72,7 @@ from charllm_nemo.telemetry.sampler_process import (
 )
 from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
+    DISK_FULL,
     Flusher,
     RankStore,
     SegmentWriter,
@@ -335,6 +336,7 @@ class TelemetrySession:
         self._sigterm = False  # a SIGTERM arrived: whenever the session closes, it was terminated
         self._redeliver_sigterm = False  # a SIGTERM held back until the close is done
         self._closed_fully = False
+        self._final_status = "running"  # close() sets it: what the manifest says at the end
         self._liveness_due = 0  # process mode: when request_figures next checks the telemetry process
 
     def _open_backend(self, name: str, indices: Sequence[int] | None, options: dict[str, Any]) -> Backend:
@@ -460,14 +462,27 @@ class TelemetrySession:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("complete" if exc_type is None else "failed")
 
-    def close(self, status: str = "complete") -> None:
+    @property
+    def disk_full(self) -> bool:
+        """Whether telemetry hit a full disk (ENOSPC / EDQUOT) and stopped writing: its segments
+        (here or in the telemetry process) or its manifest. Cheap (a read of the shared block in
+        process mode): a trainer may ask every step. The close then says status ``disk_full``."""
+        if self.store.disk_full:
+            return True
+        return isinstance(self.sampler, ProcessSampler) and self.sampler.disk_full
+
+    def close(self, status: str = "complete") -> str:
         """Stop sampling, flush everything (open windows too, with a null end) and finalize
-        the manifest. Idempotent."""
+        the manifest. Returns the status the manifest got: ``status``, or ``terminated`` after a
+        SIGTERM, or ``disk_full`` when telemetry hit a full disk (:attr:`disk_full`; a SIGTERM's
+        ``terminated`` still wins: it says how the run ended). Idempotent: a second call returns
+        the first one's status."""
         if self._closed:
-            return
+            return self._final_status
         self._closed = True
         if self._sigterm:
             status = "terminated"
+        self._final_status = status
         try:  # a step in progress (SIGTERM, an exception): its marks so far, before the open windows
             self.windows.flush_pending()
         except Exception:
@@ -497,7 +512,9 @@ class TelemetrySession:
                 },
             }
             store_counts: dict[str, Any] | None = {
-                k: counts[k] for k in ("segments", "rows", "bytes_written") if k in counts
+                k: counts[k]
+                for k in ("segments", "rows", "bytes_written", "rows_unwritten", "disk_full")
+                if k in counts
             }
             # Steps' windows are made in the telemetry process: count what it stored.
             stored = counts.get("rows", {}).get("windows")
@@ -527,6 +544,8 @@ class TelemetrySession:
             # Windows the telemetry process had stored, if it was lost mid-run, and those since.
             lost = self.store.manifest.get("telemetry_process_lost", {})
             recorded = self.windows.total_recorded + lost.get("store", {}).get("rows", {}).get("windows", 0)
+        if self.disk_full and status != "terminated":
+            status = self._final_status = DISK_FULL
         self.store.close(
             status,
             {
@@ -551,6 +570,7 @@ class TelemetrySession:
             # Closed: now the SIGTERM held back, to the handler before us (restored above; or,
             # where it could not be, through ours, which hands it on now that we are closed).
             os.kill(os.getpid(), signal.SIGTERM)
+        return self._final_status
 
     def _fall_back_to_thread(self) -> None:
         """The telemetry process did not start: sample, store and compute figures here."""
@@ -664,7 +684,8 @@ class TelemetrySession:
             self._pending.append(("windows", records_to_table(done, self.windows.names.names)))
         while self._pending:
             kind, table = self._pending[0]
-            self.store.write_segment(kind, table)  # raises on a full disk: kept for the next try
+            # An error (not a full disk: the writer drops from then on) keeps it for the next try.
+            self.store.write_segment(kind, table)
             self._pending.pop(0)
 
     # -- live figures ----------------------------------------------------------------------

@@ -112,6 +112,10 @@ H_PENDING_WINDOWS_SEG = 72
 # The first reading's time of the newest complete sampling slot: every device still sampled has a
 # ring row at or after it (0: no slot reported, rows written by something else).
 H_SLOT_T = 73
+# The store hit a full disk (1) and stopped writing; the rows it did not write since.
+H_DISK_FULL = 74
+H_ROWS_UNWRITTEN_SAMPLES = 75
+H_ROWS_UNWRITTEN_WINDOWS = 76
 HEADER_WORDS = 128
 
 MSG_OFFSET = HEADER_WORDS * 8
