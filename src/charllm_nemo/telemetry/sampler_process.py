@@ -441,7 +441,11 @@ class ProcessSampler:
                 self._final = self._snapshot()
                 self._final_last_t = self._last_t_locked()
                 self._final_store = self._store_counts_locked()
-                if self.store is not None and not self._final_store["done"]:
+                q = self._block.q
+                # Records marked after the telemetry process's last take (it finished early) are
+                # the user's windows too: stored here, never dropped uncounted.
+                left = q[shm.H_MARK_WRITE] > q[shm.H_MARKS_FLUSHED]
+                if self.store is not None and (not self._final_store["done"] or left):
                     self._salvage()
             self._release()
         atexit.unregister(self._atexit)
@@ -461,8 +465,12 @@ class ProcessSampler:
         except Exception:
             log.exception("telemetry: salvaging what the telemetry process left failed")
             return
+        finished = bool(self._final_store["done"])
         self._final_store.update(counts)
         self._final_store["salvaged"] = True
+        if finished:  # it finished, and windows were marked after its last take
+            log.warning("telemetry: stored the window records marked after the telemetry process stopped")
+            return
         log.warning(
             "telemetry process did not finish its store (%s); the training process wrote what the "
             "shared rings still held",

@@ -21,10 +21,11 @@ sampling loop within a fraction of a 1 kHz period.
 
 Lifetime: it stops when told (stop request + its stdin closed, which also wakes it from its
 sleep), when the training process dies (EOF on stdin, or ``os.getppid()`` changing: checked
-every slot) or when no device is left. Whichever it is, the collector takes everything left,
-answers every request and flushes. When the training process died, it also marks that rank's
-manifest ``killed`` (what was marked before the death is on disk: nothing is lost but the windows
-still open) and unlinks the block itself.
+every slot) or, for a bare sampler, when no device is left (with a store, it keeps storing the
+training process's windows, without samples, until one of the other two). Whichever it is, the
+collector takes everything left, answers every request and flushes. When the training process
+died, it also marks that rank's manifest ``killed`` (what was marked before the death is on
+disk: nothing is lost but the windows still open) and unlinks the block itself.
 """
 
 from __future__ import annotations
@@ -220,6 +221,13 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
             on_slot=functools.partial(q.__setitem__, H_SLOT_T),
             counter_every=every,
         )
+        if service is not None:
+            # No device left (lost; a backend that failed): the training goes on marking windows,
+            # and they are the user's. The collector keeps storing them (with no samples, which
+            # the attribution flags) until the stop, as thread mode's flusher does; ending here
+            # would leave every later window in the mark ring, never stored.
+            while not should_stop():
+                sleep(MAX_SLEEP_S)
     finally:
         publish()
         try:
