@@ -633,6 +633,7 @@ class ProcessSampler:
         for i, field in enumerate(HEALTH_FIELDS):
             setattr(h, field, q[shm.H_HEALTH + i])
         h.counter_every = max(1, h.counter_every)  # 0 until the child's loop has begun
+        h.nulls = [q[shm.H_NULLS0 + i] for i in range(len(h.nulls))]
         if self.store is not None:
             h.rows_lost += q[shm.H_ROWS_LOST]
         state = q[H_STATE]

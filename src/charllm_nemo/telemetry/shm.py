@@ -116,7 +116,10 @@ H_SLOT_T = 73
 H_DISK_FULL = 74
 H_ROWS_UNWRITTEN_SAMPLES = 75
 H_ROWS_UNWRITTEN_WINDOWS = 76
+# The sampling loop's null counts, one word per schema metric (SamplerHealth.nulls).
+H_NULLS0 = 80
 HEADER_WORDS = 128
+assert H_NULLS0 + len(METRICS) <= HEADER_WORDS, "the header has no room for a null count per metric"
 
 MSG_OFFSET = HEADER_WORDS * 8
 MSG_SIZE = 1024

@@ -54,6 +54,7 @@ from charllm_nemo.telemetry.shm import (
     D_ACTIVITY,
     FAILED,
     H_HEALTH,
+    H_NULLS0,
     H_PID,
     H_SLOT_T,
     H_STATE,
@@ -119,7 +120,8 @@ def child_main(t_main: int = 0) -> None:
     logging.basicConfig(
         level=logging.WARNING, format="charllm-nemo telemetry process %(process)d: %(levelname)s %(message)s"
     )
-    # The parent opened the same backend and has already said everything about it.
+    # The parent opened the same backend and has already said everything about it at open; what
+    # fails while sampling is logged by the sampling loop (charllm_nemo.sampler), not silenced.
     logging.getLogger("charllm_nemo.devices").setLevel(logging.ERROR)
     config = _read_config(0)
     # telemetry.nice, before any thread starts (threads inherit it from the one that makes them;
@@ -182,6 +184,8 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
     def publish() -> None:
         for i, field in enumerate(HEALTH_FIELDS):
             q[H_HEALTH + i] = getattr(health, field)
+        for i, n in enumerate(health.nulls):
+            q[H_NULLS0 + i] = n
 
     def should_stop() -> bool:
         publish()
