@@ -51,10 +51,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
@@ -291,7 +290,6 @@ class ProcessSampler:
             ) from None
         self._lock = threading.RLock()
         self._block: Block | None = None
-        self._slots: list[Any] = []  # the FloatSlots activity_publisher handed out (released first)
         self._name: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self.marks: MarkWriter | None = None
@@ -483,9 +481,6 @@ class ProcessSampler:
     def _release(self) -> None:
         block, self._block = self._block, None
         self.marks = None
-        for slot in self._slots:  # they hold the block's buffer: closing it would fail
-            slot.release()
-        self._slots.clear()
         if block is not None:
             block.close()
         if self._name is not None:
@@ -515,20 +510,13 @@ class ProcessSampler:
     # -- the training process's side of the synthetic activity ------------------------------
     def activity_publisher(self) -> Callable[[float], object]:
         """What the synthetic device's ``MarkActivity.on_change`` gets: it sets the activity
-        level a synthetic device in the child follows, with no Python frame on the training
-        thread: where charllm_nemo._hot is built, a ``FloatSlot`` on the level's word, which the
-        C MarkActivity writes itself (no call, no float object; docs/bench-train.md, "The
-        synthetic device's listener, written to directly"); else the block's float view's
-        ``__setitem__`` bound to that word. Once the block is released (stop) it raises
-        ValueError, and MarkActivity stops publishing."""
+        level a synthetic device in the child follows (the block's float view's ``__setitem__``
+        bound to that word). Once the block is released (stop) it raises ValueError, and
+        MarkActivity stops publishing."""
         block = self._block
         if block is None:
             raise RuntimeError("activity_publisher() before start() or after stop()")
-        if hot is None:
-            return functools.partial(block.d.__setitem__, D_ACTIVITY)
-        slot = hot.FloatSlot(block.mm, D_ACTIVITY)
-        self._slots.append(slot)
-        return cast("Callable[[float], object]", slot)
+        return functools.partial(block.d.__setitem__, D_ACTIVITY)
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:

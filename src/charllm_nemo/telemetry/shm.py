@@ -53,11 +53,10 @@ import secrets
 import struct
 import threading
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
@@ -454,12 +453,11 @@ def copy_rows(block: Block, first: int, end: int) -> list[Row]:
 # -- the mark ring and the names (training process -> telemetry process) ---------------------------
 
 
-def write_ring_py(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
+def write_ring(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
     """The ints of ``parts``, one after another and zero-padded to whole records of
     ``record_len`` int64 words, written into the ring of ``cap`` records at byte ``base`` of
     ``buffer`` from record ``w % cap`` on, wrapping to record 0; returns the records written.
-    The caller checks the room and publishes the write position. ``_hot.write_ring`` is the
-    same in C (:data:`write_ring` is whichever runs here)."""
+    The caller checks the room and publishes the write position."""
     data = [v for part in parts for v in part]
     n = -(-len(data) // record_len)
     if n > cap:
@@ -473,9 +471,6 @@ def write_ring_py(buffer: Any, base: int, cap: int, w: int, record_len: int, *pa
         ring[pos : pos + k] = array("q", data[:k])
         ring[: len(data) - k] = array("q", data[k:])
     return n
-
-
-write_ring: Callable[..., int] = write_ring_py if hot is None else hot.write_ring
 
 
 _FIGURES_TAIL = (NULL,) * (RECORD_LEN - 9)  # a figure request's unused fields
