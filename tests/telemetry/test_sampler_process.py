@@ -21,14 +21,14 @@ from tests.fakes import nvml_stub
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.join import attribute_run
-from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.sampler_process import (
-    ProcessSampler,
+from charllm_nemo.telemetry.placement import (
     _cgroup_cpu_quota,
     local_ranks_from_env,
     resolve_collector_sched,
     resolve_sampler_mode,
 )
+from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.sampler_process import ProcessSampler
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
 

@@ -48,13 +48,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry import shm
+from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
     Row,
@@ -84,137 +85,10 @@ from charllm_nemo.telemetry.shm import (
 
 log = logging.getLogger("charllm_nemo.sampler")
 
-SAMPLER_MODES: tuple[str, ...] = ("auto", "thread", "process")
-
 RING_SECONDS = 16.0  # ring capacity in seconds of rows at the configured rate (at least MIN_CAPACITY)
 MIN_CAPACITY = 4096
 MARK_CAPACITY = 16384  # window records in flight (~40 s of a Megatron-Core loop's marks at 400 / s)
 FIGURE_SLOTS = 64  # figure requests answered and not yet read
-
-
-DEFAULT_NICE = 0
-"""The telemetry process's nice value (``telemetry.nice``): 0, the rank's own priority. At 19 its
-threads seldom preempt the training thread when the scheduler wakes them on its core; where a
-core is free they run there at once and sample as well as at 0 (tiny_gpt CPU steps here: the
-overhead ~0.4 % lower, 1.010 against 1.014 over eleven alternating runs), but with every core busy
-they take about a third fewer samples (docs/telemetry.md)."""
-
-
-def validate_nice(nice: Any) -> int:
-    """``nice`` as an int in 0..19, else a ConfigError naming ``telemetry.nice``."""
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise ConfigError(
-            f"telemetry.nice={nice!r}: give the telemetry process's nice value, an integer from 0 "
-            f"(the rank's own priority) to 19 (the lowest; default {DEFAULT_NICE})"
-        )
-    return nice
-
-
-COLLECTOR_SCHEDS: tuple[str, ...] = ("auto", "idle", "normal")
-DEFAULT_COLLECTOR_SCHED = "normal"
-"""``telemetry.collector_sched``: the scheduling policy of the telemetry process's collector
-thread (Parquet segments, live figures; the sampling thread keeps the rank's policy). ``idle``:
-Linux's SCHED_IDLE, so that any other thread that wakes (the training process's own: gloo's or
-NCCL's, data loaders) takes its CPU at once and the scheduler places such threads on a CPU that
-runs only the collector as on an idle one. ``auto``: idle where the rank seems to have a CPU to
-spare (:func:`resolve_collector_sched`), else ``normal``. The default is ``normal``: once every
-CPU is busy, a SCHED_IDLE collector preempted while it holds the telemetry process's GIL stalls
-the sampling thread too (here: up to 1.4 s without a sample; docs/telemetry.md)."""
-
-
-def validate_collector_sched(value: Any) -> str:
-    """``value`` if it is one of :data:`COLLECTOR_SCHEDS`, else a ConfigError naming the field."""
-    if value not in COLLECTOR_SCHEDS:
-        raise ConfigError(
-            f"telemetry.collector_sched={value!r}: use one of {', '.join(COLLECTOR_SCHEDS)} (auto = idle "
-            "where the rank has a CPU to spare, normal = the rank's own policy; default "
-            f"{DEFAULT_COLLECTOR_SCHED})"
-        )
-    return str(value)
-
-
-def cpu_budget() -> tuple[int, float | None] | None:
-    """(the CPUs in this process's affinity mask, its cgroup's CPU quota in CPUs, None: no limit;
-    a container's CPU limit: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None where the
-    mask cannot be read."""
-    try:
-        return len(os.sched_getaffinity(0)), _cgroup_cpu_quota()
-    except (AttributeError, OSError):
-        return None
-
-
-def _cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time per period that this process's cgroup may use; None: no limit, or not
-    found (only the process's own cgroup is read, not its parents)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _id, controllers, path = line.split(":", 2)
-        try:
-            if not controllers:  # v2
-                with open(f"{root}{path}/cpu.max") as f:
-                    quota, period = f.read().split()[:2]
-                return None if quota == "max" else int(quota) / int(period)
-            if "cpu" in controllers.split(","):  # v1
-                for d in (f"{root}/{controllers}{path}", f"{root}/cpu{path}"):
-                    with contextlib.suppress(OSError):
-                        with open(f"{d}/cpu.cfs_quota_us") as f, open(f"{d}/cpu.cfs_period_us") as g:
-                            v1_quota, v1_period = int(f.read()), int(g.read())
-                        return None if v1_quota < 0 else v1_quota / v1_period
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def local_ranks_from_env(env: Mapping[str, str], world_size: int = 1) -> int:
-    """This node's ranks: ``LOCAL_WORLD_SIZE`` (torchrun), else ``SLURM_NTASKS_PER_NODE`` (srun;
-    ``8(x4)`` reads 8), else ``world_size``."""
-    value = env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0]
-    return int(value or 0) or world_size
-
-
-def resolve_collector_sched(
-    value: str, local_ranks: int, rank_threads: int = 1, cpus: tuple[int, float | None] | None = None
-) -> tuple[str, str]:
-    """``(idle | normal, why)`` for ``telemetry.collector_sched`` = ``value``. ``auto`` is idle
-    where this rank has a CPU to spare: the CPUs it can use (``cpus``: its mask and cgroup quota,
-    default :func:`cpu_budget`; the mask capped by the quota) outnumber those kept busy in its
-    mask: ``rank_threads`` (the CPU threads a rank keeps busy: 1 on a GPU, its intra-op threads on
-    a CPU) where the mask is smaller than ``local_ranks`` (the node's ranks cannot all share it: it
-    is this rank's own, e.g. ``srun --cpu-bind``), else ``local_ranks x rank_threads``. Otherwise
-    normal, since a SCHED_IDLE thread beside a busy one gets ~0.3 % of its CPU and would fall
-    behind; and normal where Linux's SCHED_IDLE is missing."""
-    value = validate_collector_sched(value)
-    if value != "auto":
-        return value, f"telemetry.collector_sched={value}"
-    if not hasattr(os, "SCHED_IDLE"):
-        return "normal", "auto: this platform has no SCHED_IDLE"
-    budget = cpu_budget() if cpus is None else cpus
-    if budget is None:
-        return "normal", "auto: the CPUs this rank may use are unknown"
-    mask, quota = budget
-    usable = mask if quota is None else min(mask, max(1, math.floor(quota)))
-    if mask < local_ranks:
-        busy, whose = rank_threads, f"this rank, bound to its own {mask} CPU(s)"
-    else:
-        busy, whose = local_ranks * rank_threads, f"{local_ranks} local rank(s) sharing them"
-    why = f"auto: {usable} usable CPU(s), {busy} kept busy by {whose}"
-    return ("idle", why) if usable > busy else ("normal", why + ": none to spare")
-
-
-def resolve_sampler_mode(mode: str, hz: float) -> str:
-    """``thread`` or ``process`` for ``telemetry.sampler`` = ``mode``; ConfigError if unknown.
-    ``auto`` is a process at every rate (a session falls back to a thread where a process cannot
-    be had: a Backend object, options that cannot cross, a process that does not start)."""
-    if mode not in SAMPLER_MODES:
-        raise ConfigError(
-            f"telemetry.sampler={mode!r} is not a sampler mode; use one of {', '.join(SAMPLER_MODES)} "
-            "(auto = a separate telemetry process, falling back to a thread where one cannot start)"
-        )
-    return "process" if mode == "auto" else mode
 
 
 class ProcessSampler:
