@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.devices.base import DeviceIdentity
+from charllm_nemo.devices.contract import METRIC_NAMES, THROTTLE_BITS, Reading
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.schema import METRIC_NAMES, THROTTLE_BITS, Reading
 
 ActivitySpec = str | float | Callable[[int], float]
 
