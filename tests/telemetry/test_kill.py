@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from charllm_nemo.telemetry import shm
+from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.reader import load_run
 
 

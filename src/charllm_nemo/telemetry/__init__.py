@@ -15,7 +15,7 @@ how the parts fit):
 * :class:`SamplerHealth` (sample_loop.py): how sampling went; :data:`DISK_FULL` (store.py): the
   status of a run whose store hit a full disk.
 * :class:`Engine`, :class:`ThreadEngine` (engine.py), :class:`ProcessEngine`
-  (process_engine.py): where sampling, storing and live figures run.
+  (process/engine.py): where sampling, storing and live figures run.
 
 Imported lazily: ``import charllm_nemo.telemetry`` loads none of them (the telemetry process
 imports its light modules from here before numpy or pyarrow).
@@ -40,7 +40,7 @@ _WHERE = {
     "DISK_FULL": "store",
     "Engine": "engine",
     "ThreadEngine": "engine",
-    "ProcessEngine": "process_engine",
+    "ProcessEngine": "process.engine",
 }
 
 __all__ = sorted(_WHERE)

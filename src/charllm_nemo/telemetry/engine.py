@@ -5,7 +5,7 @@ A :class:`~charllm_nemo.telemetry.session.TelemetrySession` holds one :class:`En
 
 * :class:`ThreadEngine`: a sampler thread and a flusher thread in the training process; live
   figures computed on the caller's thread from the rows kept in memory;
-* :class:`~charllm_nemo.telemetry.process_engine.ProcessEngine`: a telemetry process beside the
+* :class:`~charllm_nemo.telemetry.process.engine.ProcessEngine`: a telemetry process beside the
   rank samples, stores and computes figures; the training process writes window records into
   shared memory and reads figures back.
 

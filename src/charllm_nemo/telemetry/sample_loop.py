@@ -1,7 +1,7 @@
 """The deadline loop every sampler runs, whichever thread or process it runs in.
 
 :class:`~charllm_nemo.telemetry.sampler.Sampler` (a daemon thread in the training process) and
-:class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` (a separate sampling process)
+:class:`~charllm_nemo.telemetry.process.parent.ProcessSampler` (a separate sampling process)
 both call :func:`run_sample_loop`; they differ only in where a row goes (``emit``), how the loop
 learns that it should stop (``should_stop``) and how it waits for the next deadline (``sleep``).
 

@@ -13,7 +13,7 @@ replaces when the telemetry process is lost mid-run:
 
 * ``process`` (what ``auto`` gives for a backend named by a string): a **telemetry process**
   beside this one samples the device, writes the Parquet segments and computes live figures
-  (telemetry/process_engine.py). This process only writes finished windows into shared memory
+  (telemetry/process/engine.py). This process only writes finished windows into shared memory
   (~3 µs a window, begin to end) and reads figures back: no thread here, no GIL shared with
   training.
 * ``thread`` (a Backend object, synthetic options that cannot cross into another process, or a
@@ -60,7 +60,8 @@ from charllm_nemo.telemetry.placement import (
     validate_collector_sched,
     validate_nice,
 )
-from charllm_nemo.telemetry.process_engine import ProcessEngine
+from charllm_nemo.telemetry.process.engine import ProcessEngine
+from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
     counter_every,
@@ -72,7 +73,6 @@ from charllm_nemo.telemetry.sampler import (
     SamplerHealth,
     validate_hz,
 )
-from charllm_nemo.telemetry.sampler_process import ProcessSampler
 from charllm_nemo.telemetry.store import (
     DISK_FULL,
     RankStore,
@@ -135,11 +135,11 @@ class TelemetrySession:
     telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
     it: it then seldom preempts training; threads in the training process keep its priority).
     ``collector_sched``: the telemetry process's collector thread's policy, ``auto`` / ``idle`` /
-    ``normal`` (:data:`~charllm_nemo.telemetry.sampler_process.DEFAULT_COLLECTOR_SCHED`); for
+    ``normal`` (:data:`~charllm_nemo.telemetry.process.parent.DEFAULT_COLLECTOR_SCHED`); for
     ``auto``, ``local_ranks`` (this node's ranks; None:
-    :func:`~charllm_nemo.telemetry.sampler_process.local_ranks_from_env`) and
+    :func:`~charllm_nemo.telemetry.process.parent.local_ranks_from_env`) and
     ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
-    (:func:`~charllm_nemo.telemetry.sampler_process.resolve_collector_sched`).
+    (:func:`~charllm_nemo.telemetry.process.parent.resolve_collector_sched`).
     ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
     (default: StoreError, before anything starts). ``counter_hz``: how often the cumulative
     counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them

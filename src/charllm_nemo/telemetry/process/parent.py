@@ -6,7 +6,7 @@ waits up to the switch interval (5 ms), five periods at 1 kHz. bench/bench_sampl
 measures it (docs/benchmarks.md): with a core free the thread meets ~55 % of its deadlines at
 1 kHz where a process meets 99.6-99.9 %; bench/bench_train_telemetry.py measures what training
 pays. So a session samples, stores and computes its live figures in a **telemetry process**
-(telemetry/telemetry_process.py), and the training process only writes window records into
+(telemetry/process/child.py), and the training process only writes window records into
 shared memory and reads figures back (``telemetry.sampler=auto`` or ``process``; ``thread``
 keeps everything in the training process).
 
@@ -15,7 +15,7 @@ keeps everything in the training process).
 the training process takes the rows from the ring. With ``store`` (what a session passes) the
 telemetry process writes the segments itself, and this class adds the mark ring
 (:attr:`ProcessSampler.marks`, the WindowRecorder's sink), figure requests and the store's counts.
-The shared block's layout and ordering rules are in telemetry/shm.py. CLOCK_MONOTONIC is
+The shared block's layout and ordering rules are in telemetry/process/ring.py. CLOCK_MONOTONIC is
 system-wide, so the child's timestamps join with the parent's window marks as a thread's do.
 
 Start: a fresh interpreter (``sys.executable -c ...``: fork + exec, never a bare fork, which is
@@ -25,7 +25,7 @@ run there. The child imports the package's light modules and the backend's libra
 samples (no torch, numpy or pyarrow); start-up until it samples (spawn + imports + backend open)
 is ~50 ms synthetic, ~75 ms NVML here (``ProcessSampler.startup`` has the parts).
 
-Lifetime: see telemetry/telemetry_process.py. The parent unlinks the block on ``stop()`` and at
+Lifetime: see telemetry/process/child.py. The parent unlinks the block on ``stop()`` and at
 exit, also when the child crashed; a child whose parent died unlinks it itself. Only when both
 die by SIGKILL (a cgroup kill) can a block stay in /dev/shm (``charllm-sampler-<parent
 pid>-<hex>``); the next sampling process this user starts on the node removes it
@@ -54,16 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
-from charllm_nemo.telemetry.sample_loop import (
-    DEFAULT_COUNTER_HZ,
-    Row,
-    SamplerHealth,
-    counter_every,
-    validate_hz,
-)
-from charllm_nemo.telemetry.shm import (
+from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
     H_STATE,
@@ -81,6 +74,13 @@ from charllm_nemo.telemetry.shm import (
     Block,
     Layout,
     MarkWriter,
+)
+from charllm_nemo.telemetry.sample_loop import (
+    DEFAULT_COUNTER_HZ,
+    Row,
+    SamplerHealth,
+    counter_every,
+    validate_hz,
 )
 
 log = logging.getLogger("charllm_nemo.sampler")
@@ -226,12 +226,12 @@ class ProcessSampler:
         payload = pickle.dumps(config)
         env = dict(os.environ)
         # The child must import this very package, wherever the parent found it.
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         q = block.q
         q[H_T_SPAWNED] = time.monotonic_ns()
         try:
-            from charllm_nemo.telemetry import telemetry_process
+            from charllm_nemo.telemetry.process import child as telemetry_process
 
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", telemetry_process.CHILD_CODE],
@@ -331,7 +331,7 @@ class ProcessSampler:
         if names is None:
             return
         try:
-            from charllm_nemo.telemetry.collector import salvage
+            from charllm_nemo.telemetry.process.collector import salvage
 
             counts = salvage(self._block, Path(self.store["rank_dir"]), source=self.source, names=names)
         except Exception:

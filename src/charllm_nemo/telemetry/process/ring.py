@@ -2,7 +2,7 @@
 
 One POSIX shared-memory block per rank (``/dev/shm/charllm-sampler-<pid>-<hex>``), made the way
 ``multiprocessing.shared_memory`` makes its blocks, with its ``_posixshmem`` module
-(telemetry/sampler_process.py says why not its class). Every field is an aligned int64 or
+(telemetry/process/parent.py says why not its class). Every field is an aligned int64 or
 float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
 
 * **header**, 128 words: magic, sizes, the sample ring's write counter, the process state and

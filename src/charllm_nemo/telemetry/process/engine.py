@@ -1,6 +1,6 @@
 """The process engine: a telemetry process beside the rank samples, stores and computes live
-figures (telemetry/telemetry_process.py, started by
-:class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler`). This process only writes finished
+figures (telemetry/process/child.py, started by
+:class:`~charllm_nemo.telemetry.process.parent.ProcessSampler`). This process only writes finished
 windows and figure requests into the shared block (~3 µs a window, begin to end) and reads the
 answers back: no thread here, no GIL shared with training. The interface is
 :class:`~charllm_nemo.telemetry.engine.Engine`.
@@ -13,10 +13,10 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from charllm_nemo.telemetry.collector import decode_figures
+from charllm_nemo.telemetry.process.collector import decode_figures
+from charllm_nemo.telemetry.process.parent import FIGURE_SLOTS, ProcessSampler
+from charllm_nemo.telemetry.process.ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.sample_loop import Row, SamplerHealth
-from charllm_nemo.telemetry.sampler_process import FIGURE_SLOTS, ProcessSampler
-from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
 
 LIVENESS_CHECK_NS = 1_000_000_000

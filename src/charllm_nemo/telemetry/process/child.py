@@ -1,11 +1,11 @@
 """The telemetry process: one per rank, beside the training process (the child's side).
 
-Started by :class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` as a fresh
+Started by :class:`~charllm_nemo.telemetry.process.parent.ProcessSampler` as a fresh
 interpreter (``sys.executable -c``), it gets its configuration on stdin, attaches the shared
-block (telemetry/shm.py), opens the backend by name and runs the sampling loop
+block (telemetry/process/ring.py), opens the backend by name and runs the sampling loop
 (:func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`) on its main thread, writing rows
 into the sample ring. With a store configured (a telemetry session's process) a second thread
-runs a :class:`~charllm_nemo.telemetry.collector.Collector`: it takes the samples and the
+runs a :class:`~charllm_nemo.telemetry.process.collector.Collector`: it takes the samples and the
 training process's window records, answers figure requests, and writes the Parquet segments.
 The collector sleeps until it has work: the sampling loop wakes it after a slot when the
 training process wrote records or the samples reached the time its figure requests can be
@@ -44,13 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.telemetry.sample_loop import (
-    SamplerHealth,
-    effective_counter_every,
-    figures_period_ns,
-    run_sample_loop,
-)
-from charllm_nemo.telemetry.shm import (
+from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
     H_HEALTH,
@@ -77,6 +71,12 @@ from charllm_nemo.telemetry.shm import (
     attach,
     unlink,
 )
+from charllm_nemo.telemetry.sample_loop import (
+    SamplerHealth,
+    effective_counter_every,
+    figures_period_ns,
+    run_sample_loop,
+)
 
 log = logging.getLogger("charllm_nemo.sampler")
 
@@ -88,7 +88,7 @@ STOP_CODES = {"stopped": 1, "no devices left": 2, "crashed": 3, "parent exited":
 
 CHILD_CODE = (
     "import time; t = time.monotonic_ns()\n"
-    "from charllm_nemo.telemetry.telemetry_process import child_main; child_main(t)"
+    "from charllm_nemo.telemetry.process.child import child_main; child_main(t)"
 )
 
 
@@ -266,7 +266,7 @@ class _Service(threading.Thread):
         self.error: str | None = None
         block.q[H_SVC_STATE] = SVC_STARTING
         try:
-            from charllm_nemo.telemetry.collector import Collector
+            from charllm_nemo.telemetry.process.collector import Collector
             from charllm_nemo.telemetry.store import warm_up_parquet_writer
 
             warm_up_parquet_writer()
@@ -323,7 +323,7 @@ class _Service(threading.Thread):
         try:
             c.finish()
             if parent_gone:
-                from charllm_nemo.telemetry.collector import mark_manifest_killed
+                from charllm_nemo.telemetry.process.collector import mark_manifest_killed
 
                 mark_manifest_killed(
                     Path(self.store["rank_dir"]),
