@@ -73,9 +73,27 @@ class Engine(Protocol):
         """Whether its store stopped writing on a full disk."""
         ...
 
+    @property
+    def pid(self) -> int | None:
+        """The telemetry process's pid (None: it samples in this process)."""
+        ...
+
     def start(self, windows: WindowRecorder) -> bool:
         """Start sampling and take the recorder's marks from now on; False when it could not
         start (the session then falls back to a thread engine)."""
+        ...
+
+    def detach(self) -> None:
+        """Marks from now on stay in the recorder (before a fallback or a takeover)."""
+        ...
+
+    def lost(self, t_end_mono_ns: int) -> bool:
+        """Whether it stopped mid-run and must be replaced (asked once a window ends)."""
+        ...
+
+    def stop_for_takeover(self) -> dict[str, Any]:
+        """Stop, store what it still holds and return its store's counts (``segments``,
+        ``rows``, ...), for the engine that goes on where it left off."""
         ...
 
     def request_figures(
@@ -156,11 +174,28 @@ class ThreadEngine:
     def disk_full(self) -> bool:
         return self.store.disk_full
 
+    @property
+    def pid(self) -> int | None:
+        return None
+
     def start(self, windows: WindowRecorder) -> bool:
         self._windows = windows
         self._sampler.start()
         self.flusher.start()
         return True
+
+    def detach(self) -> None:
+        """Nothing: the marks stay in the recorder, where this engine takes them."""
+
+    def lost(self, t_end_mono_ns: int) -> bool:
+        """Never: a thread that stops (no device left) leaves the store going, as it is."""
+        return False
+
+    def stop_for_takeover(self) -> dict[str, Any]:
+        self._sampler.stop()
+        self.flusher.stop()
+        self.flusher.flush_once()
+        return self.store.segments.counts()
 
     def flush(self) -> None:
         """Write what was sampled and marked since the last flush (the flusher calls this)."""

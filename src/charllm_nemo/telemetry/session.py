@@ -308,8 +308,8 @@ class TelemetrySession:
         self._started = True
         self._check_cpus()
         if self.engine.start(self.windows):
-            if isinstance(self.engine, ProcessEngine):
-                self.store.manifest["sampler_process_pid"] = self.engine.sampler.pid
+            if self.engine.pid is not None:
+                self.store.manifest["sampler_process_pid"] = self.engine.pid
                 self.store.write_manifest()
         else:
             self._fall_back_to_thread()
@@ -413,8 +413,7 @@ class TelemetrySession:
         log.warning(
             "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )
-        if isinstance(self.engine, ProcessEngine):
-            self.engine.detach()
+        self.engine.detach()
         self.collector_sched = self.store.manifest["collector_sched"] = None
         self.store.manifest["sampler_process_error"] = reason
         self._sample_here(self._thread_engine(self._counter_hz))
@@ -427,12 +426,12 @@ class TelemetrySession:
         warm_up_parquet_writer()
         engine.start(self.windows)
 
-    def _take_over(self, failed: ProcessEngine) -> None:
+    def _take_over(self, failed: Engine) -> None:
         """The telemetry process stopped mid-run (killed, crashed): store what its rings still
         hold (the salvage at its stop), then sample, store and compute figures in this process,
         as thread mode does, so that the rest of the run is recorded too. On the training
         thread, between two steps (from :meth:`request_figures`): no mark is under way."""
-        pid = failed.sampler.pid
+        pid = failed.pid
         counts = failed.stop_for_takeover()
         reason = failed.health.stop_reason or "it exited"
         self.store.segments = SegmentWriter.continuing(self.store.dir, counts)
@@ -525,7 +524,7 @@ class TelemetrySession:
         Cheap, never blocks; asking again for a window already asked for, with no figure beyond
         those asked for then, does nothing."""
         engine = self.engine
-        if isinstance(engine, ProcessEngine) and engine.lost(t_end_mono_ns):
+        if engine.lost(t_end_mono_ns):
             self._take_over(engine)
             return
         engine.request_figures(t_begin_mono_ns, t_end_mono_ns, figures, batch)

@@ -63,6 +63,10 @@ class ProcessEngine:
     def disk_full(self) -> bool:
         return self._sampler.disk_full
 
+    @property
+    def pid(self) -> int | None:
+        return self._sampler.pid
+
     def start(self, windows: WindowRecorder) -> bool:
         """Start the telemetry process and send the recorder's marks there; False when it did
         not start (its reason: ``sampler.health.stop_reason``)."""
