@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry import store
 from charllm_nemo.telemetry.layout import (
     UnsafeFileError,
     iter_jsonl,
@@ -85,6 +86,7 @@ def test_segments_outside_the_pattern_or_linked_are_not_read(tmp_path: Path) -> 
     (r0 / "samples-1.parquet").write_bytes((r0 / "samples-000000.parquet").read_bytes())
     (r0 / "samples-0000002.parquet").write_bytes((r0 / "samples-000000.parquet").read_bytes())
     (r0 / ".samples-000003.parquet.tmp").write_bytes(b"half")
+    (r0 / store.RESERVE_NAME).write_bytes(b"\0" * 10)  # what a running writer holds back
     os.mkfifo(r0 / "windows-000000.parquet")
     files = scan_run(run)
     assert [p.name for p in files.ranks[0].samples] == ["samples-000000.parquet"]
@@ -94,6 +96,7 @@ def test_segments_outside_the_pattern_or_linked_are_not_read(tmp_path: Path) -> 
         "samples-1.parquet": "name",
         "samples-0000002.parquet": "name",
         ".samples-000003.parquet.tmp": "temporary",
+        ".manifest.json.reserve": "temporary",
         "windows-000000.parquet": "not a regular file",
     }
     data = load_run(run)

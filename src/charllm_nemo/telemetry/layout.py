@@ -60,6 +60,9 @@ _RANK_NAME = re.compile(r"^rank=(0|[1-9][0-9]{0,8})$")
 _RANK_LIKE = re.compile(r"^rank=")
 _SEGMENT_NAME = re.compile(r"^(samples|windows)-([0-9]{6}|[1-9][0-9]{6,17})\.parquet$")
 _TEMPORARY = re.compile(r"^\..*\.tmp$")
+RESERVE_NAME = ".manifest.json.reserve"
+"""telemetry.store.RESERVE_NAME: the hidden file an open rank folder holds (a normal part of a
+running or killed writer's folder, like its temporaries)."""
 
 
 class UnsafeFileError(StoreError):
@@ -141,6 +144,9 @@ def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
         entries = []
     for name in entries:
         p = folder / name
+        if name == RESERVE_NAME:
+            ignored.append(Ignored(p, "temporary", "space a writer holds back for its final manifest"))
+            continue
         if _TEMPORARY.match(name):
             ignored.append(Ignored(p, "temporary", "a writer's temporary (being written, or left by a kill)"))
             continue
