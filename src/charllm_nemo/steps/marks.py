@@ -50,7 +50,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry import steplog
 from charllm_nemo.telemetry.steplog import KIND_MICROBATCH, KIND_PHASE, StepLog, mark_key
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -172,15 +171,6 @@ class PyMarkBase:
 
     def _new_timer(self, name: str) -> Any:
         raise NotImplementedError
-
-
-if TYPE_CHECKING or hot is None:
-    MarkBase = PyMarkBase
-else:
-
-    class MarkBase(hot.MarkBase):
-        HOST_CLOCK = None  # the C timers read CLOCK_MONOTONIC themselves
-        TIMER = hot.Timer
 
 
 @dataclass
@@ -387,10 +377,9 @@ class _Marker:
         return None  # forward-backward (the whole schedule) and anything unknown: not a window
 
 
-class StepMarker(_Marker, MarkBase):
+class StepMarker(_Marker, PyMarkBase):
     __doc__ = _Marker.__doc__
 
 
-class PyStepMarker(_Marker, PyMarkBase):
-    """:class:`StepMarker` with mcore's timer calls handled in Python, whether or not the C
-    timers were built (tests compare the two; bench/bench_step_marks.py times both)."""
+PyStepMarker = StepMarker
+"""The same class (the name the C twin's tests and benchmarks used; that twin is gone)."""
