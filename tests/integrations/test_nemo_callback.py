@@ -146,6 +146,7 @@ def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
         recipe.trainer.devices = 1
         recipe.trainer.max_steps = 2
         recipe.trainer.limit_val_batches = 0
+        recipe.trainer.enable_checkpointing = False  # (dist_checkpointing syncs CUDA)
         recipe.trainer.val_check_interval = 10
         recipe.trainer.strategy = run.Config(nemo_cpu.cpu_strategy)
         recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
