@@ -47,7 +47,7 @@ class _CudaForNemo(mcore_cpu._CudaOnCpu):
         return 1  # so that NeMo seeds the model-parallel RNG tracker (the CPU one)
 
     @staticmethod
-    def Stream(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
+    def Stream(*args: Any, **kwargs: Any) -> Any:
         return mcore_cpu._CPU_STREAM
 
     @staticmethod
@@ -262,5 +262,7 @@ def cpu_optimizer(lr: float = 1e-3) -> Any:
     from nemo import lightning as nl
 
     return nl.MegatronOptimizerModule(
-        config=OptimizerConfig(optimizer="adam", lr=lr, use_distributed_optimizer=False, bf16=False, fp16=False)
+        config=OptimizerConfig(
+            optimizer="adam", lr=lr, use_distributed_optimizer=False, bf16=False, fp16=False
+        )
     )

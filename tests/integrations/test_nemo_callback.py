@@ -61,7 +61,9 @@ def _run_child(tmp_path: Path, body: str, timeout: float = 420) -> dict[str, Any
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -205,8 +207,9 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
         data = torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randn(40, 1))
         out = os.path.join(os.getcwd(), "run")
         cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[cb], logger=CSVLogger("csv"),
-                             enable_checkpointing=False, enable_progress_bar=False, log_every_n_steps=1)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[cb],
+                             logger=CSVLogger("csv"), enable_checkpointing=False,
+                             enable_progress_bar=False, log_every_n_steps=1)
         trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
         json.dump(summary(out, "csv"), open(os.environ["RESULT"], "w"))
         """,

@@ -31,7 +31,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from charllm_nemo.integrations._common import IntegrationOptions, LoggersObserver, loss_of, open_step_telemetry
+from charllm_nemo.integrations._common import (
+    IntegrationOptions,
+    LoggersObserver,
+    loss_of,
+    open_step_telemetry,
+)
 
 try:
     from lightning.pytorch import Callback
@@ -180,7 +185,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._optimizer_phase = self.telemetry.phase("optimizer")
         self._optimizer_phase.__enter__()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         st = self.telemetry
         if st is None or not self._in_step:
             return
@@ -268,7 +275,9 @@ def _shape_of(trainer: Any, pl_module: Any, attention: str) -> tuple[Any, int | 
         log.warning("charllm: no FLOPs / MFU for this model: %s", exc)
         return None, None, None
     sampler = getattr(trainer.strategy, "data_sampler", None)
-    gbs = getattr(sampler, "global_batch_size", None) or getattr(trainer.datamodule, "global_batch_size", None)
+    gbs = getattr(sampler, "global_batch_size", None) or getattr(
+        trainer.datamodule, "global_batch_size", None
+    )
     seq = getattr(config, "seq_length", None)
     return shape, (int(gbs) if gbs else None), (int(seq) if seq else None)
 
