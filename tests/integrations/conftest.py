@@ -19,3 +19,10 @@ def require(module: str) -> ModuleType:
         if os.environ.get("CHARLLM_REQUIRE_NEMO") == "1":
             pytest.fail(f"{module} is not importable ({exc}); run scripts/setup-nemo.sh and use .venv-nemo")
         pytest.skip(f"{module} is not installed (scripts/setup-nemo.sh makes .venv-nemo)")
+
+
+def require_or_skip(reason: str) -> None:
+    """Skip with ``reason``, or fail when CHARLLM_REQUIRE_NEMO=1 (CI must run it)."""
+    if os.environ.get("CHARLLM_REQUIRE_NEMO") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)

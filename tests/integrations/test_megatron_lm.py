@@ -1,5 +1,5 @@
 """MegatronLMTelemetry around megatron-core's real schedules, driven as Megatron-LM's
-``train_step`` drives them (tests/integrations/_megatron_lm_loop.py; the megatron-core wheel has
+``train_step`` drives them (tests/integrations/_mcore_loops.py; the megatron-core wheel has
 no ``megatron/training`` to run Megatron-LM's own loop). Runs in the main .venv (megatron-core
 0.16, no NeMo)."""
 
@@ -20,7 +20,7 @@ from charllm_nemo.telemetry.reader import load_run
 
 pytest.importorskip("megatron.core")
 
-LOOP = Path(__file__).with_name("_megatron_lm_loop.py")
+LOOP = Path(__file__).with_name("_mcore_loops.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,13 +30,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp_path: Path, steps: int, *extra: str) -> dict[str, Any]:
+def run_loop(tmp_path: Path, mode: str, steps: int, *extra: str) -> dict[str, Any]:
+    """Run tests/integrations/_mcore_loops.py ``mode`` in a fresh process (one gloo rank)."""
     out = tmp_path / "result.json"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env["MASTER_PORT"] = str(_free_port())
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, str(LOOP), str(tmp_path / "run"), str(steps), str(out), *extra],
+        [sys.executable, str(LOOP), mode, str(tmp_path / "run"), str(steps), str(out), *extra],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -48,7 +49,7 @@ def _run(tmp_path: Path, steps: int, *extra: str) -> dict[str, Any]:
     return result
 
 
-def _windows(run_dir: Path) -> Counter[tuple[str, str]]:
+def windows(run_dir: Path) -> Counter[tuple[str, str]]:
     w = load_run(run_dir).windows.to_pylist()
     return Counter((x["kind"], x["name"]) for x in w)
 
@@ -56,8 +57,8 @@ def _windows(run_dir: Path) -> Counter[tuple[str, str]]:
 @pytest.mark.parametrize("mode", ["timers", "explicit"])
 def test_megatron_lm_loop_gets_step_microbatch_and_phase_windows(tmp_path: Path, mode: str) -> None:
     steps, microbatches = 3, 4
-    result = _run(tmp_path, steps, *(["explicit"] if mode == "explicit" else []))
-    kinds = _windows(tmp_path / "run")
+    result = run_loop(tmp_path, "megatron-lm-explicit" if mode == "explicit" else "megatron-lm", steps)
+    kinds = windows(tmp_path / "run")
     assert kinds[("step", "step")] == steps
     assert kinds[("microbatch", "microbatch")] == steps * microbatches
     assert kinds[("phase", "forward")] == kinds[("phase", "backward")] == steps * microbatches
@@ -65,7 +66,7 @@ def test_megatron_lm_loop_gets_step_microbatch_and_phase_windows(tmp_path: Path,
     assert kinds[("phase", "grad-sync")] == steps
     # Megatron-LM's own Timers was asked for every name (its logs keep working), and got back
     assert {"forward-backward", "optimizer", "forward-compute", "backward-compute"} <= set(result["asked"])
-    assert result["config_timers_restored"]
+    assert result["forwards_attributes"] and result["timers_restored"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["energy_j"] > 0 and r["power_avg_w"] > 0 for r in rows)

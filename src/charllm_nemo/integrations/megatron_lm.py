@@ -87,13 +87,25 @@ class _Boundary:
 
 class StepBoundaryTimers:
     """Megatron-LM's ``get_timers()`` / ``config.timers`` replacement: the API's timers adapter
-    (``adapter``) for every name, except the two that bound a step. Other attributes (``log``,
-    ``write``, ...) are the inner Timers'."""
+    (``adapter``) for every name, except ``forward-backward`` (``on_step_begin`` at its start)
+    and ``optimizer`` (``on_optimizer_begin`` at its start, ``on_optimizer_end`` at its stop);
+    None = no boundary there. Other attributes (``log``, ``write``, ...) are the inner Timers'.
+    Megatron-Bridge's train_step calls the same two timers (integrations/bridge.py)."""
 
-    def __init__(self, owner: MegatronLMTelemetry, adapter: Any, inner: Any) -> None:
-        self._owner = owner
+    def __init__(
+        self,
+        adapter: Any,
+        inner: Any,
+        *,
+        on_step_begin: Callable[[], None] | None = None,
+        on_optimizer_begin: Callable[[], None] | None = None,
+        on_optimizer_end: Callable[[], None] | None = None,
+    ) -> None:
         self._adapter = adapter
         self.inner = inner
+        self._on_step_begin = on_step_begin
+        self._on_optimizer_begin = on_optimizer_begin
+        self._on_optimizer_end = on_optimizer_end
 
     def __call__(self, name: str, log_level: int | None = None) -> Any:
         if name in (STEP_BEGIN_TIMER, STEP_END_TIMER):
@@ -101,8 +113,8 @@ class StepBoundaryTimers:
             if self.inner is not None:
                 theirs = self.inner(name, log_level) if log_level is not None else self.inner(name)
             if name == STEP_BEGIN_TIMER:
-                return _Boundary(theirs, self._owner._timer_begin, None)
-            return _Boundary(theirs, self._owner._optimizer_begin, self._owner._timer_end)
+                return _Boundary(theirs, self._on_step_begin, None)
+            return _Boundary(theirs, self._on_optimizer_begin, self._on_optimizer_end)
         if self._adapter is None:
             return self.inner(name, log_level) if log_level is not None else self.inner(name)
         return self._adapter(name, log_level)
@@ -207,7 +219,13 @@ class MegatronLMTelemetry:
         )
         self._step = first_step
         adapter = self.telemetry.timers(inner=timers)
-        self.timers = StepBoundaryTimers(self, adapter, timers)
+        self.timers = StepBoundaryTimers(
+            adapter,
+            timers,
+            on_step_begin=self._timer_begin,
+            on_optimizer_begin=self._optimizer_begin,
+            on_optimizer_end=self._timer_end,
+        )
         for config in (model_config, *model_configs):
             if config is not None:
                 self._configs.append((config, getattr(config, "timers", None)))
