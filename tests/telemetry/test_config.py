@@ -108,3 +108,36 @@ def test_open_session_starts_a_rank_session_with_its_placement_and_labels(tmp_pa
         open_session(replace(cfg, hz=math.nan), placement)
     with pytest.raises(ConfigError, match=r"telemetry\.enabled=false"):
         open_session(replace(cfg, enabled=False), placement)
+
+
+def _megatron_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import json
+    import os
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    os.environ.pop("RANK", None)  # the placement comes from torch.distributed and parallel_state
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        assert Placement.from_megatron().labels == {}  # before the model-parallel groups: no labels
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+        p = Placement.from_megatron()
+        with open(f"{out_dir}/{rank}.json", "w") as f:
+            json.dump([p.rank, p.world_size, p.labels], f)
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def test_a_megatron_placement_carries_the_ranks_parallel_coordinates(tmp_path) -> None:
+    import json
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    torch.multiprocessing.spawn(
+        _megatron_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    labels = {"pp_stage": 0, "dp_rank": 0, "ep_rank": 0, "cp_rank": 0}
+    assert got == [[0, 2, {**labels, "tp_rank": 0}], [1, 2, {**labels, "tp_rank": 1}]]

@@ -29,8 +29,8 @@ Timing. A timer's ``start`` / ``stop`` only append (key, clock reading) to the s
 (telemetry/steplog.py): they run between two pieces of training work, when the CPU caches hold
 the training's data and not this code, and there every line they touch costs (on a tiny CPU
 model here, a mark that built and stored its window as it happened took 10-50 µs; noting it
-takes a few; in C, less again: :class:`StepMarker`'s timers are charllm_nemo._hot's where it
-is built, :class:`PyStepMarker` is the Python twin). At :meth:`StepMarker.end_step` the log
+takes a few; the timers here are plain Python, :class:`PyTimer`). At
+:meth:`StepMarker.end_step` the log
 becomes the step's windows, in one go: in the telemetry process when the session has one (the
 training thread only copies the log into the shared mark ring), else here. The clock
 is ``time.monotonic_ns()`` on CPU runs (timing ``host``) and a CUDA event on GPU runs, resolved
@@ -101,9 +101,8 @@ class StepTiming:
 
 
 class PyTimer:
-    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature, in Python
-    (``_hot.Timer`` is the same in C, charllm_nemo/_hot.c). ``phase`` None: not a window
-    (``forward-backward``, ...): both return at once.
+    """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature.
+    ``phase`` None: not a window (``forward-backward``, ...): both return at once.
 
     ``start`` / ``stop`` run between two pieces of training work, when the caches hold the
     training's data and little of this code: they only append (key, clock) to the step's flat
@@ -147,10 +146,12 @@ class PyTimer:
 
 
 class PyMarkBase:
-    """The timer table of a marker in Python (``_hot.MarkBase`` is the same in C):
-    ``marker(name)`` is the name's timer, made by ``_new_timer`` the first time. The fields
-    ``_log``, ``_listeners``, ``_clock``, ``_timers``, ``_serial`` and ``unmatched`` are
-    described in _hot.c."""
+    """The timer table of a marker: ``marker(name)`` is the name's timer, made by
+    ``_new_timer`` the first time. ``_log``: the step's flat ``[key, clock, ...]``;
+    ``_listeners``: the recorder's, told of every begin / end; ``_clock``: what a mark reads
+    (``time.monotonic_ns``, or the next CUDA event); ``_timers``: name -> timer; ``_serial``: the
+    step in progress (0 between steps); ``unmatched``: marks outside a step or stops without
+    their start, counted, not logged."""
 
     HOST_CLOCK: Callable[[], int] | None = time.monotonic_ns  # what ``_clock`` is on host timing
     TIMER: Any = PyTimer

@@ -47,6 +47,17 @@ from charllm_nemo.telemetry.windows import WindowRecorder
 
 log = logging.getLogger("charllm_nemo.steps")
 
+THREAD_MODE_FIGURES: tuple[str, ...] = (
+    "duration_s",
+    "energy_j",
+    "power_avg_w",
+    "power_peak_w",
+    "temp_gpu_peak_c",
+    "throttle_any_limiting_s",
+)
+"""The figures a rank reports by default where they are computed on its training thread
+(sampler ``thread``): those of the console line and of the report's cross-rank fields."""
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -102,7 +113,14 @@ class StepTelemetry:
     ``microbatch_group_size_per_vp_stage``) map the k-th forward to its microbatch.
     ``windows``: the window kinds to record (default all; ``()`` none). ``total_steps``: the
     last step asks for its figures at once. ``recorder``: a bare WindowRecorder to record into
-    when there is no session (tests).
+    when there is no session (tests). ``max_figure_wait_s``: the most a step waits for an
+    earlier step's overdue figures (None: up to two sampling periods, at most 50 ms; 0: never,
+    they are dropped); an attribute, so a caller may change it between steps. ``figures``: the
+    telemetry figures each rank reports (names of :data:`STEP_FIGURE_KEYS`; the others travel
+    as NaN). None: all of them where the telemetry process computes them (sampler ``process``),
+    :data:`THREAD_MODE_FIGURES` where they are computed on the training thread (sampler
+    ``thread``: about 1 ms a step for all of them, 0.1 ms for these, measured by
+    bench/bench_step_marks.py).
     """
 
     def __init__(
@@ -126,6 +144,8 @@ class StepTelemetry:
         windows: Sequence[str] | None = None,
         total_steps: int | None = None,
         recorder: WindowRecorder | None = None,
+        max_figure_wait_s: float | None = None,
+        figures: Sequence[str] | None = None,
     ) -> None:
         if placement is None:
             placement = (
@@ -175,6 +195,8 @@ class StepTelemetry:
             MAX_FIGURES_LAG if session is not None else 1, ready_s
         )
         self._final_wait_s = final_wait(hz)
+        self.figures = self._figure_names(session, figures)
+        self.max_figure_wait_s = max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
         self._step: int | None = None
@@ -184,6 +206,16 @@ class StepTelemetry:
         self.steps_ended = 0
 
     # -- setup ------------------------------------------------------------------------------
+    @staticmethod
+    def _figure_names(session: Any, figures: Sequence[str] | None) -> tuple[str, ...]:
+        if figures is None:
+            in_process = getattr(session, "sampler_mode", "process") == "process"
+            return STEP_FIGURE_KEYS if in_process else THREAD_MODE_FIGURES
+        unknown = [f for f in figures if f not in STEP_FIGURE_KEYS]
+        if unknown:
+            raise ConfigError(f"unknown step figure(s) {unknown}; use names of sinks.keys.STEP_FIGURE_KEYS")
+        return tuple(figures)
+
     def _process_group(self, group: Any) -> tuple[Any, int, int]:
         """(torch or None, the group's size, this rank's place in it): 1 and the placement's
         rank without an initialised process group."""
@@ -296,7 +328,12 @@ class StepTelemetry:
         timing = self.marker.end_step()
         self._request(timing, step)
         due = self.pending.due()
-        figures = self._figures(due, self.pending.wait_s(due, self._period_ns)) if due is not None else None
+        figures = None
+        if due is not None:
+            wait_s = self.pending.wait_s(due, self._period_ns)
+            if self.max_figure_wait_s is not None:
+                wait_s = min(wait_s, self.max_figure_wait_s)
+            figures = self._figures(due, wait_s)
         rows = self._exchange(
             pack_rank_vector(
                 loss_sum=loss_sum,
@@ -366,14 +403,14 @@ class StepTelemetry:
         self.session.request_figures(
             timing.t_begin_mono_ns,
             timing.t_end_mono_ns,
-            STEP_FIGURE_KEYS,
+            self.figures,
             batch=1 if last else self.pending.batch,
         )
 
     def _figures(self, due: tuple[StepReport, int, int], wait_s: float) -> Any:
         if self.session is None:
             return None
-        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=STEP_FIGURE_KEYS)
+        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.figures)
 
     def _drain(self, budget_s: float) -> None:
         """The last steps: their figures, one more gather each, all within one deadline (they are
