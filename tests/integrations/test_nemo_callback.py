@@ -224,3 +224,42 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
     assert all(r["energy_j"] > 0 and r["loss"] is not None for r in rows)
     assert rows[0]["tokens_per_s"] is None  # no model shape: no throughput invented
     assert "charllm/energy_j" in result["logged_keys"]
+
+
+def test_an_exception_in_training_closes_the_telemetry_as_failed(tmp_path: Path) -> None:
+    # the step that raises is cut short; the steps before it keep their windows and figures
+    result = _run_child(
+        tmp_path,
+        """
+        import torch
+        import lightning.pytorch as pl
+
+        class Boom(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 1)
+            def training_step(self, batch, batch_idx):
+                if self.global_step == 3:
+                    raise RuntimeError("boom at step 3")
+                return self.lin(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        try:
+            trainer.fit(Boom(), torch.utils.data.DataLoader(data, batch_size=4))
+        except RuntimeError as exc:
+            assert "boom" in str(exc)
+        res = summary(out)
+        res["status"] = load_run(out).manifests[0]["status"]
+        res["closed"] = cb.telemetry is None
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result["status"] == "failed" and result["closed"]
+    steps = [s for k, _n, s, _m in result["windows"] if k == "step"]
+    assert sorted(steps)[:3] == [0, 1, 2]
