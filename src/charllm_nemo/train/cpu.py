@@ -437,6 +437,9 @@ def enable_cpu_support() -> None:
     global _enabled
     if _enabled:
         return
+    from charllm_nemo.train.mcore_compat import import_megatron_core
+
+    import_megatron_core()  # megatron-core >= 0.18 on a CPU torch: "pip install triton", said plainly
     patched = _install_torch_shim(_TorchOnCpu())
     _install_cpu_rng_tracker()
     _define_te_general_gemm()
