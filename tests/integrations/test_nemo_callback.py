@@ -114,6 +114,7 @@ def test_tiny_gpt_under_nl_trainer_records_steps_microbatches_phases_and_logs(tm
         trainer.fit(model, data)
         res = summary(out, "csv")
         res["microbatches_seen"] = cb.microbatches_seen
+        res["megatron_steps_seen"] = cb.megatron_steps_seen
         res["timers_restored"] = type(model.config.timers).__module__
         json.dump(res, open(os.environ["RESULT"], "w"))
         """,
@@ -121,6 +122,7 @@ def test_tiny_gpt_under_nl_trainer_records_steps_microbatches_phases_and_logs(tm
     _assert_megatron_windows(result, steps=3, microbatches=2)
     _assert_step_figures(result, steps=3)
     assert result["microbatches_seen"] == 6  # NeMo's on_megatron_microbatch_end, 2 a step
+    assert result["megatron_steps_seen"] == 3  # NeMo's on_megatron_step_start
     # NeMo's own Timers is back in model.config.timers after training
     assert result["timers_restored"] == "megatron.core.timers"
     # the trainer's loggers got the figures under the prefix; NeMo's own keys are still there

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +58,6 @@ class IntegrationOptions:
     precision: str = "bf16"
     overwrite: bool = False
     enabled: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, owner: str) -> None:
         """Raise ConfigError naming ``<owner>.<field>`` for a value that cannot work (the

@@ -17,11 +17,12 @@ Where each window's boundaries come from (the manifest records it, ``integration
   hooks bracket the forward only, so they are not used for windows;
 * optimizer phase: Lightning's ``on_before_optimizer_step`` to ``on_train_batch_end``.
 
-NeMo's ``on_megatron_*`` hooks (with exactly the parameter names MegatronStrategy passes) give
-the microbatch count of each step (``get_num_microbatches()`` at ``on_megatron_step_start``) and
-count the microbatches NeMo ran. Telemetry opens on every rank at ``on_train_start`` (its local
-device), and closes and flushes at ``on_train_end``, on an exception (``on_exception``),
-at ``teardown`` and on SIGTERM (the session's handler). All per-step logic is the step-telemetry
+NeMo's ``on_megatron_*`` hooks (with exactly the parameter names MegatronStrategy passes) count
+the steps and microbatches NeMo ran; each step's microbatch count is megatron-core's
+``get_num_microbatches()`` (NeMo's ``step.num_microbatches`` is still None at step start).
+Telemetry opens on every rank at ``on_train_start`` (its local device), and closes and flushes at
+``on_train_end``, on an exception (``on_exception``), at ``teardown`` and on SIGTERM (the
+session's handler). All per-step logic is the step-telemetry
 API's (charllm_nemo.steps); this class only says where things begin and end.
 """
 
@@ -116,6 +117,8 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self.sources: dict[str, str] = {}
         self.microbatches_seen = 0
         """Microbatches NeMo ran (its ``on_megatron_microbatch_end``), all steps together."""
+        self.megatron_steps_seen = 0
+        """Steps NeMo's MegatronStrategy ran (its ``on_megatron_step_start``)."""
         self._in_step = False
         self._optimizer_phase: Any = None
         self._timers_patched: list[tuple[Any, Any]] = []
@@ -167,14 +170,12 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         st = self.telemetry
         if st is None:
             return
-        st.begin_step(int(trainer.global_step))
+        # NeMo's step.num_microbatches is None until its step starts: mcore's calculator knows it
+        st.begin_step(int(trainer.global_step), num_microbatches=_num_microbatches())
         self._in_step = True
 
     def on_megatron_step_start(self, step: Any) -> None:
-        # NeMo's step.num_microbatches is still None here: megatron-core's calculator knows it
-        n = _num_microbatches()
-        if self.telemetry is not None and n and n != self.telemetry.marker.num_microbatches:
-            self.telemetry.set_num_microbatches(n)
+        self.megatron_steps_seen += 1
 
     def on_megatron_microbatch_end(self, step: Any, batch: Any, forward_callback: Any, output: Any) -> None:
         self.microbatches_seen += 1
