@@ -70,8 +70,8 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     also check that the run directory can be made and written (a rank that only reads a config
     elsewhere skips it)."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
+    from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES
     from charllm_nemo.telemetry.sample_loop import MAX_HZ, MIN_HZ
-    from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []

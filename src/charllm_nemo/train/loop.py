@@ -122,7 +122,7 @@ def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
         cfg.logger, dist.rank, run_dir=cfg.telemetry.out_dir, local_rank=dist.local_rank, node_rank=node
     )
     if sink is not None:
-        manifest = dict(session.store.manifest) if session is not None else {"world_size": dist.world_size}
+        manifest = dict(session.manifest) if session is not None else {"world_size": dist.world_size}
         sink.start(asdict(cfg), manifest)
     return sink
 
