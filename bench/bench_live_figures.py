@@ -45,6 +45,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
     """In this process, against the charllm_nemo on sys.path: µs per ``Collector.figures`` call."""
     import secrets
 
+    from charllm_nemo.telemetry.process import mark_ring
     from charllm_nemo.telemetry.process import ring as shm
     from charllm_nemo.telemetry.process.collector import Collector
     from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
@@ -72,7 +73,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
         mark_capacity=64,
         fig_slots=8,
         n_devices=n_devices,
-        n_fig_columns=len(shm.figure_columns()),
+        n_fig_columns=len(mark_ring.figure_columns()),
     )
     name = f"charllm-bench-{secrets.token_hex(4)}"
     block = shm.create(name, lay)

@@ -14,8 +14,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from charllm_nemo.telemetry.process.collector import decode_figures
+from charllm_nemo.telemetry.process.mark_ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.process.parent import FIGURE_SLOTS, ProcessSampler
-from charllm_nemo.telemetry.process.ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.sample_loop import Row, SamplerHealth
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
 

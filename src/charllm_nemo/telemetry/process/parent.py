@@ -55,7 +55,9 @@ from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
+from charllm_nemo.telemetry.process import mark_ring
 from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.mark_ring import MarkWriter
 from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
@@ -73,7 +75,6 @@ from charllm_nemo.telemetry.process.ring import (
     SVC_DONE,
     Block,
     Layout,
-    MarkWriter,
 )
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
@@ -149,7 +150,7 @@ class ProcessSampler:
                 mark_capacity=MARK_CAPACITY,
                 fig_slots=FIGURE_SLOTS,
                 n_devices=max(1, n_dev),
-                n_fig_columns=len(shm.figure_columns()),
+                n_fig_columns=len(mark_ring.figure_columns()),
             )
         self.capacity = capacity
         self._options, self._shared_activity, self._observe_parent = _child_options(
@@ -394,12 +395,12 @@ class ProcessSampler:
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
-        """The answer to figure request ``seq`` (see shm.read_figures), or None."""
+        """The answer to figure request ``seq`` (see mark_ring.read_figures), or None."""
         block = self._block
         if block is None:
             return None
         try:
-            return shm.read_figures(block, seq)
+            return mark_ring.read_figures(block, seq)
         except ValueError:  # released by a concurrent stop()
             return None
 
