@@ -26,7 +26,10 @@ one process, the telemetry process: every access of either is made holding CPyth
 hand-over is a pthread mutex / condition variable, and POSIX (Base Definitions 4.12, "Memory
 Synchronization") makes mutex lock and unlock synchronize memory. So a row's stores happen
 before the collector's loads of any counter that covers it, on x86-64 and aarch64 alike; the
-row order within one thread is program order. The header's statistics (health, store counts)
+row order within one thread is program order. Two readers in the training process do without:
+a bare sampler's ``take_rows`` (parent.py; tests and benchmarks only, not safe on aarch64) and
+``last_t_mono_ns`` (one word: the newest row's time, where a stale value is an older time,
+which only makes its caller wait a little longer). The header's statistics (health, store counts)
 are single aligned 8-byte words read by the other process as single values: CPython's
 memoryview reads and writes an int64 / float64 item with a fixed-size 8-byte memcpy, which
 compilers emit as one ``mov`` / ``ldr`` / ``str``, single-copy atomic for aligned 8-byte
