@@ -19,6 +19,7 @@ from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.process.collector import Collector
 from charllm_nemo.telemetry.process.mark_ring import figure_columns
 from charllm_nemo.telemetry.reader import load_rank
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.store import RankStore
 from charllm_nemo.telemetry.windows import NULL, RECORD_FIELDS, RECORD_LEN, RECORD_WINDOW, SEEDED_NAMES
 
@@ -224,3 +225,36 @@ def test_stress_the_training_side_never_reads_a_torn_figure_slot():
     finally:
         block.close()
         shm.unlink(name)
+
+
+# -- the sample ring, read from the training process (live rows) ---------------------------------
+
+
+def _reading(k: int) -> tuple:
+    values: list = [None] * len(METRICS)
+    values[METRIC_INDEX["power_instant_w"]] = 300.0 + k
+    values[METRIC_INDEX["energy_mj"]] = 2**53 + k
+    return tuple(values)
+
+
+def test_a_sample_row_with_a_word_not_visible_yet_fails_its_check(block):
+    ring = shm.RingWriter(block)
+    for k in range(3):
+        ring.emit((1_000 + k, 2_000 + k, 10, 0, _reading(k)))
+    bad = list(_reading(3))
+    bad[METRIC_INDEX["temp_gpu_c"]] = "hot"  # a backend's wrong type: stored null, still checked
+    ring.emit((1_003, 2_003, 10, 0, tuple(bad)))
+    rows, ok = shm.copy_rows(block, 0, 4)
+    assert ok == [True] * 4 and [r[4][METRIC_INDEX["energy_mj"]] for r in rows] == [
+        2**53 + k for k in range(4)
+    ]
+    assert rows[3][4][METRIC_INDEX["temp_gpu_c"]] is None and ring.bad_values == 1
+    lay = block.layout
+    word = lay.float_base(shm.FLOAT_COLUMNS.index("power_instant_w")) + 1  # row 1's power: still old
+    new, block.d[word] = block.d[word], 0.0
+    assert shm.copy_rows(block, 0, 4)[1] == [True, False, True, True]
+    block.d[word] = new
+    for k in range(4, 4 + lay.capacity):  # a lap later, row 0's slot holds row 16: index 0 fails
+        ring.emit((1_000 + k, 2_000 + k, 10, 0, _reading(k)))
+    assert shm.copy_rows(block, 0, 1)[1] == [False]
+    assert all(shm.copy_rows(block, 4, 4 + lay.capacity)[1])

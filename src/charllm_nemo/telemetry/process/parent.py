@@ -518,12 +518,16 @@ class ProcessSampler:
         block = self._block
         assert block is not None
         first, end, lost = shm.ring_span(block, self._read_idx)
-        rows = shm.copy_rows(block, first, end)
+        rows, ok = shm.copy_rows(block, first, end)
         keep = shm.still_valid(block, first, len(rows))
+        lapped = len(rows) - keep  # overwritten while copied: the oldest
+        # Rows whose check word does not match are not visible whole yet (the newest, on a weakly
+        # ordered CPU): this read stops before the first, the next one takes it.
+        whole = next((k for k in range(lapped, len(rows)) if not ok[k]), len(rows))
         if advance:
-            self._rows_lost += lost + len(rows) - keep
-            self._read_idx = end
-        return rows[len(rows) - keep :]
+            self._rows_lost += lost + lapped
+            self._read_idx = first + whole
+        return rows[lapped:whole]
 
 
 def _span(a: int, b: int) -> float:

@@ -13,7 +13,8 @@ float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
   open);
 * **sample ring**, column-major, ``capacity`` rows: int64 columns ``t_mono_ns``, ``t_wall_ns``,
   ``read_ns``, ``device_index`` and every int metric (null = INT_NULL), then one float64 column
-  per float metric (null = NaN). 64-bit counters stay int64 end to end. Written by the sampling
+  per float metric (null = NaN), then one check word per row (:func:`row_check`: its index
+  and a CRC-32 of its values). 64-bit counters stay int64 end to end. Written by the sampling
   loop only;
 * **mark ring**, ``mark_capacity`` records of RECORD_LEN int64 words (telemetry/windows.py):
   finished windows, figure requests and step logs, written by the training process only; then
@@ -26,10 +27,12 @@ one process, the telemetry process: every access of either is made holding CPyth
 hand-over is a pthread mutex / condition variable, and POSIX (Base Definitions 4.12, "Memory
 Synchronization") makes mutex lock and unlock synchronize memory. So a row's stores happen
 before the collector's loads of any counter that covers it, on x86-64 and aarch64 alike; the
-row order within one thread is program order. Two readers in the training process do without:
-a bare sampler's ``take_rows`` (parent.py; tests and benchmarks only, not safe on aarch64) and
-``last_t_mono_ns`` (one word: the newest row's time, where a stale value is an older time,
-which only makes its caller wait a little longer). The header's statistics (health, store counts)
+row order within one thread is program order. The training process reads the ring too (a
+session's ``live_rows``, a bare sampler's ``take_rows``: parent.py): there no lock orders
+anything, so each row carries a check word, written with it, that the reader recomputes from
+its copy (:func:`copy_rows`), taking a row only if they match, as mark_ring.py's module doc
+explains; ``last_t_mono_ns`` reads one word (the newest row's time: a stale value is an older
+time, which only makes its caller wait a little longer). The header's statistics (health, store counts)
 are single aligned 8-byte words read by the other process as single values: CPython's
 memoryview reads and writes an int64 / float64 item with a fixed-size 8-byte memcpy, which
 compilers emit as one ``mov`` / ``ldr`` / ``str``, single-copy atomic for aligned 8-byte
@@ -54,6 +57,7 @@ import os
 import re
 import secrets
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,8 +168,13 @@ class Layout:
         return self.ring0 + (N_INT + column) * self.capacity
 
     @functools.cached_property
-    def marks0(self) -> int:
+    def row_checks0(self) -> int:
+        """Word offset of the sample ring's check column (one word per row: :func:`row_check`)."""
         return self.ring0 + (N_INT + N_FLOAT) * self.capacity
+
+    @functools.cached_property
+    def marks0(self) -> int:
+        return self.row_checks0 + self.capacity
 
     @functools.cached_property
     def checks0(self) -> int:
@@ -325,6 +334,15 @@ def sweep_stale() -> list[str]:
 
 # -- the sample ring ------------------------------------------------------------------------------
 
+_ROW = struct.Struct(f"<{N_INT}q{N_FLOAT}d")
+
+
+def row_check(index: int, values: tuple[Any, ...]) -> int:
+    """Ring row ``index``'s check word, from its stored values (INT_COLUMNS then FLOAT_COLUMNS,
+    nulls as stored): ``(index + 1) mod 2**31`` in the high half, CRC-32 of the packed values
+    in the low half (as mark_ring.stamp)."""
+    return ((index + 1) & 0x7FFFFFFF) << 32 | zlib.crc32(_ROW.pack(*values))
+
 
 class RingWriter:
     """Writes sampler rows into the ring, then publishes the write counter (the loop's ``emit``)."""
@@ -337,6 +355,7 @@ class RingWriter:
         self.ints = tuple((lay.int_base(4 + j), pos) for j, pos in enumerate(INT_METRIC_POS))
         self.floats = tuple((lay.float_base(j), pos) for j, pos in enumerate(FLOAT_METRIC_POS))
         self.bad_values = 0
+        self.checks = lay.row_checks0
 
     def emit(self, row: Row) -> None:
         t0, tw, dt, idx, reading = row
@@ -347,20 +366,27 @@ class RingWriter:
         q[b1 + slot] = tw
         q[b2 + slot] = dt
         q[b3 + slot] = idx
+        stored: list[Any] = [t0, tw, dt, idx]  # what the row's check word is computed from
+        keep = stored.append
         try:
             for base, pos in self.ints:
                 v = reading[pos]
-                q[base + slot] = INT_NULL if v is None else v
+                q[base + slot] = v = INT_NULL if v is None else v
+                keep(v)
             for base, pos in self.floats:
                 v = reading[pos]
-                d[base + slot] = math.nan if v is None else v
-        except (TypeError, ValueError, OverflowError):
-            self._coerce(reading, slot)
+                d[base + slot] = v = math.nan if v is None else v
+                keep(v)
+            check = ((self.n + 1) & 0x7FFFFFFF) << 32 | zlib.crc32(_ROW.pack(*stored))
+        except (TypeError, ValueError, OverflowError, struct.error):
+            check = self._coerce(reading, slot)
+        q[self.checks + slot] = check
         self.n += 1
-        q[H_WRITE_COUNT] = self.n  # publish only after the whole row is in place
+        q[H_WRITE_COUNT] = self.n  # publish after the row (the order matters only on x86-64)
 
-    def _coerce(self, reading: tuple[Any, ...], slot: int) -> None:
-        """A backend returned a value of the wrong type: convert what converts, null the rest."""
+    def _coerce(self, reading: tuple[Any, ...], slot: int) -> int:
+        """A backend returned a value of the wrong type: convert what converts, null the rest;
+        returns the row's check word, from what was stored."""
         for base, pos in self.ints:
             try:
                 self.q[base + slot] = INT_NULL if reading[pos] is None else int(reading[pos])
@@ -373,6 +399,11 @@ class RingWriter:
             except (TypeError, ValueError, OverflowError):
                 self.d[base + slot] = math.nan
                 self.bad_values += 1
+        stored = [self.q[base + slot] for base in self.bases]
+        stored += [self.q[base + slot] for base, _ in self.ints] + [
+            self.d[base + slot] for base, _ in self.floats
+        ]
+        return row_check(self.n, tuple(stored))
 
 
 def newest_t(block: Block) -> int:
@@ -413,18 +444,23 @@ def _column(view: Any, base: int, cap: int, first: int, n: int) -> list[Any]:
     return values
 
 
-def copy_rows(block: Block, first: int, end: int) -> list[Row]:
-    """Rows ``first`` .. ``end`` of the ring as sampler rows (None for null)."""
+def copy_rows(block: Block, first: int, end: int) -> tuple[list[Row], list[bool]]:
+    """Rows ``first`` .. ``end`` of the ring as sampler rows (None for null), and for each
+    whether its check word matches what was copied (False: not visible whole yet, or being
+    overwritten: a reader in another process must not take it; module doc)."""
     n = end - first
     if n <= 0:
-        return []
+        return [], []
     lay, q, d = block.layout, block.q, block.d
     cap = lay.capacity
-    t_mono, t_wall, read_ns, dev = (_column(q, lay.int_base(c), cap, first, n) for c in range(4))
+    ints = [_column(q, lay.int_base(c), cap, first, n) for c in range(N_INT)]
+    floats = [_column(d, lay.float_base(j), cap, first, n) for j in range(N_FLOAT)]
+    checks = _column(q, lay.row_checks0, cap, first, n)
+    ok = [row_check(first + k, raw) == checks[k] for k, raw in enumerate(zip(*ints, *floats, strict=True))]
     metrics: list[list[Any]] = [[]] * len(METRICS)
     for j, pos in enumerate(INT_METRIC_POS):
-        metrics[pos] = [None if v == INT_NULL else v for v in _column(q, lay.int_base(4 + j), cap, first, n)]
+        metrics[pos] = [None if v == INT_NULL else v for v in ints[4 + j]]
     for j, pos in enumerate(FLOAT_METRIC_POS):
-        metrics[pos] = [None if v != v else v for v in _column(d, lay.float_base(j), cap, first, n)]
+        metrics[pos] = [None if v != v else v for v in floats[j]]
     readings = list(zip(*metrics, strict=True))
-    return list(zip(t_mono, t_wall, read_ns, dev, readings, strict=True))
+    return list(zip(*ints[:4], readings, strict=True)), ok
