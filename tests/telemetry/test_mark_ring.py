@@ -210,7 +210,8 @@ def test_stress_the_training_side_never_reads_a_torn_figure_slot():
         writer = multiprocessing.get_context("fork").Process(target=_figure_writer, args=(name, n))
         writer.start()
         columns, whole, seq = len(figure_columns()), 0, 0
-        while writer.is_alive() or seq < n:
+        deadline = time.monotonic() + 120  # a writer that died early must not hang the test
+        while (writer.is_alive() or seq < n) and time.monotonic() < deadline:
             for s in range(seq, seq + block.layout.fig_slots):  # the slots' newest requests
                 answer = mark_ring.read_figures(block, s)
                 if answer is not None:
