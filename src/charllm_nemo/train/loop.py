@@ -85,9 +85,9 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     parallelism each rank keeps its two of the sequence's 2 * cp chunks (mcore's
     ``get_batch_on_this_cp_rank``, as Megatron-LM's ``get_batch``; a no-op at cp=1): the model
     and the schedules' pipeline buffers expect ``seq_length / cp`` tokens per rank."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from charllm_nemo.train.mcore_compat import batch_on_this_cp_rank
 
-    batch = get_batch_on_this_cp_rank(next(data_iterator))
+    batch = batch_on_this_cp_rank(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
