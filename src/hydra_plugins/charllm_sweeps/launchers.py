@@ -1,0 +1,77 @@
+"""hydra-submitit-launcher's launchers, as the sweep presets (conf/hydra/launcher/) use them:
+the same submission (one job per configuration, an array of them; every option of
+``submitit_slurm`` / ``submitit_local``), plus two things the ``charllm`` sweeper needs:
+
+* each job's id is reported as soon as it is submitted (``on_submitted``), so that the manifest
+  names the job while it is queued and ``charllm sweep status`` can ask SLURM about it;
+* a job that ends without a result (cancelled, killed) does not abort the wait for the others:
+  its JobReturn carries the error, the sweeper reads the state from the attempt and SLURM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher as base
+
+Submitted = Callable[[list[tuple[list[str], str, str]]], None]
+
+
+class _Reporting:
+    """Mixin over :class:`base.BaseSubmititLauncher`: see the module's docstring."""
+
+    on_submitted: Submitted | None = None
+    _EXECUTOR: str
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import submitit
+
+        executor_cls = submitit.AutoExecutor
+        jobs_seen: list[Any] = []
+        original_map_array = executor_cls.map_array
+
+        def map_array(executor: Any, fn: Any, *iterables: Any) -> Any:
+            jobs = original_map_array(executor, fn, *iterables)
+            jobs_seen.extend(jobs)
+            if self.on_submitted is not None:
+                overrides = iterables[0]
+                scheduler = "slurm" if self._EXECUTOR == "slurm" else "local"
+                self.on_submitted(
+                    [(list(o), str(j.job_id), scheduler) for o, j in zip(overrides, jobs, strict=True)]
+                )
+            return jobs
+
+        # The base class builds its executor and calls map_array inside launch(); wrapping the
+        # class's method for this call keeps every option it passes without copying its code.
+        executor_cls.map_array = map_array  # type: ignore[method-assign,assignment]
+        try:
+            try:
+                return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc,no-any-return]
+            except Exception:
+                pass
+        finally:
+            executor_cls.map_array = original_map_array  # type: ignore[method-assign]
+        returns = []
+        for job in jobs_seen:
+            ret = JobReturn()
+            try:
+                ret = job.results()[0]
+            except Exception as exc:  # this job's error; the others are still waited for
+                ret.status = JobStatus.FAILED
+                ret._return_value = exc
+            returns.append(ret)
+        return returns
+
+
+class CharllmSlurmLauncher(_Reporting, base.SlurmLauncher):  # type: ignore[misc]
+    """``submitit_slurm`` that reports job ids (conf/hydra/launcher/slurm_*.yaml)."""
+
+    _EXECUTOR = "slurm"
+
+
+class CharllmLocalLauncher(_Reporting, base.LocalLauncher):  # type: ignore[misc]
+    """``submitit_local`` that reports job ids (conf/hydra/launcher/local_*.yaml)."""
+
+    _EXECUTOR = "local"
