@@ -5,11 +5,15 @@ the same submission (one job per configuration, an array of them; every option o
 * each job's id is reported as soon as it is submitted (``on_submitted``), so that the manifest
   names the job while it is queued and ``charllm sweep status`` can ask SLURM about it;
 * a job that ends without a result (cancelled, killed) does not abort the wait for the others:
-  its JobReturn carries the error, the sweeper reads the state from the attempt and SLURM.
+  its JobReturn carries the error, the sweeper reads the state from the attempt and SLURM;
+* jobs are polled every :data:`POLL_S` seconds (SLURM through ``sacct`` only for jobs without a
+  result file): submitit alone checks SLURM ever more rarely as a job ages (every half of its
+  age, up to 10 minutes), so a cancelled job would keep the sweep waiting long after it ended.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as base
 
 Submitted = Callable[[list[tuple[list[str], str, str]]], None]
+POLL_S = 3.0
 
 
 class _Reporting:
@@ -41,6 +46,11 @@ class _Reporting:
                 self.on_submitted(
                     [(list(o), str(j.job_id), scheduler) for o, j in zip(overrides, jobs, strict=True)]
                 )
+            waiting = list(jobs)
+            while waiting:
+                waiting = [j for j in waiting if not j.done(force_check=True)]
+                if waiting:
+                    time.sleep(POLL_S)
             return jobs
 
         # The base class builds its executor and calls map_array inside launch(); wrapping the

@@ -113,15 +113,18 @@ class CharllmSweeper(BasicSweeper):
         retry = bool(settings.get("retry_failed"))
 
         batch: list[list[str]] = []
+        skipped: dict[str, int] = {}
         for overrides in configurations:
             mine = [o for o in overrides if o.split("=", 1)[0] in swept]
             entry = manifest.entry(mine)
-            if entry.state == DONE:
+            if (
+                entry.state == DONE
+                or (entry.state in (FAILED, OUT_OF_MEMORY) and not retry)
+                # its job is still queued or running (an earlier command's)
+                or (entry.state in (PENDING, RUNNING) and entry.latest is not None)
+            ):
+                skipped[entry.state] = skipped.get(entry.state, 0) + 1
                 continue
-            if entry.state in (FAILED, OUT_OF_MEMORY) and not retry:
-                continue
-            if entry.state in (PENDING, RUNNING) and entry.latest is not None:
-                continue  # its job is still queued or running (an earlier command's)
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             verdict = self._plan(job_cfg, world, gpu_gib, str(settings.get("layers") or "te"))
             entry.predicted_peak_gib = verdict.peak_gib
@@ -146,6 +149,18 @@ class CharllmSweeper(BasicSweeper):
             )
             return []
         manifest.save(sweep_dir)
+        if skipped:
+            print(
+                f"charllm train: sweep {manifest.name}: launching {len(batch)} of {len(configurations)} "
+                "configuration(s); left as they are: "
+                + ", ".join(f"{n} {state}" for state, n in sorted(skipped.items()))
+                + (
+                    ""
+                    if retry or not skipped.get(FAILED)
+                    else " (sweep.retry_failed=true re-runs failed ones)"
+                ),
+                file=sys.stderr,
+            )
         returns: list[JobReturn] = []
         if batch:
             returns = self._launch(batch, manifest, sweep_dir)
@@ -170,7 +185,10 @@ class CharllmSweeper(BasicSweeper):
         assert self.config is not None
         manifest = load_manifest(sweep_dir)
         if manifest is None:
-            launcher = OmegaConf.to_container(self.config.hydra.launcher, resolve=False)
+            try:
+                launcher = OmegaConf.to_container(self.config.hydra.launcher, resolve=True)
+            except Exception:  # an interpolation only a job can resolve: keep it as written
+                launcher = OmegaConf.to_container(self.config.hydra.launcher, resolve=False)
             assert isinstance(launcher, dict)
             return SweepManifest(
                 name=name,
