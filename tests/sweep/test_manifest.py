@@ -41,7 +41,7 @@ def test_the_manifest_round_trips_and_refuses_a_foreign_file(tmp_path: Path) -> 
     assert back is not None and back.runs["optim-base"].attempts[0].job_id == "7_0"
     assert back.entry(["optim=base"]).next_attempt() == 2
     write_json(tmp_path / "sweep.json", {"schema": "something-else"})
-    with pytest.raises(ConfigError, match="sweep.dir"):
+    with pytest.raises(ConfigError, match=r"sweep\.dir"):
         load_manifest(tmp_path)
 
 

@@ -57,7 +57,8 @@ def test_a_sweep_resumes_skips_done_and_retries_failed_only_when_asked(
     }
     # each attempt is its own run directory: the failed one's files stay where they were
     run = sweep / "run=micro_batch_size-2"
-    assert (run / "attempt=1" / "fake" / "rank1.ready").exists() or (run / "attempt=1" / "job.json").exists()
+    assert json.loads((run / "attempt=1" / "job.json").read_text())["state"] == "failed"
+    assert not (run / "attempt=1" / "fake" / "rank0.json").exists()
     assert sorted(p.name for p in (run / "attempt=2" / "fake").iterdir()) == ["rank0.json", "rank1.json"]
     assert app.main(args) == 0  # all done: nothing runs
     assert "launching 0 of 2 configuration(s); left as they are: 2 done" in capsys.readouterr().err
