@@ -7,4 +7,17 @@ scripts/setup.sh test,megatron,sweep
 ruff check src tests bench scripts
 ruff format --check src tests bench scripts
 mypy
+
+# --- a real single-node SLURM for tests/sweep/test_slurm_sweeps.py (docs/sweeps.md) ------------
+# Installs slurm-wlm and munge with apt if missing and starts slurmctld, slurmd and munged as root
+# (idempotent); the tests find it through SLURM_CONF and the sacct stand-in on PATH. Not root:
+# those tests are skipped, and say so.
+if [ "$(id -u)" = 0 ]; then
+  scripts/local-slurm.sh start
+  eval "$(scripts/local-slurm.sh env)"
+else
+  echo "test.sh: not root: no local SLURM; tests/sweep/test_slurm_sweeps.py will be skipped" >&2
+fi
+# ---------------------------------------------------------------------------------------------
+
 CHARLLM_REQUIRE_C=1 pytest "$@"  # the C module must have built here (tests/test_speedups.py)

@@ -114,6 +114,16 @@ class CharllmSweeper(BasicSweeper):
 
         batch: list[list[str]] = []
         skipped: dict[str, int] = {}
+        hours: list[float] = []
+        assume = None
+        if settings.get("gpu"):
+            from charllm_nemo.sweep.plan import Throughput
+
+            assume = Throughput(
+                str(settings.gpu),
+                float(settings.get("assumed_mfu") or 0.35),
+                float(settings.get("startup_min") or 0),
+            )
         for overrides in configurations:
             mine = [o for o in overrides if o.split("=", 1)[0] in swept]
             entry = manifest.entry(mine)
@@ -126,10 +136,13 @@ class CharllmSweeper(BasicSweeper):
                 skipped[entry.state] = skipped.get(entry.state, 0) + 1
                 continue
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            verdict = self._plan(job_cfg, world, gpu_gib, str(settings.get("layers") or "te"))
+            verdict = self._plan(job_cfg, world, gpu_gib, str(settings.get("layers") or "te"), assume)
             entry.predicted_peak_gib = verdict.peak_gib
             if dry:
                 state = verdict.state or "valid"
+                if verdict.gpu_hours is not None:
+                    hours.append(verdict.gpu_hours)
+                    state += f"; {verdict.gpu_hours:,.1f} GPU hours"
                 print(
                     f"{entry.key}: {state}; estimated peak {verdict.peak_gib} GiB per rank"
                     + (f"; {verdict.reason}" if verdict.reason else "")
@@ -143,6 +156,12 @@ class CharllmSweeper(BasicSweeper):
             entry.state, entry.exit_reason = PENDING, None
             batch.append([*overrides, f"sweep.run_key={entry.key}", f"sweep.attempt={n}"])
         if dry:
+            if hours and assume is not None:
+                print(
+                    f"sweep {manifest.name}: about {sum(hours):,.0f} GPU hours for the {len(hours)} "
+                    f"configuration(s) that fit ({assume.device} at {assume.mfu:.0%} MFU, "
+                    f"{assume.startup_min:g} min start-up a job)"
+                )
             print(
                 f"sweep {manifest.name}: {len(configurations)} configuration(s) for {world} rank(s); "
                 "nothing submitted"
@@ -209,7 +228,7 @@ class CharllmSweeper(BasicSweeper):
         return manifest
 
     @staticmethod
-    def _plan(job_cfg: DictConfig, world: int, gpu_gib: Any, layers: str) -> Any:
+    def _plan(job_cfg: DictConfig, world: int, gpu_gib: Any, layers: str, assume: Any) -> Any:
         from charllm_nemo.sweep.plan import Verdict
         from charllm_nemo.train.config_io import train_config_from
 
@@ -217,7 +236,8 @@ class CharllmSweeper(BasicSweeper):
             cfg = train_config_from(job_cfg)
         except ConfigError as exc:
             return Verdict(FAILED, None, str(exc))
-        return plan_configuration(cfg, world, float(gpu_gib) if gpu_gib is not None else None, layers)
+        gib = float(gpu_gib) if gpu_gib is not None else None
+        return plan_configuration(cfg, world, gib, layers, assume)
 
     def _launch(self, batch: list[list[str]], manifest: SweepManifest, sweep_dir: Path) -> list[JobReturn]:
         """Launch ``batch``; job ids go into the manifest as the launcher reports them. A
