@@ -38,7 +38,7 @@ def test_a_sweep_resumes_skips_done_and_retries_failed_only_when_asked(
     args = ["-m", "+sweep=cpu_microbatch", f"sweep.dir={tmp_path}", "batch.micro_batch_size=1,2"]
     sweep = tmp_path / "sweep=cpu_microbatch"
     monkeypatch.setenv("CHARLLM_FAKE_MODE", "fail:0:3")  # rank 0 of every job exits with 3
-    assert app.main(args) != 0
+    assert app.main(args) == 3  # EXIT_NOT_DONE
     assert _attempts(sweep) == {
         "micro_batch_size-1": [(1, "failed")],
         "micro_batch_size-2": [(1, "failed")],

@@ -29,6 +29,9 @@ from typing import Any
 from charllm_nemo.errors import ConfigError
 
 MANIFEST = "sweep.json"
+EXIT_NOT_DONE = 3
+"""``charllm train -m +sweep=...``'s exit code when a configuration is not done after the sweep
+(failed, preempted, out of memory, or still queued): run the same command again to resume."""
 JOB_FILE = "job.json"
 SCHEMA = "charllm-sweep/1"
 

@@ -290,7 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
-            if not started:  # Hydra rejected the command line (unknown option, bad override)
+            from charllm_nemo.sweep.manifest import EXIT_NOT_DONE
+
+            # Hydra rejected the command line (unknown option, bad override), unless a sweep's
+            # jobs ran elsewhere (SLURM) and some did not end done.
+            if not started and code != EXIT_NOT_DONE:
                 return EXIT_CONFIG_ERROR
             return code if isinstance(code, int) else 1
     finally:

@@ -22,6 +22,9 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher as base
 
 Submitted = Callable[[list[tuple[list[str], str, str]]], None]
 POLL_S = 3.0
+RESULT_GRACE_S = 3
+"""How long a job that SLURM says has ended may take to show its result file (submitit waits 15 s
+per task: a cancelled 8-task job would hold the sweep for 2 minutes, twice)."""
 
 
 class _Reporting:
@@ -51,6 +54,9 @@ class _Reporting:
                 waiting = [j for j in waiting if not j.done(force_check=True)]
                 if waiting:
                     time.sleep(POLL_S)
+            for job in jobs:
+                for one in [job, *getattr(job, "_sub_jobs", [])]:
+                    one._results_timeout_s = RESULT_GRACE_S
             return jobs
 
         # The base class builds its executor and calls map_array inside launch(); wrapping the

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.sweep.manifest import (
     DONE,
+    EXIT_NOT_DONE,
     FAILED,
     FINAL,
     OUT_OF_MEMORY,
@@ -195,7 +196,7 @@ class CharllmSweeper(BasicSweeper):
                 "run the same command again to resume (sweep.retry_failed=true re-runs failed ones)",
                 file=sys.stderr,
             )
-            raise SystemExit(1)
+            raise SystemExit(EXIT_NOT_DONE)
         return returns
 
     def _manifest(
