@@ -42,13 +42,14 @@ from charllm_nemo.sweep.manifest import (
     OUT_OF_MEMORY,
     OUT_OF_MEMORY_PREDICTED,
     PENDING,
+    PREEMPTED,
     RUNNING,
     Attempt,
     SweepManifest,
     load_manifest,
 )
 from charllm_nemo.sweep.plan import plan_configuration
-from charllm_nemo.sweep.status import refresh, status_lines
+from charllm_nemo.sweep.status import SLURM_ALIVE, refresh, slurm_job_state, status_lines
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ def _world_size(cfg: DictConfig) -> int:
     if launcher is not None and "nodes" in launcher and "tasks_per_node" in launcher:
         return int(launcher.nodes) * int(launcher.tasks_per_node)
     return int(OmegaConf.select(cfg, "nproc") or 1)
+
+
+def _requeued(attempt: Attempt | None) -> bool:
+    """Whether ``attempt``'s SLURM job is queued or running again (``scontrol requeue``)."""
+    if attempt is None or attempt.scheduler != "slurm" or not attempt.job_id:
+        return False
+    return slurm_job_state(str(attempt.job_id)) in SLURM_ALIVE
 
 
 def _is_fixed(override: str) -> bool:
@@ -133,6 +141,8 @@ class CharllmSweeper(BasicSweeper):
                 or (entry.state in (FAILED, OUT_OF_MEMORY) and not retry)
                 # its job is still queued or running (an earlier command's)
                 or (entry.state in (PENDING, RUNNING) and entry.latest is not None)
+                # preempted, and requeued by submitit: the requeued job is the next attempt
+                or (entry.state == PREEMPTED and _requeued(entry.latest))
             ):
                 skipped[entry.state] = skipped.get(entry.state, 0) + 1
                 continue
