@@ -51,7 +51,12 @@ class _Reporting:
                 )
             waiting = list(jobs)
             while waiting:
-                waiting = [j for j in waiting if not j.done(force_check=True)]
+                # One sacct call for every job submitted (the watcher is shared), then the cached
+                # states: done(force_check=True) does not pass the force on to a multi-task
+                # job's tasks, which would wait for submitit's own, ever slower, schedule.
+                if jobs and hasattr(jobs[0], "watcher"):
+                    jobs[0].watcher.update()
+                waiting = [j for j in waiting if not j.done()]
                 if waiting:
                     time.sleep(POLL_S)
             for job in jobs:
