@@ -11,6 +11,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.sweep.manifest import (
     Attempt,
     SweepManifest,
+    done_runs,
     load_manifest,
     run_key,
     write_json,
@@ -40,6 +41,7 @@ def test_the_manifest_round_trips_and_refuses_a_foreign_file(tmp_path: Path) -> 
     back = load_manifest(tmp_path)
     assert back is not None and back.runs["optim-base"].attempts[0].job_id == "7_0"
     assert back.entry(["optim=base"]).next_attempt() == 2
+    assert done_runs(tmp_path) == {"optim-base": tmp_path / "run=optim-base" / "attempt=1"}
     write_json(tmp_path / "sweep.json", {"schema": "something-else"})
     with pytest.raises(ConfigError, match=r"sweep\.dir"):
         load_manifest(tmp_path)

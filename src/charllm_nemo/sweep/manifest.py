@@ -184,6 +184,21 @@ def attempt_dir(sweep_dir: Path, key: str, attempt: int) -> Path:
     return sweep_dir / f"run={key}" / f"attempt={attempt}"
 
 
+def done_runs(sweep_dir: Path) -> dict[str, Path]:
+    """Each done configuration's run directory (its latest done attempt), by run key, as
+    ``sweep.json`` records it: what an analysis of the sweep reads, leaving out failed and
+    preempted attempts. Empty when the sweep has no manifest."""
+    manifest = load_manifest(sweep_dir)
+    if manifest is None:
+        return {}
+    out = {}
+    for key, entry in manifest.runs.items():
+        done = [a for a in entry.attempts if a.state == "done"]
+        if done:
+            out[key] = attempt_dir(sweep_dir, key, done[-1].attempt)
+    return out
+
+
 def find_sweeps(path: Path) -> list[Path]:
     """``path`` itself when it holds a manifest, else the sweeps directly under it."""
     if (path / MANIFEST).is_file():
