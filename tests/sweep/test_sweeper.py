@@ -181,3 +181,20 @@ def test_the_h100_preset_asks_for_8_nodes(tmp_path: Path, monkeypatch: pytest.Mo
     assert "#SBATCH --nodes=8" in script and "#SBATCH --ntasks-per-node=8" in script
     assert "#SBATCH --gpus-per-node=8" in script
     assert "--partition" not in script and "--account" not in script  # unset: the cluster's default
+
+
+def test_an_attempt_that_never_reached_a_scheduler_runs_again(tmp_path: Path, fake_worker: None) -> None:
+    from charllm_nemo.sweep.manifest import Attempt
+
+    args = ["-m", "+sweep=cpu_microbatch", f"sweep.dir={tmp_path}", "batch.micro_batch_size=1,2"]
+    sweep = tmp_path / "sweep=cpu_microbatch"
+    assert app.main(args) == 0
+    # the sweep process died after recording attempt 2 as pending, before any job existed
+    m = load_manifest(sweep)
+    assert m is not None
+    m.runs["micro_batch_size-1"].attempts.append(Attempt(attempt=2))
+    m.runs["micro_batch_size-1"].state = "pending"
+    m.save(sweep)
+    assert app.main(args) == 0
+    assert _attempts(sweep)["micro_batch_size-1"] == [(1, "done"), (2, "pending"), (3, "done")]
+    assert _attempts(sweep)["micro_batch_size-2"] == [(1, "done")]

@@ -139,8 +139,9 @@ class CharllmSweeper(BasicSweeper):
             if (
                 entry.state == DONE
                 or (entry.state in (FAILED, OUT_OF_MEMORY) and not retry)
-                # its job is still queued or running (an earlier command's)
-                or (entry.state in (PENDING, RUNNING) and entry.latest is not None)
+                # its job is still queued or running (an earlier command's); without a job id it
+                # never reached a scheduler, or ran in a sweep process that is gone: run it again
+                or (entry.state in (PENDING, RUNNING) and entry.latest is not None and entry.latest.job_id)
                 # preempted, and requeued by submitit: the requeued job is the next attempt
                 or (entry.state == PREEMPTED and _requeued(entry.latest))
             ):
