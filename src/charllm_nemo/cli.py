@@ -231,7 +231,7 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
     sweeps = find_sweeps(path)
     if not sweeps:
         raise StoreError(
-            f"{path} holds no sweep (no sweep.json in it or in its sweep=*/ folders); sweeps are "
+            f"{path} holds no sweep (no sweep.json in it, nor one or two folders down); sweeps are "
             "written by `charllm train -m +sweep=<name>` under sweep.dir (default runs/sweeps)"
         )
     for i, folder in enumerate(sweeps):

@@ -200,10 +200,11 @@ def done_runs(sweep_dir: Path) -> dict[str, Path]:
 
 
 def find_sweeps(path: Path) -> list[Path]:
-    """``path`` itself when it holds a manifest, else the sweeps directly under it."""
+    """``path`` itself when it holds a manifest, else the sweeps one or two levels under it
+    (``runs/sweeps/sweep=<name>`` from ``runs/sweeps`` or ``runs``)."""
     if (path / MANIFEST).is_file():
         return [path]
-    return sorted(p.parent for p in path.glob(f"*/{MANIFEST}"))
+    return sorted({p.parent for pattern in (f"*/{MANIFEST}", f"*/*/{MANIFEST}") for p in path.glob(pattern)})
 
 
 def format_table(rows: Iterable[Sequence[str]], header: Sequence[str]) -> list[str]:
