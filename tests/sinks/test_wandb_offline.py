@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from charllm_nemo.redact import REDACTED
 from charllm_nemo.sinks.config import LoggerConfig, build_sink
 from charllm_nemo.sinks.keys import (
     STEP_FIGURE_KEYS,
@@ -21,7 +22,7 @@ from charllm_nemo.sinks.keys import (
     step_metrics,
     unpack_gathered,
 )
-from charllm_nemo.sinks.wandb import REDACTED, telemetry_files
+from charllm_nemo.sinks.wandb import telemetry_files
 from charllm_nemo.sinks.windows_table import windows_table_rows
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run

@@ -328,3 +328,25 @@ def test_a_close_that_cannot_store_the_open_windows_still_finishes_the_manifest(
     m = load_run(tmp_path).manifests[0]
     assert m["status"] == "failed" and m["flusher"]["errors"] >= 1
     assert "could not store the 1 window(s) open at close" in caplog.text
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_no_manifest_holds_a_secret_of_the_config_or_argv(tmp_path, monkeypatch, sampler):
+    # Every manifest (at start, and each rewrite at close) held a config's token in plaintext.
+    secret = "s3cr3t-" + sampler
+    monkeypatch.setattr(sys, "argv", ["charllm", "train", f"+extra.hf_token={secret}"])
+    config = {
+        "extra": {"hf_token": secret, "db": f"postgres://me:{secret}@db/x"},
+        "moe_token_dispatcher": "a2a",
+    }
+    tel = TelemetrySession(
+        tmp_path, backend="synthetic", hz=100, sampler=sampler, config=config, handle_signals=False
+    )
+    manifest = tmp_path / "rank=0" / "manifest.json"
+    with tel:
+        assert secret not in manifest.read_text()
+    text = manifest.read_text()
+    assert secret not in text and '"status": "complete"' in text
+    m = load_run(tmp_path).manifests[0]
+    assert m["config"]["moe_token_dispatcher"] == "a2a" and m["config"]["extra"]["hf_token"] == "<redacted>"
+    assert m["argv"][-1] == "+extra.hf_token=<redacted>"

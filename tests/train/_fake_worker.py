@@ -25,7 +25,13 @@ def run(cfg: Any) -> int:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
     env = {k: os.environ.get(k) for k in keys}
     if mode == "ok":
-        info = {"env": env, "model": cfg.model.name, "device": cfg.launch.device, "tp": cfg.parallel.tp}
+        info = {
+            "env": env,
+            "model": cfg.model.name,
+            "device": cfg.launch.device,
+            "tp": cfg.parallel.tp,
+            "extra": cfg.extra,
+        }
         (out / f"rank{rank}.json").write_text(json.dumps(info))
         print(f"fake rank {rank} done", flush=True)
         return 0

@@ -155,6 +155,26 @@ def test_config_file_round_trip(tmp_path: Path, suffix: str) -> None:
     assert load_train_config(path) == cfg
 
 
+def test_config_yaml_keeps_no_secret_and_the_ranks_still_get_it(
+    tmp_path: Path, fake_worker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A token given as an override was stored in plaintext in config.yaml (and so in the W&B
+    # artifact); the ranks read that same file, so they must get the real value another way.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "run"
+    secret = "hf_" + "Zq9" * 12
+    overrides = [f"telemetry.out_dir={out}", f"+extra.hf_token={secret}", "+extra.num_tokens=7"]
+    assert app.main(overrides) == 0
+    text = (out / "config.yaml").read_text()
+    assert secret not in text and "hf_token: <redacted>" in text and "num_tokens: 7" in text
+    assert "moe_token_dispatcher: allgather" in text  # an ordinary name that contains "token"
+    rank0 = json.loads((out / "fake" / "rank0.json").read_text())
+    assert rank0["extra"] == {"hf_token": secret, "num_tokens": 7}
+    assert list((tmp_path / "tmp").iterdir()) == []  # the ranks' private copy is gone
+    assert load_train_config(out / "config.yaml").extra["hf_token"] == "<redacted>"
+
+
 def test_config_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_train_config(tmp_path / "none.yaml")
@@ -236,6 +256,33 @@ def test_replacing_a_run_of_more_ranks_leaves_no_empty_rank_folder_or_old_rank_l
     cfg.telemetry.out_dir, cfg.telemetry.overwrite = str(out), True
     app.check_run_dir(cfg, removes=True)
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_rank_folder_linked_to_another_run_is_in_the_way_and_only_the_link_goes(tmp_path: Path) -> None:
+    # overwrite removed the store files of the run the link pointed at, through the link.
+    other = tmp_path / "other" / "rank=0"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text("{}")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "rank=0").symlink_to(other)
+    assert app.previous_run_files(out) == [out / "rank=0"]
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir, cfg.telemetry.overwrite = str(out), True
+    app.check_run_dir(cfg, removes=True)
+    assert list(out.iterdir()) == [] and (other / "manifest.json").exists()
+
+
+def test_file_names_in_the_refusal_are_escaped_for_the_terminal(tmp_path: Path) -> None:
+    (tmp_path / "rank=0").mkdir()
+    (tmp_path / "rank=0" / "samples-\x1b[2J.parquet").write_bytes(b"")
+    cfg = TrainConfig()
+    cfg.telemetry.out_dir = str(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"already holds a run \(rank=0/samples-\\x1b\[2J\.parquet\)"
+    ) as err:
+        app.check_run_dir(cfg, removes=True)
+    assert "\x1b" not in str(err.value)
 
 
 def test_a_run_directory_that_cannot_be_made_is_a_config_error_not_a_traceback(

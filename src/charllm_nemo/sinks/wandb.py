@@ -1,7 +1,8 @@
 """Weights & Biases sink: one W&B run per job, written by rank 0 (docs/wandb.md).
 
 * ``start``: ``wandb.init`` with the resolved training config plus the run manifest (devices,
-  backend, versions) as the run's config, secrets removed (:func:`redact_secrets`); tags and
+  backend, versions) as the run's config, secrets removed (:func:`charllm_nemo.redact.redact_secrets`,
+  as in every file the artifact holds); tags and
   group from the recipe (:func:`recipe_tags`, :func:`recipe_group`); the custom step axis
   ``trainer/global_step`` for every key. Offline when there is no API key (said once).
 * ``log_step``: one ``run.log`` per step; unknown values are omitted, never logged as 0.
@@ -16,17 +17,17 @@ training thread. wandb is imported lazily (in ``start``).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import math
 import netrc
 import os
-import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from charllm_nemo.redact import redact_secrets
 from charllm_nemo.sinks.base import Metrics
 from charllm_nemo.sinks.keys import STEP_KEY, finite
 
@@ -37,92 +38,6 @@ WANDB_MODES: tuple[str, ...] = ("auto", "online", "offline", "disabled")
 
 WINDOWS_TABLE_KEY = "telemetry/windows"
 ARTIFACT_TYPE = "telemetry"
-REDACTED = "<redacted>"
-
-# -- secrets ------------------------------------------------------------------------------------
-
-# A key is secret when one of its words (split at _ - . space and camelCase) is one of these,
-# or two adjacent words make one of the pairs. Word-wise, so "tokens_per_s" and "tokenizer"
-# stay, while "hf_token", "apiKey" and "WANDB_API_KEY" go.
-_SECRET_WORDS = frozenset(
-    {
-        "token",
-        "secret",
-        "secrets",
-        "password",
-        "passwd",
-        "pwd",
-        "apikey",
-        "credential",
-        "credentials",
-        "auth",
-        "authorization",
-        "cookie",
-        "privatekey",
-        "passphrase",
-    }
-)
-_SECRET_PAIRS = frozenset(
-    {("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"), ("session", "key")}
-)
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+")
-_ASSIGNMENT = re.compile(r"^(--?)?(?P<name>[A-Za-z0-9_.\-]+)(?P<sep>[=:])(?P<value>.+)$")
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,31}://)[^/@\s]+@")
-
-
-def is_secret_key(key: str) -> bool:
-    """Whether a config key or variable name names a secret (api_key, token, password, ...)."""
-    words = [w.lower() for w in _WORD_SPLIT.split(_CAMEL.sub("_", key)) if w]
-    if any(w in _SECRET_WORDS for w in words):
-        return True
-    return any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words))
-
-
-def _redact_text(s: str) -> str:
-    if "=" not in s and ":" not in s:
-        return s  # the common case, and linear time on long strings
-    if "@" in s and "://" in s:
-        s = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", s)
-    m = _ASSIGNMENT.match(s)
-    if m and is_secret_key(m.group("name")):
-        return s[: m.start("value")] + REDACTED
-    return s
-
-
-def redact_secrets(obj: Any) -> Any:
-    """A copy of ``obj`` (dicts, lists, tuples, scalars) with secrets replaced by ``<redacted>``.
-
-    Replaced: the value of every mapping key that :func:`is_secret_key` flags (any type, nested
-    or not); in strings, ``NAME=value`` / ``--name=value`` where NAME is a secret name and the
-    user:password part of URLs; in lists (an argv), the item after a ``--api-key``-style flag.
-    Everything else is kept as it is.
-    """
-    if isinstance(obj, Mapping):
-        out: dict[Any, Any] = {}
-        for k, v in obj.items():
-            out[k] = REDACTED if isinstance(k, str) and is_secret_key(k) else redact_secrets(v)
-        return out
-    if isinstance(obj, (list, tuple)):
-        items: list[Any] = []
-        hide_next = False
-        for item in obj:
-            if hide_next and isinstance(item, str):
-                items.append(REDACTED)
-                hide_next = False
-                continue
-            hide_next = (
-                isinstance(item, str)
-                and item.startswith("-")
-                and "=" not in item
-                and is_secret_key(item.lstrip("-"))
-            )
-            items.append(redact_secrets(item))
-        return type(obj)(items) if isinstance(obj, tuple) else items
-    if isinstance(obj, str):
-        return _redact_text(obj)
-    return obj
-
 
 # -- mode -----------------------------------------------------------------------------------------
 
@@ -309,8 +224,10 @@ def shared_run_id(run_dir: str | os.PathLike[str], env: Mapping[str, str] | None
 
 
 def telemetry_files(run_dir: Path, exclude: Iterable[Path] = ()) -> list[Path]:
-    """The files of a run directory to upload: everything but dot-files (a writer's temporary
-    segments), W&B's own ``wandb/`` folder and the ``exclude`` folders; sorted."""
+    """The files of a run directory to upload: every regular file but dot-files (a writer's
+    temporary segments), W&B's own ``wandb/`` folder and the ``exclude`` folders; sorted. A
+    symbolic link is never uploaded (nor followed): it could point at any file of the user's,
+    such as ``~/.netrc``; nor is a FIFO or device."""
     skip = [p.resolve() for p in exclude]
     out: list[Path] = []
     for root, dirs, files in os.walk(run_dir):
@@ -322,8 +239,15 @@ def telemetry_files(run_dir: Path, exclude: Iterable[Path] = ()) -> list[Path]:
             and not (here == run_dir and d == "wandb")
             and (here / d).resolve() not in skip
         )
-        out.extend(here / f for f in sorted(files) if not f.startswith("."))
+        out.extend(here / f for f in sorted(files) if not f.startswith(".") and _regular(here / f))
     return out
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 # -- the sink -------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from typing import Any
 import charllm_nemo
 from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.redact import redact_secrets
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
 from charllm_nemo.telemetry.placement import (
     DEFAULT_COLLECTOR_SCHED,
@@ -277,7 +278,7 @@ class TelemetrySession:
         return self.engine.sampler
 
     def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
-        return {
+        manifest = {
             "kind": "charllm-nemo telemetry",
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -298,6 +299,9 @@ class TelemetrySession:
             "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
             "config": config or {},
         }
+        # Redacted once, here: every rewrite of the manifest (close, a lost telemetry process, a
+        # kill) starts from this dict, so none holds a token or password of the config or argv.
+        return redact_secrets(manifest)  # type: ignore[no-any-return]
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> TelemetrySession:

@@ -29,7 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
-from charllm_nemo.train.config_io import register_resolvers, resolved, save_train_config, train_config_from
+from charllm_nemo.train.config_io import (
+    config_for_ranks,
+    register_resolvers,
+    resolved,
+    save_train_config,
+    train_config_from,
+)
 from charllm_nemo.train.launch import (
     launch_local,
     local_gpu_count,
@@ -109,6 +115,12 @@ def previous_run_files(out_dir: Path) -> list[Path]:
 
     found = [out_dir / name for name in RUN_FILES if (out_dir / name).is_file()]
     for folder in sorted(out_dir.glob("rank=*")):
+        if folder.is_symlink():
+            # A rank folder linked to another run's: the link is in the way (the ranks would
+            # write through it into that run), and only the link goes with overwrite, never
+            # the files it points at.
+            found.append(folder)
+            continue
         found += rank_files(folder)
     return found
 
@@ -117,6 +129,7 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
     """Refuse a run directory that holds an earlier run (ConfigError: its files would mix with
     this run's), unless ``telemetry.overwrite``; then the process that ``removes`` (the launcher,
     or rank 0 of an in-process launcher, before any rank can write) deletes them."""
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.store import describe_files
 
     out = Path(cfg.telemetry.out_dir)
@@ -124,8 +137,9 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
     if not old:
         return
     if not cfg.telemetry.overwrite:
+        found = printable(describe_files(old, out), 1000)  # file names: anyone's, escaped for a terminal
         raise ConfigError(
-            f"telemetry.out_dir={str(out)!r} already holds a run ({describe_files(old, out)}); give a "
+            f"telemetry.out_dir={str(out)!r} already holds a run ({found}); give a "
             "new directory (the default, runs/<time>, is new for every run), or telemetry.overwrite=true "
             "to replace that run"
         )
@@ -213,8 +227,10 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
     check_run_dir(cfg, removes=removes)
     if cfg.launch.launcher == "local":
         _announce(cfg, layout)
-        config_path = save_train_config(cfg, out_dir / "config.yaml")
-        rc = launch_local(config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port)
+        with config_for_ranks(cfg, out_dir / "config.yaml") as config_path:  # secrets: not in the run dir
+            rc = launch_local(
+                config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
+            )
         _where(out_dir)
         return rc
     # slurm / none: this process is one rank.

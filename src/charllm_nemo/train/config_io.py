@@ -5,10 +5,13 @@ Needs only omegaconf (no Hydra, no torch), so the spawned workers load their con
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.redact import redact_secrets
 from charllm_nemo.train.config import TrainConfig
 
 # Top-level shorthands in conf/train.yaml that are not TrainConfig fields.
@@ -100,15 +104,45 @@ def to_yaml(cfg: TrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
 
 
-def save_train_config(cfg: TrainConfig, path: str | os.PathLike[str]) -> Path:
-    """Write ``cfg`` to ``path`` (``.json`` as JSON, else YAML); parents are created."""
+def save_train_config(cfg: TrainConfig, path: str | os.PathLike[str], *, redact: bool = True) -> Path:
+    """Write ``cfg`` to ``path`` (``.json`` as JSON, else YAML); parents are created. With
+    ``redact`` (the default: a file in a run directory is kept, shared and uploaded) secrets are
+    replaced (:func:`charllm_nemo.redact.redact_secrets`): such a file records the run, and is not
+    what ranks should run (see :func:`config_for_ranks`)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(to_dict(cfg), indent=2) + "\n" if p.suffix == ".json" else to_yaml(cfg)
+    data = redact_secrets(to_dict(cfg)) if redact else to_dict(cfg)
+    text = (
+        json.dumps(data, indent=2) + "\n"
+        if p.suffix == ".json"
+        else OmegaConf.to_yaml(OmegaConf.create(data))
+    )
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(p)  # atomic: a reader never sees half a file
     return p
+
+
+@contextlib.contextmanager
+def config_for_ranks(cfg: TrainConfig, record: Path) -> Iterator[Path]:
+    """Write the run's record ``record`` (``config.yaml``, secrets redacted) and yield the file
+    the local launcher's ranks load. When ``cfg`` holds no secret that is ``record`` itself;
+    otherwise the full config goes to a file only this user can read (mode 0600, in a private
+    temporary folder outside the run directory, so neither the artifact nor another user sees
+    it), removed when the block ends (a launcher killed with SIGKILL leaves it: still 0600)."""
+    save_train_config(cfg, record)
+    if redact_secrets(to_dict(cfg)) == to_dict(cfg):
+        yield record
+        return
+    folder = Path(tempfile.mkdtemp(prefix="charllm-config-"))  # mode 0700
+    try:
+        full = folder / record.name
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(to_yaml(cfg))
+        yield full
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
