@@ -311,8 +311,10 @@ class _Series:
         return out
 
     def extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
-        """ufunc (np.maximum / np.minimum) over the samples with t0 <= t < t1; over the two
-        interpolated edge values when no sample is inside. NaN where not covered."""
+        """ufunc (np.maximum / np.minimum) of the curve over [t0, t1]: the samples with
+        t0 <= t < t1 and the two interpolated edge values. The curve's mean over the window
+        (:meth:`mean`) therefore always lies between its minimum and its maximum: both come from
+        the same piecewise-linear curve. NaN where not covered."""
         out = np.full(t0.shape, np.nan)
         ok = self.covers(t0, t1)
         if not ok.any():
@@ -323,7 +325,7 @@ class _Series:
         res = ufunc(self.value_at(a, "right"), self.value_at(b, "left"))
         inside = hi > lo
         if inside.any():
-            res[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
+            res[inside] = ufunc(res[inside], _range_reduce(ufunc, self.v, lo[inside], hi[inside]))
         out[ok] = res
         return out
 
@@ -411,6 +413,31 @@ def _counter_energy(
         idx = np.flatnonzero(use)[missing]
         res[missing] = _delta(tt, te, t0[idx], t1[idx]) / MJ_PER_J
     out[use] = res
+    return out
+
+
+def _counter_interval_peak(
+    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int
+) -> FloatArray:
+    """Highest mean power (W) over the energy counter's intervals (tick to next tick) that lie
+    inside each window, for the windows whose energy the counter measures (at least
+    ``min_ticks`` ticks inside, no decrease across them); NaN elsewhere."""
+    tt, te = _ticks(*_int_timeline(t, e_mj))
+    out = np.full(t0.shape, np.nan)
+    if tt.size < 2:
+        return out
+    lo = np.searchsorted(tt, t0, side="left")
+    hi = np.searchsorted(tt, t1, side="right")
+    use = (hi - lo) >= max(2, min_ticks)
+    if not use.any():
+        return out
+    # mJ per ns is 1e6 W; int64 differences first, exact whatever the counter's magnitude.
+    interval_w = np.diff(te).astype(np.float64) / np.diff(tt).astype(np.float64) * 1e6
+    first, last = lo[use], hi[use] - 1  # intervals first .. last-1 lie inside
+    peak = _range_reduce(np.maximum, interval_w, first, last)
+    drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
+    peak[drops[last] - drops[first] > 0] = np.nan
+    out[use] = peak
     return out
 
 
@@ -615,7 +642,15 @@ def attribute_windows(
             out["power_timeline_avg_w"] = timeline_avg
         out["power_avg_w"] = power_avg
     if want("power_peak_w"):
-        out["power_peak_w"] = instant.extreme(np.maximum, t0, t1)
+        # The peak is taken over the same evidence as the mean power: the instant-power curve
+        # (edges included) and, where the counter measures part of the window, the counter's
+        # mean power over each of its intervals inside (the true power reached that mean at
+        # some instant). So power_avg_w <= power_peak_w whichever energy method applied.
+        peak = instant.extreme(np.maximum, t0, t1)
+        counted = _counter_interval_peak(*ints("energy_mj"), t0, t1, min_counter_ticks)
+        has = ~np.isnan(peak) & ~np.isnan(counted)
+        peak[has] = np.maximum(peak[has], counted[has])
+        out["power_peak_w"] = peak
 
     for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
         if want(f"{name}_peak_c"):
