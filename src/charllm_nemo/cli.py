@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.errors import CharllmError, StoreError
+from charllm_nemo.errors import CharllmError, ConfigError, StoreError
 
 
 def _busy(seconds: float) -> None:
@@ -37,10 +37,14 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     from charllm_nemo.telemetry.session import TelemetrySession
 
     out = Path(args.out)
-    options = {"activity": "marks"} if args.backend == "synthetic" else {}
+    options: dict[str, Any] = {"activity": "marks"} if args.backend == "synthetic" else {}
+    backend, devices = args.backend, None
+    if args.devices is not None:
+        backend, devices, options = resolve_devices(args.backend, args.devices, options)
     session = TelemetrySession(
         out,
-        backend=args.backend,
+        backend=backend,
+        devices=devices,
         hz=args.hz,
         sampler=args.sampler,
         config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
@@ -79,6 +83,53 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     return _print_run(out, kinds=("step", "phase"))
 
 
+def devices_list(text: str) -> list[int] | str:
+    """``--devices``: ``all``, or host device indices ``0,3`` (each once, >= 0)."""
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        indices = [int(part) for part in text.split(",")]
+    except ValueError:
+        indices = []
+    if not indices or any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device list; use all, or host indices such as 0 or 0,3 (each once)"
+        )
+    return indices
+
+
+def resolve_devices(
+    backend: str, wanted: list[int] | str, options: dict[str, Any]
+) -> tuple[str, list[int], dict[str, Any]]:
+    """The backend name, device indices and backend options that ``--devices`` asks for.
+
+    The backend is opened once to see which devices the host has, so that an index it lacks is
+    an error naming ``--devices`` and the indices present (``auto`` would otherwise fall back to
+    another device). The synthetic model has as many devices as asked for: ``all`` is one, a
+    list ``0,3`` opens devices up to index 3 and samples those two."""
+    from charllm_nemo.devices.factory import open_backend
+
+    if backend != "synthetic":
+        probe = open_backend(backend)
+        try:
+            name, present = probe.name, [d.identity.index for d in probe.devices]
+        finally:
+            probe.close()
+        if name != "synthetic":
+            if isinstance(wanted, str):  # all
+                return name, present, options
+            missing = [i for i in wanted if i not in present]
+            if missing:
+                raise ConfigError(
+                    f"--devices {','.join(map(str, wanted))}: {', '.join(map(str, missing))} not on this "
+                    f"host ({name} sees {', '.join(map(str, present)) or 'none'}); use all or those indices"
+                )
+            return name, list(wanted), options
+        backend = "synthetic"  # auto found no GPU library: the warning has been given
+    indices = [0] if isinstance(wanted, str) else list(wanted)
+    return "synthetic", indices, {**options, "count": max(indices) + 1}
+
+
 def steps_range(text: str) -> tuple[int | None, int | None]:
     """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone)."""
     try:
@@ -103,10 +154,13 @@ def _print_run(
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.join import attribute_run
+    from charllm_nemo.telemetry.layout import scan_run
     from charllm_nemo.telemetry.reader import load_run
 
-    run = load_run(path)
+    files = scan_run(path)
+    run = load_run(path, files)
     missing = sorted(set(ranks or ()) - set(run.ranks))
     if missing:
         raise StoreError(f"--rank {', '.join(map(str, missing))}: not in {path}; ranks present: {run.ranks}")
@@ -120,26 +174,50 @@ def _print_run(
         windows = windows.filter(
             pc.is_in(windows.column("rank"), pa.array(list(ranks), windows.column("rank").type))
         )
-    for p in run.problems:
-        print(f"warning: {p}", file=sys.stderr)
-    backends = sorted({m.get("backend", "?") for m in run.manifests.values()})
+    problems = list(run.problems)
+    ended = _how_it_ended(files, run.manifests, problems)
+    # Everything printed from here on may hold text from the run's files (names, statuses,
+    # hosts, paths): escaped, so a file cannot move the cursor or recolour the terminal.
+    for p in problems:
+        print(f"warning: {printable(p, 1000)}", file=sys.stderr)
+    backends = sorted({str(m.get("backend", "?")) for m in run.manifests.values()})
     print(
-        f"{path}: {len(run.ranks)} rank(s), {run.samples.num_rows} samples, {run.windows.num_rows} windows, "
-        f"backend {', '.join(backends)}"
+        f"{printable(path, 1000)}: {len(run.ranks)} rank(s), {run.samples.num_rows} samples, "
+        f"{run.windows.num_rows} windows, backend {printable(', '.join(backends))}"
     )
-    for line in _how_it_ended(path, run.manifests):
-        print(line)
+    for line in ended:
+        print(printable(line, 1000))
     if "synthetic" in backends:
         print("NOTE: synthetic device: the figures below come from a model, not from hardware")
     table = attribute_run(dataclasses.replace(run, windows=windows), kinds)
     if table.num_rows == 0:
         print("no windows to attribute")
         return 0
+    for line in window_table_lines(table):
+        print(line)
+    return 0
+
+
+NAME_WIDTH = 24
+"""Widest phase name the inspect table shows whole (longer ones are cut, ending in ``~``)."""
+
+
+def window_table_lines(table: Any) -> list[str]:
+    """The inspect table of per-window figures (a header line, then one line per row).
+
+    Each column is as wide as its widest cell, so a long phase name shifts no column; names are
+    cut at :data:`NAME_WIDTH` characters. ``mb`` is the microbatch index of microbatch and
+    phase rows (``-`` for a step, or a phase outside any microbatch such as the optimizer);
+    ``dev`` appears when a rank sampled more than one device."""
+    from charllm_nemo.telemetry.filecheck import printable
+
     cols = [
         ("rank", "rank", "{}"),
         ("kind", "kind", "{}"),
         ("name", "name", "{}"),
         ("step", "step", "{}"),
+        ("microbatch", "mb", "{}"),
+        ("device_index", "dev", "{}"),
         ("duration_s", "dur ms", "{:.1f}"),
         ("energy_j", "energy J", "{:.2f}"),
         ("energy_method", "method", "{}"),
@@ -151,29 +229,45 @@ def _print_run(
         ("n_samples", "n", "{}"),
     ]
     present = [c for c in cols if c[0] in table.column_names]
+    if "device_index" in table.column_names and len(set(table.column("device_index").to_pylist())) <= 1:
+        present = [c for c in present if c[0] != "device_index"]
     data = {c[0]: table.column(c[0]).to_pylist() for c in present}
     scale = {"duration_s": 1e3, "throttle_any_limiting_s": 1e3}
-    print("  ".join(f"{h:>9}" for _, h, _ in present))
-    for i in range(table.num_rows):
-        cells = []
-        for name, _, fmt in present:
-            v = data[name][i]
+    text_cols = {"kind", "name", "energy_method"}
+    cells: dict[str, list[str]] = {}
+    for name, _, fmt in present:
+        column = []
+        for v in data[name]:
             if v is None or (isinstance(v, float) and v != v):
-                cells.append(f"{'-':>9}")
+                column.append("-")
                 continue
             if name in scale:
                 v = v * scale[name]
-            cells.append(f"{fmt.format(v):>9}")
-        print("  ".join(cells))
-    return 0
+            text = printable(fmt.format(v), 1000)
+            if name == "name" and len(text) > NAME_WIDTH:
+                text = text[: NAME_WIDTH - 1] + "~"
+            column.append(text)
+        cells[name] = column
+    widths = {name: max(len(head), *(len(c) for c in cells[name])) for name, head, _ in present}
+
+    def line(values: dict[str, str]) -> str:
+        return "  ".join(
+            values[n].ljust(widths[n]) if n in text_cols else values[n].rjust(widths[n])
+            for n, _, _ in present
+        ).rstrip()
+
+    out = [line({n: head for n, head, _ in present})]
+    out += [line({n: cells[n][i] for n, _, _ in present}) for i in range(table.num_rows)]
+    return out
 
 
-def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def _how_it_ended(files: Any, manifests: Mapping[int, Mapping[str, Any]], problems: list[str]) -> list[str]:
     """Each rank's writer status (manifest), and for a training run what rank 0 reported
-    (summary.json, or steps.jsonl when the rank could not write a summary)."""
-    import json
-
-    from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
+    (summary.json, or steps.jsonl when the rank could not write a summary). ``files``: the
+    run's :class:`~charllm_nemo.telemetry.layout.RunFiles`; what is wrong with a file goes to
+    ``problems`` (the lines returned are not yet escaped for a terminal)."""
+    from charllm_nemo.telemetry.filecheck import validate_step, validate_summary
+    from charllm_nemo.telemetry.layout import SIZE_CAPS, iter_jsonl_numbered, read_json
 
     ranks_by_status: dict[str, list[int]] = {}
     for rank, m in sorted(manifests.items()):
@@ -187,12 +281,11 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
             for status, ranks in ranks_by_status.items()
         )
     ]
-    summary, steps = path / SUMMARY_FILE, path / STEPS_FILE
-    if summary.is_file():
-        try:
-            d = json.loads(summary.read_text())
-        except ValueError as exc:
-            return [*lines, f"training: summary.json unreadable ({exc})"]
+    if files.summary is not None:
+        raw = read_json(files.summary, SIZE_CAPS["summary"], problems)
+        if raw is None:
+            return [*lines, "training: summary.json unreadable (see the warning above)"]
+        d = validate_summary(raw, files.summary, problems)
         step_ms = d.get("step_time_s_median")
         tok = d.get("tokens_per_s_median")
         energy = d.get("energy_j_median")
@@ -208,8 +301,12 @@ def _how_it_ended(path: Path, manifests: Mapping[int, Mapping[str, Any]]) -> lis
             line = memory_line(d["memory"])
             if line:
                 lines.append(line)
-    elif steps.is_file():
-        n = sum(1 for line in steps.read_text().splitlines() if line.strip())
+    elif files.steps is not None:
+        n = sum(
+            1
+            for lineno, row in iter_jsonl_numbered(files.steps, SIZE_CAPS["steps"], problems)
+            if validate_step(row, f"{files.steps}:{lineno}", problems)
+        )
         lines.append(
             f"training: no summary.json (rank 0 did not get to write it: killed?); steps.jsonl holds "
             f"{n} step(s)"
@@ -249,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
     t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")
+    t.add_argument(
+        "--devices",
+        type=devices_list,
+        default=None,
+        help="devices to sample: all, or host indices such as 0,3 (default: the one of local rank 0); "
+        "all land in rank=0/, one device_index each",
+    )
     t.add_argument("--out", required=True, help="run directory to write")
     t.add_argument(
         "--overwrite", action="store_true", help="replace a run already in --out (default: refuse)"

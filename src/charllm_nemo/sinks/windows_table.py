@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from charllm_nemo.telemetry.filecheck import printable
+from charllm_nemo.telemetry.layout import RankFiles, read_parquet
+
 log = logging.getLogger("charllm_nemo.sinks")
 
 WINDOW_TABLE_COLUMNS: tuple[str, ...] = (
@@ -52,14 +55,19 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def _rank_rows(run_dir: str | os.PathLike[str], rank: int, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+def _rank_rows(
+    run_dir: str | os.PathLike[str], files: RankFiles, kinds: tuple[str, ...]
+) -> list[dict[str, Any]]:
     import numpy as np
     import pyarrow as pa
 
     from charllm_nemo.telemetry.join import attribute_run
     from charllm_nemo.telemetry.reader import RunData, load_rank
 
-    rd = load_rank(run_dir, rank)
+    rank = files.rank
+    rd = load_rank(run_dir, rank, files)
+    for problem in rd.problems:
+        log.warning("windows table: %s", printable(problem, 1000))
 
     def ranked(t: pa.Table) -> pa.Table:
         return t.add_column(0, "rank", pa.array(np.full(t.num_rows, rank, np.int32)))
@@ -87,21 +95,15 @@ def _order(r: dict[str, Any]) -> tuple[int, int, int, int]:
     return (num("step"), num("t_begin_mono_ns"), kind, num("device_index"))
 
 
-def _count_rows(run_dir: str | os.PathLike[str], rank: int, kinds: tuple[str, ...]) -> int:
+def _count_rows(files: RankFiles, kinds: tuple[str, ...]) -> int:
     """Rows a rank would give without attributing it: its windows of ``kinds`` x its devices."""
-    import json
+    from charllm_nemo.telemetry.reader import read_manifest
 
-    import pyarrow.parquet as pq
-
-    folder = Path(run_dir) / f"rank={rank}"
-    try:
-        devices = len(json.loads((folder / "manifest.json").read_text()).get("devices") or [None])
-    except (OSError, ValueError):
-        devices = 1
+    devices = len(read_manifest(files, []).get("devices") or [None])
     n = 0
-    for seg in folder.glob("windows-*.parquet"):
+    for seg in files.windows:
         try:
-            kind = pq.read_table(seg, columns=["kind"]).column("kind").to_pylist()
+            kind = read_parquet(seg, columns=["kind"]).column("kind").to_pylist()
         except Exception:  # a damaged segment: the reader skips it too
             continue
         n += sum(1 for k in kind if k in kinds)
@@ -122,15 +124,19 @@ def windows_table_rows(
     large run costs what the table holds (the ranks not read are only counted). Unknown
     figures are None.
     """
-    from charllm_nemo.telemetry.reader import list_ranks
+    from charllm_nemo.telemetry.layout import scan_run
+    from charllm_nemo.telemetry.reader import accepted_ranks
 
+    files = scan_run(run_dir)
+    for problem in files.problems():
+        log.warning("windows table: %s", printable(problem, 1000))
     rows: list[dict[str, Any]] = []
     total = 0
-    for rank in list_ranks(run_dir):
+    for rank in accepted_ranks(files):
         if max_rows is not None and len(rows) >= max_rows:
-            total += _count_rows(run_dir, rank, kinds)
+            total += _count_rows(files.ranks[rank], kinds)
             continue
-        got = _rank_rows(run_dir, rank, kinds)
+        got = _rank_rows(run_dir, files.ranks[rank], kinds)
         total += len(got)
         rows.extend(got)
     if max_rows is not None and total > max_rows:

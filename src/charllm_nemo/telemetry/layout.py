@@ -1,0 +1,346 @@
+"""What a run directory holds, read as untrusted input: the one place that finds its files.
+
+A run directory may come from another user, a shared file system or an archive, so nothing in
+it is taken on trust (docs/store.md, "What a reader accepts and rejects"):
+
+* only the documented names are accepted: rank folders ``rank=<N>`` with ``N`` written the way
+  the writer writes it (``rank=0``, ``rank=12``; never ``rank=00``), segments
+  ``samples-NNNNNN.parquet`` / ``windows-NNNNNN.parquet`` (six digits, or more without a
+  leading zero), ``manifest.json``, and at the top ``config.yaml``, ``steps.jsonl``,
+  ``summary.json``;
+* no symbolic link is followed, anywhere: a rank folder linked to another run, or a segment
+  linked to a file outside the run, would mix foreign data into this one;
+* only regular files are read (a FIFO would block a reader forever, ``/dev/zero`` would never
+  end), opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` on the open file, so
+  a file swapped for a link or a FIFO after the scan is refused too;
+* every read is bounded by a size cap per kind of file (:data:`SIZE_CAPS`).
+
+Whatever is not accepted is listed in :attr:`RunFiles.ignored` with the reason; readers report
+it (writers' dot-prefixed temporaries are listed too, as ``temporary``, and not reported).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from charllm_nemo.errors import StoreError
+
+MiB = 2**20
+
+SIZE_CAPS: dict[str, int] = {
+    "manifest": 16 * MiB,
+    "summary": 256 * MiB,
+    "steps": 4096 * MiB,
+    "config": 16 * MiB,
+    "segment": 1024 * MiB,
+}
+"""Largest file, in bytes, a reader accepts of each kind. A manifest is a few KiB (its config
+and argv included); ``summary.json`` grows by ~0.5 KiB per step; ``steps.jsonl`` is read line by
+line (each line at most :data:`MAX_LINE_BYTES`); a segment holds half a second of samples."""
+
+MAX_LINE_BYTES = 1 * MiB
+"""Longest ``steps.jsonl`` line read, in bytes (a step's line is ~0.5 KiB)."""
+
+TOP_FILES: dict[str, str] = {"config.yaml": "config", "steps.jsonl": "steps", "summary.json": "summary"}
+"""Files at the top of a run directory that readers open, and their kind (for the size cap)."""
+
+_RANK_NAME = re.compile(r"^rank=(0|[1-9][0-9]{0,8})$")
+_RANK_LIKE = re.compile(r"^rank=")
+_SEGMENT_NAME = re.compile(r"^(samples|windows)-([0-9]{6}|[1-9][0-9]{6,17})\.parquet$")
+_TEMPORARY = re.compile(r"^\..*\.tmp$")
+
+
+class UnsafeFileError(StoreError):
+    """A file a reader was asked to open is not a regular file inside the run, or is too large."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """An entry of the run directory that no reader uses, and why (``kind``: ``temporary``,
+    ``symlink``, ``not a regular file``, ``not a directory``, ``name``, ``unreadable``)."""
+
+    path: Path
+    kind: str
+    reason: str
+
+    def message(self) -> str:
+        """``<path>: ignored: <reason>``, for a warning."""
+        return f"{self.path}: ignored: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """One accepted rank folder: its manifest (None when absent or refused) and its segments,
+    each list in sequence (write) order."""
+
+    rank: int
+    folder: Path
+    manifest: Path | None
+    samples: tuple[Path, ...]
+    windows: tuple[Path, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunFiles:
+    """Everything a reader may open in one run directory, and what it must not."""
+
+    path: Path
+    ranks: dict[int, RankFiles]
+    config: Path | None = None
+    steps: Path | None = None
+    summary: Path | None = None
+    ignored: tuple[Ignored, ...] = field(default=())
+
+    @property
+    def rank_ids(self) -> list[int]:
+        """Accepted ranks, ascending."""
+        return sorted(self.ranks)
+
+    def problems(self) -> list[str]:
+        """One line per ignored entry worth telling a person (temporaries are normal)."""
+        return [i.message() for i in self.ignored if i.kind != "temporary"]
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _file_kind(st: os.stat_result | None) -> tuple[str, str] | None:
+    """None for a regular file; else (kind, reason) for the ignored list."""
+    if st is None:
+        return ("unreadable", "cannot be examined (removed while scanning?)")
+    if stat.S_ISLNK(st.st_mode):
+        return ("symlink", "is a symbolic link (readers follow no links: it could point outside the run)")
+    if not stat.S_ISREG(st.st_mode):
+        return ("not a regular file", "is not a regular file (a FIFO, device or folder is never read)")
+    return None
+
+
+def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
+    manifest: Path | None = None
+    segments: dict[str, list[tuple[int, Path]]] = {"samples": [], "windows": []}
+    try:
+        entries = sorted(os.listdir(folder))
+    except OSError as exc:
+        ignored.append(Ignored(folder, "unreadable", f"cannot be listed ({exc.strerror})"))
+        entries = []
+    for name in entries:
+        p = folder / name
+        if _TEMPORARY.match(name):
+            ignored.append(Ignored(p, "temporary", "a writer's temporary (being written, or left by a kill)"))
+            continue
+        m = _SEGMENT_NAME.match(name)
+        if name != "manifest.json" and m is None:
+            ignored.append(
+                Ignored(
+                    p,
+                    "name",
+                    "not a store file name (manifest.json, samples-NNNNNN.parquet, windows-NNNNNN.parquet)",
+                )
+            )
+            continue
+        bad = _file_kind(_lstat(p))
+        if bad is not None:
+            ignored.append(Ignored(p, *bad))
+            continue
+        if m is None:
+            manifest = p
+        else:
+            segments[m.group(1)].append((int(m.group(2)), p))
+    return RankFiles(
+        rank,
+        folder,
+        manifest,
+        tuple(p for _, p in sorted(segments["samples"])),
+        tuple(p for _, p in sorted(segments["windows"])),
+    )
+
+
+def scan_run(path: str | os.PathLike[str]) -> RunFiles:
+    """Find what a reader may open in the run directory ``path`` (the directory itself may be
+    reached through a link; nothing inside it is). Raises StoreError when ``path`` is not a
+    directory; a directory with no rank folder gives an empty ``ranks`` (callers that need one
+    say so). Reads no file: only names and ``lstat``."""
+    root = Path(path)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise StoreError(f"run directory {root} {what}")
+    ignored: list[Ignored] = []
+    ranks: dict[int, RankFiles] = {}
+    top: dict[str, Path | None] = {"config": None, "steps": None, "summary": None}
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as exc:
+        raise StoreError(f"run directory {root} cannot be listed: {exc.strerror}") from None
+    for name in names:
+        p = root / name
+        if name in TOP_FILES:
+            bad = _file_kind(_lstat(p))
+            if bad is None:
+                top[TOP_FILES[name]] = p
+            else:
+                ignored.append(Ignored(p, *bad))
+            continue
+        if not _RANK_LIKE.match(name):
+            continue  # not ours to judge: logs/, a wandb/ folder, a user's notes
+        m = _RANK_NAME.match(name)
+        if m is None:
+            ignored.append(
+                Ignored(p, "name", "not a rank folder name (rank=N, N written without leading zeros)")
+            )
+            continue
+        st = _lstat(p)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            ignored.append(
+                Ignored(
+                    p, "symlink", "is a symbolic link (a rank folder linked from elsewhere is another run's)"
+                )
+            )
+            continue
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            ignored.append(Ignored(p, "not a directory", "is not a directory"))
+            continue
+        ranks[int(m.group(1))] = _scan_rank(p, int(m.group(1)), ignored)
+    return RunFiles(root, ranks, top["config"], top["steps"], top["summary"], tuple(ignored))
+
+
+# -- bounded reads ---------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.3g} MiB"
+
+
+def open_regular(path: Path, cap: int) -> IO[bytes]:
+    """Open ``path`` for reading if it is a regular file (not a link, FIFO or device) of at most
+    ``cap`` bytes; raises UnsafeFileError naming the file and why otherwise. Never blocks: a
+    FIFO put in the file's place after a scan is refused, not opened for reading."""
+    flags = (
+        os.O_RDONLY
+        | getattr(os, "O_NOFOLLOW", 0)
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+    )
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path}: is a symbolic link; not followed") from None
+        raise UnsafeFileError(f"{path}: cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path}: is not a regular file; not read")
+        if st.st_size > cap:
+            raise UnsafeFileError(
+                f"{path}: {st.st_size} bytes, over the {_mib(cap)} a reader accepts for this file; not read"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: Path, cap: int) -> bytes:
+    """The bytes of regular file ``path``, at most ``cap`` (a file that grows past it while
+    being read is refused: UnsafeFileError)."""
+    with open_regular(path, cap) as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise UnsafeFileError(f"{path}: over the {_mib(cap)} a reader accepts for this file; not read")
+    return data
+
+
+def _decode(data: bytes, path: Path, problems: list[str]) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problems.append(
+            f"{path}: bytes that are not UTF-8 (first at byte {exc.start}); read with them replaced"
+        )
+        return data.decode("utf-8", errors="replace")
+
+
+def read_json(path: Path, cap: int, problems: list[str]) -> Any:
+    """Parse the JSON file ``path`` (at most ``cap`` bytes). Returns None, with a line in
+    ``problems`` naming the file and what is wrong, when it cannot be read or parsed."""
+    try:
+        text = _decode(read_bounded(path, cap), path, problems)
+        return json.loads(text)
+    except UnsafeFileError as exc:
+        problems.append(str(exc))
+    except (ValueError, RecursionError) as exc:
+        problems.append(f"{path}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})")
+    return None
+
+
+def iter_jsonl(path: Path, cap: int, problems: list[str]) -> Iterator[Any]:
+    """The JSON value of each good line of ``path``, as :func:`iter_jsonl_numbered` reads them."""
+    for _, value in iter_jsonl_numbered(path, cap, problems):
+        yield value
+
+
+def iter_jsonl_numbered(path: Path, cap: int, problems: list[str]) -> Iterator[tuple[int, Any]]:
+    """(line number from 1, JSON value) of each non-blank line of ``path`` (at most ``cap``
+    bytes, each line at most :data:`MAX_LINE_BYTES`). A line that does not parse, is too long
+    or is not UTF-8 is skipped with a line in ``problems`` naming the file and the line number
+    (a truncated last line, as a full disk or a kill leaves, says so)."""
+    try:
+        f = open_regular(path, cap)
+    except UnsafeFileError as exc:
+        problems.append(str(exc))
+        return
+    with f:
+        total = 0
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            total += len(raw)
+            if total > cap:
+                problems.append(
+                    f"{path}: grew over the {_mib(cap)} a reader accepts; read up to line {lineno - 1}"
+                )
+                return
+            if len(raw) > MAX_LINE_BYTES:
+                problems.append(f"{path}:{lineno}: line over {_mib(MAX_LINE_BYTES)} skipped")
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line, boundedly
+                    raw = f.readline(MAX_LINE_BYTES + 1)
+                    total += len(raw)
+                    if total > cap:
+                        return
+                continue
+            if not raw.strip():
+                continue
+            last = not raw.endswith(b"\n")
+            try:
+                yield lineno, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                problems.append(f"{path}:{lineno}: bytes that are not UTF-8 (at byte {exc.start}); skipped")
+            except (ValueError, RecursionError) as exc:
+                why = "truncated last line" if last else f"not valid JSON ({type(exc).__name__})"
+                problems.append(f"{path}:{lineno}: {why}; skipped")
+
+
+def read_parquet(path: Path, columns: list[str] | None = None, cap: int = SIZE_CAPS["segment"]) -> Any:
+    """A segment as a ``pyarrow.Table`` (``columns``: only those), opened as :func:`open_regular`
+    does. Raises UnsafeFileError for a file that is not a regular one or too large; pyarrow's
+    own errors for a damaged one."""
+    import pyarrow.parquet as pq
+
+    with open_regular(path, cap) as f:
+        return pq.read_table(f, columns=columns)

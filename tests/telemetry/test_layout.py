@@ -1,0 +1,167 @@
+"""A run directory read as untrusted input: what scan_run accepts, what it ignores and why, and
+reads that are bounded and never block."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry.layout import (
+    UnsafeFileError,
+    iter_jsonl,
+    read_bounded,
+    read_json,
+    scan_run,
+)
+from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.sampler import rows_to_table
+from charllm_nemo.telemetry.schema import METRICS
+from charllm_nemo.telemetry.store import RankStore
+
+
+def _rows(n: int, t0: int = 0) -> list[tuple[int, int, int, int, tuple[float | int, ...]]]:
+    reading = tuple(1.0 if m.kind == "float" else 1 for m in METRICS)
+    return [(t0 + i * 10, t0 + i * 10, 1, 0, reading) for i in range(n)]
+
+
+def _write_run(root: Path, ranks: tuple[int, ...] = (0,), rows: int = 3) -> Path:
+    for r in ranks:
+        st = RankStore(root, r, {"rank": r, "backend": "synthetic", "status": "running"})
+        st.write_segment("samples", rows_to_table(_rows(rows), "synthetic"))
+        st.close("complete")
+    return root
+
+
+def _kinds(files: object) -> dict[str, str]:
+    return {i.path.name: i.kind for i in files.ignored}  # type: ignore[attr-defined]
+
+
+def test_a_clean_run_is_accepted_whole_and_nothing_is_ignored(tmp_path: Path) -> None:
+    _write_run(tmp_path, (0, 1, 10))
+    (tmp_path / "steps.jsonl").write_text("{}\n")
+    (tmp_path / "logs").mkdir()
+    files = scan_run(tmp_path)
+    assert files.rank_ids == [0, 1, 10]
+    assert files.ranks[0].manifest == tmp_path / "rank=0" / "manifest.json"
+    assert [p.name for p in files.ranks[1].samples] == ["samples-000000.parquet"]
+    assert files.steps == tmp_path / "steps.jsonl" and files.summary is None
+    assert files.ignored == ()
+
+
+def test_rank_folders_outside_the_documented_names_are_ignored_with_a_reason(tmp_path: Path) -> None:
+    # rank=00 beside rank=0 counted rank 0 twice; rank=7 linked to another run mixed its data in.
+    _write_run(tmp_path / "run", (0,))
+    other = _write_run(tmp_path / "other", (0,))
+    run = tmp_path / "run"
+    (run / "rank=00").mkdir()
+    (run / "rank=x").mkdir()
+    (run / "rank=-1").mkdir()
+    (run / "rank=3").write_text("not a folder")
+    os.symlink(other / "rank=0", run / "rank=7")
+    files = scan_run(run)
+    assert files.rank_ids == [0]
+    assert _kinds(files) == {
+        "rank=00": "name",
+        "rank=x": "name",
+        "rank=-1": "name",
+        "rank=3": "not a directory",
+        "rank=7": "symlink",
+    }
+    data = load_run(run)
+    assert data.ranks == [0] and data.samples.num_rows == 3
+    assert any("rank=7: ignored: is a symbolic link" in p for p in data.problems)
+
+
+def test_segments_outside_the_pattern_or_linked_are_not_read(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", (0,), rows=3)
+    foreign = _write_run(tmp_path / "foreign", (0,), rows=50)
+    r0 = run / "rank=0"
+    os.symlink(foreign / "rank=0" / "samples-000000.parquet", r0 / "samples-000001.parquet")
+    (r0 / "samples-1.parquet").write_bytes((r0 / "samples-000000.parquet").read_bytes())
+    (r0 / "samples-0000002.parquet").write_bytes((r0 / "samples-000000.parquet").read_bytes())
+    (r0 / ".samples-000003.parquet.tmp").write_bytes(b"half")
+    os.mkfifo(r0 / "windows-000000.parquet")
+    files = scan_run(run)
+    assert [p.name for p in files.ranks[0].samples] == ["samples-000000.parquet"]
+    assert files.ranks[0].windows == ()
+    assert _kinds(files) == {
+        "samples-000001.parquet": "symlink",
+        "samples-1.parquet": "name",
+        "samples-0000002.parquet": "name",
+        ".samples-000003.parquet.tmp": "temporary",
+        "windows-000000.parquet": "not a regular file",
+    }
+    data = load_run(run)
+    assert data.samples.num_rows == 3  # not 3 + 50 foreign rows
+    assert not any(".tmp" in p for p in data.problems)  # a temporary is normal, not a problem
+    assert len(data.problems) == 4
+
+
+def test_a_manifest_linked_to_dev_zero_or_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    run = _write_run(tmp_path, (0, 1))
+    (run / "rank=0" / "manifest.json").unlink()
+    os.symlink("/dev/zero", run / "rank=0" / "manifest.json")
+    (run / "rank=1" / "manifest.json").unlink()
+    os.mkfifo(run / "rank=1" / "manifest.json")
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(load_run(run)), daemon=True)
+    t.start()
+    t.join(10)  # it used to read /dev/zero until the OOM killer came, or block on the FIFO forever
+    assert done, "load_run hung on a FIFO or an endless file"
+    data = done[0]
+    assert data.manifests == {0: {}, 1: {}}  # type: ignore[attr-defined]
+    assert data.samples.num_rows == 6  # type: ignore[attr-defined]
+
+
+def test_bounded_reads_refuse_links_special_files_and_oversized_files(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 2000)
+    with pytest.raises(UnsafeFileError, match="2000 bytes, over"):
+        read_bounded(big, 1000)
+    os.symlink(big, tmp_path / "link.json")
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        read_bounded(tmp_path / "link.json", 10_000)
+    with pytest.raises(UnsafeFileError, match="not a regular file"):
+        read_bounded(Path("/dev/null"), 10)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UnsafeFileError, match="not a regular file"):
+        read_bounded(tmp_path / "fifo", 10)
+    problems: list[str] = []
+    assert read_json(big, 1000, problems) is None and "big.json" in problems[0]
+
+
+def test_json_that_is_not_utf8_or_not_json_is_a_problem_not_a_traceback(tmp_path: Path) -> None:
+    p = tmp_path / "m.json"
+    p.write_bytes(b'{"host": "n\xff1"}')
+    problems: list[str] = []
+    assert read_json(p, 1000, problems) == {"host": "n\ufffd1"}
+    assert "not UTF-8" in problems[0]
+    p.write_bytes(b"[" * 100_000)  # nesting deeper than the parser's recursion
+    problems.clear()
+    assert read_json(p, 1_000_000, problems) is None and "not valid JSON" in problems[0]
+
+
+def test_jsonl_skips_bad_lines_and_names_a_truncated_last_one(tmp_path: Path) -> None:
+    p = tmp_path / "steps.jsonl"
+    p.write_bytes(b'{"step": 0}\n\n{"step": 1, \n\xff\xfe\n{"step": 2}\n{"step": 3, "lo')
+    problems: list[str] = []
+    assert list(iter_jsonl(p, 10_000, problems)) == [{"step": 0}, {"step": 2}]
+    assert problems == [
+        f"{p}:3: not valid JSON (JSONDecodeError); skipped",
+        f"{p}:4: bytes that are not UTF-8 (at byte 0); skipped",
+        f"{p}:6: truncated last line; skipped",
+    ]
+
+
+def test_a_path_that_is_not_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="does not exist"):
+        scan_run(tmp_path / "nope")
+    (tmp_path / "f").write_text(json.dumps({}))
+    with pytest.raises(StoreError, match="is not a directory"):
+        scan_run(tmp_path / "f")
+    assert scan_run(tmp_path).ranks == {}
