@@ -44,7 +44,7 @@ def traces(draw: st.DrawFn) -> Trace:
     return samples, windows
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(traces(), st.integers(1, 3))
 def test_mean_power_never_exceeds_peak(trace: Trace, ticks: int) -> None:
     samples, windows = trace
@@ -58,7 +58,7 @@ def test_mean_power_never_exceeds_peak(trace: Trace, ticks: int) -> None:
     assert (tl[ok] <= peak[ok] * (1 + _RTOL)).all()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(traces())
 def test_clock_mean_within_min(trace: Trace) -> None:
     samples, windows = trace
