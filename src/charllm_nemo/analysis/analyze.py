@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.load import Run, find_runs, iter_rank_arrays, open_run
 from charllm_nemo.analysis.rank_tables import measured_steps, rank_tables
-from charllm_nemo.analysis.run_info import run_info
+from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import platform_table, run_table
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
@@ -128,6 +128,7 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
     finally:
         if writer is not None:
             writer.close()
+    infos += sweep_gaps(run_dirs, {r.path for r in runs})
     if not runs:
         raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
     return Analysis(

@@ -14,18 +14,22 @@ never holds a whole run, let alone a sweep, as arrays or Python objects).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.filecheck import validate_summary
-from charllm_nemo.telemetry.layout import SIZE_CAPS, RunFiles, read_bounded, read_json, scan_run
-from charllm_nemo.telemetry.reader import load_rank, read_manifest, to_arrays
-from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS
+from charllm_nemo.telemetry.filecheck import printable, validate_summary
+from charllm_nemo.telemetry.layout import SIZE_CAPS, RunFiles, read_bounded, read_json, read_parquet, scan_run
+from charllm_nemo.telemetry.reader import read_manifest
+from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL
+from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
 
 MAX_DEPTH = 6
 """How deep below the given path run directories are looked for (a sweep is two levels)."""
@@ -89,12 +93,30 @@ def find_runs(path: str | os.PathLike[str]) -> list[Path]:
         for d in dirnames:
             if _is_run_dir(here / d):
                 found.append(here / d)
+    found = _latest_attempts(found)
     if not found:
         raise StoreError(
             f"{root} holds no charllm run (no folder with rank=N sub-folders within {MAX_DEPTH} levels); "
             "give the directory written by charllm train / charllm telemetry, or a sweep directory"
         )
     return sorted(found)
+
+
+_ATTEMPT = re.compile(r"^attempt=([0-9]{1,6})$")
+
+
+def _latest_attempts(paths: list[Path]) -> list[Path]:
+    """Of a sweep's ``run=<key>/attempt=<n>`` folders, only each configuration's latest attempt
+    (earlier ones were preempted or failed, and are superseded)."""
+    best: dict[Path, tuple[int, Path]] = {}
+    out = []
+    for p in paths:
+        m = _ATTEMPT.match(p.name)
+        if m is None:
+            out.append(p)
+        elif p.parent not in best or int(m.group(1)) > best[p.parent][0]:
+            best[p.parent] = (int(m.group(1)), p)
+    return sorted(out + [p for _, p in best.values()])
 
 
 def _yaml_config(files: RunFiles, problems: list[str]) -> dict[str, Any]:
@@ -120,6 +142,12 @@ def open_run(path: Path, root: Path) -> Run:
     files = scan_run(path)
     problems = files.problems()
     manifests = {r: read_manifest(rf, problems) for r, rf in sorted(files.ranks.items())}
+    for r, m in manifests.items():
+        if m.get("status") in ("running", "killed"):
+            problems.append(
+                f"{path}: rank {r}'s manifest says {m['status']!r}: the process did not close its store; "
+                "data up to its last flush is analysed"
+            )
     config = _yaml_config(files, problems)
     if not config:
         for m in manifests.values():
@@ -131,12 +159,28 @@ def open_run(path: Path, root: Path) -> Run:
         summary = validate_summary(
             read_json(files.summary, SIZE_CAPS["summary"], problems), files.summary, problems
         )
+    job = _job_state(path, problems)
+    if job:
+        summary = {**summary, "job_state": job}
     rel = path.relative_to(root) if path != root else Path(path.name)
     sweep = next((p.split("=", 1)[1] for p in rel.parts if p.startswith("sweep=")), None)
     key = "/".join(rel.parts) or path.name
     run = Run(path, key, sweep, files, manifests, config, summary, problems)
     _check_ranks(run)
     return run
+
+
+JOB_FILE = "job.json"
+"""A sweep attempt's state, written by its rank 0 beside the rank folders (docs/sweeps.md)."""
+
+
+def _job_state(path: Path, problems: list[str]) -> str | None:
+    job = path / JOB_FILE
+    if not job.is_file() or job.is_symlink():
+        return None
+    data = read_json(job, SIZE_CAPS["manifest"], problems)
+    state = data.get("state") if isinstance(data, dict) else None
+    return state if isinstance(state, str) else None
 
 
 def _check_ranks(run: Run) -> None:
@@ -158,15 +202,64 @@ def _check_ranks(run: Run) -> None:
         )
 
 
+def _read(
+    paths: tuple[Path, ...], columns: list[str] | None, kind: str, problems: list[str]
+) -> pa.Table | None:
+    """Concatenated segments (only ``columns`` where given: the analysis reads half the bytes
+    of a samples segment); an unreadable segment is skipped with a line in ``problems``."""
+    tables = []
+    for p in paths:
+        try:
+            t = read_parquet(p, columns=columns)
+        except Exception as exc:  # pyarrow raises several types for a damaged or hostile file
+            problems.append(
+                f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {printable(exc)})"
+            )
+            continue
+        tables.append(t)
+    if not tables:
+        return None
+    try:
+        return pa.concat_tables(tables, promote_options="permissive").combine_chunks()
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        problems.append(f"{paths[0].parent}: {kind} segments of different schemas ({exc}); rank skipped")
+        return None
+
+
+def _numpy(table: pa.Table, names: list[str]) -> dict[str, np.ndarray[Any, Any]]:
+    """Numeric columns -> numpy with the in-memory null convention (NaN floats, INT_NULL ints);
+    a column the table lacks is all-null."""
+    n = table.num_rows
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for name in names:
+        if name not in table.column_names:
+            out[name] = np.full(n, np.nan) if name in FLOAT_METRICS else np.full(n, INT_NULL, np.int64)
+            continue
+        col = table.column(name)
+        if pa.types.is_floating(col.type):
+            out[name] = col.to_numpy().astype(np.float64, copy=False)
+        else:
+            out[name] = np.asarray(pc.fill_null(col, INT_NULL).to_numpy(), dtype=np.int64)
+    return out
+
+
 def iter_rank_arrays(run: Run) -> Iterator[RankArrays]:
     """Each rank's samples and windows, one rank at a time (unreadable segments are skipped and
-    reported in ``run.problems``)."""
+    reported in ``run.problems``; a rank without readable samples is reported and skipped)."""
     for r in run.ranks:
-        data = load_rank(run.path, r, run.files.ranks[r])
-        # load_rank re-reads the manifest: what open_run already reported is not said twice.
-        run.problems.extend(p for p in data.problems if p not in run.problems)
-        samples = to_arrays(data.samples, [c for c in SAMPLE_COLUMNS if c in data.samples.column_names])
-        windows = to_arrays(data.windows.drop_columns(["kind", "name", "timing"]))
-        windows["kind"] = np.asarray(data.windows.column("kind").to_numpy(zero_copy_only=False), dtype=object)
-        windows["name"] = np.asarray(data.windows.column("name").to_numpy(zero_copy_only=False), dtype=object)
-        yield RankArrays(r, samples, windows)
+        files = run.files.ranks[r]
+        samples = _read(files.samples, list(SAMPLE_COLUMNS), "samples", run.problems)
+        if samples is None:
+            samples = _read(files.samples, None, "samples", [])  # an older store lacking a column
+            if samples is not None:
+                samples = samples.select([c for c in SAMPLE_COLUMNS if c in samples.column_names])
+        windows = _read(files.windows, WINDOWS_SCHEMA.names, "windows", run.problems)
+        if samples is None or samples.num_rows == 0:
+            run.problems.append(f"{files.folder}: no readable samples; rank skipped")
+            continue
+        if windows is None:
+            windows = WINDOWS_SCHEMA.empty_table()
+        w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
+        w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
+        w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)
+        yield RankArrays(r, _numpy(samples, list(SAMPLE_COLUMNS)), w)

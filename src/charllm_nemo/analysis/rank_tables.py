@@ -140,7 +140,8 @@ def _excursions(s: dict[str, np.ndarray[Any, Any]], w: dict[str, np.ndarray[Any,
     valid = (t0 != INT_NULL) & (t1 != INT_NULL) & (t1 >= t0)
     limit = s.get("power_limit_w", np.full(t.size, np.nan))
     if np.isfinite(limit).any():
-        flags = np.nan_to_num(p, nan=-np.inf) > np.nan_to_num(limit, nan=np.inf)
+        # At the limit counts: power capping holds the power there (sw_power_cap).
+        flags = np.nan_to_num(p, nan=-np.inf) >= np.nan_to_num(limit, nan=np.inf)
         above[valid] = held_time(t, flags, t0[valid], t1[valid])
     rise = largest_rise(t, p, RISE_HORIZON_NS)
     lo = np.searchsorted(t, t0[valid], side="left")

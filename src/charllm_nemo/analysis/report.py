@@ -102,7 +102,8 @@ def caveats(analysis: Analysis) -> list[str]:
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     name = html.escape(path.stem)
-    return f'<figure><img alt="{name}" src="data:image/png;base64,{data}"><figcaption>{name}</figcaption></figure>'
+    img = f'<img alt="{name}" src="data:image/png;base64,{data}">'
+    return f"<figure>{img}<figcaption>{name}</figcaption></figure>"
 
 
 def render(analysis: Analysis, pngs: list[Path]) -> str:

@@ -7,9 +7,11 @@ sampling rate, status). Nothing is taken from a sweep's matrix: a run directory 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from charllm_nemo.analysis.load import Run
+from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -57,9 +59,9 @@ def run_info(run: Run) -> dict[str, Any]:
     statuses = sorted({str(m.get("status")) for m in manifests if m.get("status")})
     device_name = devices[0].get("name") if isinstance(devices[0], dict) else None
     n_gpus = world if isinstance(world, int) else len(run.ranks)
-    status = summ.get("status") or ("/".join(statuses) if statuses else "no manifest")
-    if _get(cfg, "extra", "sweep_state") in ("out_of_memory", "out_of_memory_predicted"):
-        status = str(_get(cfg, "extra", "sweep_state"))
+    status = (
+        summ.get("job_state") or summ.get("status") or ("/".join(statuses) if statuses else "no manifest")
+    )
     return {
         "run": run.key,
         "sweep": run.sweep,
@@ -85,3 +87,46 @@ def run_info(run: Run) -> dict[str, Any]:
         "model_tflops_per_gpu": summ.get("model_tflops_per_gpu_median"),
         "tokens_per_s_reported": summ.get("tokens_per_s_median"),
     }
+
+
+GAP_STATES = ("out_of_memory", "out_of_memory_predicted", "failed", "preempted", "pending")
+"""Sweep states that leave a configuration without figures: drawn as marked gaps."""
+
+
+def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]]:
+    """Rows for the configurations a sweep's ``sweep.json`` lists in a :data:`GAP_STATES` state
+    and that have no analysed run directory (an out-of-memory prediction never starts one), so
+    the figures can show them as gaps. Model and layout come from the configuration's
+    overrides (``model=...``, ``layout=...`` / ``parallel=...``)."""
+    rows: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for d in run_dirs:
+        sweep_dir = next((p for p in [d, *d.parents] if p.name.startswith("sweep=")), None)
+        if sweep_dir is None or sweep_dir in seen:
+            continue
+        seen.add(sweep_dir)
+        problems: list[str] = []
+        path = sweep_dir / "sweep.json"
+        if not path.is_file() or path.is_symlink():
+            continue
+        data = read_json(path, SIZE_CAPS["summary"], problems)
+        entries = data.get("runs") if isinstance(data, dict) else None
+        for e in entries if isinstance(entries, list) else []:
+            if not isinstance(e, dict) or e.get("state") not in GAP_STATES:
+                continue
+            run_dir = sweep_dir / f"run={e.get('key')}"
+            if any(run_dir == a or run_dir in a.parents for a in analysed):
+                continue
+            over = {str(o).split("=", 1)[0].lstrip("+"): str(o).split("=", 1)[1]
+                    for o in e.get("overrides") or [] if "=" in str(o)}  # fmt: skip
+            rows.append({
+                "run": f"{sweep_dir.name}/run={e.get('key')}", "sweep": sweep_dir.name.split("=", 1)[1],
+                "model": over.get("model"),
+                "layout": over.get("layout") or over.get("parallel") or str(e.get("key")),
+                "status": str(e["state"]), "micro_batch_size": _int(over.get("batch.micro_batch_size")),
+            })  # fmt: skip
+    return rows
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None

@@ -62,7 +62,8 @@ ORDER BY model, layout, platform
 
 def run_table(con: duckdb.DuckDBPyConnection, info: list[dict[str, Any]]) -> pa.Table:
     """One row per run. Needs the connection's ``spans`` and ``devices`` tables registered."""
-    con.register("info", pa.Table.from_pylist(info))
+    keys = list(dict.fromkeys(k for row in info for k in row))  # rows may lack keys (gaps)
+    con.register("info", pa.Table.from_pydict({k: [row.get(k) for row in info] for k in keys}))
     return con.sql(RUN_SQL).to_arrow_table()
 
 
