@@ -53,6 +53,16 @@ def _order(rows: list[dict[str, Any]], by_microbatch: bool) -> list[dict[str, An
     return sorted(rows, key=key)
 
 
+def _label(r: dict[str, Any], with_mb: bool) -> str:
+    """``layout / mb<size> / <GPUs>x``, leaving out what the run does not say."""
+    parts = [str(r.get("layout") or r["run"])]
+    if with_mb and r.get("micro_batch_size") is not None:
+        parts.append(f"mb{r['micro_batch_size']}")
+    if r.get("world_size") is not None:
+        parts.append(f"{r['world_size']}x")
+    return "\n".join(parts)
+
+
 def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[Path]:
     """One x position per run (grouped by model, separators between models); three stacked
     panels (GPU temperature avg/peak, power avg/peak, SM clock avg) with the efficiency metric
@@ -105,11 +115,7 @@ def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[
     fig.legend(
         handles, [h.get_label() for h in handles], loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.03)
     )
-    labels = [
-        f"{r.get('layout')}\nmb{r.get('micro_batch_size')}\n{r.get('world_size')}x" if by_mb or not normalise
-        else f"{r.get('layout')}\n{r.get('world_size')}x"
-        for r in rows
-    ]  # fmt: skip
+    labels = [_label(r, with_mb=by_mb or not normalise) for r in rows]
     axes[-1].set_xticks(x)
     axes[-1].set_xticklabels(labels, fontsize=8)
     axes[-1].set_xlim(-0.5, n - 0.5)
@@ -141,10 +147,9 @@ def heatmaps_figure(
     for label, cols, log in HEAT_METRICS:
         grid = np.full((len(run_keys), n_gpu), np.nan)
         for r in rows:
-            vals = [r.get(c) for c in cols]
-            if any(v is None or v != v for v in vals):
-                continue
-            grid[run_keys.index(r["run"]), int(r["rank"])] = float(sum(vals))
+            vals = [v for v in (r.get(c) for c in cols) if v is not None and v == v]  # v != v: NaN
+            if vals:  # a direction the device does not count is left out, not taken as 0
+                grid[run_keys.index(r["run"]), int(r["rank"])] = float(sum(vals))
         if np.isfinite(grid).any():
             panels.append((label, grid, log))
     if not panels:
@@ -163,6 +168,7 @@ def heatmaps_figure(
         ax.set_yticks(range(len(run_keys)))
         ax.set_yticklabels(run_keys, fontsize=7)
         ax.set_xlabel("GPU (rank)")
+        ax.set_xticks(range(n_gpu))
         for i, run in enumerate(run_keys):
             for g in range(1, n_gpu):
                 a, b = windows_hosts.get((run, g - 1)), windows_hosts.get((run, g))

@@ -97,8 +97,11 @@ def rank_tables(data: RankArrays) -> RankTables:
     ends = ends[ends != INT_NULL]
     span = (int(w["t_begin_mono_ns"][is_step].min()), int(ends.max())) if ends.size else None
     for dev in dev_ids:
-        sel = s_all["device_index"] == dev
-        s, _ = prepare_samples({k: v[sel] for k, v in s_all.items()})
+        if dev_ids.size == 1:  # the usual rank: one device, no copy of its columns
+            s, _ = prepare_samples(s_all)
+        else:
+            sel = s_all["device_index"] == dev
+            s, _ = prepare_samples({k: v[sel] for k, v in s_all.items()})
         t = s["t_mono_ns"]
         row = _device_row(t, s)
         row["device_index"] = float(dev)
