@@ -1,0 +1,63 @@
+"""Profiler traces of chosen steps, and the kernel breakdown made from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.analysis.kernels import categorise, kernel_table, trace_breakdown
+from charllm_nemo.train.profile import StepProfiler, trace_path
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("ncclDevKernel_SendRecv(ncclDevComm*, unsigned long, ncclWork*)", "send/recv"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "all-gather"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce-scatter"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all-reduce"),
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "compute GEMM"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "normalisation"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "memory / elementwise"),  # noqa: E501
+        ("Memcpy DtoD (Device -> Device)", "memory / elementwise"),
+        ("aten::mm", "compute GEMM"),
+        ("some_custom_thing", "other"),
+    ],
+)  # fmt: skip
+def test_categories(name: str, category: str) -> None:
+    assert categorise(name) == category
+
+
+def test_gpu_kernels_are_preferred_and_durations_in_us() -> None:
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "ampere_sgemm_128x64_tn", "dur": 1500},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum", "dur": 500},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9999},  # host side: not counted
+    ]
+    seconds, source = trace_breakdown(events)
+    assert source == "kernel"
+    assert seconds == {"compute GEMM": 0.0015, "all-reduce": 0.0005}
+
+
+def test_profiled_steps_only_and_their_breakdown(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    prof = StepProfiler(tmp_path, rank=1, steps=[1])
+    a = torch.randn(64, 64)
+    for step in range(3):
+        with prof.step(step):
+            for _ in range(3):
+                a = torch.nn.functional.layer_norm(a @ a, (64,))
+    assert prof.written == [trace_path(tmp_path, 1, 1)]
+    assert sorted(p.name for p in (tmp_path / "traces" / "rank=1").iterdir()) == ["step-000001.json"]
+    (tmp_path / "traces" / "rank=1" / "step-000002.json").write_text("{not json")  # a damaged one
+    problems: list[str] = []
+    table = kernel_table([("run", tmp_path, {1: 0})], problems).to_pylist()
+    cats = {r["category"]: r for r in table}
+    assert {"compute GEMM", "normalisation"} <= set(cats)
+    assert all(r["source"] == "cpu_op" and r["pp_stage"] == 0 for r in table)
+    assert sum(r["share"] for r in table) == pytest.approx(1.0)
+    assert any("step-000002.json: unreadable trace skipped" in p for p in problems)
+    json.loads(trace_path(tmp_path, 1, 1).read_text())  # a whole file, not a temporary
