@@ -6,8 +6,9 @@ counters, power limit) and 3,600 one-second steps of 4 microbatches each (18,000
 telemetry writer flushes a segment every 0.5 s (50 rows); a one-hour run would have 7,200 files
 per rank, so this benchmark writes ``--segment-s`` worth per file (default 60 s: 60 per rank) and
 says so. ``charllm analyze --no-figures`` then runs in a child process; the benchmark prints its
-wall time, samples per second and peak RSS (the child's ru_maxrss), against the data's in-memory
-size (samples x columns x 8 bytes).
+wall time, samples per second, CPU time and peak RSS (the child's rusage), against the data's
+in-memory size (samples x columns x 8 bytes), and the load average (a shared machine's wall time
+says more about its neighbours than about the analysis).
 
 Usage: .venv/bin/python bench/bench_analyze.py [--ranks 32] [--seconds 3600] [--hz 100] [--dir DIR]
 """
@@ -15,6 +16,7 @@ Usage: .venv/bin/python bench/bench_analyze.py [--ranks 32] [--seconds 3600] [--
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import subprocess
@@ -114,11 +116,15 @@ def main() -> int:
         if proc.returncode:
             print(proc.stdout, proc.stderr)
             return proc.returncode
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        rss = usage.ru_maxrss * 1024
+        cpu = usage.ru_utime + usage.ru_stime
         in_memory = total * 25 * 8  # ~25 numeric columns x 8 bytes
         print(f"charllm analyze: {wall:.2f} s, {total / wall / 1e6:.2f} M samples/s, "
               f"peak RSS {rss / 2**20:.0f} MiB (data in memory ~{in_memory / 2**20:.0f} MiB: "
-              f"{rss / in_memory:.2f}x)")  # fmt: skip
+              f"{rss / in_memory:.2f}x); CPU time {cpu:.2f} s (user+sys, all threads; on a "
+              f"loaded machine the wall time is the worse guide), "
+              f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         print(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
     finally:
         if not args.dir:

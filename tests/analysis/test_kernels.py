@@ -61,3 +61,25 @@ def test_profiled_steps_only_and_their_breakdown(tmp_path: Path) -> None:
     assert sum(r["share"] for r in table) == pytest.approx(1.0)
     assert any("step-000002.json: unreadable trace skipped" in p for p in problems)
     json.loads(trace_path(tmp_path, 1, 1).read_text())  # a whole file, not a temporary
+
+
+def test_analyze_draws_the_kernel_breakdown_of_a_traced_run(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from charllm_nemo.analysis.analyze import analyze
+    from charllm_nemo.analysis.figures import write_figures
+    from tests.analysis.helpers import constant_run
+
+    constant_run(tmp_path / "run")
+    for rank in (0, 1):
+        prof = StepProfiler(tmp_path / "run", rank, [2])
+        with prof.step(2):
+            torch.randn(32, 32) @ torch.randn(32, 32)
+    a = analyze(tmp_path / "run")
+    files = write_figures(a, tmp_path / "fig")
+    assert {p.name for p in files} >= {
+        "kernels_run.png",
+        "kernels_run.pdf",
+        "configs.png",
+        "timeline_run.png",
+    }
+    assert sorted(set(a.tables["kernels"].column("rank").to_pylist())) == [0, 1]

@@ -3,6 +3,7 @@ and microbatch windows shaded, and the per-microbatch excursion plot."""
 
 from __future__ import annotations
 
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,10 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
     """Power (W), GPU temperature (°C) and SM clock (MHz) against time for up to
     :data:`MAX_TIMELINE_RANKS` ranks, over the first :data:`MAX_TIMELINE_STEPS` steps after the
     first; steps shaded in alternating grey, microbatches as thin bands along the bottom."""
-    ranks = [ra for ra in iter_rank_arrays(run) if ra.samples["t_mono_ns"].size][:MAX_TIMELINE_RANKS]
+    # islice: only the ranks drawn are ever loaded (a 32-rank hour would not fit at once).
+    ranks = list(
+        islice((ra for ra in iter_rank_arrays(run) if ra.samples["t_mono_ns"].size), MAX_TIMELINE_RANKS)
+    )
     if not ranks:
         return []
     fig, axes = plt.subplots(len(ranks), 1, figsize=(11, 2.3 * len(ranks) + 0.6), sharex=True, squeeze=False)
