@@ -69,3 +69,18 @@ def test_pearson() -> None:
     assert pearson(x, 2 * x + 1) == pytest.approx(1.0)
     assert pearson(x, -x) == pytest.approx(-1.0)
     assert np.isnan(pearson(x, np.ones(4)))
+
+
+def test_throttle_shares_per_reason() -> None:
+    from charllm_nemo.analysis.rank_tables import throttle_shares
+    from charllm_nemo.telemetry.schema import THROTTLE_REASONS
+
+    # sw_power_cap (0x4) for 1 s, sw_power_cap + hw_slowdown (0xC) for 1 s, nothing for 2 s.
+    t = np.array([0, 1, 2, 4]) * S
+    shares = dict(
+        zip([n for n, _ in THROTTLE_REASONS], throttle_shares(t, np.array([4, 12, 0, 4])), strict=True)
+    )
+    assert shares["sw_power_cap"] == 0.5 and shares["hw_slowdown"] == 0.25 and shares["idle"] == 0.0
+    # A mask with an unknown high bit takes the general path and agrees.
+    high = throttle_shares(t, np.array([4 | 1 << 20, 12, 0, 4]))
+    assert high.tolist() == list(shares.values())

@@ -49,6 +49,22 @@ def measured_steps(steps: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return s[1:] if s.size > 1 else s
 
 
+def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Share of the span each reason of THROTTLE_REASONS was set (sample-and-hold), in the
+    reasons' order. A run holds few distinct masks, so time is summed per distinct mask value
+    (one bincount over the samples) and split into bits afterwards; the general
+    :func:`held_share` (one column per bit) is the fallback for masks with unknown high bits."""
+    bits = np.array([bit for _, bit in THROTTLE_REASONS], dtype=np.int64)
+    if t.size < 2 or t[-1] == t[0]:
+        return np.full(bits.size, np.nan)
+    if mask.max() >= 1 << 12:
+        return held_share(t, (mask[:, None] & bits[None, :]) != 0)
+    per_value = np.bincount(mask[:-1], weights=np.diff(t).astype(np.float64))
+    values = np.arange(per_value.size)
+    held = np.array([per_value[(values & b) != 0].sum() for b in bits])  # 9 bits x <= 4096 values
+    return np.asarray(held / float(t[-1] - t[0]), dtype=np.float64)
+
+
 def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> dict[str, float]:
     row: dict[str, float] = {}
     p = s.get("power_instant_w", np.full(t.size, np.nan))
@@ -75,8 +91,7 @@ def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> 
         row[name] = total
     mask = s.get("throttle_reasons", np.full(t.size, INT_NULL, np.int64))
     known = mask >= 0
-    bits = np.array([bit for _, bit in THROTTLE_REASONS], dtype=np.int64)
-    shares = held_share(t[known], (mask[known, None] & bits[None, :]) != 0)
+    shares = throttle_shares(t[known], mask[known])
     for j, (name, _) in enumerate(THROTTLE_REASONS):
         row[f"throttle_{name}_share"] = float(shares[j])
     limit = s.get("power_limit_w", np.full(t.size, np.nan))
