@@ -171,22 +171,40 @@ def _empty_devices() -> pa.Table:
     return pa.table({"run": pa.array([], pa.string()), "rank": pa.array([], pa.string())})
 
 
-def write_tables(analysis: Analysis, out_dir: Path) -> list[Path]:
+WINDOWS_CSV_MAX_ROWS = 200_000
+"""Above this many windows their CSV is written only on request (``windows_csv=True``): a
+32-rank hour has ~600k windows x 50 columns, a CSV of ~0.3 GB that costs seconds to write and
+that no spreadsheet opens; ``windows.parquet`` holds the same."""
+
+
+def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = None) -> list[Path]:
     """Each table as ``<name>.parquet`` and ``<name>.csv`` in ``out_dir``, plus the window table's
-    CSV beside its Parquet; returns the paths written."""
+    CSV beside its Parquet (``windows_csv``: always / never; None: when it has at most
+    :data:`WINDOWS_CSV_MAX_ROWS` rows, else a line in ``problems.txt`` says so); returns the
+    paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, table in analysis.tables.items():
         pq.write_table(table, out_dir / f"{name}.parquet")
         pacsv.write_csv(table, out_dir / f"{name}.csv")
         written += [out_dir / f"{name}.parquet", out_dir / f"{name}.csv"]
-    if analysis.windows_path is not None:
-        csv_path = analysis.windows_path.with_suffix(".csv")
-        pf = pq.ParquetFile(analysis.windows_path)
-        with pacsv.CSVWriter(csv_path, pf.schema_arrow) as w:
-            for batch in pf.iter_batches(batch_size=65536):
-                w.write_batch(batch)
-        written += [analysis.windows_path, csv_path]
+    path = analysis.windows_path
+    if path is not None:
+        pf = pq.ParquetFile(path)
+        written.append(path)
+        rows = pf.metadata.num_rows
+        if windows_csv is None:
+            windows_csv = rows <= WINDOWS_CSV_MAX_ROWS
+            if not windows_csv:
+                analysis.problems.append(
+                    f"windows.csv not written: {rows} windows (over {WINDOWS_CSV_MAX_ROWS}); "
+                    "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
+                )
+        if windows_csv:
+            with pacsv.CSVWriter(path.with_suffix(".csv"), pf.schema_arrow) as w:
+                for batch in pf.iter_batches(batch_size=65536):
+                    w.write_batch(batch)
+            written.append(path.with_suffix(".csv"))
     (out_dir / "problems.txt").write_text("".join(f"{p}\n" for p in analysis.problems))
     written.append(out_dir / "problems.txt")
     return written

@@ -35,7 +35,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     out = _out_dir(args)
     analysis = analyze(args.path, out / "windows.parquet")
-    written = write_tables(analysis, out)
+    written = write_tables(analysis, out, True if args.windows_csv else None)
     if not args.no_figures:
         from charllm_nemo.analysis.figures import write_figures
 
@@ -93,6 +93,11 @@ def add_commands(sub: Any) -> None:
     a.add_argument("--out", help="where to write (default: PATH/analysis)")
     a.add_argument("--format", choices=["text", "json"], default="text", help="json: print the tables")
     a.add_argument("--no-figures", action="store_true", help="tables only")
+    a.add_argument(
+        "--windows-csv",
+        action="store_true",
+        help="write windows.csv however many windows (default: up to 200,000)",
+    )
     a.set_defaults(func=cmd_analyze)
     r = sub.add_parser("report", help="one self-contained HTML page for a run or a sweep directory")
     r.add_argument("path", help="a run directory or a tree of them (a sweep)")
