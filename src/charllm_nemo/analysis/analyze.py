@@ -9,7 +9,10 @@ tables with DuckDB SQL over those Arrow tables (:mod:`.run_summary`, :mod:`.find
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from charllm_nemo.analysis.findings import findings
-from charllm_nemo.analysis.load import Run, find_runs, iter_rank_arrays, open_run
-from charllm_nemo.analysis.rank_tables import measured_steps, rank_tables
+from charllm_nemo.analysis.load import Run, find_runs, open_run
+from charllm_nemo.analysis.rank_tables import RankTables, reduce_rank
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import platform_table, run_table
 from charllm_nemo.errors import StoreError
@@ -52,6 +55,35 @@ class Analysis:
     problems: list[str] = field(default_factory=list)
     windows_path: Path | None = None
     windows: pa.Table | None = None  # the kept columns (KEPT_WINDOW_COLUMNS)
+
+
+POOL_MIN_RANKS = 4
+"""Runs with at least this many ranks are reduced by a pool of worker processes (one per usable
+CPU, ``CHARLLM_ANALYZE_WORKERS`` to override; 1 = in this process): ranks are independent, and
+a worker's start (~1 s of imports) is paid back from a few rank-hours on."""
+
+
+def _workers(n_ranks: int) -> int:
+    env = os.environ.get("CHARLLM_ANALYZE_WORKERS", "")
+    cpus = int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+    return 1 if n_ranks < POOL_MIN_RANKS else max(1, min(cpus, n_ranks))
+
+
+def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
+    """Each rank's tables in rank order, reduced here or by worker processes (spawned, not
+    forked: DuckDB's threads may be running in this process)."""
+    workers = _workers(len(run.ranks))
+    if workers == 1:
+        for r in run.ranks:
+            rank, rt, problems = reduce_rank(run, r)
+            run.problems.extend(problems)
+            yield rank, rt
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for rank, rt, problems in pool.map(reduce_rank, [run] * len(run.ranks), run.ranks):
+            run.problems.extend(problems)
+            yield rank, rt
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:
@@ -98,24 +130,18 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
             infos.append(run_info(run))
             hosts = {r: str(m.get("host") or "?") for r, m in run.manifests.items()}
             n_ranks = 0
-            for ra in iter_rank_arrays(run):
-                rt = rank_tables(ra)
-                if not rt.devices:
-                    run.problems.append(f"{run.path}: rank {ra.rank} has no samples")
+            for rank, rt in _reduced(run):
+                if rt is None or not rt.devices:
                     continue
                 n_ranks += 1
                 consts = {"run": run.key}
-                devices.append(_with(_arrow(rt.devices), **consts, rank=str(ra.rank)))
+                devices.append(_with(_arrow(rt.devices), **consts, rank=str(rank)))
                 if rt.span:
                     spans.append(_with(_arrow(rt.span), **consts))
                 if rt.windows:
                     wt = _with(_arrow(rt.windows), **consts)
-                    wt = wt.add_column(1, "rank", pa.array(np.full(wt.num_rows, ra.rank, np.int32)))
-                    wt = wt.add_column(
-                        2, "host", pa.array([hosts.get(ra.rank, "?")] * wt.num_rows, pa.string())
-                    )
-                    steps = measured_steps(ra.windows["step"][ra.windows["kind"] == "step"])
-                    wt = wt.append_column("measured", pa.array(np.isin(rt.windows["step"], steps)))
+                    wt = wt.add_column(1, "rank", pa.array(np.full(wt.num_rows, rank, np.int32)))
+                    wt = wt.add_column(2, "host", pa.array([hosts.get(rank, "?")] * wt.num_rows, pa.string()))
                     if windows_out is not None:
                         if writer is None:
                             windows_out.parent.mkdir(parents=True, exist_ok=True)

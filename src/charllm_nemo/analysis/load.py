@@ -247,19 +247,27 @@ def iter_rank_arrays(run: Run) -> Iterator[RankArrays]:
     """Each rank's samples and windows, one rank at a time (unreadable segments are skipped and
     reported in ``run.problems``; a rank without readable samples is reported and skipped)."""
     for r in run.ranks:
-        files = run.files.ranks[r]
-        samples = _read(files.samples, list(SAMPLE_COLUMNS), "samples", run.problems)
-        if samples is None:
-            samples = _read(files.samples, None, "samples", [])  # an older store lacking a column
-            if samples is not None:
-                samples = samples.select([c for c in SAMPLE_COLUMNS if c in samples.column_names])
-        windows = _read(files.windows, WINDOWS_SCHEMA.names, "windows", run.problems)
-        if samples is None or samples.num_rows == 0:
-            run.problems.append(f"{files.folder}: no readable samples; rank skipped")
-            continue
-        if windows is None:
-            windows = WINDOWS_SCHEMA.empty_table()
-        w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
-        w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
-        w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)
-        yield RankArrays(r, _numpy(samples, list(SAMPLE_COLUMNS)), w)
+        data = load_rank_arrays(run, r, run.problems)
+        if data is not None:
+            yield data
+
+
+def load_rank_arrays(run: Run, r: int, problems: list[str]) -> RankArrays | None:
+    """Rank ``r``'s samples and windows; None (with a line in ``problems``) when it has no
+    readable samples."""
+    files = run.files.ranks[r]
+    samples = _read(files.samples, list(SAMPLE_COLUMNS), "samples", problems)
+    if samples is None:
+        samples = _read(files.samples, None, "samples", [])  # an older store lacking a column
+        if samples is not None:
+            samples = samples.select([c for c in SAMPLE_COLUMNS if c in samples.column_names])
+    windows = _read(files.windows, WINDOWS_SCHEMA.names, "windows", problems)
+    if samples is None or samples.num_rows == 0:
+        problems.append(f"{files.folder}: no readable samples; rank skipped")
+        return None
+    if windows is None:
+        windows = WINDOWS_SCHEMA.empty_table()
+    w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
+    w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
+    w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)
+    return RankArrays(r, _numpy(samples, list(SAMPLE_COLUMNS)), w)

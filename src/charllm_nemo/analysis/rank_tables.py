@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from charllm_nemo.analysis.load import RankArrays
+from charllm_nemo.analysis.load import RankArrays, Run, load_rank_arrays
 from charllm_nemo.analysis.metrics import (
     counter_increase,
     held_share,
@@ -125,6 +125,7 @@ def rank_tables(data: RankArrays) -> RankTables:
         fig = attribute_windows(s, w)
         fig.update(_excursions(s, w))
         fig.update({k: w[k] for k in WINDOW_KEYS})
+        fig["measured"] = np.isin(w["step"], steps)
         fig["device_index"] = np.full(w["window_id"].size, dev, np.int64)
         win_parts.append(fig)
         if span is not None:
@@ -180,3 +181,12 @@ def _concat(parts: list[Columns]) -> Columns:
     if not parts:
         return {}
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def reduce_rank(run: Run, rank: int) -> tuple[int, RankTables | None, list[str]]:
+    """Load and reduce one rank: what a worker process of :func:`analysis.analyze.analyze` runs
+    (its arguments and result are small enough to pass between processes: paths in, the rank's
+    rows out). Returns (rank, its tables or None when it has no samples, problems met)."""
+    problems: list[str] = []
+    data = load_rank_arrays(run, rank, problems)
+    return rank, (rank_tables(data) if data is not None else None), problems
