@@ -90,9 +90,10 @@ def find_runs(path: str | os.PathLike[str]) -> list[Path]:
             dirnames[:] = []
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "rank=")))
-        for d in dirnames:
-            if _is_run_dir(here / d):
-                found.append(here / d)
+        runs = [d for d in dirnames if _is_run_dir(here / d)]
+        found += [here / d for d in runs]
+        # Not below a run: its traces/rank=N/ folders hold profiler traces, not another run.
+        dirnames[:] = [d for d in dirnames if d not in runs]
     found = _latest_attempts(found)
     if not found:
         raise StoreError(
