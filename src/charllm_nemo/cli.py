@@ -77,7 +77,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, t_end - time.monotonic()))
     finally:
         session.close()
-    health = session.sampler.health
+    health = session.health
     print(
         f"{health.samples} samples, {health.deadline_ratio() * 100:.1f} % of deadlines met, "
         f"read {health.read_ns_mean() / 1e3:.1f} us/sample; {step} steps marked"
@@ -329,7 +329,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.devices.factory import BACKEND_NAMES
-    from charllm_nemo.telemetry.sampler_process import SAMPLER_MODES
+    from charllm_nemo.telemetry.placement import SAMPLER_MODES
 
     parser = argparse.ArgumentParser(prog="charllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
