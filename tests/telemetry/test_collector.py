@@ -355,7 +355,7 @@ def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tm
     # Process mode: the training thread ships each step's raw log and the collector makes its
     # windows. Thread mode: the windows are made in process. Same marks, same clock: the stored
     # windows must be the in-process ones, ids, parents, microbatches and chunks included.
-    from charllm_nemo.train import marks as marks_module
+    from charllm_nemo.steps import marks as marks_module
     from charllm_nemo.train.marks import StepMarker
 
     if chunks > 1:
