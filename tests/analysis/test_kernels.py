@@ -85,3 +85,30 @@ def test_analyze_draws_the_kernel_breakdown_of_a_traced_run(tmp_path: Path) -> N
         "timeline_run.png",
     }
     assert sorted(set(a.tables["kernels"].column("rank").to_pylist())) == [0, 1]
+
+
+def test_charllm_train_records_the_chosen_steps(tmp_path: Path) -> None:
+    # The real path: telemetry.profile_steps=[1] makes charllm train write rank 0's trace of
+    # step 1 (and no other), which charllm analyze turns into the kernel table.
+    pytest.importorskip("megatron.core")
+    from charllm_nemo.analysis.analyze import analyze
+
+    run = tmp_path / "run"
+    argv = [
+        "train", "model=tiny_gpt", "telemetry.backend=synthetic", "launch.nproc=1", "batch.train_steps=2",
+        "batch.global_batch_size=2", "telemetry.profile_steps=[1]", f"telemetry.out_dir={run}",
+    ]  # fmt: skip
+    from charllm_nemo.cli import main
+
+    assert main(argv) == 0
+    assert [p.name for p in (run / "traces" / "rank=0").iterdir()] == ["step-000001.json"]
+    kernels = analyze(run).tables["kernels"].to_pylist()
+    assert {r["category"] for r in kernels} >= {"compute GEMM"} and {r["rank"] for r in kernels} == {0}
+
+
+def test_profile_steps_are_validated() -> None:
+    from charllm_nemo.telemetry.config import TelemetryConfig, telemetry_problems
+
+    problems = telemetry_problems(TelemetryConfig(profile_steps=[2, -1]), check_out_dir=False)
+    assert any("telemetry.profile_steps=[2, -1]" in p and ">= 0" in p for p in problems)
+    assert telemetry_problems(TelemetryConfig(profile_steps=[0, 5]), check_out_dir=False) == []

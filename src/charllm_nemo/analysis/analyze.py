@@ -24,6 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from charllm_nemo.analysis.findings import findings
+from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_run
 from charllm_nemo.analysis.rank_tables import RankTables, reduce_rank
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
@@ -157,10 +158,24 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
     infos += sweep_gaps(run_dirs, {r.path for r in runs})
     if not runs:
         raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
-    return Analysis(
-        _tables(infos, devices, spans, kept), runs, problems, windows_out if writer else None,
-        pa.concat_tables(kept) if kept else None,
-    )  # fmt: skip
+    windows = pa.concat_tables(kept) if kept else None
+    tables = _tables(infos, devices, spans, kept)
+    stages = _stages(windows)
+    kernels = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in runs], problems)
+    if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
+        tables["kernels"] = kernels
+    return Analysis(tables, runs, problems, windows_out if writer else None, windows)
+
+
+def _stages(windows: pa.Table | None) -> dict[str, dict[int, Any]]:
+    """Each run's rank -> pipeline stage, from the window table (one row per rank)."""
+    out: dict[str, dict[int, Any]] = {}
+    if windows is None:
+        return out
+    per = windows.group_by(["run", "rank"]).aggregate([("pp_stage", "min")])
+    for row in per.to_pylist():
+        out.setdefault(row["run"], {})[row["rank"]] = row["pp_stage_min"]
+    return out
 
 
 def _tables(

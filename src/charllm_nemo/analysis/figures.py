@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
@@ -16,7 +15,7 @@ import pyarrow as pa
 from charllm_nemo.analysis.analyze import Analysis
 from charllm_nemo.analysis.figures_run import excursions_figure, timeline_figure
 from charllm_nemo.analysis.figures_sweep import configs_figure, heatmaps_figure, save
-from charllm_nemo.analysis.kernels import CATEGORIES, kernel_table
+from charllm_nemo.analysis.kernels import CATEGORIES
 
 MAX_TIMELINES = 4
 """Runs that get a timeline figure (the first ones in path order)."""
@@ -45,7 +44,7 @@ def kernels_figure(table: pa.Table, run: str, stem: Path) -> list[Path]:
     ax.set_yticklabels([f"rank {k} (PP {stage[k]})" for k in ranks])
     ax.set_xlabel(f"share of traced time ({rows[0]['source']} events)")
     ax.set_xlim(0, 1)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5), ncol=4, fontsize=8)
     ax.set_title(f"Kernel breakdown: {run}", fontsize=10)
     fig.tight_layout()
     return save(fig, stem)
@@ -57,7 +56,7 @@ def _slug(text: str) -> str:
 
 def write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
     """Write every figure the data supports into ``out_dir``; returns the files written (PNG and
-    PDF pairs). ``analysis.tables['kernels']`` is added when any run holds profiler traces."""
+    PDF pairs)."""
     t = analysis.tables
     out: list[Path] = []
     out += configs_figure(t["runs"], out_dir / "configs")
@@ -69,21 +68,8 @@ def write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
         out += excursions_figure(analysis.windows, t["runs"], out_dir / "excursions")
     for run in analysis.runs[:MAX_TIMELINES]:
         out += timeline_figure(run, out_dir / f"timeline_{_slug(run.key)}")
-    stages = _stages(analysis)
-    kt = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in analysis.runs], analysis.problems)
-    if kt.num_rows:
-        analysis.tables["kernels"] = kt
+    kt = analysis.tables.get("kernels")
+    if kt is not None and kt.num_rows:
         for run in dict.fromkeys(kt.column("run").to_pylist()):
             out += kernels_figure(kt, run, out_dir / f"kernels_{_slug(run)}")
-    return out
-
-
-def _stages(analysis: Analysis) -> dict[str, dict[int, Any]]:
-    """Each run's rank -> pipeline stage, from the window table (one row per rank)."""
-    out: dict[str, dict[int, Any]] = {}
-    if analysis.windows is None:
-        return out
-    per = analysis.windows.group_by(["run", "rank"]).aggregate([("pp_stage", "min")])
-    for row in per.to_pylist():
-        out.setdefault(row["run"], {})[row["rank"]] = row["pp_stage_min"]
     return out
