@@ -46,6 +46,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
     import secrets
 
     from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+    from charllm_nemo.telemetry.process import mark_ring
     from charllm_nemo.telemetry.process import ring as shm
     from charllm_nemo.telemetry.process.collector import Collector
     from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
@@ -72,7 +73,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
         mark_capacity=64,
         fig_slots=8,
         n_devices=n_devices,
-        n_fig_columns=len(shm.figure_columns()),
+        n_fig_columns=len(mark_ring.figure_columns()),
     )
     name = f"charllm-bench-{secrets.token_hex(4)}"
     block = shm.create(name, lay)

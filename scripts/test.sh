@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh, scripts/setup-nemo.sh) and run lint, type checks and the test suite:
-# the main suite in .venv, then the NeMo 2 / Lightning integration tests in .venv-nemo.
+# the main suite in .venv (with a local SLURM for the sweep tests), then the NeMo 2 / Lightning
+# integration tests in .venv-nemo.
 # CHARLLM_REQUIRE_NEMO=1: an integration test whose framework or download is missing fails
 # instead of skipping (tests/integrations/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh test,megatron,analysis
+scripts/setup.sh test,megatron,sweep,analysis
 scripts/setup-nemo.sh
 export CHARLLM_REQUIRE_NEMO=1
 NEMO_TESTS=tests/integrations/test_nemo_callback.py
@@ -24,6 +25,19 @@ export CHARLLM_REQUIRE_BROWSER=1
 ruff check src tests bench scripts
 ruff format --check src tests bench scripts
 mypy
+
+# --- a real single-node SLURM for tests/sweep/test_slurm_sweeps.py (docs/sweeps.md) ------------
+# Installs slurm-wlm and munge with apt if missing and starts slurmctld, slurmd and munged as root
+# (idempotent); the tests find it through SLURM_CONF and the sacct stand-in on PATH. Not root:
+# those tests are skipped, and say so.
+if [ "$(id -u)" = 0 ]; then
+  scripts/local-slurm.sh start
+  eval "$(scripts/local-slurm.sh env)"
+else
+  echo "test.sh: not root: no local SLURM; tests/sweep/test_slurm_sweeps.py will be skipped" >&2
+fi
+# ---------------------------------------------------------------------------------------------
+
 # The NeMo tests run in .venv-nemo, the rest here.
 pytest --ignore="$NEMO_TESTS" "$@"
 deactivate

@@ -9,6 +9,7 @@ Subcommands:
 * ``charllm analyze PATH`` / ``charllm report PATH``: tables, figures and an HTML report for a
   run or a sweep directory (docs/analysis.md).
 * ``charllm train ...``: Megatron-Core training driven by the Hydra recipes in conf/.
+* ``charllm sweep status DIR``: a sweep's configurations and their states (docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -321,6 +322,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return _print_run(Path(args.run_dir), kinds, args.steps, args.rank)
 
 
+def cmd_sweep_status(args: argparse.Namespace) -> int:
+    from charllm_nemo.sweep.manifest import find_sweeps, load_manifest
+    from charllm_nemo.sweep.status import refresh, status_lines
+
+    path = Path(args.dir)
+    sweeps = find_sweeps(path)
+    if not sweeps:
+        raise StoreError(
+            f"{path} holds no sweep (no sweep.json in it, nor one or two folders down); sweeps are "
+            "written by `charllm train -m +sweep=<name>` under sweep.dir (default runs/sweeps)"
+        )
+    for i, folder in enumerate(sweeps):
+        manifest = load_manifest(folder)
+        assert manifest is not None
+        refresh(manifest, folder, ask_slurm=not args.no_slurm)
+        if i:
+            print()
+        for line in status_lines(manifest):
+            print(line)
+    return 0
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from charllm_nemo.train.app import main as train_main
 
@@ -378,6 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.analysis.commands import add_commands
 
     add_commands(sub)  # analyze, report
+
+    sw = sub.add_parser("sweep", help="sweeps run by `charllm train -m +sweep=<name>`")
+    sw_sub = sw.add_subparsers(dest="sweep_command", required=True)
+    st = sw_sub.add_parser("status", help="print a sweep's configurations and their states as a table")
+    st.add_argument("dir", help="a sweep directory (sweep=<name>/) or the folder holding sweeps")
+    st.add_argument(
+        "--no-slurm", action="store_true", help="only the files: do not ask SLURM about unfinished jobs"
+    )
+    st.set_defaults(func=cmd_sweep_status)
 
     sub.add_parser(
         "train", help="train with Megatron-Core (Hydra overrides follow: model=tiny_gpt ...)", add_help=False

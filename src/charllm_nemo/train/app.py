@@ -239,6 +239,11 @@ def _job(dcfg: DictConfig) -> int:
 
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
+    if sweep and OmegaConf.select(dcfg, "sweep.run_key") is not None:
+        # A sweep recipe's job (+sweep=<name>): attempts and their states (charllm_nemo/sweep).
+        from charllm_nemo.sweep.job import run_sweep_job
+
+        return run_sweep_job(dcfg, Path(hc.runtime.output_dir), run)
     if sweep:
         # Each job of a sweep gets its own run directory: Hydra's job directory.
         dcfg = OmegaConf.merge(dcfg, {"telemetry": {"out_dir": hc.runtime.output_dir}})  # type: ignore[assignment]
@@ -285,7 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
-            if not started:  # Hydra rejected the command line (unknown option, bad override)
+            from charllm_nemo.sweep.manifest import EXIT_NOT_DONE
+
+            # Hydra rejected the command line (unknown option, bad override), unless a sweep's
+            # jobs ran elsewhere (SLURM) and some did not end done.
+            if not started and code != EXIT_NOT_DONE:
                 return EXIT_CONFIG_ERROR
             return code if isinstance(code, int) else 1
     finally:

@@ -21,6 +21,8 @@ from charllm_nemo.train.config import TrainConfig
 
 # Top-level shorthands in conf/train.yaml that are not TrainConfig fields.
 SHORTHAND_KEYS: tuple[str, ...] = ("nproc", "dry_run")
+# A sweep recipe's own settings (+sweep=<name>: conf/sweep/, docs/sweeps.md): the sweeper's.
+DROPPED_KEYS: tuple[str, ...] = (*SHORTHAND_KEYS, "sweep", "hydra")
 
 
 def run_id(launcher: str = "local") -> str:
@@ -72,7 +74,7 @@ def train_config_from(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
         else:
             container = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
         assert isinstance(container, dict)
-        for key in (*SHORTHAND_KEYS, "hydra"):
+        for key in DROPPED_KEYS:
             container.pop(key, None)
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), container)
         obj = OmegaConf.to_object(merged)
