@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv and install charllm-nemo with what the tests and the CPU demo need.
-# Usage: scripts/setup.sh [EXTRAS]   (default EXTRAS: test,megatron,sweep)
+# Usage: scripts/setup.sh [EXTRAS]   (default EXTRAS: test,megatron,sweep,analysis)
 # On a GPU cluster, install your CUDA torch first and use: pip install -e '.[nvidia,megatron]'
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${1:-test,megatron,sweep}"
+EXTRAS="${1:-test,megatron,sweep,analysis}"
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

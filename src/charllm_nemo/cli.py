@@ -6,6 +6,8 @@ Subcommands:
   with forward / backward / optimizer phases, write a run directory, print its attribution.
 * ``charllm inspect RUN``: load a run directory (any rank count), report what it holds and
   what was skipped, print the attribution of its windows.
+* ``charllm analyze PATH`` / ``charllm report PATH``: tables, figures and an HTML report for a
+  run or a sweep directory (docs/analysis.md).
 * ``charllm train ...``: Megatron-Core training driven by the Hydra recipes in conf/.
 * ``charllm sweep status DIR``: a sweep's configurations and their states (docs/sweeps.md).
 """
@@ -395,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--rank", type=int, action="append", help="only this rank (repeatable)")
     i.set_defaults(func=cmd_inspect)
+
+    from charllm_nemo.analysis.commands import add_commands
+
+    add_commands(sub)  # analyze, report
 
     sw = sub.add_parser("sweep", help="sweeps run by `charllm train -m +sweep=<name>`")
     sw_sub = sw.add_subparsers(dest="sweep_command", required=True)

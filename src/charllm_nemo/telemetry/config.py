@@ -53,6 +53,10 @@ class TelemetryConfig:
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
     attention_flops: str = "full"  # full | causal: how MFU counts attention (ATTENTION_FLOPS)
+    # Steps (numbered from 0) every rank records with the PyTorch profiler into
+    # <out_dir>/traces/rank=<r>/step-NNNNNN.json, for charllm analyze's kernel breakdown
+    # (train/profile.py, docs/analysis.md). A profiled step runs slower: pick few, after warm-up.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 def _is_number(value: Any) -> bool:
@@ -126,6 +130,14 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
             problems.append(
                 f"telemetry.windows has unknown kinds {unknown}; use a subset of {_choices(WINDOW_KINDS)}"
             )
+    steps = cfg.profile_steps
+    if not isinstance(steps, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps
+    ):
+        problems.append(
+            f"telemetry.profile_steps={steps!r} must be a list of step numbers >= 0 (from 0), "
+            "e.g. telemetry.profile_steps=[5,6]"
+        )
     if not str(cfg.out_dir).strip():
         problems.append(
             "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"

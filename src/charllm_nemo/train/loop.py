@@ -33,6 +33,7 @@ from typing import Any
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
+from charllm_nemo.train.profile import StepProfiler
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 
 log = logging.getLogger("charllm_nemo.train")
@@ -366,33 +367,35 @@ def _train(
     st = _step_telemetry(cfg, dist, layout, rec, session, kinds, bundle, n_micro, sink, result, print_steps)
     config.timers = st.timers()  # None with nothing marked: the bench's "off" case
     data_iter: Any = iters[0] if len(iters) == 1 else iters
+    profiler = StepProfiler(cfg.telemetry.out_dir, dist.rank, cfg.telemetry.profile_steps)
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
     try:
         for step in range(b.train_steps):
-            st.begin_step(step)
-            for chunk in bundle.chunks:
-                chunk.zero_grad_buffer()
-            bundle.optimizer.zero_grad()
-            outputs = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=data_iter,
-                model=model,
-                num_microbatches=n_micro,
-                seq_length=cfg.model.seq_length,
-                micro_batch_size=b.micro_batch_size,
-                forward_only=False,
-            )
-            with st.phase("optimizer"):
-                ok, grad_norm, _zeros = bundle.optimizer.step()
-                if ok:
-                    bundle.scheduler.step(1)
-            loss_sum = loss_tokens = 0.0
-            if reports_loss and outputs:
-                tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
-                loss_sum, loss_tokens = float(tot[0]), float(tot[1])
-            st.end_step(
-                num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=loss_sum, loss_tokens=loss_tokens
-            )
+            with profiler.step(step):  # telemetry.profile_steps: PyTorch profiler traces
+                st.begin_step(step)
+                for chunk in bundle.chunks:
+                    chunk.zero_grad_buffer()
+                bundle.optimizer.zero_grad()
+                outputs = forward_backward(
+                    forward_step_func=_forward_step,
+                    data_iterator=data_iter,
+                    model=model,
+                    num_microbatches=n_micro,
+                    seq_length=cfg.model.seq_length,
+                    micro_batch_size=b.micro_batch_size,
+                    forward_only=False,
+                )
+                with st.phase("optimizer"):
+                    ok, grad_norm, _zeros = bundle.optimizer.step()
+                    if ok:
+                        bundle.scheduler.step(1)
+                loss_sum = loss_tokens = 0.0
+                if reports_loss and outputs:
+                    tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
+                    loss_sum, loss_tokens = float(tot[0]), float(tot[1])
+                st.end_step(
+                    num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=loss_sum, loss_tokens=loss_tokens
+                )
             out = st.last
             assert out is not None
             result.steps += 1

@@ -1,0 +1,267 @@
+"""``charllm analyze``: every table of a run or a sweep, written as Parquet and CSV.
+
+Flow: find the runs (:mod:`.load`), load one rank at a time and reduce it to its rows
+(:mod:`.rank_tables`: numpy over arrays), stream the full window table to disk as each rank is
+done, keep only the columns the findings need, then compute the run, platform and findings
+tables with DuckDB SQL over those Arrow tables (:mod:`.run_summary`, :mod:`.findings`).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from charllm_nemo.analysis.findings import findings
+from charllm_nemo.analysis.kernels import kernel_table
+from charllm_nemo.analysis.load import Run, find_runs, open_run
+from charllm_nemo.analysis.rank_tables import RankTables, reduce_rank
+from charllm_nemo.analysis.run_info import run_info, sweep_gaps
+from charllm_nemo.analysis.run_summary import platform_table, run_table
+from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
+
+KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
+    "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "measured",
+    "t_begin_mono_ns", "duration_s", "energy_j", "power_avg_w", "power_peak_w", "temp_gpu_peak_c",
+    "clock_sm_avg_mhz", "time_above_limit_s", "largest_rise_100ms_w", "throttle_any_limiting_s",
+    *(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS),
+)  # fmt: skip
+"""Window columns held in memory for the findings (the full table goes to disk rank by rank)."""
+
+TABLES = (
+    "runs", "ranks", "platforms", "excursions", "thermal", "thermal_steps",
+    "throttle_slowdown", "phase_energy",
+)  # fmt: skip
+"""The summary tables, in the order reports show them (``windows`` is written alongside)."""
+
+
+@dataclass
+class Analysis:
+    """The tables of one ``analyze`` call, the runs they came from and what was wrong."""
+
+    tables: dict[str, pa.Table]
+    runs: list[Run]
+    problems: list[str] = field(default_factory=list)
+    windows_path: Path | None = None
+    windows: pa.Table | None = None  # the kept columns (KEPT_WINDOW_COLUMNS)
+
+
+POOL_MIN_RANKS = 4
+"""Runs with at least this many ranks are reduced by a pool of worker processes (one per usable
+CPU, ``CHARLLM_ANALYZE_WORKERS`` to override; 1 = in this process): ranks are independent, and
+a worker's start (~1 s of imports) is paid back from a few rank-hours on."""
+
+
+def _workers(n_ranks: int) -> int:
+    env = os.environ.get("CHARLLM_ANALYZE_WORKERS", "")
+    cpus = int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+    return 1 if n_ranks < POOL_MIN_RANKS else max(1, min(cpus, n_ranks))
+
+
+def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
+    """Each rank's tables in rank order, reduced here or by worker processes (spawned, not
+    forked: DuckDB's threads may be running in this process)."""
+    workers = _workers(len(run.ranks))
+    if workers == 1:
+        for r in run.ranks:
+            rank, rt, problems = reduce_rank(run, r)
+            run.problems.extend(problems)
+            yield rank, rt
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for rank, rt, problems in pool.map(reduce_rank, [run] * len(run.ranks), run.ranks):
+            run.problems.extend(problems)
+            yield rank, rt
+
+
+def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:
+    arrays = {}
+    for k, v in cols.items():
+        if v.dtype == object or v.dtype.kind == "U":
+            arrays[k] = pa.array(v.astype(object) if v.dtype.kind == "U" else v, pa.string())
+        elif v.dtype.kind == "i" and int_nulls:
+            null = v == INT_NULL
+            arrays[k] = pa.array(v, mask=null if null.any() else None)
+        elif v.dtype.kind == "f":
+            arrays[k] = pa.array(v, from_pandas=True)  # NaN -> null: SQL aggregates skip it
+        else:
+            arrays[k] = pa.array(v)
+    return pa.table(arrays)
+
+
+def _with(table: pa.Table, **consts: Any) -> pa.Table:
+    for i, (k, v) in enumerate(consts.items()):
+        table = table.add_column(
+            i, k, pa.array([v] * table.num_rows, pa.string() if isinstance(v, str) else None)
+        )
+    return table
+
+
+def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> Analysis:
+    """Analyse every run at or below ``path``. ``windows_out``: where the full per-window table
+    (Parquet) is streamed; None keeps nothing but the columns the findings need. Raises
+    StoreError only when there is no run at all; anything else becomes a line of ``problems``."""
+    root = Path(path)
+    run_dirs = find_runs(root)
+    runs: list[Run] = []
+    problems: list[str] = []
+    infos, devices, spans, kept = [], [], [], []
+    writer: pq.ParquetWriter | None = None
+    try:
+        for d in run_dirs:
+            try:
+                run = open_run(d, root)
+            except StoreError as exc:
+                problems.append(f"{d}: skipped: {exc}")
+                continue
+            runs.append(run)
+            infos.append(run_info(run))
+            hosts = {r: str(m.get("host") or "?") for r, m in run.manifests.items()}
+            n_ranks = 0
+            for rank, rt in _reduced(run):
+                if rt is None or not rt.devices:
+                    continue
+                n_ranks += 1
+                consts = {"run": run.key}
+                devices.append(_with(_arrow(rt.devices), **consts, rank=str(rank)))
+                if rt.span:
+                    spans.append(_with(_arrow(rt.span), **consts))
+                if rt.windows:
+                    wt = _with(_arrow(rt.windows), **consts)
+                    wt = wt.add_column(1, "rank", pa.array(np.full(wt.num_rows, rank, np.int32)))
+                    wt = wt.add_column(2, "host", pa.array([hosts.get(rank, "?")] * wt.num_rows, pa.string()))
+                    if windows_out is not None:
+                        if writer is None:
+                            windows_out.parent.mkdir(parents=True, exist_ok=True)
+                            writer = pq.ParquetWriter(windows_out, wt.schema)
+                        writer.write_table(wt.cast(writer.schema))
+                    kept.append(wt.select(list(KEPT_WINDOW_COLUMNS)))
+            if n_ranks == 0:
+                run.problems.append(f"{run.path}: no rank has samples; the run has no figures")
+            problems.extend(run.problems)
+    finally:
+        if writer is not None:
+            writer.close()
+    infos += sweep_gaps(run_dirs, {r.path for r in runs})
+    if not runs:
+        raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
+    windows = pa.concat_tables(kept) if kept else None
+    tables = _tables(infos, devices, spans, kept)
+    stages = _stages(windows)
+    kernels = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in runs], problems)
+    if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
+        tables["kernels"] = kernels
+    return Analysis(tables, runs, problems, windows_out if writer else None, windows)
+
+
+def _stages(windows: pa.Table | None) -> dict[str, dict[int, Any]]:
+    """Each run's rank -> pipeline stage, from the window table (one row per rank)."""
+    out: dict[str, dict[int, Any]] = {}
+    if windows is None:
+        return out
+    per = windows.group_by(["run", "rank"]).aggregate([("pp_stage", "min")])
+    for row in per.to_pylist():
+        out.setdefault(row["run"], {})[row["rank"]] = row["pp_stage_min"]
+    return out
+
+
+def _tables(
+    infos: list[dict[str, Any]], devices: list[pa.Table], spans: list[pa.Table], kept: list[pa.Table]
+) -> dict[str, pa.Table]:
+    con = duckdb.connect()
+    dev = pa.concat_tables(devices, promote_options="default") if devices else _empty_devices()
+    dev = dev.set_column(dev.column_names.index("rank"), "rank", dev.column("rank").cast(pa.int32()))
+    con.register("devices", dev)
+    sp = pa.concat_tables(spans) if spans else _EMPTY_SPANS
+    con.register("spans", sp)
+    runs = run_table(con, infos)
+    tables = {"runs": runs, "ranks": dev, "platforms": platform_table(con, runs)}
+    if kept:
+        con.register("w", pa.concat_tables(kept))
+        con.register("info", runs)
+        tables.update(findings(con))
+    return {k: tables[k] for k in TABLES if k in tables}
+
+
+_EMPTY_SPANS = pa.table(
+    {
+        "run": pa.array([], pa.string()),
+        "device_index": pa.array([], pa.int64()),
+        "span_s": pa.array([], pa.float64()),
+        "span_energy_j": pa.array([], pa.float64()),
+        "span_energy_method": pa.array([], pa.string()),
+        "measured_steps": pa.array([], pa.int64()),
+    }
+)
+
+
+def _empty_devices() -> pa.Table:
+    return pa.table({"run": pa.array([], pa.string()), "rank": pa.array([], pa.string())})
+
+
+WINDOWS_CSV_MAX_ROWS = 200_000
+"""Above this many windows their CSV is written only on request (``windows_csv=True``): a
+32-rank hour has ~600k windows x 50 columns, a CSV of ~0.3 GB that costs seconds to write and
+that no spreadsheet opens; ``windows.parquet`` holds the same."""
+
+
+def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = None) -> list[Path]:
+    """Each table as ``<name>.parquet`` and ``<name>.csv`` in ``out_dir``, plus the window table's
+    CSV beside its Parquet (``windows_csv``: always / never; None: when it has at most
+    :data:`WINDOWS_CSV_MAX_ROWS` rows, else a line in ``problems.txt`` says so); returns the
+    paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, table in analysis.tables.items():
+        pq.write_table(table, out_dir / f"{name}.parquet")
+        pacsv.write_csv(table, out_dir / f"{name}.csv")
+        written += [out_dir / f"{name}.parquet", out_dir / f"{name}.csv"]
+    path = analysis.windows_path
+    if path is not None:
+        pf = pq.ParquetFile(path)
+        written.append(path)
+        rows = pf.metadata.num_rows
+        if windows_csv is None:
+            windows_csv = rows <= WINDOWS_CSV_MAX_ROWS
+            if not windows_csv:
+                analysis.problems.append(
+                    f"windows.csv not written: {rows} windows (over {WINDOWS_CSV_MAX_ROWS}); "
+                    "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
+                )
+        if windows_csv:
+            with pacsv.CSVWriter(path.with_suffix(".csv"), pf.schema_arrow) as w:
+                for batch in pf.iter_batches(batch_size=65536):
+                    w.write_batch(batch)
+            written.append(path.with_suffix(".csv"))
+    (out_dir / "problems.txt").write_text("".join(f"{p}\n" for p in analysis.problems))
+    written.append(out_dir / "problems.txt")
+    return written
+
+
+def to_jsonable(analysis: Analysis) -> dict[str, Any]:
+    """The tables as lists of row objects (NaN -> null) and the problems, for ``--format json``."""
+
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return {
+        "tables": {
+            name: [{k: clean(v) for k, v in row.items()} for row in t.to_pylist()]
+            for name, t in analysis.tables.items()
+        },
+        "windows": str(analysis.windows_path) if analysis.windows_path else None,
+        "problems": analysis.problems,
+    }

@@ -1,0 +1,111 @@
+"""Figures inside one run: a per-rank timeline of power, temperature and SM clock with the step
+and microbatch windows shaded, and the per-microbatch excursion plot."""
+
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from charllm_nemo.analysis.figures_sweep import save
+from charllm_nemo.analysis.load import Run, iter_rank_arrays
+from charllm_nemo.telemetry.schema import INT_NULL
+
+MAX_TIMELINE_RANKS = 8
+"""Ranks drawn in one timeline (one row each); the rest are in the tables."""
+MAX_TIMELINE_STEPS = 6
+"""Steps shown: the first measured ones, so that windows stay visible."""
+
+
+def timeline_figure(run: Run, stem: Path) -> list[Path]:
+    """Power (W), GPU temperature (°C) and SM clock (MHz) against time for up to
+    :data:`MAX_TIMELINE_RANKS` ranks, over the first :data:`MAX_TIMELINE_STEPS` steps after the
+    first; steps shaded in alternating grey, microbatches as thin bands along the bottom."""
+    # islice: only the ranks drawn are ever loaded (a 32-rank hour would not fit at once).
+    ranks = list(
+        islice((ra for ra in iter_rank_arrays(run) if ra.samples["t_mono_ns"].size), MAX_TIMELINE_RANKS)
+    )
+    if not ranks:
+        return []
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(11, 2.3 * len(ranks) + 0.6), sharex=True, squeeze=False)
+    origin = None
+    for ax, ra in zip(axes[:, 0], ranks, strict=True):
+        s, w = ra.samples, ra.windows
+        is_step = (w["kind"] == "step") & (w["t_end_mono_ns"] != INT_NULL)
+        steps = np.unique(w["step"][is_step])
+        show = steps[1 : 1 + MAX_TIMELINE_STEPS] if steps.size > 1 else steps
+        sel_w = np.isin(w["step"], show) & (w["t_end_mono_ns"] != INT_NULL)
+        if not sel_w.any():
+            t_lo, t_hi = s["t_mono_ns"].min(), s["t_mono_ns"].max()
+        else:
+            t_lo, t_hi = w["t_begin_mono_ns"][sel_w].min(), w["t_end_mono_ns"][sel_w].max()
+        if origin is None:
+            origin = t_lo
+        pad = (t_hi - t_lo) // 20
+        keep = (
+            (s["t_mono_ns"] >= t_lo - pad)
+            & (s["t_mono_ns"] <= t_hi + pad)
+            & (s["device_index"] == s["device_index"][0])
+        )
+        t = (s["t_mono_ns"][keep] - origin) / 1e9
+        ax.plot(t, s["power_instant_w"][keep], color="tab:red", linewidth=1, label="power (W)")
+        ax.set_ylabel(f"rank {ra.rank}\npower (W)", color="tab:red")
+        twin = ax.twinx()
+        twin.plot(t, s["temp_gpu_c"][keep], color="tab:orange", linewidth=1, label="GPU temp (°C)")
+        twin.set_ylabel("°C / MHz/20", fontsize=8)
+        twin.plot(t, s["clock_sm_mhz"][keep] / 20.0, color="tab:blue", linewidth=1, label="SM clock (MHz/20)")
+        for k, i in enumerate(np.flatnonzero(is_step & sel_w)):
+            b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
+            ax.axvspan(b, e, color="grey", alpha=0.12 if k % 2 else 0.25, linewidth=0)
+        mb = (w["kind"] == "microbatch") & sel_w
+        for k, i in enumerate(np.flatnonzero(mb)):
+            b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
+            ax.axvspan(
+                b, e, ymin=0, ymax=0.05, color="tab:purple" if k % 2 else "tab:green", alpha=0.8, linewidth=0
+            )
+    h1 = axes[0, 0].get_lines()[:1] + fig.axes[len(ranks)].get_lines()[:2]
+    fig.legend(h1, [h.get_label() for h in h1], loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.02))
+    axes[-1, 0].set_xlabel("time (s); steps shaded grey, microbatches as bands at the bottom")
+    fig.suptitle(run.key, y=1.05, fontsize=10)
+    fig.tight_layout()
+    return save(fig, stem)
+
+
+def excursions_figure(windows: pa.Table, runs: pa.Table, stem: Path) -> list[Path]:
+    """Per measured microbatch: peak-to-average power ratio and the largest rise within 100 ms,
+    as box plots per micro batch size (one box per size over every run that used it)."""
+    mb = windows.filter(pc.and_(pc.equal(windows["kind"], "microbatch"), windows["measured"]))
+    if mb.num_rows == 0:
+        return []
+    size_of = {r["run"]: r.get("micro_batch_size") for r in runs.to_pylist()}
+    run_col = mb.column("run").to_pylist()
+    sizes = np.array([size_of.get(r) or 0 for r in run_col])
+    ratio = _np(mb, "power_peak_w") / _np(mb, "power_avg_w")
+    rise = _np(mb, "largest_rise_100ms_w")
+    labels = sorted(set(sizes.tolist()))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, values, title in (
+        (axes[0], ratio, "peak / average power"),
+        (axes[1], rise, "largest rise within 100 ms (W)"),
+    ):
+        data = [values[(sizes == s) & np.isfinite(values)] for s in labels]
+        ax.boxplot(data, tick_labels=[str(s) for s in labels], showfliers=True)
+        ax.set_xlabel("micro batch size")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="y", linestyle="--", alpha=0.5)
+    fig.suptitle("Power excursions per microbatch", fontsize=11)
+    fig.tight_layout()
+    return save(fig, stem)
+
+
+def _np(t: pa.Table, col: str) -> np.ndarray[Any, Any]:
+    return np.asarray(t.column(col).to_numpy(zero_copy_only=False), dtype=np.float64)

@@ -1,0 +1,108 @@
+"""Whole-run figures of one device's samples: plain numpy over arrays, no row loops.
+
+Every function takes one device's timeline (``t_ns`` int64 CLOCK_MONOTONIC ns, strictly
+increasing after :func:`charllm_nemo.telemetry.attribution.prepare_samples`) and one metric
+(floats NaN = null, ints negative = null). Nulls are skipped: the curve goes straight from one
+non-null sample to the next, as in the window attribution (docs/attribution.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
+
+NS_PER_S = 1e9
+
+
+def time_weighted_mean(t_ns: IntArray, x: FloatArray) -> float:
+    """Time-weighted mean of a float metric over its own span (trapezoids between consecutive
+    non-null samples, divided by the span), in the metric's unit; NaN with fewer than 2
+    non-null samples."""
+    ok = ~np.isnan(x)
+    t, v = t_ns[ok], x[ok]
+    if t.size < 2 or t[-1] == t[0]:
+        return float("nan")
+    dt = np.diff(t).astype(np.float64)
+    return float(np.sum(dt * (v[:-1] + v[1:]) * 0.5) / (t[-1] - t[0]))
+
+
+def trapezoid_energy_j(t_ns: IntArray, power_w: FloatArray) -> float:
+    """Energy in J: the integral of the power curve (W) over its non-null span; NaN with fewer
+    than 2 non-null samples."""
+    ok = ~np.isnan(power_w)
+    t, v = t_ns[ok], power_w[ok]
+    if t.size < 2:
+        return float("nan")
+    dt_s = np.diff(t).astype(np.float64) / NS_PER_S
+    return float(np.sum(dt_s * (v[:-1] + v[1:]) * 0.5))
+
+
+def counter_increase(values: IntArray) -> tuple[float, int]:
+    """Total increase of a cumulative 64-bit counter across its non-null samples, and how many
+    times it went down (a reset, a driver reload, a wrap).
+
+    Deltas are taken in int64 (exact at any magnitude: near 2**62 float64 cannot tell x from
+    x + 1) and only the non-negative ones are summed: across a reset the counter restarts
+    from an unknown value, so the interval that holds the reset is left out rather than
+    guessed. Returns (increase in the counter's unit as float64, number of decreases); NaN
+    increase with fewer than 2 non-null samples."""
+    c = values[values >= 0]
+    if c.size < 2:
+        return float("nan"), 0
+    d = np.diff(c)
+    down = d < 0
+    return float(d[~down].sum()), int(down.sum())
+
+
+def held_share(t_ns: IntArray, flags: np.ndarray[Any, Any]) -> FloatArray:
+    """Share of the timeline (0..1) each flag was set, sample-and-hold (a sample's flags hold
+    until the next sample). ``flags`` is (n,) or (n, k); the last sample's flags hold no time.
+    NaN with fewer than 2 samples."""
+    k = flags.shape[1:] if flags.ndim > 1 else ()
+    if t_ns.size < 2 or t_ns[-1] == t_ns[0]:
+        return np.full(k, np.nan)
+    # A matrix-vector product: one pass for every flag. float64 is exact here (a run's
+    # nanoseconds stay far below 2**53 ns, 104 days).
+    dt = np.diff(t_ns).astype(np.float64)
+    held = flags[:-1].astype(np.float64).T @ dt
+    return np.asarray(held / float(t_ns[-1] - t_ns[0]), dtype=np.float64)
+
+
+def largest_rise(t_ns: IntArray, p: FloatArray, horizon_ns: int) -> FloatArray:
+    """For each sample i: the largest increase ``p[j] - p[i]`` over the later samples j with
+    ``t[j] - t[i] <= horizon_ns`` (0 when none is higher or none is that close), in p's unit.
+    NaN where p[i] is null; null later samples are skipped. Vectorised over a sliding maximum
+    whose width is the most samples any horizon holds."""
+    n = t_ns.size
+    out = np.full(n, np.nan)
+    ok = ~np.isnan(p)
+    if n < 2 or not ok.any():
+        return out
+    end = np.searchsorted(t_ns, t_ns + horizon_ns, side="right")  # j < end[i]
+    width = int((end - np.arange(n)).max())
+    filled = np.where(ok, p, -np.inf)
+    padded = np.concatenate((filled, np.full(width, -np.inf)))
+    best = np.full(n, -np.inf)
+    idx = np.arange(n)
+    for k in range(1, width):  # width is samples per horizon (10 at 100 Hz, 100 ms), not rows
+        cand = padded[idx + k]
+        cand = np.where(idx + k < end, cand, -np.inf)
+        np.maximum(best, cand, out=best)
+    rise = np.maximum(best - filled, 0.0)
+    out[ok] = rise[ok]
+    return out
+
+
+def pearson(x: FloatArray, y: FloatArray) -> float:
+    """Pearson correlation of the pairs where both are finite; NaN with fewer than 3 pairs or
+    when either side is constant."""
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3:
+        return float("nan")
+    a, b = x[ok] - x[ok].mean(), y[ok] - y[ok].mean()
+    den = float(np.sqrt((a * a).sum() * (b * b).sum()))
+    return float((a * b).sum() / den) if den > 0 else float("nan")

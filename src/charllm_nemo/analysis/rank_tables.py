@@ -1,0 +1,192 @@
+"""One rank's contribution to the tables: its devices' whole-run figures, its windows' figures
+and each window's excursion figures. Arrays in, column dicts out; nothing per row in Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from charllm_nemo.analysis.load import RankArrays, Run, load_rank_arrays
+from charllm_nemo.analysis.metrics import (
+    counter_increase,
+    held_share,
+    largest_rise,
+    time_weighted_mean,
+    trapezoid_energy_j,
+)
+from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
+from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
+
+Columns = dict[str, np.ndarray[Any, Any]]
+
+RISE_HORIZON_NS = 100_000_000
+"""The excursion metric's horizon: the largest power rise within 100 ms."""
+
+TRAFFIC = ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes")
+WINDOW_KEYS = (
+    "window_id", "parent_id", "kind", "name", "step", "microbatch", "pp_stage", "tp_rank", "dp_rank",
+    "t_begin_mono_ns", "t_end_mono_ns",
+)  # fmt: skip
+
+
+@dataclass
+class RankTables:
+    """A rank's rows of the per-rank table (one per device), the window table and the span
+    (measured steps) figures used by the run table."""
+
+    devices: Columns
+    windows: Columns
+    span: Columns
+
+
+def measured_steps(steps: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The step numbers that count for run figures: every step but the first (the warm-up step:
+    compilation, allocator growth, NCCL set-up) when there is more than one, as summary.json's
+    medians do. ``steps`` may hold INT_NULL."""
+    s = np.unique(steps[steps != INT_NULL])
+    return s[1:] if s.size > 1 else s
+
+
+def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Share of the span each reason of THROTTLE_REASONS was set (sample-and-hold), in the
+    reasons' order. A run holds few distinct masks, so time is summed per distinct mask value
+    (one bincount over the samples) and split into bits afterwards; the general
+    :func:`held_share` (one column per bit) is the fallback for masks with unknown high bits."""
+    bits = np.array([bit for _, bit in THROTTLE_REASONS], dtype=np.int64)
+    if t.size < 2 or t[-1] == t[0]:
+        return np.full(bits.size, np.nan)
+    if mask.max() >= 1 << 12:
+        return held_share(t, (mask[:, None] & bits[None, :]) != 0)
+    per_value = np.bincount(mask[:-1], weights=np.diff(t).astype(np.float64))
+    values = np.arange(per_value.size)
+    held = np.array([per_value[(values & b) != 0].sum() for b in bits])  # 9 bits x <= 4096 values
+    return np.asarray(held / float(t[-1] - t[0]), dtype=np.float64)
+
+
+def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> dict[str, float]:
+    row: dict[str, float] = {}
+    p = s.get("power_instant_w", np.full(t.size, np.nan))
+    row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
+    row["n_samples"] = float(t.size)
+    row["power_avg_w"] = time_weighted_mean(t, p)
+    row["power_peak_w"] = float(np.nanmax(p)) if np.isfinite(p).any() else float("nan")
+    for name in ("temp_gpu_c", "temp_hbm_c"):
+        x = s.get(name, np.full(t.size, np.nan))
+        base = name[: -len("_c")]
+        row[f"{base}_avg_c"] = time_weighted_mean(t, x)
+        row[f"{base}_peak_c"] = float(np.nanmax(x)) if np.isfinite(x).any() else float("nan")
+    row["clock_sm_avg_mhz"] = time_weighted_mean(t, s.get("clock_sm_mhz", np.full(t.size, np.nan)))
+    counter, resets = counter_increase(s.get("energy_mj", np.full(t.size, INT_NULL, np.int64)))
+    row["energy_counter_j"] = counter / 1e3
+    row["energy_counter_resets"] = float(resets)
+    row["energy_trapezoid_j"] = trapezoid_energy_j(t, p)
+    den = row["energy_trapezoid_j"]
+    row["energy_disagreement"] = (
+        (row["energy_counter_j"] - den) / den if den and np.isfinite(den) else float("nan")
+    )
+    for name in TRAFFIC:
+        total, _ = counter_increase(s.get(name, np.full(t.size, INT_NULL, np.int64)))
+        row[name] = total
+    mask = s.get("throttle_reasons", np.full(t.size, INT_NULL, np.int64))
+    known = mask >= 0
+    shares = throttle_shares(t[known], mask[known])
+    for j, (name, _) in enumerate(THROTTLE_REASONS):
+        row[f"throttle_{name}_share"] = float(shares[j])
+    limit = s.get("power_limit_w", np.full(t.size, np.nan))
+    row["power_limit_w"] = float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
+    return row
+
+
+def rank_tables(data: RankArrays) -> RankTables:
+    """Every table's rows for one rank (all its devices)."""
+    s_all, w = data.samples, data.windows
+    dev_ids = np.unique(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
+    dev_rows: dict[str, list[float]] = {}
+    win_parts: list[Columns] = []
+    span_parts: list[Columns] = []
+    steps = measured_steps(w["step"][w["kind"] == "step"]) if w["kind"].size else np.array([], np.int64)
+    is_step = (w["kind"] == "step") & np.isin(w["step"], steps)
+    ends = w["t_end_mono_ns"][is_step]
+    ends = ends[ends != INT_NULL]
+    span = (int(w["t_begin_mono_ns"][is_step].min()), int(ends.max())) if ends.size else None
+    for dev in dev_ids:
+        if dev_ids.size == 1:  # the usual rank: one device, no copy of its columns
+            s, _ = prepare_samples(s_all)
+        else:
+            sel = s_all["device_index"] == dev
+            s, _ = prepare_samples({k: v[sel] for k, v in s_all.items()})
+        t = s["t_mono_ns"]
+        row = _device_row(t, s)
+        row["device_index"] = float(dev)
+        for k, v in row.items():
+            dev_rows.setdefault(k, []).append(v)
+        fig = attribute_windows(s, w)
+        fig.update(_excursions(s, w))
+        fig.update({k: w[k] for k in WINDOW_KEYS})
+        fig["measured"] = np.isin(w["step"], steps)
+        fig["device_index"] = np.full(w["window_id"].size, dev, np.int64)
+        win_parts.append(fig)
+        if span is not None:
+            one = attribute_windows(s, [span], figures=("duration_s", "energy_j", "energy_method"))
+            span_parts.append(
+                {
+                    "device_index": np.array([dev]),
+                    "span_s": one["duration_s"],
+                    "span_energy_j": one["energy_j"],
+                    "span_energy_method": one["energy_method"],
+                    "measured_steps": np.array([steps.size]),
+                }
+            )
+    devices = {k: np.asarray(v) for k, v in dev_rows.items()}
+    if "device_index" in devices:
+        devices["device_index"] = devices["device_index"].astype(np.int64)
+    return RankTables(devices, _concat(win_parts), _concat(span_parts))
+
+
+def _excursions(s: dict[str, np.ndarray[Any, Any]], w: dict[str, np.ndarray[Any, Any]]) -> Columns:
+    """Per window: seconds the instant power was above the power limit (sample-and-hold), and the
+    largest power rise within 100 ms that starts inside the window (W)."""
+    t = s["t_mono_ns"]
+    m = w["window_id"].size
+    above = np.full(m, np.nan)
+    rise_w = np.full(m, np.nan)
+    p = s.get("power_instant_w")
+    if p is None or t.size < 2 or m == 0:
+        return {"time_above_limit_s": above, "largest_rise_100ms_w": rise_w}
+    t0, t1 = w["t_begin_mono_ns"], w["t_end_mono_ns"]
+    valid = (t0 != INT_NULL) & (t1 != INT_NULL) & (t1 >= t0)
+    limit = s.get("power_limit_w", np.full(t.size, np.nan))
+    if np.isfinite(limit).any():
+        # At the limit counts: power capping holds the power there (sw_power_cap).
+        flags = np.nan_to_num(p, nan=-np.inf) >= np.nan_to_num(limit, nan=np.inf)
+        above[valid] = held_time(t, flags, t0[valid], t1[valid])
+    rise = largest_rise(t, p, RISE_HORIZON_NS)
+    lo = np.searchsorted(t, t0[valid], side="left")
+    hi = np.searchsorted(t, t1[valid], side="left")
+    inside = hi > lo
+    vals = np.full(lo.size, np.nan)
+    if inside.any():
+        r = np.where(np.isnan(rise), -np.inf, rise)
+        idx = np.empty(2 * int(inside.sum()), dtype=np.intp)
+        idx[0::2], idx[1::2] = lo[inside], hi[inside]
+        red = np.maximum.reduceat(np.append(r, -np.inf), idx)[0::2]
+        vals[inside] = np.where(np.isfinite(red), red, np.nan)
+    rise_w[valid] = vals
+    return {"time_above_limit_s": above, "largest_rise_100ms_w": rise_w}
+
+
+def _concat(parts: list[Columns]) -> Columns:
+    if not parts:
+        return {}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def reduce_rank(run: Run, rank: int) -> tuple[int, RankTables | None, list[str]]:
+    """Load and reduce one rank: what a worker process of :func:`analysis.analyze.analyze` runs
+    (its arguments and result are small enough to pass between processes: paths in, the rank's
+    rows out). Returns (rank, its tables or None when it has no samples, problems met)."""
+    problems: list[str] = []
+    data = load_rank_arrays(run, rank, problems)
+    return rank, (rank_tables(data) if data is not None else None), problems

@@ -1,0 +1,139 @@
+"""``charllm report``: one self-contained HTML page (no file or network reference: figures are
+inline ``data:`` URIs, styles inline) with the tables, each run's manifest and the caveats a
+reader must know before trusting a number: the sampling rate, a synthetic device, coverage,
+windows flagged as interpolated, and every problem met while reading."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from charllm_nemo.analysis.analyze import Analysis
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; }
+table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
+th { background: #f3f3f3; position: sticky; top: 0; } td.s { text-align: left; }
+.scroll { overflow-x: auto; max-height: 30em; }
+.caveat { background: #fff6e0; border-left: 4px solid #e0a000; padding: 0.6em 1em; margin: 0.4em 0; }
+.problem { background: #fdecea; border-left: 4px solid #d33; padding: 0.4em 1em; margin: 0.3em 0; font-size: 0.85em; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+pre { background: #f7f7f7; padding: 0.8em; font-size: 0.75em; max-height: 25em; overflow: auto; }
+"""  # noqa: E501
+
+MAX_ROWS = 200
+"""Rows shown per table (the Parquet and CSV files hold them all)."""
+
+
+def _cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return '<td class="s">–</td>'
+    if isinstance(v, float):
+        return f"<td>{v:.4g}</td>"
+    if isinstance(v, (int, bool)):
+        return f"<td>{v}</td>"
+    return f'<td class="s">{html.escape(str(v))}</td>'
+
+
+def table_html(table: pa.Table) -> str:
+    """An HTML table of the first :data:`MAX_ROWS` rows, every value escaped."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in table.column_names)
+    rows = "".join(
+        "<tr>" + "".join(_cell(v) for v in r.values()) + "</tr>" for r in table.slice(0, MAX_ROWS).to_pylist()
+    )
+    more = f"<p>{table.num_rows - MAX_ROWS} more rows in the files.</p>" if table.num_rows > MAX_ROWS else ""
+    return f'<div class="scroll"><table><tr>{head}</tr>{rows}</table></div>{more}'
+
+
+def caveats(analysis: Analysis) -> list[str]:
+    """Plain sentences about what limits the figures, derived from the data."""
+    out = []
+    runs = analysis.tables["runs"].to_pylist()
+    rates = sorted({r["sampling_hz"] for r in runs if r.get("sampling_hz")})
+    if rates:
+        out.append(
+            f"Sampling rate: {', '.join(f'{x:g}' for x in rates)} Hz. Windows shorter than a few sampling "
+            "periods get figures interpolated between neighbouring samples (flagged below); peaks are "
+            "the highest values sampled, a lower bound of the true peak."
+        )
+    synth = [r["run"] for r in runs if r.get("synthetic")]
+    if synth:
+        out.append(
+            f"SYNTHETIC device in {len(synth)} of {len(runs)} run(s) ({', '.join(synth[:5])}"
+            f"{'…' if len(synth) > 5 else ''}): power, temperature and clocks come from a model, "
+            "not from hardware. Use them to check the pipeline, never as measurements."
+        )
+    w = analysis.windows
+    if w is not None and w.num_rows:
+        n = w.num_rows
+        no_energy = int(pc.sum(pc.is_null(w["energy_j"])).as_py() or 0)
+        out.append(
+            f"Coverage: {n} window figures; {no_energy} without an energy figure (outside the sampled span, "
+            "open at the end, or no power reading)."
+        )
+    full = analysis.windows_path
+    if full is not None and full.exists():
+        import pyarrow.parquet as pq
+
+        interp = pq.read_table(full, columns=["interpolated", "coverage"])
+        k = int(pc.sum(interp["interpolated"]).as_py() or 0)
+        low = int(pc.sum(pc.less(interp["coverage"], 0.5)).as_py() or 0)
+        out.append(
+            f"Flagged windows: {k} interpolated (fewer than 2 samples inside), {low} with coverage below 0.5."
+        )
+    failed = [r["run"] for r in runs if not r.get("measured_steps")]
+    if failed:
+        out.append(
+            f"{len(failed)} run(s) without measured steps (out of memory, failed, or no telemetry): "
+            f"{', '.join(failed[:8])}."
+        )
+    return out
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    name = html.escape(path.stem)
+    img = f'<img alt="{name}" src="data:image/png;base64,{data}">'
+    return f"<figure>{img}<figcaption>{name}</figcaption></figure>"
+
+
+def render(analysis: Analysis, pngs: list[Path]) -> str:
+    """The page as a string."""
+    head = f"<meta charset='utf-8'><title>charllm report</title><style>{STYLE}</style>"
+    parts = [f"<!DOCTYPE html><html><head>{head}</head><body>"]
+    runs = analysis.tables["runs"]
+    parts.append(f"<h1>charllm-nemo report: {runs.num_rows} run(s)</h1>")
+    parts.append(
+        "<h2>Caveats</h2>" + "".join(f'<div class="caveat">{html.escape(c)}</div>' for c in caveats(analysis))
+    )
+    if analysis.problems:
+        parts.append("<h2>Problems met while reading</h2>")
+        parts += [f'<div class="problem">{html.escape(p)}</div>' for p in analysis.problems[:200]]
+    parts.append("<h2>Figures</h2>" + "".join(_img(p) for p in pngs))
+    for name, table in analysis.tables.items():
+        parts.append(f"<h2>Table: {html.escape(name)}</h2>{table_html(table)}")
+    parts.append("<h2>Manifests</h2>")
+    for run in analysis.runs:
+        for rank, m in sorted(run.manifests.items())[:4]:
+            text = json.dumps({k: v for k, v in m.items() if k != "config"}, indent=1, default=str)
+            parts.append(f"<h3>{html.escape(run.key)} rank {rank}</h3><pre>{html.escape(text)}</pre>")
+        if len(run.manifests) > 4:
+            parts.append(f"<p>{len(run.manifests) - 4} more ranks' manifests in the run directory.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(analysis: Analysis, pngs: list[Path], path: Path) -> Path:
+    """Write the page to ``path`` and return it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(analysis, pngs), encoding="utf-8")
+    return path

@@ -1,0 +1,132 @@
+"""What a run was: its model, layout, batch, platform, read from the run's own files.
+
+Sources, first that has it: ``summary.json`` (the validated layout, the medians), the resolved
+config (``config.yaml``, else the manifests' ``config``), the manifests (devices, hosts,
+sampling rate, status). Nothing is taken from a sweep's matrix: a run directory describes itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from charllm_nemo.analysis.load import Run
+from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def layout_label(layout: dict[str, Any]) -> str:
+    """``TP2-PP4-DP4`` style label (degrees of 1 left out, DP always shown; ``EP``, ``CP``,
+    ``VPP`` when used; ``FSDP`` when sharded)."""
+    parts = []
+    for key, tag in (("ep", "EP"), ("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("cp", "CP")):
+        v = layout.get(key)
+        if isinstance(v, int) and v > 1:
+            parts.append(f"{tag}{v}")
+    if layout.get("fsdp"):
+        parts.append("FSDP")
+    dp = layout.get("dp")
+    parts.append(f"DP{dp}" if isinstance(dp, int) else "DP?")
+    return "-".join(parts)
+
+
+def run_info(run: Run) -> dict[str, Any]:
+    """One row describing the run (strings, ints, floats; None where unknown)."""
+    cfg, summ = run.config, run.summary
+    manifests = list(run.manifests.values())
+    first = manifests[0] if manifests else {}
+    devices = first.get("devices") or [{}]
+    layout = dict(summ.get("layout") or {})
+    par: dict[str, Any] = cfg["parallel"] if isinstance(cfg.get("parallel"), dict) else {}
+    for key in ("tp", "pp", "vpp", "cp", "ep", "dp"):
+        layout.setdefault(key, par.get(key))
+    layout["fsdp"] = bool(par.get("fsdp"))
+    world = summ.get("world_size") or first.get("world_size")
+    if layout.get("dp") is None and isinstance(world, int):
+        denom = 1
+        for key in ("tp", "pp", "cp"):
+            v = layout.get(key)
+            denom *= v if isinstance(v, int) and v > 0 else 1
+        layout["dp"] = world // denom if world % denom == 0 else None
+    hosts = {m.get("host") for m in manifests if m.get("host")}
+    statuses = sorted({str(m.get("status")) for m in manifests if m.get("status")})
+    device_name = devices[0].get("name") if isinstance(devices[0], dict) else None
+    n_gpus = world if isinstance(world, int) else len(run.ranks)
+    status = (
+        summ.get("job_state") or summ.get("status") or ("/".join(statuses) if statuses else "no manifest")
+    )
+    return {
+        "run": run.key,
+        "sweep": run.sweep,
+        "model": summ.get("model") or _get(cfg, "model", "name"),
+        "layout": layout_label(layout),
+        "tp": layout.get("tp"),
+        "pp": layout.get("pp"),
+        "dp": layout.get("dp"),
+        "ep": layout.get("ep"),
+        "cp": layout.get("cp"),
+        "fsdp": layout["fsdp"],
+        "world_size": world,
+        "nodes": len(hosts) or None,
+        "device": device_name,
+        "platform": f"{n_gpus}x {device_name}" if device_name else None,
+        "synthetic": any(bool(m.get("synthetic")) for m in manifests),
+        "sampling_hz": first.get("sampling_hz"),
+        "global_batch_size": _get(cfg, "batch", "global_batch_size"),
+        "micro_batch_size": _get(cfg, "batch", "micro_batch_size"),
+        "seq_length": _get(cfg, "model", "seq_length"),
+        "status": status,
+        "mfu": summ.get("mfu_median"),
+        "model_tflops_per_gpu": summ.get("model_tflops_per_gpu_median"),
+        "tokens_per_s_reported": summ.get("tokens_per_s_median"),
+    }
+
+
+GAP_STATES = ("out_of_memory", "out_of_memory_predicted", "failed", "preempted", "pending")
+"""Sweep states that leave a configuration without figures: drawn as marked gaps."""
+
+
+def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]]:
+    """Rows for the configurations a sweep's ``sweep.json`` lists in a :data:`GAP_STATES` state
+    and that have no analysed run directory (an out-of-memory prediction never starts one), so
+    the figures can show them as gaps. Model and layout come from the configuration's
+    overrides (``model=...``, ``layout=...`` / ``parallel=...``)."""
+    rows: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for d in run_dirs:
+        sweep_dir = next((p for p in [d, *d.parents] if p.name.startswith("sweep=")), None)
+        if sweep_dir is None or sweep_dir in seen:
+            continue
+        seen.add(sweep_dir)
+        problems: list[str] = []
+        path = sweep_dir / "sweep.json"
+        if not path.is_file() or path.is_symlink():
+            continue
+        data = read_json(path, SIZE_CAPS["summary"], problems)
+        entries = data.get("runs") if isinstance(data, dict) else None
+        for e in entries if isinstance(entries, list) else []:
+            if not isinstance(e, dict) or e.get("state") not in GAP_STATES:
+                continue
+            run_dir = sweep_dir / f"run={e.get('key')}"
+            if any(run_dir == a or run_dir in a.parents for a in analysed):
+                continue
+            over = {str(o).split("=", 1)[0].lstrip("+"): str(o).split("=", 1)[1]
+                    for o in e.get("overrides") or [] if "=" in str(o)}  # fmt: skip
+            rows.append({
+                "run": f"{sweep_dir.name}/run={e.get('key')}", "sweep": sweep_dir.name.split("=", 1)[1],
+                "model": over.get("model"),
+                "layout": over.get("layout") or over.get("parallel") or str(e.get("key")),
+                "status": str(e["state"]), "micro_batch_size": _int(over.get("batch.micro_batch_size")),
+            })  # fmt: skip
+    return rows
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None

@@ -1,0 +1,74 @@
+"""Per run: execution time, energy, the paper's efficiency metric, tokens per joule, MFU; and the
+same runs side by side across platforms.
+
+The paper's efficiency metric (MICRO'25, Figures 4, 8, 13; its artifact's
+``scripts/visualization/figure_4.py``) is throughput divided by energy: samples per second
+(global batch over the execution time) per megajoule of energy spent by all GPUs over that
+execution, in ``samples / (s x MJ)``. It grows with speed and shrinks with energy; because the
+energy grows with the run's length, it compares runs of the same number of steps (a sweep's
+runs). ``energy_per_sample_j`` and ``tokens_per_j`` do not depend on the length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+RUN_SQL = """
+WITH span AS (
+    SELECT run,
+           max(span_s) AS execution_time_s,
+           sum(span_energy_j) AS energy_j,
+           count(*) FILTER (WHERE span_energy_j IS NULL OR isnan(span_energy_j)) AS devices_without_energy,
+           string_agg(DISTINCT span_energy_method, ',') AS energy_methods,
+           max(measured_steps) AS measured_steps
+    FROM spans GROUP BY run
+), dev AS (
+    SELECT run,
+           avg(power_avg_w) AS power_avg_w, max(power_peak_w) AS power_peak_w,
+           avg(temp_gpu_avg_c) AS temp_gpu_avg_c, max(temp_gpu_peak_c) AS temp_gpu_peak_c,
+           avg(temp_hbm_avg_c) AS temp_hbm_avg_c, max(temp_hbm_peak_c) AS temp_hbm_peak_c,
+           avg(clock_sm_avg_mhz) AS clock_sm_avg_mhz,
+           count(*) AS devices_sampled
+    FROM devices GROUP BY run
+)
+SELECT i.*, s.measured_steps, s.execution_time_s, s.energy_j, s.energy_methods, s.devices_without_energy,
+       i.global_batch_size * s.measured_steps / s.execution_time_s AS samples_per_s,
+       i.global_batch_size * i.seq_length * s.measured_steps / s.execution_time_s AS tokens_per_s,
+       (i.global_batch_size * s.measured_steps / s.execution_time_s) / (s.energy_j / 1e6)
+           AS efficiency_samples_per_s_per_mj,
+       i.global_batch_size * i.seq_length * s.measured_steps / s.energy_j AS tokens_per_j,
+       s.energy_j / (i.global_batch_size * s.measured_steps) AS energy_per_sample_j,
+       s.energy_j / (i.global_batch_size * i.seq_length * s.measured_steps) AS energy_per_token_j,
+       d.power_avg_w, d.power_peak_w, d.temp_gpu_avg_c, d.temp_gpu_peak_c, d.temp_hbm_avg_c,
+       d.temp_hbm_peak_c, d.clock_sm_avg_mhz, d.devices_sampled
+FROM info i LEFT JOIN span s USING (run) LEFT JOIN dev d USING (run)
+ORDER BY i.sweep NULLS FIRST, i.model, i.run
+"""
+
+PLATFORM_SQL = """
+SELECT model, layout, platform, device, world_size, nodes, run,
+       samples_per_s, tokens_per_s, efficiency_samples_per_s_per_mj, energy_per_token_j, tokens_per_j,
+       samples_per_s / max(samples_per_s) OVER (PARTITION BY model) AS throughput_vs_best,
+       efficiency_samples_per_s_per_mj / max(efficiency_samples_per_s_per_mj) OVER (PARTITION BY model)
+           AS efficiency_vs_best
+FROM runs
+WHERE platform IS NOT NULL AND model IS NOT NULL
+ORDER BY model, layout, platform
+"""
+
+
+def run_table(con: duckdb.DuckDBPyConnection, info: list[dict[str, Any]]) -> pa.Table:
+    """One row per run. Needs the connection's ``spans`` and ``devices`` tables registered."""
+    keys = list(dict.fromkeys(k for row in info for k in row))  # rows may lack keys (gaps)
+    con.register("info", pa.Table.from_pydict({k: [row.get(k) for row in info] for k in keys}))
+    return con.sql(RUN_SQL).to_arrow_table()
+
+
+def platform_table(con: duckdb.DuckDBPyConnection, runs: pa.Table) -> pa.Table:
+    """The runs of each model side by side across platforms (``<GPUs>x <device>``), with each
+    one's throughput and efficiency relative to the model's best run."""
+    con.register("runs", runs)
+    return con.sql(PLATFORM_SQL).to_arrow_table()
