@@ -262,11 +262,6 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None, fresh_nam
     if fresh_name is None:
         fresh_name = "${" in cfg.telemetry.out_dir
     cfg = resolved(cfg)
-    if not cfg.telemetry.out_dir.strip():
-        raise ConfigError(
-            "telemetry.out_dir is empty, which would write into the current directory; give a directory "
-            "(or leave it out: the default is runs/<time>)"
-        )
     if cfg.launch.dry_run:
         return dry_run(cfg, environ)
     world, rank_env = world_and_env(cfg, environ)
