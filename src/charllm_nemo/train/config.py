@@ -114,6 +114,7 @@ class TelemetryConfig:
     collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
+    required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
+from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull, write_summary
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
 from charllm_nemo.train.report import (
     CONSOLE_FIGURES,
@@ -278,6 +279,7 @@ def run_rank(
     own_session = False
     status = "failed"
     sink = None
+    disk = DiskWatch(cfg.telemetry.out_dir, required=cfg.telemetry.required, rank=dist.rank)
     started: list[RankResult] = []  # _train's result once it exists: a partial one if training stops
     try:
         t0 = time.monotonic()
@@ -294,9 +296,12 @@ def run_rank(
         rec = session.windows if session is not None else (recorder or WindowRecorder())
         rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
-        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s)
+        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s, disk)
         status = "complete"
         return result
+    except TelemetryDiskFull:  # telemetry.required and the disk is full: said by the worker, once
+        status = DISK_FULL
+        raise
     except KeyboardInterrupt:  # Ctrl-C (the local launcher forwards it to every rank)
         status = "interrupted"
         raise
@@ -304,11 +309,18 @@ def run_rank(
         status = "terminated"
         raise
     finally:
+        if status == "complete" and (disk.full or getattr(session, "disk_full", False)):
+            status = DISK_FULL  # trained to the end; telemetry stopped when the disk filled
         if started:
             started[0].wall_s = time.monotonic() - t_start
+        disk.release()  # the room kept for summary.json
         if started and dist.rank == 0:
             try:
                 _write_summary(cfg, layout, started[0], status)
+            except OSError as exc:  # a full disk: one line, not a traceback
+                log.error(
+                    "could not write summary.json in %s: %s", cfg.telemetry.out_dir, exc.strerror or exc
+                )
             except Exception:  # never hide why training stopped
                 log.exception("could not write summary.json")
         closed = status
@@ -328,10 +340,8 @@ def run_rank(
 def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: str) -> None:
     """Rank 0 writes ``summary.json`` into the run directory when training ends, however it
     ends (``status``: complete, interrupted, terminated, failed; schema in docs/store.md)."""
-    import json
     from dataclasses import asdict, is_dataclass
 
-    from charllm_nemo.telemetry.store import atomic_write_bytes
     from charllm_nemo.train.report import run_summary
 
     out = Path(cfg.telemetry.out_dir)
@@ -351,7 +361,8 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         **run_summary(result.summaries, world_size=result.world_size),
         "per_step": result.summaries,
     }
-    atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
+    if write_summary(out / SUMMARY_FILE, data) == "compact":
+        log.error("the disk is full: summary.json written without its per-step rows (steps.jsonl has them)")
 
 
 def setup_line(setup_s: dict[str, float], num_parameters: int, steps: int) -> str:
@@ -405,6 +416,7 @@ def _train(
     sink: Any = None,
     started: list[RankResult] | None = None,
     setup_s: dict[str, float] | None = None,
+    disk: DiskWatch | None = None,
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -519,6 +531,8 @@ def _train(
             progress.write(format_summary(summary, b.train_steps, dist.world_size))
         if sink is not None:
             sink.log_figures(summary.step, row, gathered)
+        if disk is not None:
+            disk.check(session, steps_file, summary.step)
 
     try:
         for step in range(b.train_steps):
