@@ -351,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"charllm train: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     register_resolvers()
+    from charllm_nemo.sinks.base import ABANDONED, exit_now_if_abandoned
+
+    ABANDONED.clear()  # only this run's sinks count (a process may run several: tests, notebooks)
     codes: list[int] = []
     started: list[bool] = []
 
@@ -373,7 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code if isinstance(code, int) else 1
     finally:
         sys.argv = saved_argv
-    return max(codes, default=0, key=lambda c: (c != 0, c))
+    code = max(codes, default=0, key=lambda c: (c != 0, c))
+    exit_now_if_abandoned(code)  # an in-process rank (srun, torchrun) whose W&B hung
+    return code
 
 
 if __name__ == "__main__":
