@@ -90,3 +90,19 @@ def test_an_empty_run_directory_is_a_config_error(
         cfg = app.load([])
         cfg.telemetry.out_dir = value
         app.run(cfg)
+
+
+def test_ctrl_c_in_an_in_process_rank_is_130_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Loop:  # stands in for charllm_nemo.train.loop: the rank is interrupted mid-run
+        @staticmethod
+        def run_rank(cfg: object) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "charllm_nemo.train.loop", Loop)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "9"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert app.main(["launcher=none", f"telemetry.out_dir={tmp_path / 'run'}"]) == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err

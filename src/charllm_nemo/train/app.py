@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -368,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = ["charllm train", *args]
     try:
         app()
+    except KeyboardInterrupt:
+        # Ctrl-C in an in-process rank (launcher=slurm / none): the rank closed `interrupted`
+        # on its way out; the shell's 130, no traceback. (launcher=local forwards it instead.)
+        print("charllm train: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
