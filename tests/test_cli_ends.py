@@ -70,3 +70,16 @@ def test_a_meaningless_number_or_an_empty_path_is_a_usage_error(
     err = capsys.readouterr().err
     assert f"argument {option}" in err and "Traceback" not in err
     assert (set(os.listdir(tmp_path)), set(os.listdir("."))) == before  # nothing written anywhere
+
+
+def test_a_run_that_raises_is_never_marked_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import charllm_nemo.cli as cli
+
+    def broken(seconds: float) -> None:
+        raise ValueError("sleep length must be non-negative")  # what --step-s -1 raised before
+
+    monkeypatch.setattr(cli, "_busy", broken)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError):
+        main(["telemetry", "--backend", "synthetic", "--seconds", "1", "--step-s", "0.1", "--out", str(out)])
+    assert json.loads((out / "rank=0" / "manifest.json").read_text())["status"] == "failed"
