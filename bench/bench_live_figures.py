@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python bench/bench_live_figures.py [--calls 2000] [--devices 1] [--against DIR]
 
-The telemetry process answers every step's figure request (telemetry/collector.py): it slices
+The telemetry process answers every step's figure request (telemetry/process/collector.py): it slices
 the samples it holds in memory around the step's window and attributes them
 (telemetry/attribution.py). This bench builds that state exactly: a shared block, the sampler's
 ring filled at 100 Hz with every metric an NVML device reports (energy counter ticking every
@@ -45,8 +45,8 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
     """In this process, against the charllm_nemo on sys.path: µs per ``Collector.figures`` call."""
     import secrets
 
-    from charllm_nemo.telemetry import shm
-    from charllm_nemo.telemetry.collector import Collector
+    from charllm_nemo.telemetry.process import ring as shm
+    from charllm_nemo.telemetry.process.collector import Collector
     from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
     from charllm_nemo.telemetry.store import RankStore
     from charllm_nemo.train.report import CONSOLE_FIGURES

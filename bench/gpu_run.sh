@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# What runs on the lent GPU machine: install the carried wheels, build the C extension for the
-# machine's Python (the pure-Python twins run if that fails), then bench/gpu_check.py. Run
+# What runs on the lent GPU machine: install the carried wheels, then bench/gpu_check.py. Run
 # directories stay in /tmp/gpucheck; the report, the log and a tarball of the runs go to $OUT
 # (which returns at most 8 files, two folders down).
 set -uo pipefail
@@ -8,8 +7,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpucheck_out}
 mkdir -p "$OUT"
-python3 setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1 || echo "C extension build failed (see build_ext.log)"
-python3 -c "import charllm_nemo.speedups as s; print('speedups in C:', s.IN_C)" || true
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,temperature.gpu --format=csv || true
 python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}

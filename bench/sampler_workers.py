@@ -327,8 +327,8 @@ def make_workload(kind: str) -> tuple[Any, str]:
 
 def worker_deadlines(opts: dict[str, Any]) -> None:
     from charllm_nemo.devices.factory import open_backend
+    from charllm_nemo.telemetry.process.parent import ProcessSampler
     from charllm_nemo.telemetry.sampler import Sampler
-    from charllm_nemo.telemetry.sampler_process import ProcessSampler
 
     work, label = make_workload(opts["workload"])
     backend = open_backend("nvml")

@@ -172,7 +172,7 @@ def worker_ours(opts: dict[str, Any]) -> None:
         emit("READY", startup)
         pid = os.getpid()
         sampler_tid = getattr(sess.sampler._thread, "native_id", None)
-        flusher_tid = getattr(sess._flusher._thread, "native_id", None)
+        flusher_tid = getattr(sess.engine.flusher._thread, "native_id", None)
         wait_line("GO")
         own0, n0 = time.process_time_ns(), sess.sampler.health.samples
         s0, f0 = schedstat_ns(pid, sampler_tid), schedstat_ns(pid, flusher_tid)

@@ -81,7 +81,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     if status == "interrupted":
         print(f"interrupted (Ctrl-C) after {step} step(s); run directory {out} (status interrupted)")
         return EXIT_INTERRUPTED
-    health = session.sampler.health
+    health = session.health
     print(
         f"{health.samples} samples, {health.deadline_ratio() * 100:.1f} % of deadlines met, "
         f"read {health.read_ns_mean() / 1e3:.1f} us/sample; {step} steps marked"
@@ -275,7 +275,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.devices.factory import BACKEND_NAMES
-    from charllm_nemo.telemetry.sampler_process import SAMPLER_MODES
+    from charllm_nemo.telemetry.placement import SAMPLER_MODES
 
     parser = argparse.ArgumentParser(prog="charllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -28,3 +28,12 @@ class DeviceLost(CharllmError):
 
 class StoreError(CharllmError):
     """A run directory cannot be written or read (unwritable path, not a run directory)."""
+
+
+class DiskFull(StoreError):
+    """The disk (or quota) holding a run directory is full: ENOSPC / EDQUOT on a write.
+
+    The store raises it from one write; a :class:`~charllm_nemo.telemetry.store.SegmentWriter`
+    catches it, logs one line and stops writing segments (``disk_full``), and the session ends
+    with status ``disk_full``.
+    """

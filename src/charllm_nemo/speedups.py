@@ -1,25 +1,20 @@
-"""The C twins of what runs on the training thread between two pieces of training work.
+"""Where the training thread's hot paths once ran in C: they are Python now, everywhere.
 
-``charllm_nemo._hot`` (src/charllm_nemo/_hot.c, built at install when a C compiler is there)
-holds Megatron-Core's timer calls (train/marks.py), the synthetic device's mark listener
-(devices/synthetic.py) and the mark ring's writer (telemetry/shm.py) in C. Each has a Python
-twin with the same behaviour, used when the module is not built or when
-``CHARLLM_PURE_PYTHON=1`` is set in the environment; tests run both.
-docs/training-internals.md says what they save.
+``charllm_nemo._hot`` (C twins of Megatron-Core's timer calls, the synthetic device's mark
+listener and the mark ring's writer) was removed: it saved ~47-49 us a step in a tiny_gpt-shaped
+replay (bench/bench_step_marks.py, 4 microbatches, 2026-12-04: 77 / 66 us with it against 124 /
+115 us without, in two pairs of runs), 0.05 % of a 100 ms step, below the 0.1 % the project asks
+of code that costs a second implementation (issue #26). This module remains only for
+``train/marks.py``, which chooses its timer base class by :data:`hot`; it goes once that module
+stops importing it.
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
-hot: ModuleType | None
-try:
-    from charllm_nemo import _hot as hot  # type: ignore[attr-defined,no-redef]
-except ImportError:  # not built: the Python twins
-    hot = None
-if os.environ.get("CHARLLM_PURE_PYTHON") == "1":
-    hot = None
+hot: ModuleType | None = None
+"""Always None: no C module."""
 
-IN_C: bool = hot is not None
-"""Whether the training thread's hot paths run in C in this process."""
+IN_C: bool = False
+"""Whether the training thread's hot paths run in C: never."""

@@ -59,6 +59,9 @@
  *       lose_after_calls N    after N device calls every call returns GPU_IS_LOST (-1 = never)
  *       lose_after_ms N       the same, N ms after the first nvmlInit (-1 = never)
  *       lost 0|1              lose the GPU now (1) or bring it back (0)
+ *       field_rules_from_ms N field:ID rules apply only from N ms after the first nvmlInit
+ *       field_rules_until_ms N  ... and until N ms after it (default: always; a metric that
+ *                             fails for a while mid-run)
  *       energy_mode fixed|dynamic   dynamic: the counter integrates the instant power over
  *                             CLOCK_MONOTONIC time and publishes every energy_update_ms
  *       energy_update_ms N    publication period of the dynamic counter (default 50; 0 = always)
@@ -318,6 +321,8 @@ typedef struct fake_device {
     long long field_delay_us;
     long long lose_after_calls; /* -1 = never */
     long long lose_after_ms;    /* -1 = never */
+    long long rules_from_ms;    /* field rules apply from .. until (ms after the first init) */
+    long long rules_until_ms;   /* -1 = always */
     long long calls;
     int lost;
     /* dynamic energy: exact energy `acc` (mW*ns) up to `acc_t`; `reported` (mW*ns) as
@@ -375,6 +380,8 @@ static void device_defaults(fake_device *d, unsigned int index, long long now) {
     d->q_err[Q_C2C_ENABLED] = NVML_ERROR_NOT_SUPPORTED;
     d->lose_after_calls = -1;
     d->lose_after_ms = -1;
+    d->rules_from_ms = 0;
+    d->rules_until_ms = -1;
     d->energy_update_ms = 50;
     d->square_mw = -1;
     d->square_period_ms = 100;
@@ -704,6 +711,8 @@ static int apply_device(fake_device *d, const char *key, const char *value) {
         d->lose_after_calls = v;
         d->calls = 0;
     } else if (strcmp(key, "lose_after_ms") == 0) d->lose_after_ms = v;
+    else if (strcmp(key, "field_rules_from_ms") == 0) d->rules_from_ms = v;
+    else if (strcmp(key, "field_rules_until_ms") == 0) d->rules_until_ms = v;
     else if (strcmp(key, "lost") == 0) d->lost = v != 0;
     else if (strcmp(key, "energy_update_ms") == 0) {
         energy_settle(d);
@@ -1300,6 +1309,10 @@ static nvmlReturn_t field_value(fake_device *d, unsigned int id, unsigned int sc
 /* A scripted error for (field, scope): a rule for that exact scope wins over an any-scope one. */
 static nvmlReturn_t field_rule_error(const fake_device *d, unsigned int id, unsigned int scope) {
     nvmlReturn_t any = NVML_SUCCESS;
+    if (g_first_init_ns >= 0) {
+        long long ms = (mono_ns() - g_first_init_ns) / 1000000LL;
+        if (ms < d->rules_from_ms || (d->rules_until_ms >= 0 && ms >= d->rules_until_ms)) return any;
+    }
     for (int k = 0; k < d->n_field_rules; k++) {
         const field_rule_t *rule = &d->field_rules[k];
         if (rule->field_id != id) continue;

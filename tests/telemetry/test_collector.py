@@ -9,9 +9,9 @@ import secrets
 import numpy as np
 import pytest
 
-from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.attribution import attribute_windows
-from charllm_nemo.telemetry.collector import MAX_HOLD_NS, Collector, decode_figures, salvage
+from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.collector import MAX_HOLD_NS, Collector, decode_figures, salvage
 from charllm_nemo.telemetry.reader import load_rank, to_arrays
 from charllm_nemo.telemetry.sampler import rows_to_arrays
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS

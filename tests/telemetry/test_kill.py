@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from charllm_nemo.telemetry import shm
+from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.reader import load_run
 
 
@@ -235,3 +235,83 @@ def test_sigterm_during_a_close_waits_for_it_then_reaches_the_earlier_handler(tm
     assert b"closed True" in proc.stdout
     m = load_run(out).manifests[0]
     assert m["status"] == "failed" and "ended_wall_ns" in m  # finished, with why it was closing
+
+
+_PARENT_DEATH_TWICE = """
+import os, signal, sys
+from charllm_nemo.train.worker import sigterm_unwinds
+from charllm_nemo.telemetry.session import TelemetrySession
+
+with sigterm_unwinds():  # as a locally launched rank runs
+    session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+    close_store = session.store.close
+
+    def close_store_during_sigterm(*args, **kwargs):  # the second delivery lands while it closes
+        os.kill(os.getpid(), signal.SIGTERM)
+        return close_store(*args, **kwargs)
+
+    session.store.close = close_store_during_sigterm
+    try:
+        with session.windows.window("step", step=0):
+            os.kill(os.getpid(), signal.SIGTERM)  # the first parent-death SIGTERM
+            print("went on", flush=True)
+    finally:
+        try:
+            session.close("failed")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # a third, while the trainer writes its summary
+            print("summary written", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sampler", ["thread", "process"])
+def test_the_launchers_death_sigterm_twice_leaves_a_closed_store_and_the_summary(tmp_path, sampler):
+    # kill -9 of the local launcher: each rank gets PR_SET_PDEATHSIG's SIGTERM once per launcher
+    # thread that exits. The first unwinds the rank; the later ones must not kill it mid-close.
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARENT_DEATH_TWICE, str(out), sampler], capture_output=True, timeout=30
+    )
+    assert proc.returncode == 143, proc.stderr.decode()  # SystemExit(143) from the first SIGTERM
+    assert b"went on" not in proc.stdout and b"summary written" in proc.stdout
+    run = load_run(out)
+    assert run.manifests[0]["status"] == "terminated" and "ended_wall_ns" in run.manifests[0]
+    assert run.windows.num_rows == 1 and run.problems == []
+
+
+_HANDLER_RESETS_TO_DEFAULT = """
+import os, signal, sys
+from charllm_nemo.telemetry.session import TelemetrySession
+
+def earlier(signum, frame):  # "unwind, and a second SIGTERM kills at once"
+    signal.signal(signum, signal.SIG_DFL)
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, earlier)
+session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler="thread").start()
+close_store = session.store.close
+
+def close_store_during_sigterm(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return close_store(*args, **kwargs)
+
+session.store.close = close_store_during_sigterm
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+finally:
+    session.close("failed")
+    print("not reached", flush=True)
+"""
+
+
+def test_a_handler_that_resets_sigterm_to_default_still_lets_the_close_finish(tmp_path):
+    # The earlier handler replaced the session's with SIG_DFL; the second SIGTERM, during the
+    # close, is held back until the close is done and then kills by the signal, as it asked.
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _HANDLER_RESETS_TO_DEFAULT, str(out)], capture_output=True, timeout=30
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr.decode()
+    assert b"not reached" not in proc.stdout
+    m = load_run(out).manifests[0]
+    assert m["status"] == "terminated" and "ended_wall_ns" in m

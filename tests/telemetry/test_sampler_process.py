@@ -19,16 +19,16 @@ import pytest
 from tests.fakes import nvml_stub
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry import shm
 from charllm_nemo.telemetry.join import attribute_run
-from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.sampler_process import (
-    ProcessSampler,
+from charllm_nemo.telemetry.placement import (
     _cgroup_cpu_quota,
     local_ranks_from_env,
     resolve_collector_sched,
     resolve_sampler_mode,
 )
+from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.parent import ProcessSampler
+from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -107,7 +107,7 @@ _NVML_CHILD = textwrap.dedent(
     """
     import json, sys, time
     from charllm_nemo.devices.factory import open_backend
-    from charllm_nemo.telemetry.sampler_process import ProcessSampler
+    from charllm_nemo.telemetry.process.parent import ProcessSampler
 
     expected = None
     if sys.argv[1] == "values":
@@ -234,7 +234,7 @@ def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks():
 def test_the_sampling_process_exits_and_unlinks_its_block_when_the_parent_is_killed():
     code = (
         "import time\n"
-        "from charllm_nemo.telemetry.sampler_process import ProcessSampler\n"
+        "from charllm_nemo.telemetry.process.parent import ProcessSampler\n"
         "s = ProcessSampler('synthetic', [0], {'activity': 1.0}, hz=1000)\n"
         "s.start()\n"
         "print(s.pid, s.shm_name, s.running, flush=True)\n"
@@ -300,7 +300,7 @@ def test_a_crashed_sampling_process_is_reported_and_its_block_still_unlinked():
 
 
 def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_path, monkeypatch):
-    import charllm_nemo.telemetry.telemetry_process as tp
+    import charllm_nemo.telemetry.process.child as tp
 
     monkeypatch.setattr(tp, "CHILD_CODE", "raise SystemExit(3)")
     with TelemetrySession(
@@ -317,7 +317,7 @@ def test_the_sampling_process_imports_neither_torch_nor_numpy_nor_pyarrow():
     # What the child imports before it samples: its own module, the factory and a backend.
     code = (
         "import sys\n"
-        "import charllm_nemo.telemetry.telemetry_process, charllm_nemo.devices.factory\n"
+        "import charllm_nemo.telemetry.process.child, charllm_nemo.devices.factory\n"
         "import charllm_nemo.devices.synthetic, charllm_nemo.devices.nvml\n"
         "print(sorted(m for m in ('torch', 'numpy', 'pyarrow') if m in sys.modules))\n"
     )
@@ -617,7 +617,7 @@ def test_a_failing_wake_up_check_never_reaches_the_sampling_loop(caplog):
     # check that raises must not stop sampling: logged once, the collector woken every slot.
     import threading
 
-    from charllm_nemo.telemetry.telemetry_process import _Service
+    from charllm_nemo.telemetry.process.child import _Service
 
     class Broken:
         calls = 0

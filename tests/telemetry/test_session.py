@@ -11,14 +11,14 @@ import pytest
 
 from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
-from charllm_nemo.telemetry.reader import load_run
-from charllm_nemo.telemetry.session import (
-    TelemetrySession,
+from charllm_nemo.telemetry.placement import (
     default_device_indices,
     local_device_ordinal,
     match_device_uuid,
     visible_device_entry,
 )
+from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.telemetry.session import TelemetrySession
 
 
 def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
@@ -249,7 +249,7 @@ def test_a_telemetry_process_lost_mid_run_is_taken_over_and_the_run_goes_on_bein
     os.kill(tel.sampler.pid, signal.SIGKILL)
     killed_at = time.monotonic_ns()
     time.sleep(0.2)
-    tel._liveness_due = 0  # the next step checks (they do once a second)
+    tel.engine._liveness_due = 0  # the next step checks (they do once a second)
     step(3)
     assert tel.sampler_mode == "thread" and "stopped mid-run" in caplog.text
     for n in range(4, 8):

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from charllm_nemo.telemetry.sampler_process import resolve_collector_sched
+from charllm_nemo.telemetry.placement import resolve_collector_sched
 from charllm_nemo.train.config import ModelConfig, TrainConfig
 from charllm_nemo.train.plan import plan_stage_activations, plan_stage_memory
 from charllm_nemo.train.validate import validate

@@ -56,8 +56,8 @@ from charllm_nemo.devices.amdsmi_sources import (
     watts,
 )
 from charllm_nemo.devices.base import Device, DeviceIdentity, UnsupportedLog
+from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, Reading
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, Reading
 
 log = logging.getLogger("charllm_nemo.devices.amdsmi")
 

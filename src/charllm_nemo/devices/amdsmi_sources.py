@@ -22,7 +22,7 @@ from fractions import Fraction
 from types import ModuleType
 from typing import Any
 
-from charllm_nemo.telemetry.schema import METRIC_NAMES, THROTTLE_BITS
+from charllm_nemo.devices.contract import METRIC_NAMES, THROTTLE_BITS
 
 Value = float | int | None
 Extractor = Callable[[Any], Value]

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from charllm_nemo.telemetry.schema import Reading
+from charllm_nemo.devices.contract import Reading
 
 log = logging.getLogger("charllm_nemo.devices")
 

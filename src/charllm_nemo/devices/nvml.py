@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from charllm_nemo.devices.base import DeviceIdentity, UnsupportedLog
+from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
 from charllm_nemo.devices.nvml_sources import (
     CLOCK_MEM,
     CLOCK_SM,
@@ -58,7 +59,6 @@ from charllm_nemo.devices.nvml_sources import (
     resolve,
 )
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
 
 log = logging.getLogger("charllm_nemo.devices")
 

@@ -31,12 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from charllm_nemo.devices.base import DeviceIdentity
+from charllm_nemo.devices.contract import METRIC_NAMES, THROTTLE_BITS, Reading
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.speedups import hot
-from charllm_nemo.telemetry.schema import METRIC_NAMES, THROTTLE_BITS, Reading
 
 ActivitySpec = str | float | Callable[[int], float]
 
@@ -70,7 +69,7 @@ _LEVEL_OF = {"forward": 0, "backward": 0, "optimizer": 2}  # index into _LEVELS;
 _IN_STEP, _IDLE = 0.3, 0.0
 
 
-class PyMarkActivity:
+class MarkActivity:
     """Activity from the training loop's window marks (attach with WindowRecorder.add_listener).
 
     ``on_change(level)``, when set, is called whenever a mark changes the level (the session
@@ -80,7 +79,7 @@ class PyMarkActivity:
     dropped. The level is the highest activity of the phases open (:data:`_LEVELS`: 1.0
     forward / backward, 0.5 optimizer, 0.7 other phases), 0.3 inside a step between phases, 0
     outside steps; kept as counts of open phases per activity, so a mark costs a few list
-    operations. :class:`MarkActivity` is this, in C where charllm_nemo._hot was built."""
+    operations."""
 
     def __init__(self) -> None:
         self._open = [0] * len(_LEVELS)  # phases open per activity level
@@ -115,17 +114,6 @@ class PyMarkActivity:
         if o[2]:
             return _LEVELS[2]
         return _IN_STEP if self._in_step > 0 else _IDLE
-
-
-if TYPE_CHECKING or hot is None:
-    MarkActivity = PyMarkActivity
-else:
-
-    class MarkActivity(hot.MarkActivity):
-        __doc__ = PyMarkActivity.__doc__
-
-        def __init__(self) -> None:
-            super().__init__(_LEVEL_OF, _LEVELS, _IN_STEP, _IDLE)
 
 
 class CpuActivity:

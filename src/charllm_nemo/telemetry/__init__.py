@@ -1,0 +1,53 @@
+"""Telemetry for one rank: sample the accelerator, mark windows, store, attribute.
+
+The public API (what a user or an integration may import from here; docs/architecture.md says
+how the parts fit):
+
+* :class:`TelemetrySession` (session.py): one rank's telemetry, started and closed together;
+  its ``windows`` (:class:`WindowRecorder`, windows.py) take the loop's marks, and
+  ``request_figures`` / ``step_figures`` give a window's figures live.
+* :func:`load_run` / :class:`RunData` (reader.py): a run directory read back;
+  :func:`attribute_run` (join.py): its windows attributed.
+* :func:`attribute_windows` (attribution.py): a window's figures from samples: energy (J),
+  average and peak power (W), temperatures (°C), clocks (MHz), throttle time (s), traffic (bytes).
+* :data:`METRICS`, :data:`Reading`, :data:`THROTTLE_BITS` (schema.py): what a sample holds, in
+  which units.
+* :class:`SamplerHealth` (sample_loop.py): how sampling went; :data:`DISK_FULL` (store.py): the
+  status of a run whose store hit a full disk.
+* :class:`Engine`, :class:`ThreadEngine` (engine.py), :class:`ProcessEngine`
+  (process/engine.py): where sampling, storing and live figures run.
+
+Imported lazily: ``import charllm_nemo.telemetry`` loads none of them (the telemetry process
+imports its light modules from here before numpy or pyarrow).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "TelemetrySession": "session",
+    "WindowRecorder": "windows",
+    "load_run": "reader",
+    "RunData": "reader",
+    "attribute_run": "join",
+    "attribute_windows": "attribution",
+    "METRICS": "schema",
+    "Reading": "schema",
+    "THROTTLE_BITS": "schema",
+    "SamplerHealth": "sample_loop",
+    "DISK_FULL": "store",
+    "Engine": "engine",
+    "ThreadEngine": "engine",
+    "ProcessEngine": "process.engine",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'charllm_nemo.telemetry' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"charllm_nemo.telemetry.{module}"), name)

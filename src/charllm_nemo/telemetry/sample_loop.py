@@ -1,7 +1,7 @@
 """The deadline loop every sampler runs, whichever thread or process it runs in.
 
 :class:`~charllm_nemo.telemetry.sampler.Sampler` (a daemon thread in the training process) and
-:class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` (a separate sampling process)
+:class:`~charllm_nemo.telemetry.process.parent.ProcessSampler` (a separate sampling process)
 both call :func:`run_sample_loop`; they differ only in where a row goes (``emit``), how the loop
 learns that it should stop (``should_stop``) and how it waits for the next deadline (``sleep``).
 
@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from charllm_nemo.devices.base import Device
 from charllm_nemo.errors import ConfigError, DeviceLost
+from charllm_nemo.telemetry.schema import METRICS
 
 log = logging.getLogger("charllm_nemo.sampler")
 
@@ -100,6 +101,9 @@ class SamplerHealth:
     stop_reason: str | None = None
     rows_lost: int = 0  # process mode: rows the sampling process overwrote before they were taken
     startup_ns: int = 0  # from start() until sampling could begin (process mode: spawn + imports + open)
+    # Per schema metric: readings in which a metric its device supported at open came back null
+    # (a read that failed while sampling; cumulative counters only on the slots that read them).
+    nulls: list[int] = field(default_factory=lambda: [0] * len(METRICS))
 
     def deadline_ratio(self) -> float:
         """Fraction of due deadlines met on time (1.0 when none came due)."""
@@ -110,9 +114,46 @@ class SamplerHealth:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["nulls"] = {m.name: n for m, n in zip(METRICS, self.nulls, strict=True) if n}
         d["deadline_ratio"] = self.deadline_ratio()
         d["read_ns_mean"] = self.read_ns_mean()
         return d
+
+
+class NullWatch:
+    """Counts, per metric, the readings in which a metric that its device supported at open came
+    back null: a read that failed while sampling (NOT_SUPPORTED for a while, a timeout). Each
+    (device, metric) is logged once, at WARNING, in whichever process samples; the counts go to
+    ``health.nulls`` and the manifest. Metrics unsupported at open are not counted (the manifest's
+    ``supported_metrics`` says so), nor cumulative counters on slots that do not read them."""
+
+    def __init__(self, devices: Sequence[Device], counts: list[int]) -> None:
+        self.counts = counts
+        self._whole: dict[int, tuple[int, ...]] = {}
+        self._gauges: dict[int, tuple[int, ...]] = {}
+        for d in devices:
+            try:
+                supported = d.supported_metrics()
+            except Exception:  # a backend bug: watch nothing on it rather than stop sampling
+                supported = {}
+            on = tuple(i for i, m in enumerate(METRICS) if supported.get(m.name))
+            self._whole[d.identity.index] = on
+            self._gauges[d.identity.index] = tuple(i for i in on if not METRICS[i].cumulative)
+        self._logged: set[tuple[int, int]] = set()
+
+    def check(self, idx: int, reading: Sequence[Any], whole: bool) -> None:
+        """Count the nulls of one reading of device ``idx`` (``whole``: its counters were read)."""
+        for i in (self._whole if whole else self._gauges).get(idx, ()):
+            if reading[i] is None:
+                self.counts[i] += 1
+                if (idx, i) not in self._logged:
+                    self._logged.add((idx, i))
+                    log.warning(
+                        "device %d: %s read null while sampling (it was supported at open); such "
+                        "readings are counted in the manifest (sampler.nulls)",
+                        idx,
+                        METRICS[i].name,
+                    )
 
 
 def run_sample_loop(
@@ -151,6 +192,7 @@ def run_sample_loop(
     gauges: dict[int, Callable[[], Any]] = {}
     if every > 1:
         gauges = {idx: d.read_gauges for d, idx in live if hasattr(d, "read_gauges")}
+    nulls = NullWatch([d for d, _ in live], h.nulls)
     k = 0
     h.started_mono_ns = deadline = mono()
     try:
@@ -164,7 +206,7 @@ def run_sample_loop(
                 h.late_max_ns = late
             whole = k % every == 0
             k += 1
-            t_slot = _sample_once(live, h, emit, None if whole else gauges)
+            t_slot = _sample_once(live, h, emit, nulls, None if whole else gauges)
             if on_slot is not None and t_slot is not None and whole:
                 on_slot(t_slot)
             deadline += period
@@ -181,7 +223,7 @@ def run_sample_loop(
         if live:
             # One last sample at stop, so a window that closed just before stop() is
             # bracketed by samples on both sides and can be attributed.
-            t_slot = _sample_once(live, h, emit)
+            t_slot = _sample_once(live, h, emit, nulls)
             if on_slot is not None and t_slot is not None:
                 on_slot(t_slot)
         if not live:
@@ -201,6 +243,7 @@ def _sample_once(
     devices: list[tuple[Device, int]],
     h: SamplerHealth,
     emit: Callable[[Row], None],
+    nulls: NullWatch,
     gauges: dict[int, Callable[[], Any]] | None = None,
 ) -> int | None:
     """Read every device once (through ``gauges[index]`` where given, else ``read()``); a device
@@ -212,8 +255,9 @@ def _sample_once(
         dev, idx = entry
         t0 = mono()
         tw = time.time_ns()
+        whole = not (gauges and idx in gauges)
         try:
-            reading = gauges[idx]() if gauges and idx in gauges else dev.read()
+            reading = dev.read() if whole else gauges[idx]()  # type: ignore[index]
         except DeviceLost as exc:
             h.devices_lost += 1
             devices.remove(entry)
@@ -226,6 +270,7 @@ def _sample_once(
             continue
         dt = mono() - t0
         emit((t0, tw, dt, idx, reading))
+        nulls.check(idx, reading, whole)
         if first is None:
             first = t0
         h.samples += 1

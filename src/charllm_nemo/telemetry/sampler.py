@@ -6,7 +6,7 @@ training thread, which can hold it for up to the interpreter's switch interval (
 bench/bench_sampler.py (figures in docs/benchmarks.md) shows the thread meeting 100 % of its
 deadlines at 100 Hz with a core free, but only ~55 % at 1 kHz when the main thread runs Python,
 while the same loop in its own process meets 99.6-99.9 %
-(:mod:`charllm_nemo.telemetry.sampler_process`). Both run the one deadline loop in
+(:mod:`charllm_nemo.telemetry.process.parent`). Both run the one deadline loop in
 :mod:`charllm_nemo.telemetry.sample_loop`.
 
 Hot path per sample: two clock reads, the backend's ``read()``, one more clock read and one

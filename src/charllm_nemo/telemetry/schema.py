@@ -1,105 +1,49 @@
 """Names, units and types of everything the telemetry layer records.
 
-This module is the contract between device backends, the sampler, the store and the
-attribution. Units live in the names (``power_w``, ``energy_mj``, ``temp_c``, ``clock_mhz``,
-``t_mono_ns``); vendor units are converted once, at the backend boundary.
-
-A backend's ``read()`` returns one value per entry of :data:`METRICS`, in that order, with
-``None`` for a metric the device does not support. In memory (sampler buffers, the arrays the
-attribution takes) a null float is ``NaN`` and a null int is :data:`INT_NULL`; on disk (Parquet)
-both are real nulls.
+The device contract (:data:`METRICS`, :data:`Reading`, the throttle bits) lives in
+``charllm_nemo.devices.contract`` and is re-exported here; this module adds the columns the
+sampler puts around a reading (timestamps, read time, device index, source) and the window
+marks' kinds and labels. Units live in the names (``power_w``, ``energy_mj``, ``temp_c``,
+``clock_mhz``, ``t_mono_ns``); vendor units are converted once, at the backend boundary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-INT_NULL = -1
-"""In-memory null for int metrics. Every int metric is a counter, a size or a bitmask, all >= 0."""
-
-MetricKind = Literal["float", "int"]
-
-
-@dataclass(frozen=True, slots=True)
-class Metric:
-    """One per-sample device metric.
-
-    ``cumulative`` marks a counter that only grows (energy, traffic bytes, violation time):
-    windows use its deltas, never its absolute value.
-    """
-
-    name: str
-    kind: MetricKind
-    unit: str
-    description: str
-    cumulative: bool = False
-
-
-METRICS: tuple[Metric, ...] = (
-    Metric(
-        "power_instant_w",
-        "float",
-        "W",
-        "instantaneous board power (NVML_FI_DEV_POWER_INSTANT; AMD current socket power)",
-    ),
-    Metric(
-        "power_avg_w",
-        "float",
-        "W",
-        "vendor-averaged board power (NVML: 1 s average on Hopper; AMD average socket power)",
-    ),
-    Metric("power_memory_w", "float", "W", "memory-scope power where the device reports it"),
-    Metric("energy_mj", "int", "mJ", "hardware energy counter, monotonic since driver load", cumulative=True),
-    Metric("temp_gpu_c", "float", "degC", "GPU die temperature (AMD: edge)"),
-    Metric("temp_hbm_c", "float", "degC", "HBM / memory temperature"),
-    Metric("temp_hotspot_c", "float", "degC", "hotspot / junction temperature (AMD)"),
-    Metric("clock_sm_mhz", "float", "MHz", "SM / GFX clock"),
-    Metric("clock_mem_mhz", "float", "MHz", "memory clock"),
-    Metric("throttle_reasons", "int", "bitmask", "clock-event (throttle) reasons, bits in THROTTLE_REASONS"),
-    Metric(
-        "violation_power_ns",
-        "int",
-        "ns",
-        "cumulative time clocks were held below max by the power limit",
-        cumulative=True,
-    ),
-    Metric(
-        "violation_thermal_ns",
-        "int",
-        "ns",
-        "cumulative time clocks were held below max by a thermal limit",
-        cumulative=True,
-    ),
-    Metric("util_gpu_pct", "float", "%", "GPU (AMD: GFX) activity"),
-    Metric("util_mem_pct", "float", "%", "memory controller activity"),
-    Metric("mem_used_bytes", "int", "B", "device memory in use"),
-    Metric("power_limit_w", "float", "W", "enforced power limit"),
-    Metric("pcie_tx_bytes", "int", "B", "PCIe bytes transmitted, cumulative 64-bit counter", cumulative=True),
-    Metric("pcie_rx_bytes", "int", "B", "PCIe bytes received, cumulative 64-bit counter", cumulative=True),
-    Metric(
-        "nvlink_tx_bytes",
-        "int",
-        "B",
-        "NVLink (AMD: XGMI) bytes transmitted, all links, cumulative",
-        cumulative=True,
-    ),
-    Metric(
-        "nvlink_rx_bytes",
-        "int",
-        "B",
-        "NVLink (AMD: XGMI) bytes received, all links, cumulative",
-        cumulative=True,
-    ),
+from charllm_nemo.devices.contract import (
+    FLOAT_METRICS,
+    INT_METRICS,
+    INT_NULL,
+    LIMITING_REASONS,
+    METRIC_INDEX,
+    METRIC_NAMES,
+    METRICS,
+    THROTTLE_BITS,
+    THROTTLE_REASONS,
+    Metric,
+    MetricKind,
+    Reading,
+    decode_throttle,
 )
 
-METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
-METRIC_INDEX: dict[str, int] = {name: i for i, name in enumerate(METRIC_NAMES)}
-FLOAT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.kind == "float")
-INT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.kind == "int")
-
-Reading = tuple[float | int | None, ...]
-"""What ``Device.read()`` returns: one value per METRICS entry, in order; None = unsupported."""
+__all__ = [
+    "FLOAT_METRICS",
+    "INT_METRICS",
+    "INT_NULL",
+    "LIMITING_REASONS",
+    "METRICS",
+    "METRIC_INDEX",
+    "METRIC_NAMES",
+    "SAMPLE_COLUMNS",
+    "STANDARD_PHASES",
+    "THROTTLE_BITS",
+    "THROTTLE_REASONS",
+    "WINDOW_KINDS",
+    "WINDOW_LABELS",
+    "Metric",
+    "MetricKind",
+    "Reading",
+    "decode_throttle",
+]
 
 # Per-sample columns the sampler adds around the metrics.
 SAMPLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -109,37 +53,6 @@ SAMPLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("device_index", "int16", "the device's index on this host"),
     ("source", "string", "backend that produced the sample: nvml | amdsmi | synthetic"),
 )
-
-# Throttle (clock-event) reasons. The bit values are NVML's; other backends map into them.
-THROTTLE_REASONS: tuple[tuple[str, int], ...] = (
-    ("idle", 0x1),
-    ("applications_clocks", 0x2),
-    ("sw_power_cap", 0x4),
-    ("hw_slowdown", 0x8),
-    ("sync_boost", 0x10),
-    ("sw_thermal", 0x20),
-    ("hw_thermal", 0x40),
-    ("hw_power_brake", 0x80),
-    ("display_clocks", 0x100),
-)
-THROTTLE_BITS: dict[str, int] = dict(THROTTLE_REASONS)
-
-# Reasons that mean "the hardware is slowing us down", as opposed to idle or a clock setting.
-LIMITING_REASONS: tuple[str, ...] = (
-    "sw_power_cap",
-    "hw_slowdown",
-    "sw_thermal",
-    "hw_thermal",
-    "hw_power_brake",
-)
-
-
-def decode_throttle(mask: int | None) -> tuple[str, ...]:
-    """Names of the reasons set in a throttle bitmask; empty for 0, None or INT_NULL."""
-    if mask is None or mask <= 0:
-        return ()
-    return tuple(name for name, bit in THROTTLE_REASONS if mask & bit)
-
 
 # Window marks written by the training loop (see telemetry/windows.py).
 WINDOW_KINDS: tuple[str, ...] = ("step", "microbatch", "phase")

@@ -8,15 +8,20 @@ callback) hold.
         tel.windows.end(wid)
         figures = tel.step_figures(wid)   # None until the sampler has passed the step's end
 
-Where the work happens (``sampler``):
+Where the work happens (``sampler``): in one engine (telemetry/engine.py), which the session
+replaces when the telemetry process is lost mid-run:
 
 * ``process`` (what ``auto`` gives for a backend named by a string): a **telemetry process**
   beside this one samples the device, writes the Parquet segments and computes live figures
-  (telemetry/telemetry_process.py). This process only writes finished windows into shared
-  memory (~3 µs a window, begin to end) and reads figures back: no thread here, no GIL shared with training.
+  (telemetry/process/engine.py). This process only writes finished windows into shared memory
+  (~3 µs a window, begin to end) and reads figures back: no thread here, no GIL shared with
+  training.
 * ``thread`` (a Backend object, synthetic options that cannot cross into another process, or a
-  telemetry process that would not start): a sampler thread and a flusher thread in this
-  process, and live figures computed on the caller's thread.
+  telemetry process that would not start or was lost): a sampler thread and a flusher thread in
+  this process, and live figures computed on the caller's thread.
+
+The session itself opens the device (telemetry/placement.py), writes the manifest, handles
+SIGTERM and the close at exit, and closes in order.
 
 Safe against a killed job: segments are flushed every ``flush_interval_s`` (at least every
 second); SIGTERM (what SLURM sends before SIGKILL) and normal exit (atexit) flush everything and
@@ -28,8 +33,6 @@ manifest ``killed``.
 from __future__ import annotations
 
 import atexit
-import bisect
-import itertools
 import logging
 import os
 import platform
@@ -38,55 +41,49 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-
 import charllm_nemo
 from charllm_nemo.devices.base import Backend
-from charllm_nemo.devices.factory import open_backend
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.collector import decode_figures
+from charllm_nemo.telemetry.engine import Engine, ThreadEngine
+from charllm_nemo.telemetry.placement import (
+    DEFAULT_COLLECTOR_SCHED,
+    DEFAULT_NICE,
+    local_ranks_from_env,
+    open_rank_backend,
+    resolve_collector_sched,
+    resolve_sampler_mode,
+    validate_collector_sched,
+    validate_nice,
+)
+from charllm_nemo.telemetry.process.engine import ProcessEngine
+from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
     counter_every,
     effective_counter_every,
     figures_period_ns,
 )
-from charllm_nemo.telemetry.sampler import Row, Sampler, rows_to_arrays, rows_to_table, validate_hz
-from charllm_nemo.telemetry.sampler_process import (
-    DEFAULT_COLLECTOR_SCHED,
-    DEFAULT_NICE,
-    FIGURE_SLOTS,
-    ProcessSampler,
-    local_ranks_from_env,
-    resolve_collector_sched,
-    resolve_sampler_mode,
-    validate_collector_sched,
-    validate_nice,
+from charllm_nemo.telemetry.sampler import (
+    Row,
+    SamplerHealth,
+    validate_hz,
 )
-from charllm_nemo.telemetry.shm import figure_columns, figure_mask
 from charllm_nemo.telemetry.store import (
-    Flusher,
+    DISK_FULL,
     RankStore,
     SegmentWriter,
     clear_rank_folder,
     rank_dir,
-    records_to_table,
     warm_up_parquet_writer,
 )
 from charllm_nemo.telemetry.windows import WindowRecorder
 
 log = logging.getLogger("charllm_nemo.telemetry")
-
-LIVENESS_CHECK_NS = 1_000_000_000
-"""How often (in the windows' time) :meth:`TelemetrySession.request_figures` checks that the
-telemetry process is alive: a ``waitpid`` and a read of the shared block, ~2 µs."""
 
 _ENV_KEYS = (
     "SLURM_JOB_ID",
@@ -99,62 +96,6 @@ _ENV_KEYS = (
     "ROCR_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
 )
-
-
-def local_device_ordinal(local_rank: int, visible: int) -> int:
-    """The ordinal, among the ``visible`` devices this process sees, of the device a rank
-    drives: its local rank, or its local rank modulo ``visible`` when it sees fewer devices than
-    that (``srun --gpus-per-task=1``: every task sees one GPU, its own, as device 0)."""
-    return local_rank % visible if 0 < visible <= local_rank else local_rank
-
-
-def visible_device_entry(local_rank: int, env: Mapping[str, str] | None = None) -> str | None:
-    """This rank's entry of CUDA_VISIBLE_DEVICES (or ROCR_VISIBLE_DEVICES), the one at
-    :func:`local_device_ordinal`: a physical index or a (possibly abbreviated) UUID; None when
-    neither is set or it lists nothing."""
-    env_map: Mapping[str, str] = os.environ if env is None else env
-    visible = env_map.get("CUDA_VISIBLE_DEVICES") or env_map.get("ROCR_VISIBLE_DEVICES") or ""
-    items = [v.strip() for v in visible.split(",") if v.strip()]
-    return items[local_device_ordinal(local_rank, len(items))] if items else None
-
-
-def default_device_indices(local_rank: int, env: Mapping[str, str] | None = None) -> list[int]:
-    """The device a rank drives, as NVML and AMD SMI number it (physically): its
-    :func:`visible_device_entry` when that is an index, else ``local_rank`` (a UUID entry is
-    resolved against the devices' UUIDs when the session opens the backend:
-    :func:`match_device_uuid`)."""
-    entry = visible_device_entry(local_rank, env)
-    return [int(entry)] if entry is not None and entry.isdigit() else [local_rank]
-
-
-def _uuid_key(text: str) -> str:
-    """A UUID as CUDA compares it: case and dashes ignored, a ``GPU-`` prefix optional."""
-    t = text.strip().lower()
-    return (t[4:] if t.startswith("gpu-") else t).replace("-", "")
-
-
-def match_device_uuid(entry: str, uuids: Sequence[str | None]) -> int | None:
-    """The position in ``uuids`` of the one device whose UUID ``entry`` names, as CUDA reads a
-    CUDA_VISIBLE_DEVICES entry: the whole UUID or a unique prefix of it, with or without
-    ``GPU-``, in any case. None when no device or more than one matches, and for MIG instances
-    (``MIG-...``: NVML reports power and energy for the whole GPU, not the instance)."""
-    if entry.strip().lower().startswith("mig-"):
-        return None
-    key = _uuid_key(entry)
-    if not key:
-        return None
-    hits = [i for i, u in enumerate(uuids) if u and _uuid_key(u).startswith(key)]
-    return hits[0] if len(hits) == 1 else None
-
-
-def _only_device(every: Backend, pos: int, name: str, options: dict[str, Any]) -> Backend:
-    """``every`` (a backend opened on all devices) narrowed to its device at ``pos``: itself when
-    that is its only device, else closed and opened again on that one."""
-    if len(every.devices) <= 1:
-        return every
-    own = every.devices[pos].identity.index
-    every.close()
-    return open_backend(name, [own], **options)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -181,11 +122,6 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def _covers(asked: tuple[int, frozenset[str] | None], wanted: frozenset[str] | None) -> bool:
-    """Whether a request made (its slot, the figures it asked for; None = all) holds ``wanted``."""
-    return asked[1] is None or (wanted is not None and wanted <= asked[1])
-
-
 class TelemetrySession:
     """Telemetry for one rank. Construct, then :meth:`start` (or use as a context manager).
 
@@ -199,11 +135,11 @@ class TelemetrySession:
     telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
     it: it then seldom preempts training; threads in the training process keep its priority).
     ``collector_sched``: the telemetry process's collector thread's policy, ``auto`` / ``idle`` /
-    ``normal`` (:data:`~charllm_nemo.telemetry.sampler_process.DEFAULT_COLLECTOR_SCHED`); for
+    ``normal`` (:data:`~charllm_nemo.telemetry.process.parent.DEFAULT_COLLECTOR_SCHED`); for
     ``auto``, ``local_ranks`` (this node's ranks; None:
-    :func:`~charllm_nemo.telemetry.sampler_process.local_ranks_from_env`) and
+    :func:`~charllm_nemo.telemetry.process.parent.local_ranks_from_env`) and
     ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
-    (:func:`~charllm_nemo.telemetry.sampler_process.resolve_collector_sched`).
+    (:func:`~charllm_nemo.telemetry.process.parent.resolve_collector_sched`).
     ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
     (default: StoreError, before anything starts). ``counter_hz``: how often the cumulative
     counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them
@@ -259,14 +195,9 @@ class TelemetrySession:
                 )
             mode = "thread"
         if isinstance(backend, str):
-            if devices is not None or backend == "synthetic":
-                self.backend = self._open_backend(backend, devices, options)
-            else:
-                entry = visible_device_entry(local_rank)
-                if entry is not None and not entry.isdigit():  # a UUID
-                    self.backend = self._open_by_uuid(backend, entry, [local_rank], options)
-                else:
-                    self.backend = self._open_backend(backend, default_device_indices(local_rank), options)
+            self.backend = open_rank_backend(
+                backend, devices, rank=rank, local_rank=local_rank, options=options
+            )
         else:
             self.backend = backend
         self.source = self.backend.name
@@ -277,8 +208,12 @@ class TelemetrySession:
         self.figures_period_ns = figures_period_ns(self.hz, self.counter_every)
         """How often samples that can answer a live figure arrive (ns): a figure of a window is
         ready about this long after the window's end, at the latest."""
-        self.sampler: Sampler | ProcessSampler
         self.collector_sched: dict[str, str] | None = None  # process mode: what applies, and why
+        self._counter_hz = counter_hz
+        activity = getattr(self.backend, "mark_activity", None)  # a synthetic device that follows marks
+        if activity is not None:
+            self.windows.add_listener(activity)
+        process: ProcessSampler | None = None
         if mode == "process":
             ranks = local_ranks_from_env(os.environ, world_size) if local_ranks is None else local_ranks
             policy, why = resolve_collector_sched(collector_sched, ranks, rank_threads)
@@ -287,7 +222,7 @@ class TelemetrySession:
             # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
             named = backend == self.source or self.source == "synthetic"
             try:
-                self.sampler = ProcessSampler(
+                process = ProcessSampler(
                     self.source,
                     [d.identity.index for d in self.backend.devices],
                     options if named else {},
@@ -308,82 +243,38 @@ class TelemetrySession:
                     raise
                 log.info("telemetry: sampling in a thread: %s", exc)
                 mode = "thread"
-        if mode == "thread":
-            self.sampler = Sampler(self.backend.devices, self.hz, source=self.source, counter_hz=counter_hz)
-            self.collector_sched = None  # no telemetry process, no collector thread
+                self.collector_sched = None  # no telemetry process, no collector thread
         self.sampler_mode = mode
-        marks = getattr(self.backend, "mark_activity", None)
-        if marks is not None:  # in process mode it publishes to the telemetry process from start()
-            self.windows.add_listener(marks)
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
-        self._flusher = Flusher(self.flush, flush_interval_s)
-        # Thread mode: raw rows of the last live_window_s seconds, for step_figures, kept as the
-        # sampler's tuples, so a live figure costs no Arrow round trip.
-        n_dev = max(1, len(self.backend.devices))
-        self._recent: deque[Row] = deque(maxlen=max(1024, int(live_window_s * self.hz * n_dev)))
-        self._recent_lock = threading.Lock()
-        self._pending: list[tuple[str, pa.Table]] = []
-        # Process mode: figure requests sent, (t_begin, t_end) -> request number.
-        self._request_seq = itertools.count()
-        # (t_begin, t_end) -> (slot seq, the figures asked for; None = all)
-        self._requests: dict[tuple[int, int], tuple[int, frozenset[str] | None]] = {}
-        self._masks: dict[tuple[str, ...] | None, tuple[int, frozenset[str] | None]] = {}
-        self._figure_columns: tuple[str, ...] = ()
+        self.engine: Engine = (
+            ProcessEngine(process, activity) if process is not None else self._thread_engine(counter_hz)
+        )
+        """Where sampling, storing and live figures run (telemetry/engine.py)."""
         self._closed = False
         self._started = False
         self._prev_sigterm: Any = None
         self._sigterm = False  # a SIGTERM arrived: whenever the session closes, it was terminated
         self._redeliver_sigterm = False  # a SIGTERM held back until the close is done
         self._closed_fully = False
-        self._liveness_due = 0  # process mode: when request_figures next checks the telemetry process
+        self._final_status = "running"  # close() sets it: what the manifest says at the end
 
-    def _open_backend(self, name: str, indices: Sequence[int] | None, options: dict[str, Any]) -> Backend:
-        try:
-            return open_backend(name, indices, **options)
-        except Exception:
-            if name != "auto" or indices is None:
-                raise
-        # auto, and this rank's index is not a device here (more ranks than GPUs visible): the
-        # device torch drives then, local_rank modulo the count (train/dist.py), never all of
-        # them (each rank would count every GPU's energy as its own).
-        every = open_backend(name, None, **options)
-        if len(every.devices) <= 1:
-            return every
-        pos = local_device_ordinal(self.local_rank, len(every.devices))
-        log.warning(
-            "telemetry: rank %d's device %s is not on this host; sampling device %d, the one its "
-            "local rank maps to (local_rank %% %d)",
-            self.rank,
-            list(indices),
-            every.devices[pos].identity.index,
-            len(every.devices),
+    def _thread_engine(self, counter_hz: float | None, earlier_windows: int = 0) -> ThreadEngine:
+        return ThreadEngine(
+            self.backend.devices,
+            self.hz,
+            source=self.source,
+            store=self.store,
+            flush_interval_s=self._flush_interval_s,
+            live_window_s=self._live_window_s,
+            figures_period_ns=self.figures_period_ns,
+            counter_hz=counter_hz,
+            earlier_windows=earlier_windows,
         )
-        return _only_device(every, pos, name, options)
 
-    def _open_by_uuid(
-        self, name: str, entry: str, indices: Sequence[int], options: dict[str, Any]
-    ) -> Backend:
-        """The backend on the device whose UUID this rank's CUDA_VISIBLE_DEVICES entry names
-        (``entry``); where none matches (a MIG instance, a UUID from another host, several
-        devices sharing the prefix), ``indices`` (its local rank) as before, with a warning."""
-        try:
-            every = open_backend(name, None, **options)
-        except Exception:  # the open below, by local rank, raises (or falls back) as it always has
-            every = None
-        if every is not None:
-            pos = match_device_uuid(entry, [d.identity.uuid for d in every.devices])
-            if pos is not None:
-                return _only_device(every, pos, name, options)
-            every.close()
-        log.warning(
-            "telemetry: rank %d's visible device %r matches no single device UUID on this host "
-            "(MIG instances are not mapped to their GPU); sampling device %s by local rank. Set "
-            "CUDA_VISIBLE_DEVICES to indices, or a full GPU UUID, to choose it",
-            self.rank,
-            entry,
-            list(indices),
-        )
-        return self._open_backend(name, indices, options)
+    @property
+    def sampler(self) -> Any:
+        """The engine's sampler (a thread's :class:`Sampler` or a ``ProcessSampler``)."""
+        return self.engine.sampler
 
     def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
         return {
@@ -410,28 +301,18 @@ class TelemetrySession:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> TelemetrySession:
+        """Start sampling (and, in process mode, the telemetry process); the SIGTERM handler and
+        the close at exit are installed here. Idempotent."""
         if self._started:
             return self
         self._started = True
         self._check_cpus()
-        self.sampler.start()
-        if isinstance(self.sampler, ProcessSampler):
-            if self.sampler.running and self.sampler.marks is not None:
-                marks = self.sampler.marks
-                self.sampler.names = self.windows.names.names
-                self.windows.names.set_on_new(marks.publish_name)
-                self.windows.set_sink(marks.emit_many)
-                self.windows.log_sink = marks.emit_step_log  # steps' windows are made there
-                activity = getattr(self.backend, "mark_activity", None)
-                if activity is not None:  # the synthetic device there follows the marks made here
-                    activity.on_change = self.sampler.activity_publisher()
-                self.store.manifest["sampler_process_pid"] = self.sampler.pid
+        if self.engine.start(self.windows):
+            if self.engine.pid is not None:
+                self.store.manifest["sampler_process_pid"] = self.engine.pid
                 self.store.write_manifest()
-                self._figure_columns = figure_columns()
-            else:
-                self._fall_back_to_thread()
-        if self.sampler_mode == "thread":
-            self._flusher.start()
+        else:
+            self._fall_back_to_thread()
         atexit.register(self._atexit)
         if self._handle_signals and threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -460,83 +341,55 @@ class TelemetrySession:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("complete" if exc_type is None else "failed")
 
-    def close(self, status: str = "complete") -> None:
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """This rank's manifest as it stands (what ``manifest.json`` says, or will at close): who,
+        what, where, the sampler mode, and at close the counts. The caller must not change it."""
+        return self.store.manifest
+
+    @property
+    def health(self) -> SamplerHealth:
+        """How the sampling has gone so far (samples, deadlines met, devices lost, nulls per
+        metric), whichever engine samples."""
+        return self.engine.health
+
+    @property
+    def disk_full(self) -> bool:
+        """Whether telemetry hit a full disk (ENOSPC / EDQUOT) and stopped writing: its segments
+        (here or in the telemetry process) or its manifest. Cheap (a read of the shared block in
+        process mode): a trainer may ask every step. The close then says status ``disk_full``."""
+        return self.store.disk_full or self.engine.disk_full
+
+    def close(self, status: str = "complete") -> str:
         """Stop sampling, flush everything (open windows too, with a null end) and finalize
-        the manifest. Idempotent."""
+        the manifest. Returns the status the manifest got: ``status``, or ``terminated`` after a
+        SIGTERM, or ``disk_full`` when telemetry hit a full disk (:attr:`disk_full`; a SIGTERM's
+        ``terminated`` still wins: it says how the run ended). Idempotent: a second call returns
+        the first one's status."""
         if self._closed:
-            return
+            return self._final_status
         self._closed = True
         if self._sigterm:
             status = "terminated"
+        self._final_status = status
         try:  # a step in progress (SIGTERM, an exception): its marks so far, before the open windows
             self.windows.flush_pending()
         except Exception:
             log.exception("could not record the marks of the step in progress")
         open_records = self.windows.open_records()
-        if isinstance(self.sampler, ProcessSampler):
-            marks = self.sampler.marks
-            if marks is not None and open_records:
-                marks.emit_many(open_records)
-            # Marks after close are kept in the recorder, not sent to a block that is gone.
-            self.windows.reset_sink()
-            self.windows.log_sink = None
-            self.sampler.stop()
-            counts = self.sampler.store_counts()
-            extra = {
-                "flusher": {
-                    "flushes": counts.get("flushes", 0),
-                    "errors": counts.get("flush_errors", 0),
-                    "flush_ms_max": counts.get("flush_ms_max", 0.0),
-                    "interval_s": self._flush_interval_s,
-                    "where": "telemetry process",
-                },
-                "store_process": {
-                    k: counts.get(k)
-                    for k in ("done", "salvaged", "figures_served", "rows_lost", "marks_dropped")
-                    if k in counts
-                },
-            }
-            store_counts: dict[str, Any] | None = {
-                k: counts[k] for k in ("segments", "rows", "bytes_written") if k in counts
-            }
-            # Steps' windows are made in the telemetry process: count what it stored.
-            stored = counts.get("rows", {}).get("windows")
-            recorded = self.windows.total_recorded if stored is None else stored - len(open_records)
-        else:
-            self.sampler.stop()
-            self._flusher.stop()
-            self._flusher.flush_once()
-            if open_records:
-                try:  # a full disk: the manifest below must still be written, the backend closed
-                    self.store.write_segment(
-                        "windows", records_to_table(open_records, self.windows.names.names)
-                    )
-                except Exception:
-                    self._flusher.errors += 1
-                    log.exception("could not store the %d window(s) open at close", len(open_records))
-            extra = {
-                "flusher": {
-                    "flushes": self._flusher.flushes,
-                    "errors": self._flusher.errors,
-                    "flush_ms_max": self._flusher.flush_ns_max / 1e6,
-                    "interval_s": self._flusher.interval_s,
-                    "where": "training process",
-                },
-            }
-            store_counts = None
-            # Windows the telemetry process had stored, if it was lost mid-run, and those since.
-            lost = self.store.manifest.get("telemetry_process_lost", {})
-            recorded = self.windows.total_recorded + lost.get("store", {}).get("rows", {}).get("windows", 0)
+        ended = self.engine.close(self.windows, open_records)
+        if self.disk_full and status != "terminated":
+            status = self._final_status = DISK_FULL
         self.store.close(
             status,
             {
-                "sampler": self.sampler.health.to_dict(),
+                "sampler": self.engine.health.to_dict(),
                 "sampler_mode": self.sampler_mode,
-                **extra,
-                "windows_recorded": recorded,
+                **ended["extra"],
+                "windows_recorded": ended["recorded"],
                 "windows_open_at_close": len(open_records),
             },
-            counts=store_counts or None,
+            counts=ended["counts"],
         )
         try:
             self.backend.close()
@@ -551,42 +404,35 @@ class TelemetrySession:
             # Closed: now the SIGTERM held back, to the handler before us (restored above; or,
             # where it could not be, through ours, which hands it on now that we are closed).
             os.kill(os.getpid(), signal.SIGTERM)
+        return self._final_status
 
     def _fall_back_to_thread(self) -> None:
         """The telemetry process did not start: sample, store and compute figures here."""
-        failed = self.sampler
-        reason = failed.health.stop_reason
-        failed.stop()
+        reason = self.engine.health.stop_reason
+        self.engine.sampler.stop()
         log.warning(
             "telemetry: the telemetry process did not start (%s); sampling in a thread instead", reason
         )
+        self.engine.detach()
         self.collector_sched = self.store.manifest["collector_sched"] = None
         self.store.manifest["sampler_process_error"] = reason
-        self._sample_here()
+        self._sample_here(self._thread_engine(self._counter_hz))
 
-    def _sample_here(self) -> None:
-        """From now on, a sampling thread in this process (thread mode); the manifest says so."""
-        self.sampler = Sampler(self.backend.devices, self.hz, source=self.source)
+    def _sample_here(self, engine: ThreadEngine) -> None:
+        """From now on, ``engine`` samples in this process (thread mode); the manifest says so."""
+        self.engine = engine
         self.sampler_mode = self.store.manifest["sampler_mode"] = "thread"
         self.store.write_manifest()
         warm_up_parquet_writer()
-        self.sampler.start()
+        engine.start(self.windows)
 
-    def _take_over(self) -> None:
+    def _take_over(self, failed: Engine) -> None:
         """The telemetry process stopped mid-run (killed, crashed): store what its rings still
         hold (the salvage at its stop), then sample, store and compute figures in this process,
         as thread mode does, so that the rest of the run is recorded too. On the training
         thread, between two steps (from :meth:`request_figures`): no mark is under way."""
-        failed = self.sampler
-        assert isinstance(failed, ProcessSampler)
         pid = failed.pid
-        self.windows.reset_sink()  # marks from here on: kept in this process
-        self.windows.log_sink = None
-        activity = getattr(self.backend, "mark_activity", None)
-        if activity is not None:  # the synthetic device here follows the marks again
-            activity.on_change = None
-        failed.stop(1.0)
-        counts = failed.store_counts()
+        counts = failed.stop_for_takeover()
         reason = failed.health.stop_reason or "it exited"
         self.store.segments = SegmentWriter.continuing(self.store.dir, counts)
         self.store.manifest["telemetry_process_lost"] = {
@@ -595,15 +441,15 @@ class TelemetrySession:
             "at_mono_ns": time.monotonic_ns(),
             "store": {k: counts[k] for k in ("segments", "rows", "salvaged", "marks_dropped") if k in counts},
         }
-        self._requests.clear()
         log.error(
             "telemetry: the telemetry process (pid %s) stopped mid-run (%s); stored what it left "
             "and sampling in a thread from now on (telemetry_process_lost in the manifest)",
             pid,
             reason,
         )
-        self._sample_here()
-        self._flusher.start()
+        # Windows it had stored count at close with those recorded here from now on.
+        stored = counts.get("rows", {}).get("windows", 0)
+        self._sample_here(self._thread_engine(self._counter_hz, earlier_windows=stored))
 
     def _atexit(self) -> None:
         self.close("complete")
@@ -624,7 +470,10 @@ class TelemetrySession:
         if self._closed and not self._closed_fully:
             self._redeliver_sigterm = True
         elif callable(prev):
-            prev(signum, frame)
+            try:
+                prev(signum, frame)
+            finally:
+                self._keep_sigterm_handler()
         elif prev != signal.SIG_IGN:
             if self._closed_fully:  # closed on another thread, this handler left behind
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -633,35 +482,28 @@ class TelemetrySession:
             self._redeliver_sigterm = True
             raise SystemExit(128 + signum)
 
-    # -- flushing (thread mode) ------------------------------------------------------------
-    def flush(self) -> None:
-        """Write what was sampled and marked since the last flush (the flusher calls this; in
-        process mode the telemetry process flushes and this does nothing)."""
-        if isinstance(self.sampler, ProcessSampler):
+    def _keep_sigterm_handler(self) -> None:
+        """Put this session's SIGTERM handler back if the handler it called replaced it (one that
+        sets SIG_DFL so that "a second SIGTERM kills at once"): a second SIGTERM during the close
+        must still be held back until the close is done, then go to that replacement."""
+        if self._closed_fully or threading.current_thread() is not threading.main_thread():
             return
-        # Taken and remembered under one lock: live_rows() never sees a row in neither place.
-        with self._recent_lock:
-            rows = self.sampler.take_rows()
-            self._recent.extend(rows)
-        if rows:
-            self._pending.append(("samples", rows_to_table(rows, self.source)))
-        done = self.windows.drain_records()
-        if done:
-            self._pending.append(("windows", records_to_table(done, self.windows.names.names)))
-        while self._pending:
-            kind, table = self._pending[0]
-            self.store.write_segment(kind, table)  # raises on a full disk: kept for the next try
-            self._pending.pop(0)
+        current = signal.getsignal(signal.SIGTERM)
+        if current != self._on_sigterm:
+            self._prev_sigterm = current
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    # -- live figures ----------------------------------------------------------------------
+    # -- data ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write what was sampled and marked since the last flush (the thread engine's flusher
+        calls this; in process mode the telemetry process flushes and this does nothing)."""
+        self.engine.flush()
+
     def live_rows(self, since_mono_ns: int = 0, before: int = 0) -> list[Row]:
         """Sampler rows still in memory from ``since_mono_ns``, and the ``before`` rows before
         those (thread mode: the last ``live_window_s``; process mode: what the shared ring still
         holds, up to 16 s)."""
-        with self._recent_lock:
-            rows = list(self._recent) + self.sampler.peek_rows()
-        first = bisect.bisect_left(rows, since_mono_ns, key=lambda r: r[0])
-        return rows[max(0, first - before) :]
+        return self.engine.live_rows(since_mono_ns, before)
 
     def request_figures(
         self,
@@ -677,41 +519,15 @@ class TelemetrySession:
         ``batch`` > 1: the caller reads them only after the next ``batch - 1`` windows have ended
         too, so the telemetry process may wait for those and compute all in one go (cheaper by
         about that factor); it answers alone after ``batch + 1`` window lengths (at most
-        0.25 s) at the latest.
+        0.25 s) at the latest. Once a second it also checks the telemetry process is alive, and
+        takes over in this process if it is not.
         Cheap, never blocks; asking again for a window already asked for, with no figure beyond
         those asked for then, does nothing."""
-        if not isinstance(self.sampler, ProcessSampler):
+        engine = self.engine
+        if engine.lost(t_end_mono_ns):
+            self._take_over(engine)
             return
-        if t_end_mono_ns >= self._liveness_due:  # once a second: is the telemetry process alive?
-            self._liveness_due = t_end_mono_ns + LIVENESS_CHECK_NS
-            if not self.sampler.running:
-                self._take_over()
-                return
-        if self.sampler.marks is None:
-            return
-        mask, wanted = self._mask_of(figures)
-        key = (t_begin_mono_ns, t_end_mono_ns)
-        asked = self._requests.get(key)
-        if asked is not None:
-            if _covers(asked, wanted):
-                return
-            # More figures than asked for (so asked[1] is a set): ask again for the union (a new slot).
-            union = None if wanted is None else wanted | (asked[1] or frozenset())
-            mask, wanted = self._mask_of(None if union is None else tuple(sorted(union)))
-        seq = next(self._request_seq)
-        self._requests[key] = (seq, wanted)
-        if len(self._requests) > 2 * FIGURE_SLOTS:  # answers that old are overwritten anyway
-            del self._requests[next(iter(self._requests))]
-        self.sampler.marks.request_figures(seq, t_begin_mono_ns, t_end_mono_ns, mask, batch)
-
-    def _mask_of(self, figures: Collection[str] | None) -> tuple[int, frozenset[str] | None]:
-        """A request's mask and figure set (``duration_s`` always included), cached per set."""
-        key = None if figures is None else tuple(figures)
-        hit = self._masks.get(key)
-        if hit is None:
-            wanted = None if figures is None else frozenset({"duration_s", *figures})
-            hit = self._masks[key] = (figure_mask(wanted), wanted)
-        return hit
+        engine.request_figures(t_begin_mono_ns, t_end_mono_ns, figures, batch)
 
     def step_figures(
         self,
@@ -726,62 +542,4 @@ class TelemetrySession:
         attribution columns wanted (None = all). In process mode the telemetry process computes
         every figure (:meth:`request_figures`); in thread mode only those wanted are computed,
         on this thread."""
-        if isinstance(self.sampler, ProcessSampler):
-            return self._process_figures(t_begin_mono_ns, t_end_mono_ns, wait_s, figures)
-        from charllm_nemo.telemetry.attribution import attribute_windows
-
-        deadline = time.monotonic() + wait_s
-        while self.sampler.last_t_mono_ns < t_end_mono_ns:
-            if not self.sampler.running or time.monotonic() >= deadline:
-                if self.sampler.running:
-                    return None
-                break
-            time.sleep(min(0.002, 1.0 / self.hz))
-        # Two periods of whole samples (counters read) before the window, and one slot (a row per
-        # device) more: every sample inside has its predecessor in the slice, so counter ticks
-        # inside are found as in the stored run (the first sample of a slice is never a tick), a
-        # window that begins after a sampling stall is still bracketed, and live figures equal
-        # those computed later.
-        since = t_begin_mono_ns - 2 * self.figures_period_ns
-        arrays = rows_to_arrays(self.live_rows(since, before=len(self.backend.devices)))
-        out = []
-        win = {
-            "t_begin_mono_ns": np.array([t_begin_mono_ns], np.int64),
-            "t_end_mono_ns": np.array([t_end_mono_ns], np.int64),
-        }
-        for dev in self.backend.devices:
-            idx = dev.identity.index
-            mask = arrays["device_index"] == idx
-            per_dev = {k: v[mask] for k, v in arrays.items()}
-            result = attribute_windows(per_dev, win, figures=figures)
-            row = {k: (v[0].item() if hasattr(v[0], "item") else v[0]) for k, v in result.items()}
-            row["device_index"] = idx
-            out.append(row)
-        return out
-
-    def _process_figures(
-        self, t_begin: int, t_end: int, wait_s: float, figures: Collection[str] | None
-    ) -> list[dict[str, Any]] | None:
-        assert isinstance(self.sampler, ProcessSampler)
-        keep = self._mask_of(figures)[1]  # the figures wanted and duration_s, or None: all
-        asked = self._requests.get((t_begin, t_end))
-        if asked is None or not _covers(asked, keep):
-            self.request_figures(t_begin, t_end, figures)  # not asked for (all of) them yet
-            asked = self._requests.get((t_begin, t_end))
-            if asked is None:
-                return None
-        seq = asked[0]
-        answer = self.sampler.read_figures(seq)
-        if answer is None and wait_s > 0:
-            deadline = time.monotonic() + wait_s
-            while answer is None and self.sampler.running and time.monotonic() < deadline:
-                time.sleep(0.002)
-                answer = self.sampler.read_figures(seq)
-        if answer is None:
-            return None
-        out = []
-        for idx, values in answer[2]:
-            row = decode_figures(values, self._figure_columns, keep)
-            row["device_index"] = idx
-            out.append(row)
-        return out
+        return self.engine.figures(t_begin_mono_ns, t_end_mono_ns, wait_s, figures)

@@ -7,7 +7,7 @@ end: :func:`mark_key`) and the clock reading. At step end the log becomes the st
 
 * on the training thread (the session samples in a thread, or a step cut short at close);
 * in the telemetry process: the training thread writes the raw log into the mark ring as one
-  step-log record (:func:`pack`'s pieces here, ``MarkWriter.emit_step_log`` in telemetry/shm.py), and
+  step-log record (:func:`pack`'s pieces here, ``MarkWriter.emit_step_log`` in telemetry/process/ring.py), and
   the collector turns it into window records (:func:`unpack`, :func:`step_records`). With the
   caches a training step leaves, that took ``end_step`` in a tiny_gpt step from 79 µs to
   44-48 µs (18 -> 3.5 µs hot; docs/bench-train.md).

@@ -18,6 +18,7 @@ or a whole sweep, with the rank as a column.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from charllm_nemo.errors import StoreError
+from charllm_nemo.errors import DiskFull, StoreError
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
 from charllm_nemo.telemetry.windows import (
     NULL,
@@ -46,6 +47,17 @@ from charllm_nemo.telemetry.windows import (
 log = logging.getLogger("charllm_nemo.store")
 
 STORE_FORMAT_VERSION = 1
+
+DISK_FULL = "disk_full"
+"""The manifest ``status`` of a run whose store hit a full disk (ENOSPC / EDQUOT): what was
+written before stays readable; see docs/store.md."""
+
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+RESERVE_NAME = ".manifest.json.reserve"
+RESERVE_BYTES = 64 * 1024
+"""Space a rank's folder holds back (a preallocated hidden file) so that the final manifest can
+still be written on a full disk: removed just before that write, or at close."""
 
 
 def _windows_schema() -> pa.Schema:
@@ -98,11 +110,23 @@ def windows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=WINDOWS_SCHEMA)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` the temporary ``.<name>.tmp``, then rename it to ``path``. A failed write leaves
+    no temporary behind; a full disk (ENOSPC / EDQUOT) raises :class:`DiskFull`."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in _DISK_FULL_ERRNOS:
+            raise DiskFull(f"no space left writing {path} ({exc.strerror or exc})") from exc
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`_write_atomically`)."""
+    _write_atomically(path, lambda tmp: tmp.write_bytes(data))
 
 
 # lz4 and dictionary encoding of string columns only: a 50-row segment (0.5 s at 100 Hz) costs
@@ -115,9 +139,8 @@ PARQUET_OPTIONS: dict[str, Any] = {
 
 
 def atomic_write_table(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, **PARQUET_OPTIONS)
-    os.replace(tmp, path)
+    """Write ``table`` as Parquet to ``path`` atomically (:func:`_write_atomically`)."""
+    _write_atomically(path, lambda tmp: pq.write_table(table, tmp, **PARQUET_OPTIONS))
 
 
 def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -125,7 +148,8 @@ def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
 
 
 RANK_FILE_PATTERNS = ("manifest.json", "samples-*.parquet", "windows-*.parquet")
-"""The files a rank's folder holds (each also as ``.<name>.tmp`` while being written)."""
+"""The files a rank's folder holds (each also as ``.<name>.tmp`` while being written; and,
+while a run is open, :data:`RESERVE_NAME`)."""
 
 
 def rank_files(folder: Path) -> list[Path]:
@@ -135,6 +159,7 @@ def rank_files(folder: Path) -> list[Path]:
         return []
     found = {p for pattern in RANK_FILE_PATTERNS for p in folder.glob(pattern)}
     found |= {p for pattern in RANK_FILE_PATTERNS for p in folder.glob(f".{pattern}.tmp")}
+    found |= set(folder.glob(RESERVE_NAME))
     return sorted(found)
 
 
@@ -182,6 +207,10 @@ class SegmentWriter:
         self._seq = {"samples": 0, "windows": 0, **(first_seq or {})}
         self.rows_written = {"samples": 0, "windows": 0}
         self.bytes_written = 0
+        self.rows_unwritten = {"samples": 0, "windows": 0}
+        """Rows not stored because the disk was full (:attr:`disk_full`)."""
+        self.disk_full: str | None = None
+        """Why this writer stopped writing (the first ENOSPC / EDQUOT), or None."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -191,28 +220,57 @@ class SegmentWriter:
         writer = cls(folder, dict(counts.get("segments", {})))
         writer.rows_written.update(counts.get("rows", {}))
         writer.bytes_written = int(counts.get("bytes_written", 0))
+        writer.rows_unwritten.update(counts.get("rows_unwritten", {}))
+        if counts.get("disk_full"):
+            writer.disk_full = "an earlier writer found the disk full"
         return writer
 
     def write_segment(self, kind: str, table: pa.Table) -> Path | None:
-        """Write one ``samples`` or ``windows`` segment; empty tables write nothing."""
+        """Write one ``samples`` or ``windows`` segment; empty tables write nothing. On a full
+        disk it logs one line, writes nothing from then on (counting the rows in
+        :attr:`rows_unwritten`) and returns None: what is on disk stays readable, and a
+        flusher retrying every interval would only repeat the failure."""
         if table.num_rows == 0:
             return None
         with self._lock:
+            if self.disk_full is not None:
+                self.rows_unwritten[kind] += table.num_rows
+                return None
             seq = self._seq[kind]
-            self._seq[kind] = seq + 1
             path = self.dir / f"{kind}-{seq:06d}.parquet"
-            atomic_write_table(path, table)
+            try:
+                atomic_write_table(path, table)
+            except DiskFull as exc:
+                self._stop_writing(str(exc))
+                self.rows_unwritten[kind] += table.num_rows
+                return None
+            self._seq[kind] = seq + 1
             self.rows_written[kind] += table.num_rows
             self.bytes_written += path.stat().st_size
         return path
 
+    def _stop_writing(self, why: str) -> None:
+        self.disk_full = why
+        log.error(
+            "telemetry: the disk is full (%s); telemetry stops writing this rank's samples and "
+            "windows. What was written stays readable; the manifest will say status %r. Free space "
+            "or choose another telemetry.out_dir / --out",
+            why,
+            DISK_FULL,
+        )
+
     def counts(self) -> dict[str, Any]:
-        """What the manifest records at close: next segment numbers, rows and bytes written."""
-        return {
+        """What the manifest records at close: next segment numbers, rows and bytes written,
+        and (only after a full disk) the rows not written."""
+        out: dict[str, Any] = {
             "segments": dict(self._seq),
             "rows": dict(self.rows_written),
             "bytes_written": self.bytes_written,
         }
+        if self.disk_full is not None:
+            out["rows_unwritten"] = dict(self.rows_unwritten)
+            out["disk_full"] = True
+        return out
 
 
 def check_writable(folder: Path) -> None:
@@ -227,6 +285,27 @@ def check_writable(folder: Path) -> None:
             f"telemetry output directory {folder} is not writable ({exc.strerror or exc}); "
             "choose another with --out / telemetry.out_dir, or fix its permissions"
         ) from exc
+
+
+def reserve_space(folder: Path) -> None:
+    """Hold :data:`RESERVE_BYTES` back in ``folder`` (:data:`RESERVE_NAME`), allocated, not just
+    sized: a full disk then still has room for the final manifest. Best effort: where the
+    filesystem cannot preallocate, or the disk is already full, nothing is held."""
+    path = folder / RESERVE_NAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError:
+        return
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        else:  # pragma: no cover - macOS: written zeros take the blocks too
+            os.write(fd, bytes(RESERVE_BYTES))
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return
+    os.close(fd)
 
 
 def finish_manifest(manifest: dict[str, Any], status: str, counts: dict[str, Any]) -> None:
@@ -264,13 +343,34 @@ class RankStore:
             **manifest,
         }
         self.segments = SegmentWriter(self.dir)
+        self.manifest_disk_full: str | None = None
+        """Why a manifest write found the disk full (the last manifest on disk is older), or None."""
+        reserve_space(self.dir)
         self.write_manifest()
         if writes_segments:
             warm_up_parquet_writer()
 
+    @property
+    def disk_full(self) -> bool:
+        """Whether this store's segments or its manifest hit a full disk."""
+        return self.segments.disk_full is not None or self.manifest_disk_full is not None
+
     def write_manifest(self) -> None:
+        """Write the manifest atomically. On a full disk: free the reserve and try once more; if
+        that fails too, log one line and keep the manifest on disk as it was (never raises
+        :class:`DiskFull`)."""
         data = json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode()
-        atomic_write_bytes(self.dir / "manifest.json", data)
+        path = self.dir / "manifest.json"
+        try:
+            atomic_write_bytes(path, data)
+            return
+        except DiskFull as exc:
+            self.manifest_disk_full = str(exc)
+        (self.dir / RESERVE_NAME).unlink(missing_ok=True)
+        try:
+            atomic_write_bytes(path, data)
+        except DiskFull as exc:
+            log.error("telemetry: %s; the manifest on disk is the one written before", exc)
 
     def write_segment(self, kind: str, table: pa.Table) -> Path | None:
         """Write one ``samples`` or ``windows`` segment; empty tables write nothing."""
@@ -283,6 +383,7 @@ class RankStore:
         of whoever wrote the segments; default this store's own)."""
         self.manifest.update(extra or {})
         finish_manifest(self.manifest, status, counts if counts is not None else self.segments.counts())
+        (self.dir / RESERVE_NAME).unlink(missing_ok=True)  # the run is closed: room for others
         self.write_manifest()
 
 

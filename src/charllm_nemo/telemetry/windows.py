@@ -10,7 +10,7 @@ into one **record**, a flat tuple of ints (:data:`RECORD_FIELDS`: strings as cod
 recorder's name table, :data:`NULL` for null), and hands it to the recorder's sink. The default
 sink keeps records in a list that the session's flusher drains; a session whose telemetry runs
 in its own process installs a sink that writes the record into shared memory, and that process
-stores it (telemetry/telemetry_process.py). Either way records become the windows table with
+stores it (telemetry/process/child.py). Either way records become the windows table with
 one vectorised conversion (:func:`charllm_nemo.telemetry.store.records_to_table`). The trainer's
 StepMarker does less still per mark: it logs a step's marks and makes (or, given a
 :attr:`WindowRecorder.log_sink`, has the telemetry process make) the step's records at step end

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.sampler_process import local_ranks_from_env
+from charllm_nemo.telemetry.placement import local_ranks_from_env
 from charllm_nemo.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def init_distributed(cfg: TrainConfig, env: RankEnv | None = None, device: str |
             # 2-core host made tiny steps ~50x slower here. It also leaves cores to the sampler.
             torch.set_num_threads(1)
     else:
-        from charllm_nemo.telemetry.session import local_device_ordinal
+        from charllm_nemo.telemetry.placement import local_device_ordinal
 
         if cfg.parallel.tp > 1:
             # One hardware work queue, so that a TP collective launched before a GEMM starts

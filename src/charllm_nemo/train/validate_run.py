@@ -74,8 +74,8 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.sinks.config import validate_logger_config
+    from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
     from charllm_nemo.telemetry.sample_loop import MAX_HZ, counter_every, validate_hz
-    from charllm_nemo.telemetry.sampler_process import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []

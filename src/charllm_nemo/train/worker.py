@@ -57,23 +57,36 @@ def _target() -> Callable[[TrainConfig], Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def _terminate(signum: int, _frame: FrameType | None) -> None:
-    # Unwind the main thread (running finally blocks) instead of dying where we stand.
-    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
-    raise SystemExit(128 + signum)
+class _Terminate:
+    """The SIGTERM handler of a rank: the first SIGTERM unwinds the main thread (its ``finally``
+    blocks run: the telemetry close, ``summary.json``); later ones are ignored, because the rank is
+    already ending. A repeat is common: PR_SET_PDEATHSIG sends one SIGTERM per launcher thread
+    that exits, so ``kill -9`` of the local launcher delivers it twice, and a repeat that killed
+    the rank at once would land in the middle of its close (a manifest left ``running``, no
+    summary). What ends a rank that does not finish its close is the sender's SIGKILL: the local
+    launcher's after its grace period, SLURM's after KillWait."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.received += 1
+        if self.received == 1:
+            raise SystemExit(128 + signum)  # unwind, instead of dying where we stand
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     """Within it, SIGTERM (SLURM's at the time limit, the local launcher's to a failed run's
-    other ranks) becomes ``SystemExit(143)`` in the main thread: the rank's ``finally`` blocks
-    run (its telemetry flush, ``summary.json``), and a second SIGTERM kills at once. The handler
-    before it comes back after. Outside the main thread it does nothing (Python allows signal
-    handlers only there)."""
+    other ranks, the parent-death signal when the launcher itself is killed) becomes
+    ``SystemExit(143)`` in the main thread: the rank's ``finally`` blocks run (its telemetry
+    flush, ``summary.json``); later SIGTERMs are ignored (:class:`_Terminate`). The handler before
+    it comes back after. Outside the main thread it does nothing (Python allows signal handlers
+    only there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _Terminate())
     try:
         yield
     finally:

@@ -6,7 +6,7 @@ waits up to the switch interval (5 ms), five periods at 1 kHz. bench/bench_sampl
 measures it (docs/benchmarks.md): with a core free the thread meets ~55 % of its deadlines at
 1 kHz where a process meets 99.6-99.9 %; bench/bench_train_telemetry.py measures what training
 pays. So a session samples, stores and computes its live figures in a **telemetry process**
-(telemetry/telemetry_process.py), and the training process only writes window records into
+(telemetry/process/child.py), and the training process only writes window records into
 shared memory and reads figures back (``telemetry.sampler=auto`` or ``process``; ``thread``
 keeps everything in the training process).
 
@@ -15,7 +15,7 @@ keeps everything in the training process).
 the training process takes the rows from the ring. With ``store`` (what a session passes) the
 telemetry process writes the segments itself, and this class adds the mark ring
 (:attr:`ProcessSampler.marks`, the WindowRecorder's sink), figure requests and the store's counts.
-The shared block's layout and ordering rules are in telemetry/shm.py. CLOCK_MONOTONIC is
+The shared block's layout and ordering rules are in telemetry/process/ring.py. CLOCK_MONOTONIC is
 system-wide, so the child's timestamps join with the parent's window marks as a thread's do.
 
 Start: a fresh interpreter (``sys.executable -c ...``: fork + exec, never a bare fork, which is
@@ -25,7 +25,7 @@ run there. The child imports the package's light modules and the backend's libra
 samples (no torch, numpy or pyarrow); start-up until it samples (spawn + imports + backend open)
 is ~50 ms synthetic, ~75 ms NVML here (``ProcessSampler.startup`` has the parts).
 
-Lifetime: see telemetry/telemetry_process.py. The parent unlinks the block on ``stop()`` and at
+Lifetime: see telemetry/process/child.py. The parent unlinks the block on ``stop()`` and at
 exit, also when the child crashed; a child whose parent died unlinks it itself. Only when both
 die by SIGKILL (a cgroup kill) can a block stay in /dev/shm (``charllm-sampler-<parent
 pid>-<hex>``); the next sampling process this user starts on the node removes it
@@ -48,22 +48,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.speedups import hot
-from charllm_nemo.telemetry import shm
-from charllm_nemo.telemetry.sample_loop import (
-    DEFAULT_COUNTER_HZ,
-    Row,
-    SamplerHealth,
-    counter_every,
-    validate_hz,
-)
-from charllm_nemo.telemetry.shm import (
+from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
+from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
     H_STATE,
@@ -82,140 +75,20 @@ from charllm_nemo.telemetry.shm import (
     Layout,
     MarkWriter,
 )
+from charllm_nemo.telemetry.sample_loop import (
+    DEFAULT_COUNTER_HZ,
+    Row,
+    SamplerHealth,
+    counter_every,
+    validate_hz,
+)
 
 log = logging.getLogger("charllm_nemo.sampler")
-
-SAMPLER_MODES: tuple[str, ...] = ("auto", "thread", "process")
 
 RING_SECONDS = 16.0  # ring capacity in seconds of rows at the configured rate (at least MIN_CAPACITY)
 MIN_CAPACITY = 4096
 MARK_CAPACITY = 16384  # window records in flight (~40 s of a Megatron-Core loop's marks at 400 / s)
 FIGURE_SLOTS = 64  # figure requests answered and not yet read
-
-
-DEFAULT_NICE = 0
-"""The telemetry process's nice value (``telemetry.nice``): 0, the rank's own priority. At 19 its
-threads seldom preempt the training thread when the scheduler wakes them on its core; where a
-core is free they run there at once and sample as well as at 0 (tiny_gpt CPU steps here: the
-overhead ~0.4 % lower, 1.010 against 1.014 over eleven alternating runs), but with every core busy
-they take about a third fewer samples (docs/telemetry.md)."""
-
-
-def validate_nice(nice: Any) -> int:
-    """``nice`` as an int in 0..19, else a ConfigError naming ``telemetry.nice``."""
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise ConfigError(
-            f"telemetry.nice={nice!r}: give the telemetry process's nice value, an integer from 0 "
-            f"(the rank's own priority) to 19 (the lowest; default {DEFAULT_NICE})"
-        )
-    return nice
-
-
-COLLECTOR_SCHEDS: tuple[str, ...] = ("auto", "idle", "normal")
-DEFAULT_COLLECTOR_SCHED = "normal"
-"""``telemetry.collector_sched``: the scheduling policy of the telemetry process's collector
-thread (Parquet segments, live figures; the sampling thread keeps the rank's policy). ``idle``:
-Linux's SCHED_IDLE, so that any other thread that wakes (the training process's own: gloo's or
-NCCL's, data loaders) takes its CPU at once and the scheduler places such threads on a CPU that
-runs only the collector as on an idle one. ``auto``: idle where the rank seems to have a CPU to
-spare (:func:`resolve_collector_sched`), else ``normal``. The default is ``normal``: once every
-CPU is busy, a SCHED_IDLE collector preempted while it holds the telemetry process's GIL stalls
-the sampling thread too (here: up to 1.4 s without a sample; docs/telemetry.md)."""
-
-
-def validate_collector_sched(value: Any) -> str:
-    """``value`` if it is one of :data:`COLLECTOR_SCHEDS`, else a ConfigError naming the field."""
-    if value not in COLLECTOR_SCHEDS:
-        raise ConfigError(
-            f"telemetry.collector_sched={value!r}: use one of {', '.join(COLLECTOR_SCHEDS)} (auto = idle "
-            "where the rank has a CPU to spare, normal = the rank's own policy; default "
-            f"{DEFAULT_COLLECTOR_SCHED})"
-        )
-    return str(value)
-
-
-def cpu_budget() -> tuple[int, float | None] | None:
-    """(the CPUs in this process's affinity mask, its cgroup's CPU quota in CPUs, None: no limit;
-    a container's CPU limit: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``); None where the
-    mask cannot be read."""
-    try:
-        return len(os.sched_getaffinity(0)), _cgroup_cpu_quota()
-    except (AttributeError, OSError):
-        return None
-
-
-def _cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time per period that this process's cgroup may use; None: no limit, or not
-    found (only the process's own cgroup is read, not its parents)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _id, controllers, path = line.split(":", 2)
-        try:
-            if not controllers:  # v2
-                with open(f"{root}{path}/cpu.max") as f:
-                    quota, period = f.read().split()[:2]
-                return None if quota == "max" else int(quota) / int(period)
-            if "cpu" in controllers.split(","):  # v1
-                for d in (f"{root}/{controllers}{path}", f"{root}/cpu{path}"):
-                    with contextlib.suppress(OSError):
-                        with open(f"{d}/cpu.cfs_quota_us") as f, open(f"{d}/cpu.cfs_period_us") as g:
-                            v1_quota, v1_period = int(f.read()), int(g.read())
-                        return None if v1_quota < 0 else v1_quota / v1_period
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def local_ranks_from_env(env: Mapping[str, str], world_size: int = 1) -> int:
-    """This node's ranks: ``LOCAL_WORLD_SIZE`` (torchrun), else ``SLURM_NTASKS_PER_NODE`` (srun;
-    ``8(x4)`` reads 8), else ``world_size``."""
-    value = env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "0")).split("(")[0]
-    return int(value or 0) or world_size
-
-
-def resolve_collector_sched(
-    value: str, local_ranks: int, rank_threads: int = 1, cpus: tuple[int, float | None] | None = None
-) -> tuple[str, str]:
-    """``(idle | normal, why)`` for ``telemetry.collector_sched`` = ``value``. ``auto`` is idle
-    where this rank has a CPU to spare: the CPUs it can use (``cpus``: its mask and cgroup quota,
-    default :func:`cpu_budget`; the mask capped by the quota) outnumber those kept busy in its
-    mask: ``rank_threads`` (the CPU threads a rank keeps busy: 1 on a GPU, its intra-op threads on
-    a CPU) where the mask is smaller than ``local_ranks`` (the node's ranks cannot all share it: it
-    is this rank's own, e.g. ``srun --cpu-bind``), else ``local_ranks x rank_threads``. Otherwise
-    normal, since a SCHED_IDLE thread beside a busy one gets ~0.3 % of its CPU and would fall
-    behind; and normal where Linux's SCHED_IDLE is missing."""
-    value = validate_collector_sched(value)
-    if value != "auto":
-        return value, f"telemetry.collector_sched={value}"
-    if not hasattr(os, "SCHED_IDLE"):
-        return "normal", "auto: this platform has no SCHED_IDLE"
-    budget = cpu_budget() if cpus is None else cpus
-    if budget is None:
-        return "normal", "auto: the CPUs this rank may use are unknown"
-    mask, quota = budget
-    usable = mask if quota is None else min(mask, max(1, math.floor(quota)))
-    if mask < local_ranks:
-        busy, whose = rank_threads, f"this rank, bound to its own {mask} CPU(s)"
-    else:
-        busy, whose = local_ranks * rank_threads, f"{local_ranks} local rank(s) sharing them"
-    why = f"auto: {usable} usable CPU(s), {busy} kept busy by {whose}"
-    return ("idle", why) if usable > busy else ("normal", why + ": none to spare")
-
-
-def resolve_sampler_mode(mode: str, hz: float) -> str:
-    """``thread`` or ``process`` for ``telemetry.sampler`` = ``mode``; ConfigError if unknown.
-    ``auto`` is a process at every rate (a session falls back to a thread where a process cannot
-    be had: a Backend object, options that cannot cross, a process that does not start)."""
-    if mode not in SAMPLER_MODES:
-        raise ConfigError(
-            f"telemetry.sampler={mode!r} is not a sampler mode; use one of {', '.join(SAMPLER_MODES)} "
-            "(auto = a separate telemetry process, falling back to a thread where one cannot start)"
-        )
-    return "process" if mode == "auto" else mode
 
 
 class ProcessSampler:
@@ -291,7 +164,6 @@ class ProcessSampler:
             ) from None
         self._lock = threading.RLock()
         self._block: Block | None = None
-        self._slots: list[Any] = []  # the FloatSlots activity_publisher handed out (released first)
         self._name: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self.marks: MarkWriter | None = None
@@ -354,12 +226,12 @@ class ProcessSampler:
         payload = pickle.dumps(config)
         env = dict(os.environ)
         # The child must import this very package, wherever the parent found it.
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         q = block.q
         q[H_T_SPAWNED] = time.monotonic_ns()
         try:
-            from charllm_nemo.telemetry import telemetry_process
+            from charllm_nemo.telemetry.process import child as telemetry_process
 
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", telemetry_process.CHILD_CODE],
@@ -441,7 +313,11 @@ class ProcessSampler:
                 self._final = self._snapshot()
                 self._final_last_t = self._last_t_locked()
                 self._final_store = self._store_counts_locked()
-                if self.store is not None and not self._final_store["done"]:
+                q = self._block.q
+                # Records marked after the telemetry process's last take (it finished early) are
+                # the user's windows too: stored here, never dropped uncounted.
+                left = q[shm.H_MARK_WRITE] > q[shm.H_MARKS_FLUSHED]
+                if self.store is not None and (not self._final_store["done"] or left):
                     self._salvage()
             self._release()
         atexit.unregister(self._atexit)
@@ -455,14 +331,18 @@ class ProcessSampler:
         if names is None:
             return
         try:
-            from charllm_nemo.telemetry.collector import salvage
+            from charllm_nemo.telemetry.process.collector import salvage
 
             counts = salvage(self._block, Path(self.store["rank_dir"]), source=self.source, names=names)
         except Exception:
             log.exception("telemetry: salvaging what the telemetry process left failed")
             return
+        finished = bool(self._final_store["done"])
         self._final_store.update(counts)
         self._final_store["salvaged"] = True
+        if finished:  # it finished, and windows were marked after its last take
+            log.warning("telemetry: stored the window records marked after the telemetry process stopped")
+            return
         log.warning(
             "telemetry process did not finish its store (%s); the training process wrote what the "
             "shared rings still held",
@@ -475,9 +355,6 @@ class ProcessSampler:
     def _release(self) -> None:
         block, self._block = self._block, None
         self.marks = None
-        for slot in self._slots:  # they hold the block's buffer: closing it would fail
-            slot.release()
-        self._slots.clear()
         if block is not None:
             block.close()
         if self._name is not None:
@@ -507,20 +384,13 @@ class ProcessSampler:
     # -- the training process's side of the synthetic activity ------------------------------
     def activity_publisher(self) -> Callable[[float], object]:
         """What the synthetic device's ``MarkActivity.on_change`` gets: it sets the activity
-        level a synthetic device in the child follows, with no Python frame on the training
-        thread: where charllm_nemo._hot is built, a ``FloatSlot`` on the level's word, which the
-        C MarkActivity writes itself (no call, no float object; docs/bench-train.md, "The
-        synthetic device's listener, written to directly"); else the block's float view's
-        ``__setitem__`` bound to that word. Once the block is released (stop) it raises
-        ValueError, and MarkActivity stops publishing."""
+        level a synthetic device in the child follows (the block's float view's ``__setitem__``
+        bound to that word). Once the block is released (stop) it raises ValueError, and
+        MarkActivity stops publishing."""
         block = self._block
         if block is None:
             raise RuntimeError("activity_publisher() before start() or after stop()")
-        if hot is None:
-            return functools.partial(block.d.__setitem__, D_ACTIVITY)
-        slot = hot.FloatSlot(block.mm, D_ACTIVITY)
-        self._slots.append(slot)
-        return cast("Callable[[float], object]", slot)
+        return functools.partial(block.d.__setitem__, D_ACTIVITY)
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
@@ -559,7 +429,25 @@ class ProcessSampler:
             "marks_dropped": q[shm.H_MARKS_DROPPED],
             "done": q[H_SVC_STATE] == SVC_DONE,
             "state": q[H_SVC_STATE],
+            **self._disk_full_counts(q),
         }
+
+    @staticmethod
+    def _disk_full_counts(q: Any) -> dict[str, Any]:
+        """``disk_full`` and ``rows_unwritten``, only once the store hit a full disk."""
+        if not q[shm.H_DISK_FULL]:
+            return {}
+        unwritten = {"samples": q[shm.H_ROWS_UNWRITTEN_SAMPLES], "windows": q[shm.H_ROWS_UNWRITTEN_WINDOWS]}
+        return {"disk_full": True, "rows_unwritten": unwritten}
+
+    @property
+    def disk_full(self) -> bool:
+        """Whether the telemetry process's store hit a full disk and stopped writing (a read of
+        the shared block)."""
+        block = self._block
+        if block is None:
+            return bool(self._final_store and self._final_store.get("disk_full"))
+        return bool(block.q[shm.H_DISK_FULL])
 
     # -- data (bare mode) -------------------------------------------------------------------
     def take_rows(self) -> list[Row]:
@@ -607,6 +495,7 @@ class ProcessSampler:
         for i, field in enumerate(HEALTH_FIELDS):
             setattr(h, field, q[shm.H_HEALTH + i])
         h.counter_every = max(1, h.counter_every)  # 0 until the child's loop has begun
+        h.nulls = [q[shm.H_NULLS0 + i] for i in range(len(h.nulls))]
         if self.store is not None:
             h.rows_lost += q[shm.H_ROWS_LOST]
         state = q[H_STATE]

@@ -2,7 +2,7 @@
 
 One POSIX shared-memory block per rank (``/dev/shm/charllm-sampler-<pid>-<hex>``), made the way
 ``multiprocessing.shared_memory`` makes its blocks, with its ``_posixshmem`` module
-(telemetry/sampler_process.py says why not its class). Every field is an aligned int64 or
+(telemetry/process/parent.py says why not its class). Every field is an aligned int64 or
 float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
 
 * **header**, 128 words: magic, sizes, the sample ring's write counter, the process state and
@@ -53,11 +53,10 @@ import secrets
 import struct
 import threading
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from charllm_nemo.speedups import hot
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
@@ -112,7 +111,14 @@ H_PENDING_WINDOWS_SEG = 72
 # The first reading's time of the newest complete sampling slot: every device still sampled has a
 # ring row at or after it (0: no slot reported, rows written by something else).
 H_SLOT_T = 73
+# The store hit a full disk (1) and stopped writing; the rows it did not write since.
+H_DISK_FULL = 74
+H_ROWS_UNWRITTEN_SAMPLES = 75
+H_ROWS_UNWRITTEN_WINDOWS = 76
+# The sampling loop's null counts, one word per schema metric (SamplerHealth.nulls).
+H_NULLS0 = 80
 HEADER_WORDS = 128
+assert H_NULLS0 + len(METRICS) <= HEADER_WORDS, "the header has no room for a null count per metric"
 
 MSG_OFFSET = HEADER_WORDS * 8
 MSG_SIZE = 1024
@@ -447,12 +453,11 @@ def copy_rows(block: Block, first: int, end: int) -> list[Row]:
 # -- the mark ring and the names (training process -> telemetry process) ---------------------------
 
 
-def write_ring_py(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
+def write_ring(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
     """The ints of ``parts``, one after another and zero-padded to whole records of
     ``record_len`` int64 words, written into the ring of ``cap`` records at byte ``base`` of
     ``buffer`` from record ``w % cap`` on, wrapping to record 0; returns the records written.
-    The caller checks the room and publishes the write position. ``_hot.write_ring`` is the
-    same in C (:data:`write_ring` is whichever runs here)."""
+    The caller checks the room and publishes the write position."""
     data = [v for part in parts for v in part]
     n = -(-len(data) // record_len)
     if n > cap:
@@ -466,9 +471,6 @@ def write_ring_py(buffer: Any, base: int, cap: int, w: int, record_len: int, *pa
         ring[pos : pos + k] = array("q", data[:k])
         ring[: len(data) - k] = array("q", data[k:])
     return n
-
-
-write_ring: Callable[..., int] = write_ring_py if hot is None else hot.write_ring
 
 
 _FIGURES_TAIL = (NULL,) * (RECORD_LEN - 9)  # a figure request's unused fields

@@ -1,6 +1,6 @@
 """The telemetry process's store and live figures: what it takes from the shared block.
 
-A :class:`Collector` reads the shared block (telemetry/shm.py): the sample ring that its own
+A :class:`Collector` reads the shared block (telemetry/process/ring.py): the sample ring that its own
 sampling loop fills, and the mark ring that the training process fills with finished windows,
 figure requests and steps' raw mark logs (whose windows it makes: telemetry/steplog.py). On
 every :meth:`~Collector.tick` it takes the new samples (as numpy columns:
@@ -9,7 +9,7 @@ have passed (the same :func:`~charllm_nemo.telemetry.attribution.attribute_windo
 same samples the store gets, so live figures equal those computed later from the run
 directory), and every ``flush_interval_s`` writes one samples and one windows segment.
 
-It runs on a thread of the telemetry process (telemetry/telemetry_process.py); the training
+It runs on a thread of the telemetry process (telemetry/process/child.py); the training
 process runs one too, at close, only to salvage what a telemetry process that died left in the
 block (:func:`salvage`). Writing the store here keeps Arrow conversion, Parquet encoding and
 the attribution off the training process entirely: no GIL shared with training.
@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows, sample_columns
-from charllm_nemo.telemetry.sampler import columns_to_table
-from charllm_nemo.telemetry.shm import (
+from charllm_nemo.telemetry.process.ring import (
     FLOAT_COLUMNS,
     H_BYTES,
+    H_DISK_FULL,
     H_FIGURES_SERVED,
     H_FLUSH_ERRORS,
     H_FLUSH_NS_MAX,
@@ -46,6 +46,8 @@ from charllm_nemo.telemetry.shm import (
     H_PENDING_WINDOWS_SEG,
     H_ROWS_LOST,
     H_ROWS_SAMPLES,
+    H_ROWS_UNWRITTEN_SAMPLES,
+    H_ROWS_UNWRITTEN_WINDOWS,
     H_ROWS_WINDOWS,
     H_SAMPLES_FLUSHED,
     H_SEG_SAMPLES,
@@ -63,6 +65,7 @@ from charllm_nemo.telemetry.shm import (
     still_valid,
     write_figures,
 )
+from charllm_nemo.telemetry.sampler import columns_to_table
 from charllm_nemo.telemetry.steplog import step_records, unpack
 from charllm_nemo.telemetry.store import SegmentWriter, atomic_write_bytes, finish_manifest, records_to_table
 from charllm_nemo.telemetry.windows import RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, RECORD_WINDOW
@@ -155,6 +158,11 @@ class Collector:
                 "segments": {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]},
                 "rows": {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]},
                 "bytes_written": q[H_BYTES],
+                "rows_unwritten": {
+                    "samples": q[H_ROWS_UNWRITTEN_SAMPLES],
+                    "windows": q[H_ROWS_UNWRITTEN_WINDOWS],
+                },
+                "disk_full": bool(q[H_DISK_FULL]),
             },
         )
         self._names_from_block = names is None
@@ -407,6 +415,10 @@ class Collector:
         q[H_SEG_SAMPLES], q[H_SEG_WINDOWS] = c["segments"]["samples"], c["segments"]["windows"]
         q[H_ROWS_SAMPLES], q[H_ROWS_WINDOWS] = c["rows"]["samples"], c["rows"]["windows"]
         q[H_BYTES] = c["bytes_written"]
+        if self.writer.disk_full is not None:
+            q[H_DISK_FULL] = 1
+            q[H_ROWS_UNWRITTEN_SAMPLES] = self.writer.rows_unwritten["samples"]
+            q[H_ROWS_UNWRITTEN_WINDOWS] = self.writer.rows_unwritten["windows"]
         q[H_FLUSHES], q[H_FLUSH_ERRORS], q[H_FLUSH_NS_MAX] = (
             self.flushes,
             self.flush_errors,

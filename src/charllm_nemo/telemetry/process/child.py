@@ -1,11 +1,11 @@
 """The telemetry process: one per rank, beside the training process (the child's side).
 
-Started by :class:`~charllm_nemo.telemetry.sampler_process.ProcessSampler` as a fresh
+Started by :class:`~charllm_nemo.telemetry.process.parent.ProcessSampler` as a fresh
 interpreter (``sys.executable -c``), it gets its configuration on stdin, attaches the shared
-block (telemetry/shm.py), opens the backend by name and runs the sampling loop
+block (telemetry/process/ring.py), opens the backend by name and runs the sampling loop
 (:func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`) on its main thread, writing rows
 into the sample ring. With a store configured (a telemetry session's process) a second thread
-runs a :class:`~charllm_nemo.telemetry.collector.Collector`: it takes the samples and the
+runs a :class:`~charllm_nemo.telemetry.process.collector.Collector`: it takes the samples and the
 training process's window records, answers figure requests, and writes the Parquet segments.
 The collector sleeps until it has work: the sampling loop wakes it after a slot when the
 training process wrote records or the samples reached the time its figure requests can be
@@ -21,10 +21,11 @@ sampling loop within a fraction of a 1 kHz period.
 
 Lifetime: it stops when told (stop request + its stdin closed, which also wakes it from its
 sleep), when the training process dies (EOF on stdin, or ``os.getppid()`` changing: checked
-every slot) or when no device is left. Whichever it is, the collector takes everything left,
-answers every request and flushes. When the training process died, it also marks that rank's
-manifest ``killed`` (what was marked before the death is on disk: nothing is lost but the windows
-still open) and unlinks the block itself.
+every slot) or, for a bare sampler, when no device is left (with a store, it keeps storing the
+training process's windows, without samples, until one of the other two). Whichever it is, the
+collector takes everything left, answers every request and flushes. When the training process
+died, it also marks that rank's manifest ``killed`` (what was marked before the death is on
+disk: nothing is lost but the windows still open) and unlinks the block itself.
 """
 
 from __future__ import annotations
@@ -43,16 +44,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.telemetry.sample_loop import (
-    SamplerHealth,
-    effective_counter_every,
-    figures_period_ns,
-    run_sample_loop,
-)
-from charllm_nemo.telemetry.shm import (
+from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
     H_HEALTH,
+    H_NULLS0,
     H_PID,
     H_SLOT_T,
     H_STATE,
@@ -75,6 +71,12 @@ from charllm_nemo.telemetry.shm import (
     attach,
     unlink,
 )
+from charllm_nemo.telemetry.sample_loop import (
+    SamplerHealth,
+    effective_counter_every,
+    figures_period_ns,
+    run_sample_loop,
+)
 
 log = logging.getLogger("charllm_nemo.sampler")
 
@@ -86,7 +88,7 @@ STOP_CODES = {"stopped": 1, "no devices left": 2, "crashed": 3, "parent exited":
 
 CHILD_CODE = (
     "import time; t = time.monotonic_ns()\n"
-    "from charllm_nemo.telemetry.telemetry_process import child_main; child_main(t)"
+    "from charllm_nemo.telemetry.process.child import child_main; child_main(t)"
 )
 
 
@@ -118,7 +120,8 @@ def child_main(t_main: int = 0) -> None:
     logging.basicConfig(
         level=logging.WARNING, format="charllm-nemo telemetry process %(process)d: %(levelname)s %(message)s"
     )
-    # The parent opened the same backend and has already said everything about it.
+    # The parent opened the same backend and has already said everything about it at open; what
+    # fails while sampling is logged by the sampling loop (charllm_nemo.sampler), not silenced.
     logging.getLogger("charllm_nemo.devices").setLevel(logging.ERROR)
     config = _read_config(0)
     # telemetry.nice, before any thread starts (threads inherit it from the one that makes them;
@@ -181,6 +184,8 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
     def publish() -> None:
         for i, field in enumerate(HEALTH_FIELDS):
             q[H_HEALTH + i] = getattr(health, field)
+        for i, n in enumerate(health.nulls):
+            q[H_NULLS0 + i] = n
 
     def should_stop() -> bool:
         publish()
@@ -220,6 +225,13 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
             on_slot=functools.partial(q.__setitem__, H_SLOT_T),
             counter_every=every,
         )
+        if service is not None:
+            # No device left (lost; a backend that failed): the training goes on marking windows,
+            # and they are the user's. The collector keeps storing them (with no samples, which
+            # the attribution flags) until the stop, as thread mode's flusher does; ending here
+            # would leave every later window in the mark ring, never stored.
+            while not should_stop():
+                sleep(MAX_SLEEP_S)
     finally:
         publish()
         try:
@@ -254,7 +266,7 @@ class _Service(threading.Thread):
         self.error: str | None = None
         block.q[H_SVC_STATE] = SVC_STARTING
         try:
-            from charllm_nemo.telemetry.collector import Collector
+            from charllm_nemo.telemetry.process.collector import Collector
             from charllm_nemo.telemetry.store import warm_up_parquet_writer
 
             warm_up_parquet_writer()
@@ -311,7 +323,7 @@ class _Service(threading.Thread):
         try:
             c.finish()
             if parent_gone:
-                from charllm_nemo.telemetry.collector import mark_manifest_killed
+                from charllm_nemo.telemetry.process.collector import mark_manifest_killed
 
                 mark_manifest_killed(
                     Path(self.store["rank_dir"]),
