@@ -10,8 +10,8 @@ other sample, a throttle mask, 64-bit traffic counters), taken by a real ``Colle
 per take (the most chunks a live slice can meet: the collector now takes a step's samples at
 once, when a request wakes it), 10 s of history. Then it times ``Collector.figures`` for a 34 ms
 window that ended one sample before the newest (a tiny_gpt step on this VM, answered as soon as a
-sample past its end arrived), for the figures the console asks for (``CONSOLE_FIGURES``) and for
-every figure (what ``logger=wandb`` asks for), with ``--devices`` devices per rank.
+sample past its end arrived), for the figures the step API asks for (``STEP_FIGURE_KEYS``,
+whatever the logger) and for every attribution column, with ``--devices`` devices per rank.
 
 ``--against DIR``: a second checkout (e.g. ``git worktree add /tmp/base HEAD~3``). Each source
 tree is measured in its own child process, alternating ``--rounds`` times (A, B, A, B, ...), and
@@ -45,11 +45,12 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
     """In this process, against the charllm_nemo on sys.path: µs per ``Collector.figures`` call."""
     import secrets
 
+    from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+    from charllm_nemo.telemetry.process import mark_ring
     from charllm_nemo.telemetry.process import ring as shm
     from charllm_nemo.telemetry.process.collector import Collector
     from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
     from charllm_nemo.telemetry.store import RankStore
-    from charllm_nemo.train.report import CONSOLE_FIGURES
 
     def reading(i: int, dev: int) -> tuple[Any, ...]:
         v: list[Any] = [None] * len(METRICS)
@@ -72,7 +73,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
         mark_capacity=64,
         fig_slots=8,
         n_devices=n_devices,
-        n_fig_columns=len(shm.figure_columns()),
+        n_fig_columns=len(mark_ring.figure_columns()),
     )
     name = f"charllm-bench-{secrets.token_hex(4)}"
     block = shm.create(name, lay)
@@ -90,7 +91,7 @@ def measure(calls: int, n_devices: int) -> dict[str, Any]:
             t1 = t_base + (n - 1) * PERIOD_NS - 3_000_000
             t0 = t1 - STEP_NS
             out: dict[str, Any] = {}
-            for label, figures in (("console", CONSOLE_FIGURES), ("all", None)):
+            for label, figures in (("step-api", STEP_FIGURE_KEYS), ("all", None)):
                 c.figures(t0, t1, figures)  # first call: imports, caches
                 per_call = []
                 for _ in range(calls):
@@ -148,23 +149,23 @@ def main() -> None:
             res = run_child(src, args.calls, args.devices)
             runs[label].append(res)
             print(
-                f"  round {r + 1}/{args.rounds} {label:9s}: console {res['console']['median_us']:7.1f} µs, "
+                f"  round {r + 1}/{args.rounds} {label:9s}: step-api {res['step-api']['median_us']:7.1f} µs, "
                 f"all {res['all']['median_us']:7.1f} µs (median per call)",
                 flush=True,
             )
     summary: dict[str, Any] = {}
     for label in trees:
         summary[label] = {
-            s: statistics.median(x[s]["median_us"] for x in runs[label]) for s in ("console", "all")
+            s: statistics.median(x[s]["median_us"] for x in runs[label]) for s in ("step-api", "all")
         }
         print(
-            f"{label:9s}: console {summary[label]['console']:7.1f} µs, all {summary[label]['all']:7.1f} µs "
+            f"{label:9s}: step-api {summary[label]['step-api']:7.1f} µs, all {summary[label]['all']:7.1f} µs "
             f"(median of {args.rounds} children)"
         )
     if "against" in trees:
-        ratios = {s: summary["this tree"][s] / summary["against"][s] for s in ("console", "all")}
+        ratios = {s: summary["this tree"][s] / summary["against"][s] for s in ("step-api", "all")}
         summary["ratio_this_over_against"] = ratios
-        print(f"this tree / against: console {ratios['console']:.3f}, all {ratios['all']:.3f}")
+        print(f"this tree / against: step-api {ratios['step-api']:.3f}, all {ratios['all']:.3f}")
     record = {"bench": "live_figures", "devices": args.devices, "calls": args.calls, **summary}
     print("BENCH_JSON " + json.dumps(record))
 

@@ -17,9 +17,9 @@ run ``--rounds`` times, in turn):
   memory: if it slows training, the two vCPUs share more than caches, e.g. one physical core);
 * ``mem``: 150 µs of ``b += 1`` over a 4 MB numpy array every 5 ms (memory traffic);
 * ``py``: 330 µs of dict / list / sort work in pure Python every 34 ms;
-* ``fig``: one live figure computation (``attribute_windows`` of the console's five figures over
-  12 samples: ~330 µs hot before commit 1cd3820, ~160 µs after 59f630e) every 34 ms: what
-  the telemetry process does per tiny_gpt step.
+* ``fig``: one live figure computation (``attribute_windows`` of the step API's figures,
+  ``STEP_FIGURE_KEYS``, over 12 samples; of five figures it was ~330 µs hot before commit
+  1cd3820, ~160 µs after 59f630e) every 34 ms: what the telemetry process does per tiny_gpt step.
 
 Per load: the ON/OFF ratio of the median step time with a 95 % bootstrap interval over quads,
 the per-quad geometric mean with its t interval, and the side process's CPU as a share of the
@@ -49,7 +49,7 @@ from bench_train_telemetry import free_port, process_cpu_ns, summarize_units
 FIG_SETUP = """
 import numpy as np
 from charllm_nemo.telemetry.attribution import attribute_windows
-from charllm_nemo.train.report import CONSOLE_FIGURES
+from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
 n = 12
 t = np.arange(n, dtype=np.int64) * 10_000_000
 cols = {"t_mono_ns": t, "power_instant_w": np.linspace(300, 500, n), "power_avg_w": np.linspace(300, 500, n),
@@ -77,7 +77,7 @@ LOADS = {
     ),
     "fig": FIG_SETUP
     + "import time\nwhile True:\n"
-    + "    attribute_windows(cols, win, figures=CONSOLE_FIGURES)\n    time.sleep(0.034)",
+    + "    attribute_windows(cols, win, figures=STEP_FIGURE_KEYS)\n    time.sleep(0.034)",
 }
 
 

@@ -5,7 +5,8 @@ Run:  .venv/bin/python bench/bench_train_telemetry.py [--quick] [--interleave st
 Pool: .venv/bin/python bench/bench_train_telemetry.py --pool DUMP [DUMP ...]   (--dump-steps files)
 
 What is compared, in ONE process with ONE model (built once, the way ``train/loop.py::_train``
-builds it, and stepped by a copy of its loop body), in one of two ways.
+builds it, and stepped through the step API as ``_train`` steps it: ``StepTelemetry``'s
+``begin_step`` / timers / ``phase("optimizer")`` / ``end_step``), in one of two ways.
 
 ``--interleave step`` (the default; the headline ON/OFF comparison): ONE ``TelemetrySession`` for
 the whole measurement (synthetic backend, ``activity="marks"``, 100 Hz, all window kinds,
@@ -15,13 +16,13 @@ closed after them. Steps alternate between the arms, every step timed: ABBA quad
 on, on, off, off, on, ...; ``--order abba``, the default) or adjacent pairs in a random order
 (``--order random``). The switch happens between steps, outside the timed region:
 
-* ``on``:  SIGCONT to the telemetry process, ``config.timers`` = the session's ``StepMarker``
-  (step, microbatch, phase); after ``end_step`` the step's window goes to
-  ``session.request_figures`` when the session has it, and an earlier ON step's figures are
-  asked for (``session.step_figures`` -> ``rank_figures``), as the loop does: the previous
-  step's, or for short steps those of the step ``lag`` ON steps back (train.loop.PendingSteps).
+* ``on``:  SIGCONT to the telemetry process, ``config.timers`` = the timers of a
+  ``StepTelemetry`` over the session (step, microbatch, phase); its ``end_step`` sends the step's
+  window to ``session.request_figures`` and reads an earlier ON step's figures
+  (``session.step_figures``), as the loop does: the previous step's, or for short steps those of
+  the step ``lag`` ON steps back (charllm_nemo.steps.pending.PendingSteps).
 * ``off``: SIGSTOP to the telemetry process (frozen: it uses no CPU), ``config.timers = None``,
-  a ``StepMarker`` with no kinds, no figures: ``run_rank`` with ``telemetry.enabled=false``.
+  a ``StepTelemetry`` with no session and no windows: ``run_rank`` with ``telemetry.enabled=false``.
 
 Statistics over units (ABBA quads, or pairs): ratio of the medians and of the 10 % trimmed means
 of ON over OFF step times, 95 % bootstrap intervals resampling whole units, and the geometric
@@ -35,15 +36,15 @@ at random:
 
 * ``on``:  a fresh ``TelemetrySession`` (synthetic backend, ``activity="marks"``, 100 Hz, the
   default 0.5 s flusher) started before the block and closed after it; its WindowRecorder gets
-  the run's labels, and a ``StepMarker`` with all window kinds (step, microbatch, phase) on it is
-  installed as ``config.timers``, as ``run_rank`` wires them; every step also asks the session
-  for an earlier step's figures (``session.step_figures`` -> ``rank_figures``), as the loop does.
-* ``off``: no session, no sampler or flusher thread, ``config.timers = None``, a ``StepMarker``
-  with no kinds (what ``run_rank`` does with ``telemetry.enabled=false``: no windows, no marks).
+  the run's labels, and a ``StepTelemetry`` over it (all window kinds) gives ``config.timers``,
+  as ``run_rank`` wires them; every step also asks the session for an earlier step's figures
+  (``session.step_figures``), as the loop does.
+* ``off``: no session, no sampler or flusher thread, ``config.timers = None``, a
+  ``StepTelemetry`` with no windows (what ``run_rank`` does with ``telemetry.enabled=false``).
 * ``bare``: a bare sampling thread (``Sampler`` at 100 Hz over a synthetic device at a fixed
   level; no marks, no store): DESIGN.md's reference, measured again in the same run.
 * with ``--decompose`` also ``proc`` (the bare sampler in its own process, SIGSTOPped outside
-  its blocks: no GIL shared with training), ``marks`` (StepMarker + WindowRecorder + the
+  its blocks: no GIL shared with training), ``marks`` (StepTelemetry + WindowRecorder + the
   synthetic device's MarkActivity listener, no thread), ``sampler`` (marks + the sampler thread)
   and ``session`` (the whole session without the loop's per-step figures): where the overhead
   comes from.
@@ -116,7 +117,7 @@ STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (
 STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
 SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
 ORDERS = ("abba", "random")
-CONTRASTS = ("all", "thread", "process", "timers", "figures")
+CONTRASTS = ("all", "thread", "process", "figures")
 
 
 class BenchRefused(Exception):
@@ -363,12 +364,12 @@ def process_cpu_ns(pid: int) -> int:
 IN_END_STEP = "end_step: shipping the log"  # --time-calls: the part of end_step that writes the mark ring
 
 
-def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[str, list[int]], Any]:
-    """--time-calls: wrap every telemetry call the ON steps make on the training thread (the
-    marker's begin_step / end_step and its timers' start / stop, request_figures, step_figures) so
-    that each call's perf_counter_ns duration is kept, in the step, with the caches as training
-    leaves them. Returns (durations per call name, the wrapped request_figures). The wrappers
-    cost a few hundred ns a call themselves, on ON steps only."""
+def time_telemetry_calls(marker: Any, session: Any) -> dict[str, list[int]]:
+    """--time-calls: wrap every telemetry call the ON steps make on the training thread (the step
+    API's marker's begin_step / end_step and its timers' start / stop, the session's
+    request_figures and step_figures) so that each call's perf_counter_ns duration is kept, in the
+    step, with the caches as training leaves them. Returns the durations per call name. The
+    wrappers cost a few hundred ns a call themselves, on ON steps only."""
     names = ("begin_step", "timer start", "timer stop", "end_step", "request_figures", "step_figures")
     calls: dict[str, list[int]] = {name: [] for name in names}
 
@@ -385,12 +386,13 @@ def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[
     marker.begin_step = timed(marker.begin_step, calls["begin_step"])
     marker.end_step = timed(marker.end_step, calls["end_step"])
     session.step_figures = timed(session.step_figures, calls["step_figures"])
+    session.request_figures = timed(session.request_figures, calls["request_figures"])
     if session.windows.log_sink is not None:  # part of end_step (not counted twice in the total)
         calls[IN_END_STEP] = []
         session.windows.log_sink = timed(session.windows.log_sink, calls[IN_END_STEP])
 
     class TimedTimer:
-        """A window's timer (C or Python) whose start and stop are timed."""
+        """A window's timer whose start and stop are timed."""
 
         def __init__(self, timer: Any) -> None:
             self.start = timed(timer.start, calls["timer start"])
@@ -408,7 +410,7 @@ def time_telemetry_calls(marker: Any, session: Any, request: Any) -> tuple[dict[
     for name, timer in list(marker._timers.items()):  # any made already
         if timer._phase is not None:
             marker._timers[name] = TimedTimer(timer)
-    return calls, (timed(request, calls["request_figures"]) if request is not None else None)
+    return calls
 
 
 def calls_report(calls: dict[str, list[int]]) -> dict[str, Any]:
@@ -479,21 +481,6 @@ def sched_report(per_arm: dict[str, list[tuple[float, ...]]]) -> dict[str, Any]:
     return {**means, "on_minus_off": {k: means["on"][k] - means["off"][k] for k in SCHED_KEYS}}
 
 
-def step_figures_function() -> Any:
-    """What the loop calls per step for the previous step's figures:
-    ``rank_figures(session.step_figures(..., figures=CONSOLE_FIGURES))``."""
-    from charllm_nemo.train import report
-
-    rank_figures = report.rank_figures
-    wanted = report.CONSOLE_FIGURES  # what the loop asks for with logger=console (the default)
-
-    def figures(session: Any, t_begin_mono_ns: int, t_end_mono_ns: int, wait_s: float = 0.0) -> Any:
-        rows = session.step_figures(t_begin_mono_ns, t_end_mono_ns, wait_s=wait_s, figures=wanted)
-        return rank_figures(rows)
-
-    return figures
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -503,7 +490,6 @@ def free_port() -> int:
 def worker(opts: dict[str, Any]) -> dict[str, Any]:
     import cProfile
     import gc
-    import math
     from dataclasses import asdict, replace
 
     if opts["cpus"]:
@@ -514,19 +500,17 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from charllm_nemo.devices.factory import open_backend as open_synthetic
+    from charllm_nemo.steps import StepTelemetry
+    from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.telemetry.sampler import Sampler
     from charllm_nemo.telemetry.session import TelemetrySession
     from charllm_nemo.telemetry.windows import WindowRecorder
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.dist import init_distributed, rank_env, shutdown_distributed
-    from charllm_nemo.train.loop import PendingSteps, _forward_step
-    from charllm_nemo.train.marks import PyStepMarker, StepMarker
+    from charllm_nemo.train.loop import _forward_step
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
-    from charllm_nemo.train.report import CONSOLE_FIGURES, StepSummary, reduce_step
-
-    previous_step_figures = step_figures_function()
     from charllm_nemo.train.validate import validate
 
     rng = random.Random(opts["seed"])
@@ -562,33 +546,51 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     forward_backward = get_forward_backward_func()
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
     kinds_on = list(cfg.telemetry.windows)
-    marker_off = StepMarker(
-        WindowRecorder(),  # as run_rank with telemetry off: kinds=[], so nothing is recorded
-        num_microbatches=n_micro,
-        group_size=group_size,
-        kinds=[],
-        cuda=False,
-    )
+    placement = Placement(dist.rank, dist.local_rank, dist.world_size)
+
+    def step_api(session: Any = None, recorder: Any = None) -> Any:
+        """A StepTelemetry as ``charllm train`` builds one (train/loop.py ``_step_telemetry``, no
+        observers): over ``session`` (figures asked for and read), or only marking into
+        ``recorder``, or neither (telemetry off: nothing marked, ``config.timers`` None)."""
+        return StepTelemetry(
+            session,
+            placement,
+            num_microbatches=n_micro,
+            group_size=group_size,
+            windows=kinds_on if session is not None or recorder is not None else [],
+            recorder=recorder,
+        )
+
+    st_off = step_api()  # as run_rank with telemetry off: nothing is recorded
 
     step_counter = [0]
     fig_counts = {"asked": 0, "not_ready": 0, "requested": 0}
 
-    # The loop's wait for figures overdue (train.loop.PendingSteps.wait_s), at the session's sampling
-    # period; none while the telemetry process is frozen (step mode sets both).
-    late = {"period_ns": 1e9 / HZ, "frozen": False}
+    def count_figures(session: Any) -> None:
+        """Count the figure calls the step API makes on ``session`` (asked, not ready, requested)."""
+        step_figures, request_figures = session.step_figures, session.request_figures
 
-    def one_step(
-        marker: StepMarker, session: Any, pending: PendingSteps, request: Any = None
-    ) -> tuple[float, float, float]:
-        """The body of _train's step loop (minus the console line): (wall s, loop step window s,
-        main-thread CPU s). ``pending``: the loop's steps waiting for their figures (taken from
-        and added to; the same lag as the loop's). ``request``: the session's ``request_figures``
-        (step mode, where the session has it), called with this step's window."""
+        def counted_figures(*a: Any, **k: Any) -> Any:
+            rows = step_figures(*a, **k)
+            fig_counts["asked"] += 1
+            fig_counts["not_ready"] += rows is None
+            return rows
+
+        def counted_request(*a: Any, **k: Any) -> Any:
+            fig_counts["requested"] += 1
+            return request_figures(*a, **k)
+
+        session.step_figures, session.request_figures = counted_figures, counted_request
+
+    def one_step(st: Any) -> tuple[float, float, float]:
+        """One training step through the step API, as train/loop.py's ``_train`` makes it (its
+        observers aside): (wall s, the step's own window s, main-thread CPU s). ``st``: the arm's
+        StepTelemetry (its timers are ``config.timers``, set by the caller)."""
         step = step_counter[0]
         step_counter[0] += 1
         c0 = time.thread_time_ns()
         t0 = time.perf_counter()
-        marker.begin_step(step)
+        st.begin_step(step)
         model.zero_grad_buffer()
         bundle.optimizer.zero_grad()
         outputs = forward_backward(
@@ -600,42 +602,17 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             micro_batch_size=b.micro_batch_size,
             forward_only=False,
         )
-        opt_timer = marker.phase("optimizer")
-        opt_timer.start()
-        ok, grad_norm, _zeros = bundle.optimizer.step()
-        if ok:
-            bundle.scheduler.step(1)
-        opt_timer.stop()
-        timing = marker.end_step()
-        if request is not None:  # with the figures the loop asks for (logger=console)
-            request(timing.t_begin_mono_ns, timing.t_end_mono_ns, CONSOLE_FIGURES, batch=pending.lag)
-            fig_counts["requested"] += 1
+        with st.phase("optimizer"):
+            ok, grad_norm, _zeros = bundle.optimizer.step()
+            if ok:
+                bundle.scheduler.step(1)
         tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
-        loss_sum, loss_tokens = float(tot[0]), float(tot[1])
-        figures = None
-        due = pending.due() if session is not None else None
-        if due is not None:
-            # as the loop; not while the telemetry process is frozen (they cannot become ready)
-            wait_s = 0.0 if late["frozen"] else pending.wait_s(due, late["period_ns"])
-            figures = previous_step_figures(session, due[1], due[2], wait_s=wait_s)
-            fig_counts["asked"] += 1
-            fig_counts["not_ready"] += figures is None
-        sums, maxes = reduce_step(
-            torch,
-            "cpu",
-            loss_sum=loss_sum,
-            loss_tokens=loss_tokens,
-            step_time_s=timing.seconds,
-            figures=figures,
+        st.end_step(
+            num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=float(tot[0]), loss_tokens=float(tot[1])
         )
-        loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
-        gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
-        summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
-        if session is not None:
-            pending.add((summary, timing.t_begin_mono_ns, timing.t_end_mono_ns), maxes["step_time_s"])
         t1 = time.perf_counter()
         c1 = time.thread_time_ns()
-        return t1 - t0, timing.seconds, (c1 - c0) / 1e9
+        return t1 - t0, st.last.local_step_time_s, (c1 - c0) / 1e9
 
     health_keys = ("slots", "on_time", "deadlines_missed", "samples")
     acc: dict[str, Any] = {
@@ -666,48 +643,47 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         kwargs.update(opts.get("session_options", {}))
         return kwargs
 
-    def open_arm(arm: str, idx: int) -> tuple[StepMarker, Any, Any, Any]:
-        """(marker, session for the figures or None, sampler or None, closer) of one block."""
+    def open_arm(arm: str, idx: int) -> tuple[Any, Any, Any]:
+        """(the block's StepTelemetry, sampler or None, closer) of one block."""
         if arm == "off":
-            return marker_off, None, None, None
+            return st_off, None, None
         if arm == "bare":
             # The reference: a bare sampling thread (the synthetic device at a fixed level), no
             # marks, no store; what DESIGN.md's "bare thread" figures measure.
             backend = open_synthetic("synthetic", None, activity=1.0)
             sampler = Sampler(backend.devices, HZ, source="synthetic")
             sampler.start()
-            return marker_off, None, sampler, sampler.stop
+            return st_off, sampler, sampler.stop
         if arm == "proc":
             # The same bare sampler in a separate process (no GIL shared with training), woken
             # for the block and stopped (SIGSTOP) outside it.
             assert proc_sampler is not None
             os.kill(proc_sampler.pid, signal.SIGCONT)
-            return marker_off, None, None, lambda: os.kill(proc_sampler.pid, signal.SIGSTOP)
+            return st_off, None, lambda: os.kill(proc_sampler.pid, signal.SIGSTOP)
         if arm in ("marks", "sampler"):
             # The session's pieces without its store and flusher: the marks (with the synthetic
             # device's MarkActivity listener, as the session wires it) and, for "sampler", the
             # bare sampler thread over the same backend.
             backend = open_synthetic("synthetic", None, activity="marks")
             rec = WindowRecorder()
-            rec.add_listener(getattr(backend, "mark_activity"))  # noqa: B009  # synthetic only
+            rec.add_listener(backend.activity)  # synthetic, activity=marks
             rec.set_labels(**dist.labels())
-            marker = StepMarker(
-                rec, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
-            )
+            st = step_api(recorder=rec)
             if arm == "marks":
-                return marker, None, None, None
+                return st, None, None
             sampler = Sampler(backend.devices, HZ, source="synthetic")
             sampler.start()
-            return marker, None, sampler, sampler.stop
+            return st, sampler, sampler.stop
         t_s = time.perf_counter()
         session = TelemetrySession(out_root / f"block-{idx:04d}", **session_kwargs()).start()
         session.windows.set_labels(**dist.labels())
-        marker = StepMarker(
-            session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
-        )
         acc["session_start_ms"].append((time.perf_counter() - t_s) * 1e3)
-        # "session": everything but the loop's per-step figures; "on": all of it, as run_rank.
-        return marker, (session if arm == "on" else None), session.sampler, session
+        # "session": everything but the loop's per-step figures (marks into the session only);
+        # "on": all of it, as run_rank.
+        if arm == "on":
+            count_figures(session)
+            return step_api(session), session.sampler, session
+        return step_api(recorder=session.windows), session.sampler, session
 
     # The garbage collector's work during timed steps, per arm (its pauses hold the GIL: the
     # sampler thread waits them out, and window dicts kept until a flush make them longer).
@@ -734,11 +710,10 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     own_children_ns = [0]  # CPU of the ON sessions' own processes, summed when each closes
 
     def run_block(arm: str, idx: int, timed: bool) -> list[list[float]]:
-        marker, fig_session, sampler, closer = open_arm(arm, idx)
-        config.timers = marker if marker.phases_on else None
+        st, sampler, closer = open_arm(arm, idx)
+        config.timers = st.timers()
         time.sleep(rng.uniform(0.0, FLUSH_INTERVAL_S))  # every arm: uniform flusher phase
-        pending = PendingSteps()
-        one_step(marker, fig_session, pending)  # untimed lead-in
+        one_step(st)  # untimed lead-in
         h = sampler.health if sampler is not None else None
         h0 = {key: getattr(h, key) for key in health_keys} if h is not None else None
         times: list[list[float]] = [[] for _ in TIMINGS]
@@ -747,7 +722,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         if prof is not None:
             prof.enable()
         for _ in range(k):
-            t = one_step(marker, fig_session, pending)
+            t = one_step(st)
             for lst, v in zip(times, t, strict=True):
                 lst.append(v)
         if prof is not None:
@@ -776,7 +751,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                     acc["flushes"] += fl.flushes
                     acc["flush_ms_max"] = max(acc["flush_ms_max"], fl.flush_ns_max / 1e6)
                 acc["windows_recorded"] += closer.store.manifest["windows_recorded"]
-                acc["unmatched_marks"] += marker.unmatched
+                acc["unmatched_marks"] += st.unmatched_marks
             shutil.rmtree(out_root / f"block-{idx:04d}", ignore_errors=True)
         elif closer is not None:
             closer()
@@ -802,13 +777,11 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 f"sampler=..., or use --interleave block"
             )
         session.windows.set_labels(**dist.labels())
-        marker_on = StepMarker(
-            session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
-        )
-        request = getattr(session, "request_figures", None)  # being added in src/: use it if there
+        count_figures(session)
+        st_on = step_api(session)
         call_ns: dict[str, list[int]] | None = None
         if opts.get("time_calls"):
-            call_ns, request = time_telemetry_calls(marker_on, session, request)
+            call_ns = time_telemetry_calls(st_on.marker, session)
         # Python threads the session left in this process (a flusher, in the src of 2026-12): they
         # are not paused for OFF steps, so whatever they do lands on both arms.
         threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
@@ -818,28 +791,19 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         running = [True]
         # --contrast: what differs between the arms. "all": the telemetry process (frozen in OFF
         # steps) and the training thread's calls (none in OFF steps); "thread": only the calls (the
-        # process runs throughout); "process": only the process (the calls in every step).
-        # "timers": the same calls in every step, the process running; OFF steps with mcore's
-        # timer calls handled in Python (PyStepMarker), ON steps with the C ones where built.
-        # "figures": OFF steps make the same marks (the process running) but neither ask for
-        # figures nor read an earlier step's.
+        # process runs throughout); "process": only the process (the calls in every step, OFF
+        # steps not waiting for figures the frozen process cannot give). "figures": OFF steps make
+        # the same marks (the process running) but neither ask for figures nor read an earlier
+        # step's.
         contrast = opts.get("contrast", "all")
         freeze = contrast in ("all", "process")
-        calls_off = contrast in ("process", "timers", "figures")
-        no_figures = contrast == "figures"
-        marker_calls_off = marker_on
-        if contrast == "timers":
-            marker_calls_off = PyStepMarker(
-                session.windows, num_microbatches=n_micro, group_size=group_size, kinds=kinds_on, cuda=False
-            )
+        st_calls_off = st_on if contrast == "process" else st_off
+        if contrast == "figures":
+            st_calls_off = step_api(recorder=session.windows)  # the marks, no figure calls
 
         def off_step() -> tuple[float, float, float]:
             """One OFF step, as --contrast has it."""
-            if no_figures:  # the marks, no figure calls
-                return one_step(marker_calls_off, None, PendingSteps())
-            if calls_off:  # process / timers: the OFF step makes the calls too
-                return one_step(marker_calls_off, session, pending_on, request)
-            return one_step(marker_off, None, PendingSteps())
+            return one_step(st_calls_off)
 
         def switch(arm: str) -> None:
             """Between steps: freeze / wake the telemetry process and swap the loop's timers."""
@@ -849,8 +813,9 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
             elif arm == "on" and not running[0]:
                 os.kill(pid, signal.SIGCONT)
                 running[0] = True
-            late["period_ns"], late["frozen"] = 1e9 / session.hz, not running[0]
-            config.timers = marker_on if arm == "on" else (marker_calls_off if calls_off else None)
+            # No waiting for figures while the telemetry process is frozen: they cannot become ready.
+            st_on.max_figure_wait_s = None if running[0] else 0.0
+            config.timers = (st_on if arm == "on" else st_calls_off).timers()
 
         def wait_stopped(timeout_s: float = 1.0) -> bool:
             """Whether the telemetry process reached state T (stopped) within ``timeout_s``."""
@@ -889,7 +854,6 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         )
         background: list[float] = []
         cover = {"samples": 0, "ns": 0}
-        pending_on = PendingSteps()  # the ON steps'; OFF steps have no figures
         current = "on"
         stopped_ok = True
         tp_cpu_ns = 0
@@ -905,7 +869,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 switch(arm)
                 current = arm
                 if arm == "on":
-                    one_step(marker_on, session, pending_on, request)
+                    one_step(st_on)
                 else:
                     off_step()
             fig_counts.update(asked=0, not_ready=0, requested=0)
@@ -924,7 +888,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                         gc_state["arm"] = arm
                         if prof is not None:
                             prof.enable()
-                        t = one_step(marker_on, session, pending_on, request)
+                        t = one_step(st_on)
                         if prof is not None:
                             prof.disable()
                         gc_state["arm"] = None
@@ -1026,7 +990,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 "stop_reason": health.stop_reason,
             },
             "figures": {
-                "request_figures": request is not None,
+                "request_figures": True,
                 "requested": fig_counts["requested"],
                 "asked": fig_counts["asked"],
                 "not_ready": fig_counts["not_ready"],
@@ -1038,7 +1002,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
                 else {"thread_in_training_process": False}
             ),
             "windows_recorded": windows_recorded,
-            "unmatched_marks": marker_on.unmatched,
+            "unmatched_marks": st_on.unmatched_marks,
             "gc_per_100_steps": {
                 arm: {key: v * 100 / steps_per_arm if key != "gen2_ms_max" else v for key, v in d.items()}
                 for arm, d in gc_stats.items()
@@ -1069,7 +1033,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     profiles = {arm: cProfile.Profile() for arm in arms} if opts.get("profile") else {}
     t_begin = time.monotonic()
     for _ in range(warmup):
-        one_step(marker_off, None, PendingSteps())
+        one_step(st_off)
     for arm in arms:
         run_block(arm, 9000 + len(arm), timed=False)  # warm every path (imports, Parquet writer)
     by_arm: dict[str, list[list[list[float]]]] = {a: [[] for _ in TIMINGS] for a in arms}
@@ -1171,20 +1135,21 @@ while True:
 
 PROFILE_FUNCS = {
     # (file suffix, function): label
-    ("train/report.py", "rank_figures"): "rank_figures (per-step figures)",
+    ("steps/telemetry.py", "_figures"): "StepTelemetry._figures (an earlier step's figures)",
     ("telemetry/session.py", "step_figures"): "  session.step_figures",
     ("telemetry/session.py", "live_rows"): "  session.live_rows",
     ("telemetry/sampler.py", "rows_to_arrays"): "  sampler.rows_to_arrays",
     ("telemetry/attribution.py", "attribute_windows"): "  attribution.attribute_windows",
-    ("train/marks.py", "_start"): "StepMarker._start (phase begin)",
-    ("train/marks.py", "_stop"): "StepMarker._stop (phase end, microbatch record)",
-    ("train/marks.py", "begin_step"): "StepMarker.begin_step",
-    ("train/marks.py", "end_step"): "StepMarker.end_step",
+    ("steps/marks.py", "start"): "PyTimer.start (phase begin)",
+    ("steps/marks.py", "stop"): "PyTimer.stop (phase end)",
+    ("steps/marks.py", "begin_step"): "StepMarker.begin_step",
+    ("steps/marks.py", "end_step"): "StepMarker.end_step",
     ("telemetry/windows.py", "begin"): "  WindowRecorder.begin",
     ("telemetry/windows.py", "end"): "  WindowRecorder.end",
     ("telemetry/windows.py", "record"): "  WindowRecorder.record",
     ("devices/synthetic.py", "__call__"): "  MarkActivity listener",
-    ("train/report.py", "reduce_step"): "reduce_step (ranks' figures, both arms)",
+    ("steps/telemetry.py", "end_step"): "StepTelemetry.end_step (all of it, both arms)",
+    ("steps/telemetry.py", "_exchange"): "  StepTelemetry._exchange (the one vector over the ranks)",
 }
 
 
@@ -1354,7 +1319,7 @@ ARM_HELP = {
     "on": "telemetry on, as run_rank (session + all windows + per-step figures)",
     "bare": "a bare sampling thread at 100 Hz (synthetic device, fixed level): the reference",
     "proc": "the same bare sampler in a separate process (SIGSTOPped outside its blocks)",
-    "marks": "StepMarker + WindowRecorder + MarkActivity listener, no thread",
+    "marks": "StepTelemetry + WindowRecorder + MarkActivity listener, no thread",
     "sampler": "marks + the sampler thread (no store, no flusher)",
     "session": "the whole TelemetrySession, without the loop's per-step figures",
 }
@@ -1664,9 +1629,8 @@ def main() -> None:
         default="all",
         help="step mode: what the OFF steps leave out. all (default): the telemetry process (frozen) and "
         "the training thread's telemetry calls; thread: only the calls (the process runs throughout); "
-        "process: only the process (the calls in every step); timers: nothing but how mcore's timer calls "
-        "are handled (OFF steps: in Python, PyStepMarker; ON steps: StepMarker, in C where it was built); "
-        "figures: only the figure calls (OFF steps make the marks but neither ask for nor read figures)",
+        "process: only the process (the calls in every step); figures: only the figure calls (OFF steps "
+        "make the marks but neither ask for nor read figures)",
     )
     ap.add_argument(
         "--time-calls",

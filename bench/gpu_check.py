@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--train-timeout", type=float, default=600.0, help="seconds before a training run is killed"
     )
+    ap.add_argument("--skip-integrations", action="store_true", help="skip NeMo / mcore 0.19 / Bridge")
+    ap.add_argument("--mcore019", default=None, help="folder holding megatron-core 0.19 (pip --target)")
+    ap.add_argument("--integration-timeout", type=float, default=150.0, help="seconds per integration part")
     args = ap.parse_args(argv)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -412,6 +415,14 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
         report["training"] = training(mode, out_dir, steps, env, timeout_s=args.train_timeout)
+    if not args.skip_integrations:
+        from gpu_integrations import integrations  # bench/gpu_integrations.py
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
+        report["integrations"] = integrations(
+            mode, out_dir, env, args.mcore019, 60.0 if args.quick else args.integration_timeout
+        )
     report["wall_s"] = time.monotonic() - t_start
     path = out_dir / "gpu_check.json"
     path.write_text(json.dumps(report, indent=2, default=str))

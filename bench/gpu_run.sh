@@ -8,7 +8,14 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpucheck_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,temperature.gpu --format=csv || true
-python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "$@" 2>&1 | tee "$OUT/gpu_check.log"
+# megatron-core 0.19.2 and megatron-bridge 0.6.2 (no deps) in a folder of their own, for the
+# integrations part (bench/gpu_integrations.py); 0.16.1 stays the default.
+MCORE019=()
+if ls .whl/mcore019/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mcore019 .whl/mcore019/*.whl \
+    && MCORE019=(--mcore019 /tmp/mcore019)
+fi
+python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "${MCORE019[@]}" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 cp /tmp/gpucheck/gpu_check.json "$OUT/" 2>/dev/null
 tar -czf "$OUT/gpucheck_runs.tar.gz" -C /tmp gpucheck 2>/dev/null

@@ -51,3 +51,13 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
     assert tiny["off"]["summary"]["energy_j_median"] is None  # telemetry off: no energy, not zero
     assert tiny["step_time_ratio_on_over_off"] > 0
     assert (tmp_path / "load_run" / "rank=0" / "manifest.json").exists()
+    # the integrations part (bench/gpu_integrations.py): every part reported, run or with a reason
+    parts = report["integrations"]
+    assert set(parts) == {"nemo", "mcore019", "bridge"}
+    for name, part in parts.items():
+        assert part["ran"] in (True, False), name
+        if part["ran"]:
+            assert part["rc"] == 0, (name, part["tail"])
+        else:
+            assert part["why"], name
+    assert "GPU only" in parts["bridge"]["why"]  # Bridge asserts CUDA at init

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 
 from charllm_nemo.devices import open_backend
+from charllm_nemo.devices.base import ActivityInput, activity_input
+from charllm_nemo.devices.factory import ProcessPlan, open_in_process, process_plan
 from charllm_nemo.devices.synthetic import MarkActivity, SyntheticParams
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, decode_throttle
@@ -121,7 +124,7 @@ def test_idle_sets_the_idle_reason_and_the_idle_clock():
 
 def test_activity_follows_the_training_phases_reported_by_window_marks():
     backend = open_backend("synthetic", activity="marks")
-    marks = backend.mark_activity
+    marks = backend.activity
     assert isinstance(marks, MarkActivity)
     rec = WindowRecorder()
     rec.add_listener(marks)
@@ -165,3 +168,47 @@ def test_bad_activity_is_a_config_error(bad):
 def test_an_unknown_backend_name_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"telemetry\.backend='cuda'.*auto, nvml, amdsmi, synthetic"):
         open_backend("cuda")
+
+
+# -- the generic activity interface (devices/base.py, devices/factory.py) ------------------------
+
+
+def test_the_activity_input_is_the_backends_and_none_for_a_measured_device():
+    backend = open_backend("synthetic", activity="marks")
+    assert isinstance(activity_input(backend), ActivityInput)
+    assert activity_input(open_backend("synthetic", activity=0.5)) is None  # nothing to follow
+
+    class Measured:  # a stand-in backend without the attribute: a GPU measures its own
+        name, devices = "stand-in", []
+
+    assert activity_input(Measured()) is None  # type: ignore[arg-type]
+
+
+def test_a_process_plan_carries_a_backends_options_and_the_synthetic_activity_mode():
+    assert process_plan("synthetic", {"count": 2, "activity": "marks"}) == ProcessPlan(
+        {"count": 2}, "marks", True
+    )
+    assert process_plan("synthetic", {}) == ProcessPlan({}, "auto", True)
+    assert process_plan("synthetic", {"activity": 0.25}) == ProcessPlan({"activity": 0.25}, None, True)
+    with pytest.raises(ConfigError, match="cannot cross"):
+        process_plan("synthetic", {"activity": lambda t: 0.5})
+    assert process_plan("nvml", {"x": 1}) == ProcessPlan({"x": 1}, None, False)  # no hook: as they are
+
+
+def test_a_device_opened_by_plan_follows_the_level_published_from_the_other_side():
+    # What the telemetry process does: the level is one word the training process's input sets.
+    published = [math.nan]
+    plan = process_plan("synthetic", {"activity": "marks"})
+    backend = open_in_process(
+        "synthetic", [0], plan, parent_pid=os.getpid(), published_level=lambda: published[0]
+    )
+    dev = backend.devices[0]
+    assert _get(dev.read(), "util_gpu_pct") == 0.0  # marks, nothing published yet: idle
+    trainer_side = open_backend("synthetic", activity="marks").activity
+    assert trainer_side is not None
+    trainer_side.on_change = lambda level: published.__setitem__(0, level)
+    rec = WindowRecorder()
+    rec.add_listener(trainer_side)
+    with rec.window("step", step=0), rec.window("phase", "forward"):
+        assert _get(dev.read(), "util_gpu_pct") == 100.0
+    assert published == [0.0]

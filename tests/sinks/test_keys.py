@@ -165,7 +165,7 @@ def test_no_rank_reporting_gives_only_the_count():
 
 
 def test_throughput_keys_and_a_step_summary_map_to_the_same_names():
-    from charllm_nemo.train.report import StepSummary
+    from charllm_nemo.steps.report import StepReport as StepSummary
 
     s = StepSummary(
         step=4,

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from charllm_nemo.telemetry.attribution import attribute_windows
+from charllm_nemo.telemetry.process import mark_ring
 from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.process.collector import MAX_HOLD_NS, Collector, decode_figures, salvage
+from charllm_nemo.telemetry.process.mark_ring import figure_columns
 from charllm_nemo.telemetry.reader import load_rank, to_arrays
 from charllm_nemo.telemetry.sampler import rows_to_arrays
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
@@ -32,7 +34,7 @@ def _reading(t: int) -> tuple:
 
 @pytest.fixture
 def block(tmp_path):
-    lay = shm.Layout(128, mark_capacity=8, fig_slots=4, n_devices=2, n_fig_columns=len(shm.figure_columns()))
+    lay = shm.Layout(128, mark_capacity=8, fig_slots=4, n_devices=2, n_fig_columns=len(figure_columns()))
     name = f"charllm-test-{secrets.token_hex(4)}"
     b = shm.create(name, lay)
     yield b
@@ -52,7 +54,7 @@ def _serve(block, tmp_path, seq: int):
     """A collector takes what the block holds, answers, stores it all: request ``seq``'s answer."""
     c = _collector(block, tmp_path)
     c.tick()
-    answer = shm.read_figures(block, seq)
+    answer = mark_ring.read_figures(block, seq)
     c.finish()
     c.close()
     return answer
@@ -63,7 +65,7 @@ def _assert_live_as_stored(answer, tmp_path, w0: int, w1: int, devices=(0,)) -> 
     assert answer is not None and [d for d, _ in answer[2]] == list(devices)
     stored = to_arrays(load_rank(tmp_path, 0).samples)
     for dev, values in answer[2]:
-        live = decode_figures(values, shm.figure_columns())
+        live = decode_figures(values, mark_ring.figure_columns())
         per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
         expected = attribute_windows(per_dev, {"t_begin_mono_ns": [w0], "t_end_mono_ns": [w1]})
         assert not np.isnan(expected["energy_j"][0])
@@ -71,8 +73,8 @@ def _assert_live_as_stored(answer, tmp_path, w0: int, w1: int, devices=(0,)) -> 
             assert live[name] == pytest.approx(expected[name][0], rel=1e-12), (dev, name)
 
 
-def _wire(block) -> tuple[shm.RingWriter, shm.MarkWriter, WindowRecorder]:
-    marks = shm.MarkWriter(block)
+def _wire(block) -> tuple[shm.RingWriter, mark_ring.MarkWriter, WindowRecorder]:
+    marks = mark_ring.MarkWriter(block)
     rec = WindowRecorder()
     rec.names.set_on_new(marks.publish_name)
     rec.set_sink(marks.emit_many)
@@ -104,7 +106,7 @@ def test_samples_and_windows_cross_exactly_and_figures_equal_the_stored_run(bloc
     assert rd.windows.column("microbatch").to_pylist() == [None, 2]
     # the live figures are the attribution of the stored samples, every column
     assert answer is not None and answer[:2] == (w0, w1)
-    columns = shm.figure_columns()
+    columns = mark_ring.figure_columns()
     for dev, values in answer[2]:
         live = decode_figures(values, columns)
         per_dev = {k: v[stored["device_index"] == dev] for k, v in stored.items()}
@@ -148,12 +150,12 @@ def test_a_window_right_before_a_long_sampling_stall_gets_its_figures_as_the_sto
     for i in range(16):
         ring.emit((t0 + i * PERIOD, 0, 1000, 0, _reading(t0 + i * PERIOD)))
     c.tick()  # one chunk up to 150 ms; the window is not passed yet
-    assert shm.read_figures(block, 0) is None
+    assert mark_ring.read_figures(block, 0) is None
     for i in range(3):
         t = t0 + 15 * PERIOD + 1_500_000_000 + i * PERIOD
         ring.emit((t, 0, 1000, 0, _reading(t)))
     c.tick()  # a second chunk, starting 1.5 s after the window's end
-    answer = shm.read_figures(block, 0)
+    answer = mark_ring.read_figures(block, 0)
     c.finish()
     c.close()
     _assert_live_as_stored(answer, tmp_path, w0, w1)
@@ -168,14 +170,14 @@ def test_a_request_waits_for_a_sample_past_the_window_end(block, tmp_path):
     marks.request_figures(3, PERIOD, 6 * PERIOD)
     assert c.has_work()  # a record to take
     c.tick()
-    assert shm.read_figures(block, 3) is None  # no sample at or after 60 ms yet
+    assert mark_ring.read_figures(block, 3) is None  # no sample at or after 60 ms yet
     assert not c.has_work()  # nothing to do until a sample reaches the window's end
     ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
     assert c.has_work()
     c.tick()
-    assert shm.read_figures(block, 3) is not None
+    assert mark_ring.read_figures(block, 3) is not None
     assert not c.has_work()
-    assert shm.read_figures(block, 7) is None  # slot 3 holds request 3, not request 7
+    assert mark_ring.read_figures(block, 7) is None  # slot 3 holds request 3, not request 7
     c.close()
 
 
@@ -256,31 +258,32 @@ def test_names_beyond_the_names_area_are_stored_as_a_question_mark(block, tmp_pa
 
 
 def test_a_full_names_area_never_writes_past_its_end_into_the_figure_slots(block, tmp_path):
-    # Once not even an empty entry (2 bytes) fits, later names are not published at all: the
-    # figure slot after the area keeps its answer, and the names read back stay whole.
+    # Once not even an empty entry (its 6-byte head) fits, later names are not published at all:
+    # the figure slot after the area keeps its answer, and the names read back stay whole.
     ring, marks, _rec = _wire(block)
     for i in range(10):
         ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
     marks.request_figures(0, 0, PERIOD, 0, 1)
     c = _collector(block, tmp_path)
     c.tick()  # answers request 0 into slot 0
-    answer = shm.read_figures(block, 0)
+    answer = mark_ring.read_figures(block, 0)
     assert answer is not None
     code = first = block.q[shm.H_NAMES_COUNT]  # the recorder's own names come first
-    left = shm.NAMES_SIZE - marks._names_used
-    while left > 4098 + 1:  # names of 4096 bytes (the longest kept) until one more fills it
+    left, head = shm.NAMES_SIZE - marks._names_used, mark_ring.NAME_HEAD_BYTES
+    while left > 4096 + head + 1:  # names of 4096 bytes (the longest kept) until one more fills it
         marks.publish_name(code, "x" * 4096)
-        code, left = code + 1, left - 4098
-    marks.publish_name(code, "y" * (left - 3))  # 1 byte left: not even an empty entry fits now
+        code, left = code + 1, left - 4096 - head
+    marks.publish_name(code, "y" * (left - head - 1))  # 1 byte left: not even an empty entry fits now
     assert marks._names_used == shm.NAMES_SIZE - 1 and marks.overflow_names == 0
     for later in range(code + 1, code + 9):
         marks.publish_name(later, f"later{later}")
     assert marks._names_used == shm.NAMES_SIZE - 1 and marks.overflow_names == 1  # (then: no code is next)
     assert block.q[shm.H_NAMES_COUNT] == code + 1  # the later ones: unpublished, stored as "?"
-    assert repr(shm.read_figures(block, 0)) == repr(answer)  # (NaN figures: compared as text)
+    assert repr(mark_ring.read_figures(block, 0)) == repr(answer)  # (NaN figures: compared as text)
     known: list[str] = []
-    shm.read_names(block, known)
-    assert len(known) == code + 1 and known[first:] == ["x" * 4096] * (code - first) + ["y" * (left - 3)]
+    mark_ring.read_names(block, known)
+    assert len(known) == code + 1
+    assert known[first:] == ["x" * 4096] * (code - first) + ["y" * (left - head - 1)]
     c.close()
 
 
@@ -289,13 +292,13 @@ def test_a_request_computes_only_the_figures_its_mask_names(block, tmp_path):
     for i in range(12):
         ring.emit((i * PERIOD, 0, 0, 0, _reading(i * PERIOD)))
     wanted = ("duration_s", "energy_j", "throttle_any_limiting_s")
-    marks.request_figures(0, PERIOD, 6 * PERIOD, shm.figure_mask(wanted))
+    marks.request_figures(0, PERIOD, 6 * PERIOD, mark_ring.figure_mask(wanted))
     marks.request_figures(1, PERIOD, 6 * PERIOD)  # no mask: every figure
     c = _collector(block, tmp_path)
     c.tick()
     c.close()
-    columns = shm.figure_columns()
-    some, every = shm.read_figures(block, 0), shm.read_figures(block, 1)
+    columns = mark_ring.figure_columns()
+    some, every = mark_ring.read_figures(block, 0), mark_ring.read_figures(block, 1)
     assert some is not None and every is not None
     values = dict(zip(columns, some[2][0][1], strict=True))
     assert [n for n in columns if not np.isnan(values[n])] == list(wanted)  # the others: not computed
@@ -305,11 +308,12 @@ def test_a_request_computes_only_the_figures_its_mask_names(block, tmp_path):
 
 
 def test_figure_masks_round_trip_and_reject_unknown_names():
-    assert shm.mask_figures(shm.figure_mask(None)) is None
-    assert shm.mask_figures(shm.figure_mask(["power_peak_w", "energy_j"])) == ("energy_j", "power_peak_w")
-    assert len(shm.figure_columns()) < 63  # one int64 record field holds the mask
+    assert mark_ring.mask_figures(mark_ring.figure_mask(None)) is None
+    wanted = mark_ring.figure_mask(["power_peak_w", "energy_j"])
+    assert mark_ring.mask_figures(wanted) == ("energy_j", "power_peak_w")
+    assert len(mark_ring.figure_columns()) < 63  # one int64 record field holds the mask
     with pytest.raises(ValueError, match="power_peak"):
-        shm.figure_mask(["power_peak"])
+        mark_ring.figure_mask(["power_peak"])
 
 
 class _Clock:
@@ -355,13 +359,13 @@ def test_step_logs_shipped_to_the_collector_store_the_windows_made_in_process(tm
     # Process mode: the training thread ships each step's raw log and the collector makes its
     # windows. Thread mode: the windows are made in process. Same marks, same clock: the stored
     # windows must be the in-process ones, ids, parents, microbatches and chunks included.
-    from charllm_nemo.train import marks as marks_module
+    from charllm_nemo.steps import marks as marks_module
     from charllm_nemo.train.marks import StepMarker
 
     if chunks > 1:
         pytest.importorskip("megatron.core")
     # A step log takes 5 records (9 with chunks): a 12-record ring wraps within most of them.
-    lay = shm.Layout(128, mark_capacity=12, fig_slots=4, n_devices=1, n_fig_columns=len(shm.figure_columns()))
+    lay = shm.Layout(128, mark_capacity=12, fig_slots=4, n_devices=1, n_fig_columns=len(figure_columns()))
     name = f"charllm-test-{secrets.token_hex(4)}"
     block = shm.create(name, lay)
     try:
@@ -444,11 +448,11 @@ def test_requests_in_a_batch_are_answered_together_and_equal_one_by_one(block, t
 
     sample_until(windows[1][1])  # two of three answerable: held
     c.tick()
-    assert shm.read_figures(block, 0) is None and not c.has_work()
+    assert mark_ring.read_figures(block, 0) is None and not c.has_work()
     sample_until(windows[2][1])
     assert c.has_work()
     c.tick()
-    answers = [shm.read_figures(block, seq) for seq in range(4)]
+    answers = [mark_ring.read_figures(block, seq) for seq in range(4)]
     assert all(a is not None for a in answers[:3]) and answers[3] is None
     for (t0, t1), answer in zip(windows, answers[:3], strict=False):
         alone = c.figures(t0, t1)[0][1]
@@ -458,25 +462,25 @@ def test_requests_in_a_batch_are_answered_together_and_equal_one_by_one(block, t
     t0, t1 = windows[3]
     sample_until(t1 + 4 * (t1 - t0) - PERIOD)
     c.tick()
-    assert shm.read_figures(block, 3) is None
+    assert mark_ring.read_figures(block, 3) is None
     sample_until(t1 + 4 * (t1 - t0))
     c.tick()
-    assert shm.read_figures(block, 3) is not None
+    assert mark_ring.read_figures(block, 3) is not None
     # A long window (a slow step) is held MAX_HOLD_NS at most, not (batch + 1) of its lengths.
     t0, t1 = t1, t1 + 10 * MAX_HOLD_NS
     marks.request_figures(4, t0, t1, batch=8)
     sample_until(t1 + MAX_HOLD_NS - PERIOD)
     c.tick()
-    assert shm.read_figures(block, 4) is None
+    assert mark_ring.read_figures(block, 4) is None
     sample_until(t1 + MAX_HOLD_NS)
     c.tick()
-    assert shm.read_figures(block, 4) is not None
+    assert mark_ring.read_figures(block, 4) is not None
     # A run's last step asks with batch=1 (train/loop.py): answered at the first sample past it.
     t0, t1 = t1, t1 + step
     marks.request_figures(5, t0, t1, batch=1)
     sample_until(t1)
     c.tick()
-    assert shm.read_figures(block, 5) is not None
+    assert mark_ring.read_figures(block, 5) is not None
     c.close()
 
 
@@ -541,11 +545,11 @@ def test_a_request_waits_for_a_sample_past_the_window_end_on_every_device(block,
     marks.request_figures(0, PERIOD, 4 * PERIOD + 5, 0, 1)
     ring.emit((5 * PERIOD, 0, 0, 0, _reading(5 * PERIOD)))  # slot 5: device 0 only, so far
     c.tick()
-    assert shm.read_figures(block, 0) is None
+    assert mark_ring.read_figures(block, 0) is None
     ring.emit((5 * PERIOD + 1, 0, 0, 1, _reading(5 * PERIOD)))
     block.q[shm.H_SLOT_T] = 5 * PERIOD
     ring.emit((6 * PERIOD, 0, 0, 0, _reading(6 * PERIOD)))
     c.tick()
-    answer = shm.read_figures(block, 0)
+    answer = mark_ring.read_figures(block, 0)
     assert answer is not None and [d for d, _ in answer[2]] == [0, 1]
     c.close()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from charllm_nemo.train.report import SUMMARY_FIELDS, StepsFile, run_summary
+from charllm_nemo.steps.observers import StepsFile
+from charllm_nemo.train.report import SUMMARY_FIELDS, run_summary
 
 
 def test_medians_leave_the_warm_up_step_out_and_skip_missing_values():
@@ -32,7 +33,7 @@ def test_a_single_step_run_still_has_a_summary():
 def test_the_loop_waits_for_figures_only_once_they_are_overdue():
     import time
 
-    from charllm_nemo.train.loop import late_wait
+    from charllm_nemo.steps.pending import late_wait
 
     now = time.monotonic_ns()
     # 100 Hz: a step that ended 30 ms ago is past two periods; its figures should be there:
@@ -47,7 +48,7 @@ def test_the_loop_waits_for_figures_only_once_they_are_overdue():
 
 
 def test_the_last_steps_wait_generously_but_not_forever() -> None:
-    from charllm_nemo.train.loop import final_wait
+    from charllm_nemo.steps.pending import final_wait
 
     assert final_wait(100.0) == 2.0  # a loaded node may hold the telemetry process off for a while
     assert final_wait(1.0) == 5.0  # five periods, capped
@@ -58,14 +59,14 @@ def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_ra
     import math
     import time
 
-    from charllm_nemo.train.loop import FIGURES_BATCH_S, MAX_FIGURES_LAG, PendingSteps
-    from charllm_nemo.train.report import StepSummary
+    from charllm_nemo.steps.pending import FIGURES_BATCH_S, MAX_FIGURES_LAG, PendingSteps
+    from charllm_nemo.steps.report import StepReport
 
-    def step(i: int, t_end: int) -> tuple[StepSummary, int, int]:
-        return StepSummary(step=i, loss=None, step_time_s=0.03), t_end - 30_000_000, t_end
+    def step(i: int, t_end: int) -> tuple[StepReport, int, int]:
+        return StepReport(step=i, loss=None, step_time_s=0.03), t_end - 30_000_000, t_end
 
     now = time.monotonic_ns()
-    p = PendingSteps()
+    p: PendingSteps[StepReport] = PendingSteps()
     reported = []
     for i in range(12):
         due = p.due()
@@ -87,15 +88,15 @@ def test_short_steps_are_reported_a_few_steps_late_in_the_same_order_on_every_ra
     assert p.lag == 4
     p.add(step(14, now), 1e-6)
     assert p.lag == MAX_FIGURES_LAG
-    q = PendingSteps(max_lag=1)
+    q: PendingSteps[StepReport] = PendingSteps(max_lag=1)
     q.add(step(0, now), 1e-6)
     assert q.lag == 1
     assert p.batch == p.lag  # every sample can answer a figure: the whole lag is one batch
 
 
 def test_figures_ready_a_counter_period_late_leave_steps_between_a_batch_and_its_reading():
-    from charllm_nemo.train.loop import PendingSteps
-    from charllm_nemo.train.report import StepSummary
+    from charllm_nemo.steps.pending import PendingSteps
+    from charllm_nemo.steps.report import StepReport as StepSummary
 
     # NVML's counters at 10 Hz, samples at 100 Hz: a figure can be ready 2 * 90 ms after the
     # samples pass its window. 60 ms steps: batches of 2, and 3 more steps before a batch is read.
@@ -111,77 +112,6 @@ def test_figures_ready_a_counter_period_late_leave_steps_between_a_batch_and_its
     q = PendingSteps(ready_s=0.18)
     q.add((StepSummary(step=0, loss=None, step_time_s=0.01), 0, 0), 0.01)
     assert (q.batch, q.lag) == (1, 8)
-
-
-def _reduce_on_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """One rank of a gloo group: reduce_step over rank-specific figures, the result to a file."""
-    import json
-    import math
-
-    import torch
-
-    from charllm_nemo.train.report import RankFigures, reduce_step
-
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
-    try:
-        figures = (
-            None
-            if rank == 1
-            else RankFigures(
-                energy_j=10.0 * (rank + 1),
-                power_avg_w=100.0 + rank,
-                power_peak_w=300.0 + rank,
-                temp_gpu_peak_c=math.nan,
-                throttle_s=0.5 * rank,
-            )
-        )
-        sums, maxes = reduce_step(
-            torch, "cpu", loss_sum=2.0 * rank, loss_tokens=4.0, step_time_s=1.0 + rank, figures=figures
-        )
-        with open(f"{out_dir}/{rank}.json", "w") as f:
-            json.dump({"sums": sums, "maxes": {k: None if math.isnan(v) else v for k, v in maxes.items()}}, f)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_reduce_step_sums_and_maxes_every_ranks_figures_in_one_collective(tmp_path):
-    import json
-    import math
-
-    torch = pytest.importorskip("torch")
-    from charllm_nemo.train.report import RankFigures, reduce_step
-
-    world = 3
-    torch.multiprocessing.spawn(
-        _reduce_on_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True
-    )
-    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
-    assert all(r == results[0] for r in results)  # every rank gets the same answer
-    sums, maxes = results[0]["sums"], results[0]["maxes"]
-    # rank 1 knows no figures: it adds 0 and is not counted as reporting
-    assert sums == {
-        "loss_sum": 6.0,
-        "loss_tokens": 12.0,
-        "energy_j": 40.0,
-        "power_avg_w": 202.0,
-        "reporting": 2.0,
-    }
-    assert maxes == {"step_time_s": 3.0, "power_peak_w": 302.0, "temp_gpu_peak_c": None, "throttle_s": 1.0}
-
-    # one rank, no process group: no collective, the same arithmetic
-    sums, maxes = reduce_step(
-        torch, "cpu", loss_sum=2.0, loss_tokens=4.0, step_time_s=1.5, figures=RankFigures(energy_j=7.0)
-    )
-    assert sums == {
-        "loss_sum": 2.0,
-        "loss_tokens": 4.0,
-        "energy_j": 7.0,
-        "power_avg_w": 0.0,
-        "reporting": 1.0,
-    }
-    assert maxes["step_time_s"] == 1.5 and math.isnan(maxes["power_peak_w"])
 
 
 def test_a_steps_file_on_a_full_disk_never_stops_training(caplog: pytest.LogCaptureFixture) -> None:
@@ -209,42 +139,43 @@ def test_the_gpu_peak_uses_the_devices_compute_units(
     name: str, units: int | None, peak: float | None
 ) -> None:
     from charllm_nemo.train.config import TrainConfig
-    from charllm_nemo.train.report import Throughput
+    from charllm_nemo.train.report import train_rates
 
     cfg = TrainConfig()
     cfg.batch.precision = "bf16"
-    t = Throughput(cfg, 8, name, on_cpu=False, compute_units=units)
-    assert t.peak == (None if peak is None else pytest.approx(peak))
+    t = train_rates(cfg, 8, name, on_cpu=False, compute_units=units)
+    assert t is not None and t.peak_tflops_per_gpu == (None if peak is None else pytest.approx(peak))
 
 
 def test_fp32_training_on_transformer_engine_is_measured_against_the_tf32_rate() -> None:
     from charllm_nemo.train.config import TrainConfig
-    from charllm_nemo.train.report import Throughput
+    from charllm_nemo.train.report import train_rates
+
+    def peak(**kw: object) -> float | None:
+        rates = train_rates(cfg, 8, name, on_cpu=False, **kw)  # type: ignore[arg-type]
+        assert rates is not None
+        return rates.peak_tflops_per_gpu
 
     cfg = TrainConfig()
     cfg.batch.precision = "fp32"
     name = "NVIDIA H100 80GB HBM3"
-    assert Throughput(cfg, 8, name, on_cpu=False, compute_units=132).peak == pytest.approx(67.0)
-    assert Throughput(cfg, 8, name, on_cpu=False, compute_units=132, tf32_gemms=True).peak == pytest.approx(
-        494.7
-    )
+    assert peak(compute_units=132) == pytest.approx(67.0)
+    assert peak(compute_units=132, tf32_gemms=True) == pytest.approx(494.7)
     cfg.batch.precision = "bf16"  # 16-bit training: its own rate either way
-    assert Throughput(cfg, 8, name, on_cpu=False, tf32_gemms=True).peak == pytest.approx(989.4)
+    assert peak(tf32_gemms=True) == pytest.approx(989.4)
 
 
 def test_figures_known_without_energy_still_reach_the_summary_and_the_console() -> None:
     # A device that reports temperature, peak power and throttling but no energy (a vGPU guest).
-    import torch
+    from charllm_nemo.steps.observers import format_report
+    from charllm_nemo.steps.report import StepReport, apply_rank_figures, pack_rank_vector
 
-    from charllm_nemo.train.report import RankFigures, StepSummary, apply_figures, format_summary, reduce_step
-
-    f = RankFigures(power_peak_w=350.0, temp_gpu_peak_c=81.0, throttle_s=0.02)
-    sums, maxes = reduce_step(torch, "cpu", loss_sum=1.0, loss_tokens=1.0, step_time_s=0.1, figures=f)
-    s = StepSummary(step=0, loss=1.0, step_time_s=0.1)
-    apply_figures(s, sums, maxes)
+    figures = {"power_peak_w": 350.0, "temp_gpu_peak_c": 81.0, "throttle_any_limiting_s": 0.02}
+    s = StepReport(step=0, loss=1.0, step_time_s=0.1)
+    apply_rank_figures(s, [pack_rank_vector(loss=1.0, step_time_s=0.1, figures=figures)])
     assert (s.energy_j, s.power_peak_w, s.temp_gpu_peak_c) == (None, 350.0, 81.0)
     assert s.throttle_share == pytest.approx(0.2)
-    assert format_summary(s, 1, 1).endswith("| energy n/a | peak 350 W | max 81 C | throttle 20%")
+    assert format_report(s, 1, 1).endswith("| energy n/a | peak 350 W | max 81 C | throttle 20%")
 
 
 def test_the_energy_median_counts_only_steps_every_rank_reported() -> None:

@@ -55,7 +55,7 @@ from charllm_nemo.devices.amdsmi_sources import (
     text,
     watts,
 )
-from charllm_nemo.devices.base import Device, DeviceIdentity, UnsupportedLog
+from charllm_nemo.devices.base import ActivityInput, Device, DeviceIdentity, UnsupportedLog
 from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, Reading
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
 
@@ -145,6 +145,7 @@ class AmdSmiBackend:
     def __init__(self, smi: ModuleType, devices: list[AmdSmiDevice]) -> None:
         self.devices: list[Device] = list(devices)
         self._smi = smi
+        self.activity: ActivityInput | None = None  # a GPU measures its own activity
         self._lock = threading.Lock()
         self._closed = False
 

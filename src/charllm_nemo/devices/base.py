@@ -10,6 +10,7 @@ with a message a person can act on; after that, ``Device.read()`` never raises a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,6 +75,31 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the vendor library (nvmlShutdown, amdsmi_shut_down); idempotent."""
         ...
+
+
+@runtime_checkable
+class ActivityInput(Protocol):
+    """How a backend whose devices model their load, rather than measure it, takes the training
+    loop's activity: a backend's ``activity`` attribute (None, or absent, for devices that
+    measure their own: NVML, AMD SMI). The telemetry session calls it the same way for every
+    backend: it adds it as a WindowRecorder listener (called with ``(kind, name, is_begin)`` on
+    every mark, on the training thread: it must be cheap), and where the devices are read in a
+    telemetry process it sets ``on_change`` to publish each new level (0..1) there, and back to
+    None when that process is gone. How the level is read on the other side is the backend
+    module's business (devices/factory.py: ``process_plan`` and ``open_in_process``)."""
+
+    on_change: Callable[[float], object] | None
+
+    def __call__(self, kind: str, name: str, is_begin: bool) -> None:
+        """A window mark: ``kind`` (step / microbatch / phase), its ``name``, begin or end."""
+        ...
+
+
+def activity_input(backend: Backend) -> ActivityInput | None:
+    """``backend``'s activity input, or None where its devices measure their own activity (a
+    backend object without the attribute, e.g. a test's stand-in, counts as that)."""
+    activity: ActivityInput | None = getattr(backend, "activity", None)
+    return activity
 
 
 class UnsupportedLog:

@@ -35,7 +35,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from charllm_nemo.devices.base import DeviceIdentity, UnsupportedLog
+from charllm_nemo.devices.base import ActivityInput, DeviceIdentity, UnsupportedLog
 from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
 from charllm_nemo.devices.nvml_sources import (
     CLOCK_MEM,
@@ -370,6 +370,7 @@ class NvmlBackend:
         self._nvml = nvml
         self.devices: list[NvmlDevice] = devices
         self.unsupported = unsupported
+        self.activity: ActivityInput | None = None  # a GPU measures its own activity
         self._open = True
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.devices.contract import METRIC_NAMES, THROTTLE_BITS, Reading
+from charllm_nemo.devices.factory import ProcessPlan
 from charllm_nemo.errors import ConfigError
 
 ActivitySpec = str | float | Callable[[int], float]
@@ -323,7 +324,7 @@ class SyntheticBackend:
 
     def __init__(self, devices: list[SyntheticDevice], marks: MarkActivity | None) -> None:
         self.devices: list[Any] = list(devices)
-        self.mark_activity = marks
+        self.activity = marks  # devices/base.py's ActivityInput: None unless activity follows marks
 
     def close(self) -> None:
         pass
@@ -358,6 +359,32 @@ def _activity_fn(
     )
 
 
+def process_plan(options: dict[str, Any]) -> ProcessPlan:
+    """devices/factory.py's hook: how ``options`` cross into a telemetry process. ``marks`` and
+    ``auto`` follow the level the training process's marks publish (``auto``: its CPU use until
+    the first mark); ``cpu`` and fixed levels cross as they are; every mode models the training
+    process, not the telemetry process. A callable cannot cross (ConfigError)."""
+    activity = options.pop("activity", "auto")
+    if activity in ("marks", "auto"):
+        return ProcessPlan(options, str(activity), True)
+    if activity == "cpu":
+        return ProcessPlan({**options, "activity": "cpu"}, None, True)
+    if isinstance(activity, (int, float)) and not isinstance(activity, bool):
+        return ProcessPlan({**options, "activity": float(activity)}, None, True)
+    raise ConfigError(
+        f"synthetic activity={activity!r} cannot cross into the sampling process; use 'auto', 'marks', "
+        "'cpu' or a number in [0, 1], or telemetry.sampler=thread"
+    )
+
+
+def process_activity(mode: str, published_level: Callable[[], float], parent_pid: int) -> dict[str, Any]:
+    """devices/factory.py's hook: the ``activity`` option of a device in a telemetry process
+    whose plan said ``mode`` (``marks`` / ``auto``): the published level, and until there is
+    one, 0 (``marks``) or the training process's CPU use (``auto``)."""
+    fallback: Callable[[int], float] = CpuActivity(parent_pid).level if mode == "auto" else (lambda _t: 0.0)
+    return {"activity": SharedActivity(published_level, fallback).level}
+
+
 def open_backend(
     indices: Sequence[int] | None = None,
     *,
@@ -371,7 +398,7 @@ def open_backend(
 
     ``activity``: ``auto`` (window marks once any arrive, else this process's CPU use),
     ``marks``, ``cpu``, a fixed level in [0, 1], or ``f(t_mono_ns) -> level``. With marks, wire
-    ``backend.mark_activity`` to ``WindowRecorder.add_listener`` (the session does this).
+    ``backend.activity`` to ``WindowRecorder.add_listener`` (the session does this).
     ``observe_pid``: the process whose CPU use (``cpu``, ``auto``) and resident memory
     (``mem_used_bytes``) the model follows; None = this one. The sampling process passes the
     training process, and a :class:`SharedActivity` level for ``marks`` / ``auto``.

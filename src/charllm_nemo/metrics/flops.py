@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.train.config import ModelConfig
 
 # Forward, input-gradient and weight-gradient GEMMs.
 FORWARD_BACKWARD_FACTOR = 3
@@ -116,8 +116,9 @@ class ModelShape:
                 )
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, *, causal_attention_flops: bool = False) -> ModelShape:
-        """The shape of a ``train.config.ModelConfig`` (every layer MoE when it has experts)."""
+    def from_model_config(cls, cfg: Any, *, causal_attention_flops: bool = False) -> ModelShape:
+        """The shape of ``charllm train``'s ``model`` config (train/config.py ``ModelConfig``, read
+        by attribute name: every layer MoE when it has experts)."""
         return cls(
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
@@ -133,6 +134,40 @@ class ModelShape:
             causal_attention_flops=causal_attention_flops,
             untie_embeddings=cfg.untie_embeddings,
         )
+
+    @classmethod
+    def from_transformer_config(
+        cls, cfg: Any, *, vocab_size: int, seq_length: int, causal_attention_flops: bool = False
+    ) -> ModelShape:
+        """The shape of a megatron-core ``TransformerConfig``: metrics/shape_builders.py."""
+        from charllm_nemo.metrics.shape_builders import from_mcore_names
+
+        untie = not getattr(cfg, "share_embeddings_and_output_weights", True)
+        return from_mcore_names(cfg, vocab_size, seq_length, untie, causal_attention_flops)
+
+    @classmethod
+    def from_nemo_config(
+        cls,
+        cfg: Any,
+        *,
+        vocab_size: int | None = None,
+        tokenizer: Any = None,
+        seq_length: int | None = None,
+        causal_attention_flops: bool = False,
+    ) -> ModelShape:
+        """The shape of a NeMo 2 ``GPTConfig`` (Llama, Mixtral, ...): metrics/shape_builders.py."""
+        from charllm_nemo.metrics.shape_builders import from_nemo_config
+
+        return from_nemo_config(cfg, vocab_size, tokenizer, seq_length, causal_attention_flops)
+
+    @classmethod
+    def from_megatron_args(
+        cls, args: Any, *, vocab_size: int | None = None, causal_attention_flops: bool = False
+    ) -> ModelShape:
+        """The shape of Megatron-LM's parsed arguments: metrics/shape_builders.py."""
+        from charllm_nemo.metrics.shape_builders import from_megatron_args
+
+        return from_megatron_args(args, vocab_size, causal_attention_flops)
 
     @property
     def query_groups(self) -> int:

@@ -200,7 +200,7 @@ class AsyncSink:
     ) -> None:
         """Queue one step's raw numbers; the sink thread turns them into keys (``step_keys``:
         :class:`~charllm_nemo.sinks.keys.StepKeys`) and calls the backend's ``log_step``.
-        ``summary``: a ``StepSummary.to_dict()`` (loss, step time, throughput, MFU);
+        ``summary``: a ``StepReport.to_dict()`` (charllm_nemo.steps; loss, step time, throughput, MFU);
         ``gathered``: rank 0's :func:`~charllm_nemo.sinks.gather.gather_to_rank0` result.
         The cheapest call for the training thread: a queue put, no key is built here."""
         self._put(("log_figures", (step, summary, gathered)))

@@ -200,7 +200,7 @@ def aggregate_keys(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float | i
     return out
 
 
-# StepSummary field (charllm_nemo.train.report) -> key.
+# StepReport field (charllm_nemo.steps.report) -> key.
 SUMMARY_KEYS: dict[str, str] = {
     "loss": "train/loss",
     "grad_norm": "train/grad_norm",
@@ -242,7 +242,7 @@ def throughput_keys(
 
 
 def summary_keys(summary: Mapping[str, Any]) -> dict[str, float]:
-    """:func:`throughput_keys` from a ``StepSummary.to_dict()`` (train/report.py) or any mapping
+    """:func:`throughput_keys` from a ``StepReport.to_dict()`` (charllm_nemo.steps) or any mapping
     with its field names (:data:`SUMMARY_KEYS`); other fields are ignored."""
     out: dict[str, float] = {}
     for name, key in SUMMARY_KEYS.items():

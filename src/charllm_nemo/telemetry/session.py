@@ -47,7 +47,7 @@ from types import FrameType
 from typing import Any
 
 import charllm_nemo
-from charllm_nemo.devices.base import Backend
+from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
 from charllm_nemo.telemetry.placement import (
@@ -210,7 +210,7 @@ class TelemetrySession:
         ready about this long after the window's end, at the latest."""
         self.collector_sched: dict[str, str] | None = None  # process mode: what applies, and why
         self._counter_hz = counter_hz
-        activity = getattr(self.backend, "mark_activity", None)  # a synthetic device that follows marks
+        activity = activity_input(self.backend)  # a device model that follows the marks (devices/base.py)
         if activity is not None:
             self.windows.add_listener(activity)
         process: ProcessSampler | None = None

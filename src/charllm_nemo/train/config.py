@@ -10,6 +10,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from charllm_nemo.sinks.config import LoggerConfig
+from charllm_nemo.telemetry.config import TelemetryConfig
+
+__all__ = [
+    "BatchConfig",
+    "DataConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TelemetryConfig",  # telemetry/config.py's, re-exported: Hydra's structured config keeps its path
+    "TrainConfig",
+    "for_device",
+]
 
 
 @dataclass
@@ -97,26 +110,6 @@ class DataConfig:
 
     path: str | None = None
     seed: int = 1234
-
-
-@dataclass
-class TelemetryConfig:
-    enabled: bool = True
-    backend: str = "auto"  # auto | nvml | amdsmi | synthetic
-    hz: float = 100.0
-    # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
-    # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
-    counter_hz: float | None = 10.0
-    # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
-    # (no GIL shared with training; docs/telemetry.md), threads where none can start.
-    sampler: str = "auto"  # auto | thread | process
-    nice: int = 0  # the telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md)
-    collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
-    out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
-    overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
-    required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
-    windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
-    cpu_peak_tflops: float | None = None  # MFU on CPU only when set
 
 
 @dataclass

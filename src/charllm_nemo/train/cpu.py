@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MCORE_CHECKED = "0.16.1"
-"""The megatron-core version these patches were written and tested against."""
+"""The megatron-core version these patches were written and tested against (CI's)."""
+
+MCORE_ALSO_CHECKED = ("0.19.2",)
+"""Later releases a tiny CPU run was checked on (docs/integrations.md, megatron-core 0.16 to 0.19)."""
 
 # Modules whose global ``torch`` is replaced by the CPU shim, with the reason for each
 # (megatron-core 0.16.1 line references in the comments of docs/training-internals.md).
@@ -145,9 +148,29 @@ def _cpu_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return factory
 
 
+class _CpuStream:
+    """The one "stream" of a CPU run. CPU ops run in program order, so waiting on a stream or an
+    event has nothing to wait for. megatron-core 0.19's ``start_grad_sync`` asks
+    ``torch.cuda.current_stream()`` for a stream to ``wait_event`` on (events of CUDA-graph
+    replays, which a CPU run never records)."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CudaOnCpu(types.ModuleType):
     """``torch.cuda`` as the shimmed modules see it: the current device is the CPU, synchronize is
-    a no-op (CPU ops are synchronous), the RNG calls act on the CPU generator. Anything else is the
+    a no-op (CPU ops are synchronous), the RNG calls act on the CPU generator, the current and the
+    default stream are one :class:`_CpuStream`. Anything else is the
     real ``torch.cuda`` (so ``is_available()`` stays False)."""
 
     def __init__(self) -> None:
@@ -175,6 +198,14 @@ class _CudaOnCpu(types.ModuleType):
     @staticmethod
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
 
 
 class _TorchOnCpu(types.ModuleType):
@@ -406,6 +437,9 @@ def enable_cpu_support() -> None:
     global _enabled
     if _enabled:
         return
+    from charllm_nemo.train.mcore_compat import import_megatron_core
+
+    import_megatron_core()  # megatron-core >= 0.18 on a CPU torch: "pip install triton", said plainly
     patched = _install_torch_shim(_TorchOnCpu())
     _install_cpu_rng_tracker()
     _define_te_general_gemm()
@@ -426,7 +460,8 @@ def _check_version() -> None:
         from megatron.core.package_info import __version__ as mcore_version
     except ImportError:  # pragma: no cover - every released mcore has package_info
         return
-    if not str(mcore_version).startswith(MCORE_CHECKED.rsplit(".", 1)[0]):
+    checked = {v.rsplit(".", 1)[0] for v in (MCORE_CHECKED, *MCORE_ALSO_CHECKED)}
+    if str(mcore_version).rsplit(".", 1)[0] not in checked:
         log.warning(
             "megatron-core %s: the CPU patches were checked against %s; if a run fails on a CUDA "
             "call, see docs/training-internals.md",

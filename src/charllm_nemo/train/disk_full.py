@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import CharllmError
-from charllm_nemo.train.report import DISK_FULL_ERRNOS
+from charllm_nemo.steps.observers import DISK_FULL_ERRNOS
 
 log = logging.getLogger("charllm_nemo.train")
 

@@ -10,24 +10,22 @@ torch.distributed variables set; each calls :func:`run_rank`:
 2. on GPU, the memory check (train/plan.py ``check_gpu_memory``); the model, DDP and optimizer
    (train/model.py), the data (train/data.py);
 3. ``train_steps`` steps of ``get_forward_backward_func()`` over
-   ``global_batch / (micro_batch * dp)`` microbatches, then ``optimizer.step()``; the marks go
-   through :class:`~charllm_nemo.train.marks.StepMarker` (installed as ``config.timers``);
-4. per step: loss (last pipeline stage), step time (max over ranks), telemetry figures summed
-   over ranks (train/report.py), and rank 0's console line with throughput and MFU. A step's
-   telemetry figures travel in the reduction of a later step (:class:`PendingSteps`): the next
-   one, or for steps under :data:`FIGURES_BATCH_S` a few later, so that the telemetry process
-   computes several steps' figures in one go.
+   ``global_batch / (micro_batch * dp)`` microbatches, then ``optimizer.step()``;
+4. everything per step goes through the framework-free step API
+   (:class:`~charllm_nemo.steps.StepTelemetry`, as every other integration uses it): its timers
+   adapter is ``config.timers`` (forward / backward marks), the loop says where steps and the
+   optimizer begin and end, and hands it the loss terms; it gathers one vector per rank a step
+   and gives rank 0's observers (console line, steps.jsonl, W&B, summary.json's rows) each
+   step's report with throughput, MFU and the telemetry figures over all ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,96 +34,16 @@ from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull, write_summary
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
-from charllm_nemo.train.report import (
-    CONSOLE_FIGURES,
-    STEPS_FILE,
-    SUMMARY_FILE,
-    Progress,
-    RankFigures,
-    StepsFile,
-    StepSummary,
-    Throughput,
-    apply_figures,
-    format_summary,
-    rank_figures,
-    reduce_step,
-)
+from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 
 log = logging.getLogger("charllm_nemo.train")
-
-
-def late_wait(t_end_mono_ns: int, period_ns: float) -> float:
-    """How long the loop may wait for the figures of a step that ended at ``t_end_mono_ns``.
-    They are due once two sampling periods have passed since (a sample past the end, then the
-    telemetry process's answer); ready by then unless that process is starved of CPU (every core
-    busy with training), and then waiting up to two more periods (at most 50 ms) beats dropping
-    them. Not yet due (a step shorter than two periods): 0, no wait; they are dropped."""
-    if time.monotonic_ns() - t_end_mono_ns < 2 * period_ns:
-        return 0.0
-    return min(2 * period_ns / 1e9, 0.05)
-
-
-def final_wait(hz: float) -> float:
-    """How long, in all, the loop waits for its last steps' figures: once per run, so
-    generously (a loaded node, a CI machine with every core busy, can keep a telemetry process
-    from the CPU for hundreds of ms): 5 sampling periods, at least 2 s, at most 5 s. A
-    telemetry process that answers in time costs nothing of it; one that has died, nothing
-    either (the wait ends when the sampler stops)."""
-    return min(max(2.0, 5.0 / max(hz, 1e-3)), 5.0)
-
-
-FIGURES_BATCH_S = 0.1
-"""The least step time one computation of live figures should cover. The telemetry process's
-cost for a request is nearly all per call (numpy over a few samples: about the same for one
-window as for eight), so steps shorter than this are reported ceil(FIGURES_BATCH_S / step time)
-steps late (at most :data:`MAX_FIGURES_LAG`) and their figures computed that many at a time."""
-MAX_FIGURES_LAG = 8
-
-Pending = tuple[StepSummary, int, int]  # a step's summary and its window (t_begin, t_end ns)
-
-
-class PendingSteps:
-    """The steps whose figures the loop has not reported yet, oldest first, and how many steps
-    late it reports them (``lag``). Every rank holds the same steps and the same lag (it comes
-    from the all-reduced step time and never decreases), so every rank's reduction carries the
-    figures of the same step."""
-
-    def __init__(self, max_lag: int = MAX_FIGURES_LAG, ready_s: float = 0.0) -> None:
-        self.steps: deque[Pending] = deque()
-        self.lag = 1
-        self.batch = 1  # the steps whose figures are computed together (request_figures' batch)
-        self.max_lag = max_lag
-        # How much later than the samples past a window's end its figures can be ready: 0 where
-        # every sample can answer them; about two counter periods where the backend reads its
-        # counters apart (NVML, telemetry.counter_hz). The lag then leaves that many seconds of
-        # steps between a batch's last window and the step that reads the batch's first.
-        self.ready_s = ready_s
-
-    def due(self) -> Pending | None:
-        """The step whose figures this step's reduction carries (None while fewer than ``lag``
-        steps wait)."""
-        return self.steps.popleft() if len(self.steps) >= self.lag else None
-
-    def wait_s(self, due: Pending, period_ns: float) -> float:
-        """How long to wait for ``due``'s figures (:func:`late_wait`): they are computed with those
-        of the steps after it up to the newest waiting, so they are due once that one's are."""
-        return late_wait(self.steps[-1][2] if self.steps else due[2], period_ns)
-
-    def add(self, step: Pending, step_time_s: float) -> None:
-        """A step that ended, with the step time all ranks agree on (the reduced maximum)."""
-        self.steps.append(step)
-        if step_time_s > 0:
-            batch = math.ceil(FIGURES_BATCH_S / step_time_s)
-            slack = math.ceil(self.ready_s / step_time_s)
-            self.lag = max(self.lag, min(self.max_lag, batch + slack))
-            self.batch = max(self.batch, 1, min(batch, self.lag - slack))
 
 
 @dataclass
 class RankResult:
     """What one rank ran. ``losses[i]`` is step i's loss over the global batch (None only if the
     loss could not be reduced); ``step_times_s`` are max over ranks; ``summaries`` hold the
-    per-step figures every rank agrees on (train/report.py ``StepSummary`` as dicts), kept on
+    per-step reports (charllm_nemo.steps ``StepReport.to_dict()``), kept on
     rank 0 only (empty elsewhere): it writes them to summary.json."""
 
     rank: int
@@ -168,9 +86,9 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     parallelism each rank keeps its two of the sequence's 2 * cp chunks (mcore's
     ``get_batch_on_this_cp_rank``, as Megatron-LM's ``get_batch``; a no-op at cp=1): the model
     and the schedules' pipeline buffers expect ``seq_length / cp`` tokens per rank."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from charllm_nemo.train.mcore_compat import batch_on_this_cp_rank
 
-    batch = get_batch_on_this_cp_rank(next(data_iterator))
+    batch = batch_on_this_cp_rank(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
@@ -178,26 +96,18 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
 def _open_session(cfg: TrainConfig, dist: DistInfo, local_ranks: int, rank_threads: int) -> Any:
     """This rank's telemetry session; ``local_ranks`` on this node, each keeping ``rank_threads``
     CPU threads busy (``telemetry.collector_sched=auto``)."""
-    from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.config import Placement, open_session
 
-    t = cfg.telemetry
     # No overwrite here: telemetry.overwrite's removing was done before any rank could write
     # (train/app.py check_run_dir), so a rank folder holding files now is another job's.
-    return TelemetrySession(
-        t.out_dir,
-        backend=t.backend,
-        hz=t.hz,
-        counter_hz=t.counter_hz,
-        sampler=t.sampler,
-        nice=t.nice,
-        collector_sched=t.collector_sched,
-        local_ranks=local_ranks,
+    placement = Placement(dist.rank, dist.local_rank, dist.world_size, max(local_ranks, 1))
+    return open_session(
+        replace(cfg.telemetry, overwrite=False),
+        placement,
+        run_config=cfg,
         rank_threads=rank_threads,
-        rank=dist.rank,
-        local_rank=dist.local_rank,
-        world_size=dist.world_size,
-        config=asdict(cfg),
-    ).start()
+        validate=False,  # validated with the whole config, before any process group
+    )
 
 
 def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
@@ -213,7 +123,7 @@ def _open_sink(cfg: TrainConfig, dist: DistInfo, session: Any) -> Any:
         cfg.logger, dist.rank, run_dir=cfg.telemetry.out_dir, local_rank=dist.local_rank, node_rank=node
     )
     if sink is not None:
-        manifest = dict(session.store.manifest) if session is not None else {"world_size": dist.world_size}
+        manifest = dict(session.manifest) if session is not None else {"world_size": dist.world_size}
         sink.start(asdict(cfg), manifest)
     return sink
 
@@ -293,8 +203,9 @@ def run_rank(
         # Windows are recorded into a session or a caller's recorder; with telemetry off and
         # neither, nothing is marked at all (config.timers stays None: the bench's "off" case).
         marking = session is not None or recorder is not None
-        rec = session.windows if session is not None else (recorder or WindowRecorder())
-        rec.set_labels(**dist.labels())
+        rec = session.windows if session is not None else recorder
+        if rec is not None:
+            rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
         result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s, disk)
         status = "complete"
@@ -353,6 +264,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         "world_size": result.world_size,
         "device": result.device,
         "telemetry": cfg.telemetry.enabled,
+        "mfu_attention": cfg.telemetry.attention_flops,  # how MFU counted attention (full | causal)
         "num_parameters": result.num_parameters,
         "num_microbatches": result.num_microbatches,
         "wall_s": result.wall_s,
@@ -409,7 +321,7 @@ def _train(
     cfg: TrainConfig,
     dist: DistInfo,
     layout: Any,
-    rec: WindowRecorder,
+    rec: WindowRecorder | None,
     session: Any,
     kinds: list[str],
     torch: Any,
@@ -421,8 +333,7 @@ def _train(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset, token_check
-    from charllm_nemo.train.marks import StepMarker
-    from charllm_nemo.train.model import build_model, layers_built, uses_transformer_engine
+    from charllm_nemo.train.model import build_model, layers_built
 
     on_cpu = dist.device == "cpu"
     b = cfg.batch
@@ -446,28 +357,9 @@ def _train(
     iters = [
         MicrobatchIterator(dataset, data_layout, b.train_steps, data_device, **check) for _ in bundle.chunks
     ]
-    marker = StepMarker(
-        rec,
-        num_microbatches=n_micro,
-        num_chunks=len(bundle.chunks),
-        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
-        kinds=kinds,
-        cuda=not on_cpu,
-    )
-    config.timers = marker if marker.phases_on else None
     forward_backward = get_forward_backward_func()
     comm_device = "cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device())
     reports_loss = dist.is_last_stage and dist.tp_rank == 0
-    gpu = None if on_cpu else torch.cuda.get_device_properties(torch.cuda.current_device())
-    throughput = Throughput(
-        cfg,
-        dist.world_size,
-        None if gpu is None else gpu.name,
-        on_cpu,
-        list(layout.layers_per_virtual_stage),
-        compute_units=None if gpu is None else gpu.multi_processor_count,
-        tf32_gemms=uses_transformer_engine(on_cpu),
-    )
     result = RankResult(
         rank=dist.rank,
         world_size=dist.world_size,
@@ -483,60 +375,17 @@ def _train(
     print_steps = cfg.logger.name != "none"
     if dist.rank == 0 and print_steps:
         print(setup_line(setup_s, bundle.num_parameters, b.train_steps), file=sys.stderr, flush=True)
-    progress = Progress(b.train_steps, enabled=dist.rank == 0)
-    steps_file = StepsFile(Path(cfg.telemetry.out_dir) / STEPS_FILE) if dist.rank == 0 else None
-    # Per-rank figures travel to rank 0 (one fixed-size gather) only when a sink logs them.
-    gather_figures = cfg.logger.name == "wandb" and session is not None
-    # Only what is reported is computed on the training thread: the console's five figures, or
-    # every per-rank figure W&B logs.
-    wanted_figures: tuple[str, ...] = CONSOLE_FIGURES
-    if gather_figures:
-        from charllm_nemo.sinks.gather import gather_to_rank0
-        from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, pack_step_figures
+    st = _step_telemetry(cfg, dist, layout, rec, session, kinds, bundle, n_micro, sink, result, print_steps)
+    config.timers = st.timers()  # None with nothing marked: the bench's "off" case
+    from charllm_nemo.steps import StepsFileObserver
 
-        wanted_figures = STEP_FIGURE_KEYS
-    # How soon after a step's end its figures can be ready: a sampling period, or a counter
-    # period where the backend reads its counters apart (telemetry.counter_hz).
-    sample_ns = 1e9 / max(cfg.telemetry.hz, 1e-3)
-    every = session.counter_every if session is not None else 1
-    period_ns = sample_ns * every
-    ready_s = 2 * (every - 1) * sample_ns / 1e9  # 0 where every sample can answer a figure
-    pending = PendingSteps(MAX_FIGURES_LAG if session is not None else 1, ready_s)  # no figures: no lag
+    # rank 0's steps.jsonl, which DiskWatch asks whether the disk filled up
+    steps_file = next((o.file for o in st.observers if isinstance(o, StepsFileObserver)), None)
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
-
-    def figures_of(window: tuple[StepSummary, int, int], wait_s: float = 0.0) -> tuple[Any, Any]:
-        """This rank's figures of a finished step, and (gather_figures) all ranks' on rank 0."""
-        rows = (
-            session.step_figures(window[1], window[2], wait_s=wait_s, figures=wanted_figures)
-            if session is not None
-            else None
-        )
-        gathered = None
-        if gather_figures:
-            gathered = gather_to_rank0(pack_step_figures(rows), device=comm_device)
-        return rank_figures(rows), gathered
-
-    def finish(
-        summary: StepSummary, figures_sums: dict[str, float], figures_max: dict[str, float], gathered: Any
-    ) -> None:
-        apply_figures(summary, figures_sums, figures_max)
-        throughput.fill(summary)
-        row = summary.to_dict()
-        if dist.rank == 0:  # only rank 0 writes summary.json (a row is ~1-2 KB)
-            result.summaries.append(row)
-        if steps_file is not None:
-            steps_file.write(row)
-        if print_steps:
-            progress.write(format_summary(summary, b.train_steps, dist.world_size))
-        if sink is not None:
-            sink.log_figures(summary.step, row, gathered)
-        if disk is not None:
-            disk.check(session, steps_file, summary.step)
-
     try:
         for step in range(b.train_steps):
-            marker.begin_step(step)
+            st.begin_step(step)
             for chunk in bundle.chunks:
                 chunk.zero_grad_buffer()
             bundle.optimizer.zero_grad()
@@ -549,72 +398,102 @@ def _train(
                 micro_batch_size=b.micro_batch_size,
                 forward_only=False,
             )
-            opt_timer = marker.phase("optimizer")
-            opt_timer.start()
-            ok, grad_norm, _zeros = bundle.optimizer.step()
-            if ok:
-                bundle.scheduler.step(1)
-            opt_timer.stop()
-            timing = marker.end_step()
-            if session is not None:
-                # Ask now: a telemetry process computes the figures while the next steps run. The
-                # last step's are not held for later ones (none come): answered at once.
-                session.request_figures(
-                    timing.t_begin_mono_ns,
-                    timing.t_end_mono_ns,
-                    wanted_figures,
-                    batch=pending.batch if step < b.train_steps - 1 else 1,
-                )
-
+            with st.phase("optimizer"):
+                ok, grad_norm, _zeros = bundle.optimizer.step()
+                if ok:
+                    bundle.scheduler.step(1)
             loss_sum = loss_tokens = 0.0
             if reports_loss and outputs:
                 tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
                 loss_sum, loss_tokens = float(tot[0]), float(tot[1])
-            figures: RankFigures | None = None
-            gathered = None
-            due = pending.due()
-            if due is not None:
-                figures, gathered = figures_of(due, wait_s=pending.wait_s(due, period_ns))
-            sums, maxes = reduce_step(
-                torch,
-                comm_device,
-                loss_sum=loss_sum,
-                loss_tokens=loss_tokens,
-                step_time_s=timing.seconds,
-                figures=figures,
+            st.end_step(
+                num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=loss_sum, loss_tokens=loss_tokens
             )
-            if due is not None:
-                finish(due[0], sums, maxes, gathered)
-            loss = sums["loss_sum"] / sums["loss_tokens"] if sums["loss_tokens"] > 0 else None
-            gn = float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None
-            summary = StepSummary(step=step, loss=loss, step_time_s=maxes["step_time_s"], grad_norm=gn)
+            out = st.last
+            assert out is not None
             result.steps += 1
-            result.losses.append(loss)
-            result.grad_norms.append(gn)
-            result.step_times_s.append(maxes["step_time_s"])
-            result.local_step_times_s.append(timing.seconds)
-            pending.add((summary, timing.t_begin_mono_ns, timing.t_end_mono_ns), maxes["step_time_s"])
-            progress.update()
-        # The last steps: wait for their figures, one more reduction each, all within one
-        # deadline (they are answered together); returns as soon as they are answered.
-        deadline = time.monotonic() + final_wait(cfg.telemetry.hz)
-        while pending.steps:
-            last = pending.steps.popleft()
-            figures, gathered = figures_of(last, wait_s=max(0.0, deadline - time.monotonic()))
-            sums, maxes = reduce_step(
-                torch, comm_device, loss_sum=0.0, loss_tokens=0.0, step_time_s=0.0, figures=figures
-            )
-            finish(last[0], sums, maxes, gathered)
+            result.losses.append(out.loss)
+            result.grad_norms.append(out.grad_norm)
+            result.step_times_s.append(out.step_time_s)
+            result.local_step_times_s.append(out.local_step_time_s)
+            if disk is not None:  # every rank: telemetry's store; rank 0: steps.jsonl too
+                disk.check(session, steps_file, step)
+        # The last steps' figures (one more gather each, within one bounded wait); the session
+        # stays open: run_rank closes it after summary.json.
+        st.finish("complete", close_session=False)
         result.memory = _gather_memory(cfg, layout, dist, torch, comm_device)
         if dist.rank == 0 and print_steps:
             from charllm_nemo.train.plan import memory_line
 
             line = memory_line(result.memory)
             if line:
-                progress.write(line)
+                print(line, flush=True)
     finally:
-        progress.close()
-        if steps_file is not None:
-            steps_file.close()
-    result.unmatched_marks = marker.unmatched
+        st.finish("failed", close_session=False)  # stopped early: the observers close, no gather
+    result.unmatched_marks = st.unmatched_marks
     return result
+
+
+def _step_telemetry(
+    cfg: TrainConfig,
+    dist: DistInfo,
+    layout: Any,
+    rec: WindowRecorder | None,
+    session: Any,
+    kinds: list[str],
+    bundle: Any,
+    n_micro: int,
+    sink: Any,
+    result: RankResult,
+    print_steps: bool,
+) -> Any:
+    """This rank's :class:`~charllm_nemo.steps.StepTelemetry`: rank 0's observers are the
+    console (``logger`` not ``none``), steps.jsonl, W&B (``logger=wandb``; finished by
+    run_rank once the session closed its files) and summary.json's rows."""
+    import torch
+
+    from charllm_nemo.steps import (
+        ConsoleObserver,
+        FunctionObserver,
+        Observer,
+        StepsFileObserver,
+        StepTelemetry,
+        WandbObserver,
+    )
+    from charllm_nemo.telemetry.config import Placement
+    from charllm_nemo.train.model import uses_transformer_engine
+    from charllm_nemo.train.report import train_rates
+
+    on_cpu = dist.device == "cpu"
+    gpu = None if on_cpu else torch.cuda.get_device_properties(torch.cuda.current_device())
+    rates = train_rates(
+        cfg,
+        dist.world_size,
+        None if gpu is None else gpu.name,
+        on_cpu,
+        list(layout.layers_per_virtual_stage),
+        compute_units=None if gpu is None else gpu.multi_processor_count,
+        tf32_gemms=uses_transformer_engine(on_cpu),
+    )
+    observers: list[Observer] = []
+    if dist.rank == 0:
+        observers.append(FunctionObserver(lambda r: result.summaries.append(r.to_dict())))
+        observers.append(StepsFileObserver(Path(cfg.telemetry.out_dir) / STEPS_FILE))
+        if print_steps:
+            observers.append(ConsoleObserver(cfg.batch.train_steps, dist.world_size))
+        if sink is not None:
+            observers.append(WandbObserver(sink, finish=False))
+    config = bundle.config
+    return StepTelemetry(
+        session,
+        Placement(dist.rank, dist.local_rank, dist.world_size),
+        rates=rates,
+        observers=observers,
+        device=dist.device,
+        num_microbatches=n_micro,
+        num_chunks=len(bundle.chunks),
+        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
+        windows=kinds,
+        total_steps=cfg.batch.train_steps,
+        recorder=rec,
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
@@ -41,68 +40,16 @@ def _collect(problems: list[str], check: Callable[[Any], object], value: Any) ->
         problems.append(str(exc))
 
 
-def _out_dir_problem(out_dir: str) -> str | None:
-    """Why the run directory cannot be made or written, if it cannot: a file in the way, or a
-    folder this user may not write into (checked on the nearest folder that exists)."""
-    try:
-        return _out_dir_path_problem(out_dir)
-    except OSError as exc:  # a name too long, a path through something that is not a folder
-        return f"telemetry.out_dir={out_dir!r} cannot be used ({exc.strerror or exc}); give another directory"
-
-
-def _out_dir_path_problem(out_dir: str) -> str | None:
-    path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        return f"telemetry.out_dir={out_dir!r} is a file, not a directory; give a directory for the run"
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return (
-            f"telemetry.out_dir={out_dir!r} cannot be made: {str(existing)!r} is a file; give another "
-            "directory"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return (
-            f"telemetry.out_dir={out_dir!r} cannot be written: {str(existing)!r} is not writable by this "
-            "user; give another directory, or fix its permissions"
-        )
-    return None
-
-
 def run_problems(cfg: TrainConfig, device: str) -> list[str]:
-    """Telemetry backend / rate / windows, launcher / device / port, and data-path checks."""
-    from charllm_nemo.devices.factory import BACKEND_NAMES
+    """Telemetry (telemetry/config.py ``telemetry_problems``), launcher / device / port, and
+    data-path checks."""
     from charllm_nemo.sinks.config import validate_logger_config
-    from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES, validate_nice
-    from charllm_nemo.telemetry.sample_loop import MAX_HZ, counter_every, validate_hz
-    from charllm_nemo.telemetry.schema import WINDOW_KINDS
+    from charllm_nemo.telemetry.config import telemetry_problems
 
     problems: list[str] = []
-    t, la, d = cfg.telemetry, cfg.launch, cfg.data
+    la, d = cfg.launch, cfg.data
     _collect(problems, validate_logger_config, cfg.logger)
-    _one_of(problems, "telemetry.backend", t.backend, BACKEND_NAMES)
-    _one_of(problems, "telemetry.sampler", t.sampler, SAMPLER_MODES)
-    _one_of(problems, "telemetry.collector_sched", t.collector_sched, COLLECTOR_SCHEDS)
-    _collect(problems, validate_nice, t.nice)
-    if t.enabled:
-        _collect(problems, validate_hz, t.hz)
-        _collect(problems, lambda rate: counter_every(MAX_HZ, rate), t.counter_hz)
-    unknown = [w for w in t.windows if w not in WINDOW_KINDS]
-    if unknown:
-        problems.append(
-            f"telemetry.windows has unknown kinds {unknown}; use a subset of {choices(WINDOW_KINDS)}"
-        )
-    if t.cpu_peak_tflops is not None:
-        _positive(problems, "telemetry.cpu_peak_tflops", t.cpu_peak_tflops)
-    if not str(t.out_dir).strip():
-        problems.append(
-            "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
-        )
-    else:
-        problem = _out_dir_problem(str(t.out_dir))
-        if problem:
-            problems.append(problem)
+    problems.extend(telemetry_problems(cfg.telemetry))
 
     _one_of(problems, "launch.launcher", la.launcher, LAUNCHERS)
     _one_of(problems, "launch.device", la.device, DEVICES)

@@ -40,7 +40,6 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,22 +149,18 @@ def child_main(t_main: int = 0) -> None:
 
 
 def _open(config: dict[str, Any], block: Block) -> Any:
-    from charllm_nemo.devices.factory import open_backend
+    from charllm_nemo.devices.factory import ProcessPlan, open_in_process
 
     block.q[H_T_IMPORTED] = time.monotonic_ns()
-    options = dict(config["options"])
-    parent = int(config["parent_pid"])
-    if config["observe_parent"]:
-        options["observe_pid"] = parent
-    if config["shared_activity"] is not None:
-        from charllm_nemo.devices.synthetic import CpuActivity, SharedActivity
-
-        d = block.d
-        fallback: Callable[[int], float] = (
-            CpuActivity(parent).level if config["shared_activity"] == "auto" else (lambda _t: 0.0)
-        )
-        options["activity"] = SharedActivity(lambda: d[D_ACTIVITY], fallback).level
-    return open_backend(config["backend"], config["devices"], **options)
+    plan = ProcessPlan(config["options"], config["shared_activity"], config["observe_parent"])
+    d = block.d
+    return open_in_process(
+        config["backend"],
+        config["devices"],
+        plan,
+        parent_pid=int(config["parent_pid"]),
+        published_level=lambda: float(d[D_ACTIVITY]),  # one aligned 8-byte word: NaN until a mark
+    )
 
 
 def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple[int, str]:

@@ -30,6 +30,13 @@ from typing import Any
 import numpy as np
 
 from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows, sample_columns
+from charllm_nemo.telemetry.process.mark_ring import (
+    figure_columns,
+    mask_figures,
+    read_names,
+    valid_records,
+    write_figures,
+)
 from charllm_nemo.telemetry.process.ring import (
     FLOAT_COLUMNS,
     H_BYTES,
@@ -57,13 +64,9 @@ from charllm_nemo.telemetry.process.ring import (
     N_FLOAT,
     N_INT,
     Block,
-    figure_columns,
-    mask_figures,
     newest_t,
-    read_names,
     ring_span,
     still_valid,
-    write_figures,
 )
 from charllm_nemo.telemetry.sampler import columns_to_table
 from charllm_nemo.telemetry.steplog import step_records, unpack
@@ -176,6 +179,7 @@ class Collector:
         self._marks = np.frombuffer(
             block.mm, np.int64, RECORD_LEN * lay.mark_capacity, lay.marks0 * 8
         ).reshape(lay.mark_capacity, RECORD_LEN)
+        self._checks = np.frombuffer(block.mm, np.int64, lay.mark_capacity, lay.checks0 * 8)
         self._sample_idx = q[H_SAMPLES_FLUSHED]  # next ring row to take
         self._mark_idx = q[H_MARKS_FLUSHED]  # next record to take
         self._pending_samples: list[Columns] = []
@@ -194,7 +198,7 @@ class Collector:
 
     def close(self) -> None:
         """Drop the views into the block (the block cannot be closed while they exist)."""
-        del self._ints, self._floats, self._marks
+        del self._ints, self._floats, self._marks, self._checks
 
     # -- taking ----------------------------------------------------------------------------
     def take_samples(self) -> None:
@@ -238,12 +242,21 @@ class Collector:
         if n <= 0:
             return
         cap = self.block.layout.mark_capacity
-        lo = self._mark_idx % cap
+        n = min(n, cap)  # a torn counter (a writer killed mid-store) can say more than a lap
+        first = self._mark_idx
+        lo = first % cap
         if lo + n <= cap:
             recs = self._marks[lo : lo + n].copy()
+            checks = self._checks[lo : lo + n].tolist()
         else:
             recs = np.concatenate([self._marks[lo:], self._marks[: n - (cap - lo)]])
-        self._mark_idx = end
+            checks = self._checks[lo:].tolist() + self._checks[: n - (cap - lo)].tolist()
+        # Take only the records whose check word matches the copy (mark_ring: on a weakly ordered
+        # CPU the counter may become visible before the records): the rest are read next time.
+        n = valid_records(recs.tobytes(), checks, first)
+        if n == 0:
+            return
+        recs = recs[:n]
         # Window records are stored as they are; a figure request is queued; a step log (several
         # records, its later ones holding arbitrary ints) becomes its windows' records.
         types = recs[:, 0].tolist()
@@ -262,6 +275,9 @@ class Collector:
             elif kind == RECORD_STEP_LOG:
                 size = int(recs[i, 1])
                 rows = -(-(size + 2) // RECORD_LEN)
+                if i + rows > n:  # its last records are not visible whole yet: next time
+                    n = run = i
+                    break
                 made, _ = step_records(unpack(recs[i : i + rows].ravel()[2 : 2 + size].tolist()))
                 if made:
                     self._pending_records.append(np.array(made, np.int64))
@@ -272,6 +288,7 @@ class Collector:
             run = i
         if n > run:
             self._pending_records.append(recs[run:n])
+        self._mark_idx = first + n
 
     # -- live figures ----------------------------------------------------------------------
     def _between(self, since_ns: int, until_ns: int, names: Sequence[str]) -> Columns:
@@ -390,9 +407,11 @@ class Collector:
                 self._pending_samples = []
                 self.publish()
             q[H_SAMPLES_FLUSHED] = self._sample_idx
-            if self._pending_records:
-                if self._names_from_block:
-                    read_names(self.block, self.names)
+            names_whole = True
+            if self._pending_records and self._names_from_block:
+                # A name not visible whole yet (mark_ring): its windows wait for the next flush.
+                names_whole = read_names(self.block, self.names)
+            if self._pending_records and names_whole:
                 recs = np.concatenate(self._pending_records)
                 names = self.names + ["?"] * max(0, int(recs[:, 3:5].max(initial=0)) + 1 - len(self.names))
                 q[H_PENDING_MARKS] = self._mark_idx
@@ -400,7 +419,8 @@ class Collector:
                 self.writer.write_segment("windows", records_to_table(recs, names))
                 self._pending_records = []
                 self.publish()
-            q[H_MARKS_FLUSHED] = self._mark_idx
+            if not self._pending_records:  # else their ring slots stay theirs until stored
+                q[H_MARKS_FLUSHED] = self._mark_idx
             self.flushes += 1
         except Exception:
             # Kept for the next try (a full disk may clear); the rings still hold it too.

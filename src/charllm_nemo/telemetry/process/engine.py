@@ -13,9 +13,10 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from charllm_nemo.devices.base import ActivityInput
 from charllm_nemo.telemetry.process.collector import decode_figures
+from charllm_nemo.telemetry.process.mark_ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.process.parent import FIGURE_SLOTS, ProcessSampler
-from charllm_nemo.telemetry.process.ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.sample_loop import Row, SamplerHealth
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
 
@@ -30,13 +31,14 @@ def _covers(asked: tuple[int, frozenset[str] | None], wanted: frozenset[str] | N
 
 
 class ProcessEngine:
-    """A session's telemetry process, through ``sampler`` (built, not started). ``activity``: a
-    synthetic device's mark listener in this process, whose level is then published to the
-    synthetic device in the telemetry process."""
+    """A session's telemetry process, through ``sampler`` (built, not started). ``activity``: the
+    backend's activity input in this process (devices/base.py's ActivityInput; None for devices
+    that measure their own), whose levels are then published to the devices in the telemetry
+    process."""
 
     mode = "process"
 
-    def __init__(self, sampler: ProcessSampler, activity: Any = None) -> None:
+    def __init__(self, sampler: ProcessSampler, activity: ActivityInput | None = None) -> None:
         self._sampler = sampler
         self._activity = activity
         self._windows: WindowRecorder | None = None

@@ -53,9 +53,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from charllm_nemo.devices.factory import process_plan
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
+from charllm_nemo.telemetry.process import mark_ring
 from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.mark_ring import MarkWriter
 from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
     FAILED,
@@ -73,7 +76,6 @@ from charllm_nemo.telemetry.process.ring import (
     SVC_DONE,
     Block,
     Layout,
-    MarkWriter,
 )
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
@@ -149,11 +151,14 @@ class ProcessSampler:
                 mark_capacity=MARK_CAPACITY,
                 fig_slots=FIGURE_SLOTS,
                 n_devices=max(1, n_dev),
-                n_fig_columns=len(shm.figure_columns()),
+                n_fig_columns=len(mark_ring.figure_columns()),
             )
         self.capacity = capacity
-        self._options, self._shared_activity, self._observe_parent = _child_options(
-            backend, dict(backend_options or {})
+        plan = process_plan(backend, dict(backend_options or {}))
+        self._options, self._shared_activity, self._observe_parent = (
+            plan.options,
+            plan.shared_activity,
+            plan.observe_parent,
         )
         try:
             pickle.dumps(self._options)
@@ -381,12 +386,12 @@ class ProcessSampler:
         """The shared block's name (None before start and after stop)."""
         return self._name
 
-    # -- the training process's side of the synthetic activity ------------------------------
+    # -- the training process's side of a modelled device's activity --------------------------
     def activity_publisher(self) -> Callable[[float], object]:
-        """What the synthetic device's ``MarkActivity.on_change`` gets: it sets the activity
-        level a synthetic device in the child follows (the block's float view's ``__setitem__``
-        bound to that word). Once the block is released (stop) it raises ValueError, and
-        MarkActivity stops publishing."""
+        """What the backend's ActivityInput ``on_change`` gets (devices/base.py): it sets the
+        activity level the devices in the child read (devices/factory.py's ``open_in_process``:
+        the block's float view's ``__setitem__`` bound to that word). Once the block is released
+        (stop) it raises ValueError, and the input stops publishing."""
         block = self._block
         if block is None:
             raise RuntimeError("activity_publisher() before start() or after stop()")
@@ -394,12 +399,12 @@ class ProcessSampler:
 
     # -- live figures (store mode) ----------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
-        """The answer to figure request ``seq`` (see shm.read_figures), or None."""
+        """The answer to figure request ``seq`` (see mark_ring.read_figures), or None."""
         block = self._block
         if block is None:
             return None
         try:
-            return shm.read_figures(block, seq)
+            return mark_ring.read_figures(block, seq)
         except ValueError:  # released by a concurrent stop()
             return None
 
@@ -513,31 +518,17 @@ class ProcessSampler:
         block = self._block
         assert block is not None
         first, end, lost = shm.ring_span(block, self._read_idx)
-        rows = shm.copy_rows(block, first, end)
+        rows, ok = shm.copy_rows(block, first, end)
         keep = shm.still_valid(block, first, len(rows))
+        lapped = len(rows) - keep  # overwritten while copied: the oldest
+        # Rows whose check word does not match are not visible whole yet (the newest, on a weakly
+        # ordered CPU): this read stops before the first, the next one takes it.
+        whole = next((k for k in range(lapped, len(rows)) if not ok[k]), len(rows))
         if advance:
-            self._rows_lost += lost + len(rows) - keep
-            self._read_idx = end
-        return rows[len(rows) - keep :]
+            self._rows_lost += lost + lapped
+            self._read_idx = first + whole
+        return rows[lapped:whole]
 
 
 def _span(a: int, b: int) -> float:
     return (b - a) / 1e9 if a and b else math.nan
-
-
-def _child_options(backend: str, options: dict[str, Any]) -> tuple[dict[str, Any], str | None, bool]:
-    """What the child passes to open_backend; for synthetic, how its activity crosses over:
-    (options, shared-activity fallback or None, whether to observe the parent process)."""
-    if backend != "synthetic":
-        return options, None, False
-    activity = options.pop("activity", "auto")
-    if activity in ("marks", "auto"):
-        return options, str(activity), True
-    if activity == "cpu":
-        return {**options, "activity": "cpu"}, None, True
-    if isinstance(activity, (int, float)) and not isinstance(activity, bool):
-        return {**options, "activity": float(activity)}, None, True
-    raise ConfigError(
-        f"synthetic activity={activity!r} cannot cross into the sampling process; use 'auto', 'marks', "
-        "'cpu' or a number in [0, 1], or telemetry.sampler=thread"
-    )

@@ -13,28 +13,34 @@ float64 (``q[i]`` = int64 word i, ``d[i]`` = float64 word i), in this order:
   open);
 * **sample ring**, column-major, ``capacity`` rows: int64 columns ``t_mono_ns``, ``t_wall_ns``,
   ``read_ns``, ``device_index`` and every int metric (null = INT_NULL), then one float64 column
-  per float metric (null = NaN). 64-bit counters stay int64 end to end. Written by the sampling
+  per float metric (null = NaN), then one check word per row (:func:`row_check`: its index
+  and a CRC-32 of its values). 64-bit counters stay int64 end to end. Written by the sampling
   loop only;
 * **mark ring**, ``mark_capacity`` records of RECORD_LEN int64 words (telemetry/windows.py):
-  finished windows, figure requests and step logs, written by the training process only. A
-  step log (telemetry/steplog.py) fills whole consecutive records: ``[RECORD_STEP_LOG, n]``,
-  then the ``n`` ints of ``steplog.pack``, zero-padded to a record boundary;
-* **names**, 16 KiB: the strings the records' codes stand for, appended as
-  ``<u16 length><utf-8>`` by the training process before the first record that uses them;
-* **figure slots**, ``fig_slots`` slots: the live figures of requested windows, written by the
-  telemetry process only: ``[seq + 1, t_begin, t_end, n_devices]`` then per device its index
-  and one float64 per :data:`FIGURE_COLUMNS` entry.
+  finished windows, figure requests and step logs, written by the training process only; then
+  one check word per record; then the **names**, 16 KiB; then the **figure slots**, written by
+  the telemetry process only (telemetry/process/mark_ring.py: their layout and how they are
+  read).
 
-Ordering. A writer stores a ring entry's words, then the ring's counter; a reader loads the
-counter, then the entries below it. A figure slot is written as a seqlock: its ``seq`` word is
-zeroed, the values stored, then ``seq`` stored; a reader loads ``seq``, the values, ``seq``
-again, and keeps the values only if both loads agree. This relies on aligned 8-byte stores and
-loads being single instructions (CPython's memoryview copies int64 / float64 items with a
-fixed-size 8-byte memcpy, in practice one ``mov`` / ``ldr`` / ``str``) and on the CPU keeping
-each side's stores, and loads, in program order, which x86-64 (TSO) guarantees. On a weakly
-ordered CPU (aarch64, e.g. Grace) nothing here issues a barrier, so a reader could in principle
-see a counter before the last stores of its entry; closing that needs a release store and an
-acquire load (a few lines of C), not done here.
+Ordering. The sample ring's writer (the sampling loop) and reader (the collector) are threads of
+one process, the telemetry process: every access of either is made holding CPython's GIL, whose
+hand-over is a pthread mutex / condition variable, and POSIX (Base Definitions 4.12, "Memory
+Synchronization") makes mutex lock and unlock synchronize memory. So a row's stores happen
+before the collector's loads of any counter that covers it, on x86-64 and aarch64 alike; the
+row order within one thread is program order. The training process reads the ring too (a
+session's ``live_rows``, a bare sampler's ``take_rows``: parent.py): there no lock orders
+anything, so each row carries a check word, written with it, that the reader recomputes from
+its copy (:func:`copy_rows`), taking a row only if they match, as mark_ring.py's module doc
+explains; ``last_t_mono_ns`` reads one word (the newest row's time: a stale value is an older
+time, which only makes its caller wait a little longer). The header's statistics (health, store counts)
+are single aligned 8-byte words read by the other process as single values: CPython's
+memoryview reads and writes an int64 / float64 item with a fixed-size 8-byte memcpy, which
+compilers emit as one ``mov`` / ``ldr`` / ``str``, single-copy atomic for aligned 8-byte
+accesses on both x86-64 and ARMv8 (Arm ARM B2.2.1); no payload hangs on them. A parent that
+reads the rings after its telemetry process died (collector.salvage) does so after ``waitpid``
+or ``kill(pid, 0)`` reported the death: the kernel's exit path holds the locks wait takes, so
+every store of the dead process is visible. The two rings that cross processes with a payload
+(the mark ring and the figure slots) do not rely on store order at all: mark_ring.py.
 
 This module imports only the standard library and the package's light modules, so that the
 telemetry process starts sampling before it imports numpy or pyarrow.
@@ -51,15 +57,13 @@ import os
 import re
 import secrets
 import struct
-import threading
-from array import array
-from collections.abc import Collection, Sequence
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
-from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
+from charllm_nemo.telemetry.windows import RECORD_LEN
 
 MAGIC = 0x636C6D2D72696E67  # "clm-ring"
 
@@ -135,32 +139,7 @@ INT_METRIC_POS = tuple(METRIC_INDEX[m] for m in INT_METRICS)
 FLOAT_METRIC_POS = tuple(METRIC_INDEX[m] for m in FLOAT_METRICS)
 N_INT, N_FLOAT = len(INT_COLUMNS), len(FLOAT_COLUMNS)
 
-FIG_HEAD = 4  # seq + 1, t_begin, t_end, n_devices
-
-
-def figure_columns() -> tuple[str, ...]:
-    """The figure slot's columns: every attribution column (imports attribution: numpy)."""
-    from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
-
-    return ATTRIBUTION_COLUMN_NAMES
-
-
-def figure_mask(figures: Collection[str] | None) -> int:
-    """A figure request's mask: bit i set = ``figure_columns()[i]`` wanted; NULL = all of them.
-    Unknown names raise ValueError."""
-    if figures is None:
-        return NULL
-    from charllm_nemo.telemetry.attribution import check_figures
-
-    wanted = check_figures(figures)
-    return sum(1 << i for i, name in enumerate(figure_columns()) if name in wanted)
-
-
-def mask_figures(mask: int) -> tuple[str, ...] | None:
-    """The figures a request's mask asks for (None = all): the inverse of :func:`figure_mask`."""
-    if mask == NULL:
-        return None
-    return tuple(name for i, name in enumerate(figure_columns()) if mask >> i & 1)
+FIG_HEAD = 4  # seq + 1, t_begin, t_end, n_devices; a slot ends with a check word (mark_ring.py)
 
 
 # A memoryview cast to "d": typeshed's memoryview.__setitem__ accepts only ints, so it is Any here.
@@ -189,17 +168,27 @@ class Layout:
         return self.ring0 + (N_INT + column) * self.capacity
 
     @functools.cached_property
-    def marks0(self) -> int:
+    def row_checks0(self) -> int:
+        """Word offset of the sample ring's check column (one word per row: :func:`row_check`)."""
         return self.ring0 + (N_INT + N_FLOAT) * self.capacity
+
+    @functools.cached_property
+    def marks0(self) -> int:
+        return self.row_checks0 + self.capacity
+
+    @functools.cached_property
+    def checks0(self) -> int:
+        """Word offset of the mark ring's check words (one per record: mark_ring.stamp)."""
+        return self.marks0 + RECORD_LEN * self.mark_capacity
 
     @functools.cached_property
     def names_offset(self) -> int:
         """Byte offset of the names area."""
-        return (self.marks0 + RECORD_LEN * self.mark_capacity) * 8
+        return (self.checks0 + self.mark_capacity) * 8
 
     @functools.cached_property
     def slot_words(self) -> int:
-        return FIG_HEAD + self.n_devices * (1 + self.n_fig_columns)
+        return FIG_HEAD + self.n_devices * (1 + self.n_fig_columns) + 1
 
     @functools.cached_property
     def figs0(self) -> int:
@@ -345,6 +334,15 @@ def sweep_stale() -> list[str]:
 
 # -- the sample ring ------------------------------------------------------------------------------
 
+_ROW = struct.Struct(f"<{N_INT}q{N_FLOAT}d")
+
+
+def row_check(index: int, values: tuple[Any, ...]) -> int:
+    """Ring row ``index``'s check word, from its stored values (INT_COLUMNS then FLOAT_COLUMNS,
+    nulls as stored): ``(index + 1) mod 2**31`` in the high half, CRC-32 of the packed values
+    in the low half (as mark_ring.stamp)."""
+    return ((index + 1) & 0x7FFFFFFF) << 32 | zlib.crc32(_ROW.pack(*values))
+
 
 class RingWriter:
     """Writes sampler rows into the ring, then publishes the write counter (the loop's ``emit``)."""
@@ -357,6 +355,7 @@ class RingWriter:
         self.ints = tuple((lay.int_base(4 + j), pos) for j, pos in enumerate(INT_METRIC_POS))
         self.floats = tuple((lay.float_base(j), pos) for j, pos in enumerate(FLOAT_METRIC_POS))
         self.bad_values = 0
+        self.checks = lay.row_checks0
 
     def emit(self, row: Row) -> None:
         t0, tw, dt, idx, reading = row
@@ -367,20 +366,27 @@ class RingWriter:
         q[b1 + slot] = tw
         q[b2 + slot] = dt
         q[b3 + slot] = idx
+        stored: list[Any] = [t0, tw, dt, idx]  # what the row's check word is computed from
+        keep = stored.append
         try:
             for base, pos in self.ints:
                 v = reading[pos]
-                q[base + slot] = INT_NULL if v is None else v
+                q[base + slot] = v = INT_NULL if v is None else v
+                keep(v)
             for base, pos in self.floats:
                 v = reading[pos]
-                d[base + slot] = math.nan if v is None else v
-        except (TypeError, ValueError, OverflowError):
-            self._coerce(reading, slot)
+                d[base + slot] = v = math.nan if v is None else v
+                keep(v)
+            check = ((self.n + 1) & 0x7FFFFFFF) << 32 | zlib.crc32(_ROW.pack(*stored))
+        except (TypeError, ValueError, OverflowError, struct.error):
+            check = self._coerce(reading, slot)
+        q[self.checks + slot] = check
         self.n += 1
-        q[H_WRITE_COUNT] = self.n  # publish only after the whole row is in place
+        q[H_WRITE_COUNT] = self.n  # publish after the row (the order matters only on x86-64)
 
-    def _coerce(self, reading: tuple[Any, ...], slot: int) -> None:
-        """A backend returned a value of the wrong type: convert what converts, null the rest."""
+    def _coerce(self, reading: tuple[Any, ...], slot: int) -> int:
+        """A backend returned a value of the wrong type: convert what converts, null the rest;
+        returns the row's check word, from what was stored."""
         for base, pos in self.ints:
             try:
                 self.q[base + slot] = INT_NULL if reading[pos] is None else int(reading[pos])
@@ -393,6 +399,11 @@ class RingWriter:
             except (TypeError, ValueError, OverflowError):
                 self.d[base + slot] = math.nan
                 self.bad_values += 1
+        stored = [self.q[base + slot] for base in self.bases]
+        stored += [self.q[base + slot] for base, _ in self.ints] + [
+            self.d[base + slot] for base, _ in self.floats
+        ]
+        return row_check(self.n, tuple(stored))
 
 
 def newest_t(block: Block) -> int:
@@ -433,187 +444,23 @@ def _column(view: Any, base: int, cap: int, first: int, n: int) -> list[Any]:
     return values
 
 
-def copy_rows(block: Block, first: int, end: int) -> list[Row]:
-    """Rows ``first`` .. ``end`` of the ring as sampler rows (None for null)."""
+def copy_rows(block: Block, first: int, end: int) -> tuple[list[Row], list[bool]]:
+    """Rows ``first`` .. ``end`` of the ring as sampler rows (None for null), and for each
+    whether its check word matches what was copied (False: not visible whole yet, or being
+    overwritten: a reader in another process must not take it; module doc)."""
     n = end - first
     if n <= 0:
-        return []
+        return [], []
     lay, q, d = block.layout, block.q, block.d
     cap = lay.capacity
-    t_mono, t_wall, read_ns, dev = (_column(q, lay.int_base(c), cap, first, n) for c in range(4))
+    ints = [_column(q, lay.int_base(c), cap, first, n) for c in range(N_INT)]
+    floats = [_column(d, lay.float_base(j), cap, first, n) for j in range(N_FLOAT)]
+    checks = _column(q, lay.row_checks0, cap, first, n)
+    ok = [row_check(first + k, raw) == checks[k] for k, raw in enumerate(zip(*ints, *floats, strict=True))]
     metrics: list[list[Any]] = [[]] * len(METRICS)
     for j, pos in enumerate(INT_METRIC_POS):
-        metrics[pos] = [None if v == INT_NULL else v for v in _column(q, lay.int_base(4 + j), cap, first, n)]
+        metrics[pos] = [None if v == INT_NULL else v for v in ints[4 + j]]
     for j, pos in enumerate(FLOAT_METRIC_POS):
-        metrics[pos] = [None if v != v else v for v in _column(d, lay.float_base(j), cap, first, n)]
+        metrics[pos] = [None if v != v else v for v in floats[j]]
     readings = list(zip(*metrics, strict=True))
-    return list(zip(t_mono, t_wall, read_ns, dev, readings, strict=True))
-
-
-# -- the mark ring and the names (training process -> telemetry process) ---------------------------
-
-
-def write_ring(buffer: Any, base: int, cap: int, w: int, record_len: int, *parts: Sequence[int]) -> int:
-    """The ints of ``parts``, one after another and zero-padded to whole records of
-    ``record_len`` int64 words, written into the ring of ``cap`` records at byte ``base`` of
-    ``buffer`` from record ``w % cap`` on, wrapping to record 0; returns the records written.
-    The caller checks the room and publishes the write position."""
-    data = [v for part in parts for v in part]
-    n = -(-len(data) // record_len)
-    if n > cap:
-        raise ValueError("write_ring: more records than the ring holds")
-    data += [0] * (n * record_len - len(data))
-    words, pos = cap * record_len, (w % cap) * record_len
-    if base + words * 8 > len(buffer):
-        raise ValueError("write_ring: the ring does not fit in the buffer")
-    with memoryview(buffer) as raw, raw[base : base + words * 8].cast("q") as ring:
-        k = min(len(data), words - pos)
-        ring[pos : pos + k] = array("q", data[:k])
-        ring[: len(data) - k] = array("q", data[k:])
-    return n
-
-
-_FIGURES_TAIL = (NULL,) * (RECORD_LEN - 9)  # a figure request's unused fields
-
-
-class MarkWriter:
-    """The training process's side of the mark ring: the WindowRecorder's sink and the
-    publisher of its name table. Never blocks: a full ring drops the record and counts it."""
-
-    def __init__(self, block: Block) -> None:
-        self.block = block
-        lay = block.layout
-        self.cap = lay.mark_capacity
-        self.base = lay.marks0 * 8
-        self._lock = threading.Lock()
-        self._names_used = block.q[H_NAMES_BYTES]
-        self.dropped = 0
-        self.overflow_names = 0
-
-    def emit(self, rec: Record) -> None:
-        """Write one record (a window or a figure request); drop it if the ring is full."""
-        self.emit_many((rec,))
-
-    def emit_many(self, recs: Sequence[Record]) -> None:
-        """Write records in order (the WindowRecorder's sink); those that do not fit in the ring
-        are dropped and counted."""
-        if any(len(rec) != RECORD_LEN for rec in recs):
-            raise TypeError(f"a mark-ring record has {RECORD_LEN} ints")
-        self._write(len(recs), recs, whole=False)
-
-    def emit_step_log(self, *parts: Sequence[int]) -> None:
-        """Write a step's packed log (the ints of ``parts`` one after another: steplog.pack or
-        its pieces) as one run of consecutive records; drop it (counting its records) if the ring
-        lacks room for all of them."""
-        size = sum(map(len, parts))
-        self._write(-(-(2 + size) // RECORD_LEN), ((RECORD_STEP_LOG, size), *parts), whole=True)
-
-    def _write(self, n: int, parts: Sequence[Sequence[int]], whole: bool) -> None:
-        """Write ``n`` records' ints (``parts``, one after another; ``write_ring`` pads the last
-        record) and publish them. Where the ring lacks room for all: ``whole``, drop them all;
-        else write the records that fit (then each part is one record) and drop the rest. The
-        drops are counted."""
-        q = self.block.q
-        try:
-            with self._lock:
-                w = q[H_MARK_WRITE]
-                room = self.cap - (w - q[H_MARKS_FLUSHED])
-                if room < n:
-                    kept = 0 if whole else max(room, 0)
-                    self.dropped += n - kept
-                    q[H_MARKS_DROPPED] = self.dropped
-                    n, parts = kept, parts[:kept]
-                    if not n:
-                        return
-                write_ring(self.block.mm, self.base, self.cap, w, RECORD_LEN, *parts)
-                q[H_MARK_WRITE] = w + n
-        except ValueError:  # the block was released by a concurrent close: nowhere to write
-            self.dropped += n
-
-    def publish_name(self, code: int, text: str) -> None:
-        """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""
-        data = text.encode("utf-8")[:4096]
-        q, lay = self.block.q, self.block.layout
-        with self._lock:
-            if q[H_NAMES_COUNT] != code:
-                return  # already published (a table re-installed on the same block)
-            if self._names_used + 2 + len(data) > NAMES_SIZE:
-                # Full: the telemetry process stores "?" for this code. An empty entry keeps the
-                # codes in order while one fits; after that none is published (nothing may be
-                # written past the area: the figure slots follow it).
-                self.overflow_names += 1
-                if self._names_used + 2 > NAMES_SIZE:
-                    return
-                data = b""
-            off = lay.names_offset + self._names_used
-            self.block.mm[off : off + 2 + len(data)] = struct.pack("<H", len(data)) + data
-            self._names_used += 2 + len(data)
-            q[H_NAMES_BYTES] = self._names_used
-            q[H_NAMES_COUNT] = code + 1
-
-    def request_figures(
-        self, seq: int, t_begin_mono_ns: int, t_end_mono_ns: int, mask: int = NULL, batch: int = 1
-    ) -> None:
-        """Ask the telemetry process for the figures of one window (answered in slot ``seq``):
-        those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure). ``batch``:
-        the answer may wait until that many requests can be answered together (the collector's
-        ``serve`` says how long at most)."""
-        head = (RECORD_FIGURES, seq, mask, batch, NULL, NULL, NULL, t_begin_mono_ns, t_end_mono_ns)
-        self._write(1, (head, _FIGURES_TAIL), whole=True)
-
-
-def read_names(block: Block, known: list[str]) -> None:
-    """Extend ``known`` with the names published since (the telemetry process's side)."""
-    q, lay = block.q, block.layout
-    count = q[H_NAMES_COUNT]
-    if count <= len(known):
-        return
-    off = lay.names_offset
-    pos, i = 0, 0
-    while i < count:
-        (n,) = struct.unpack_from("<H", block.mm, off + pos)
-        if i >= len(known):
-            text = bytes(block.mm[off + pos + 2 : off + pos + 2 + n]).decode("utf-8", "replace")
-            known.append(text or "?")
-        pos += 2 + n
-        i += 1
-
-
-# -- figure slots (telemetry process -> training process) ------------------------------------------
-
-
-def write_figures(
-    block: Block, seq: int, t_begin: int, t_end: int, per_device: list[tuple[int, list[float]]]
-) -> None:
-    """Publish the figures of request ``seq`` into its slot (seqlock: see the module doc)."""
-    lay = block.layout
-    q, d = block.q, block.d
-    base = lay.figs0 + (seq % lay.fig_slots) * lay.slot_words
-    q[base] = 0
-    q[base + 1], q[base + 2], q[base + 3] = t_begin, t_end, min(len(per_device), lay.n_devices)
-    pos = base + FIG_HEAD
-    for idx, values in per_device[: lay.n_devices]:
-        q[pos] = idx
-        for j, v in enumerate(values):
-            d[pos + 1 + j] = v
-        pos += 1 + lay.n_fig_columns
-    q[base] = seq + 1
-
-
-def read_figures(block: Block, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
-    """(t_begin, t_end, [(device index, values)]) of request ``seq``, or None while its slot does
-    not hold it (not computed yet, being rewritten, or reused by a later request)."""
-    lay = block.layout
-    q, d = block.q, block.d
-    base = lay.figs0 + (seq % lay.fig_slots) * lay.slot_words
-    if q[base] != seq + 1:
-        return None
-    t0, t1, n = q[base + 1], q[base + 2], q[base + 3]
-    out = []
-    pos = base + FIG_HEAD
-    for _ in range(n):
-        out.append((q[pos], d[pos + 1 : pos + 1 + lay.n_fig_columns].tolist()))
-        pos += 1 + lay.n_fig_columns
-    if q[base] != seq + 1:
-        return None
-    return t0, t1, out
+    return list(zip(*ints[:4], readings, strict=True)), ok

@@ -1,0 +1,211 @@
+"""What every framework integration shares: plain-value options, and the one call that turns
+them into this rank's :class:`~charllm_nemo.steps.StepTelemetry`.
+
+The integrations hold no per-step logic of their own: they say where steps (and, where the
+framework says so, microbatches and phases) begin and end, and the step-telemetry API does the
+rest (charllm_nemo.steps). Nothing here imports a training framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from charllm_nemo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from charllm_nemo.steps import StepTelemetry
+    from charllm_nemo.telemetry.config import Placement
+
+log = logging.getLogger(__name__)
+
+LOG_TO = ("trainer", "wandb", "none")
+"""Where per-step figures go besides steps.jsonl: the framework's own loggers (``trainer``), our
+W&B sink (``wandb``), or neither. One of them, never both: a key is logged once."""
+
+
+@dataclass
+class IntegrationOptions:
+    """The plain values a user gives an integration (so NeMo-Run / Fiddle can configure it).
+
+    ``hz``: power samples a second; ``counter_hz``: energy / violation counter reads a second
+    (None: every sample); ``backend``: auto | nvml | amdsmi | synthetic; ``out_dir``: the run
+    directory (``{time}`` becomes ``YYYYmmdd-HHMMSS``); ``windows``: the window kinds recorded
+    (step, microbatch, phase); ``sampler``: auto | thread | process; ``log_to``: see
+    :data:`LOG_TO`; ``key_prefix``: prefix of the keys given to the framework's loggers;
+    ``steps_file``: write ``steps.jsonl`` in the run directory; ``console``: rank 0 prints a line
+    a step; ``attention_flops``: full | causal (how MFU counts attention); ``peak_tflops_per_gpu``:
+    the MFU denominator (None: looked up for the device); ``precision``: the peak's precision;
+    ``overwrite``: replace an earlier run in ``out_dir``; ``enabled``: False does nothing.
+    """
+
+    hz: float = 100.0
+    counter_hz: float | None = 10.0
+    backend: str = "auto"
+    out_dir: str = "runs/{time}"
+    windows: Sequence[str] = ("step", "microbatch", "phase")
+    sampler: str = "auto"
+    log_to: str = "trainer"
+    key_prefix: str = "charllm/"
+    steps_file: bool = True
+    console: bool = False
+    attention_flops: str = "causal"
+    peak_tflops_per_gpu: float | None = None
+    precision: str = "bf16"
+    overwrite: bool = False
+    enabled: bool = True
+
+    def validate(self, owner: str) -> None:
+        """Raise ConfigError naming ``<owner>.<field>`` for a value that cannot work (the
+        telemetry fields are checked again, in full, by ``validate_telemetry``)."""
+        if self.log_to not in LOG_TO:
+            raise ConfigError(f"{owner}.log_to={self.log_to!r}: use one of {', '.join(LOG_TO)}")
+        if self.attention_flops not in ("full", "causal"):
+            raise ConfigError(f"{owner}.attention_flops={self.attention_flops!r}: use 'full' or 'causal'")
+        if not isinstance(self.key_prefix, str):
+            raise ConfigError(f"{owner}.key_prefix={self.key_prefix!r}: give a string such as 'charllm/'")
+
+    def resolved_out_dir(self) -> str:
+        return self.out_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
+
+    def telemetry_config(self, out_dir: str) -> Any:
+        from charllm_nemo.telemetry.config import TelemetryConfig
+
+        return TelemetryConfig(
+            enabled=self.enabled,
+            backend=self.backend,
+            hz=self.hz,
+            counter_hz=self.counter_hz,
+            sampler=self.sampler,
+            out_dir=out_dir,
+            overwrite=self.overwrite,
+            windows=list(self.windows),
+            attention_flops=self.attention_flops,
+        )
+
+
+class LoggersObserver:
+    """Each step report to a framework's loggers, as ``<prefix><field>`` scalars at the report's
+    step (rank 0 only; the API calls observers on rank 0). ``log_metrics(metrics, step)`` is
+    Lightning's Logger method; Bridge and Megatron-LM callers pass a function of the same shape."""
+
+    def __init__(self, log_metrics: Callable[[dict[str, float], int], Any], prefix: str = "charllm/") -> None:
+        self._log = log_metrics
+        self._prefix = prefix
+
+    def on_step(self, report: Any) -> None:
+        row = report.to_dict()
+        metrics = {
+            f"{self._prefix}{k}": float(v)
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None
+        }
+        if metrics:
+            self._log(metrics, int(report.step))
+
+    def close(self, status: str) -> None:
+        return None
+
+
+def open_step_telemetry(
+    opts: IntegrationOptions,
+    placement: Placement,
+    *,
+    framework: str,
+    sources: Mapping[str, str],
+    model: Any = None,
+    global_batch_size: int | None = None,
+    seq_length: int | None = None,
+    device: str = "cpu",
+    num_microbatches: int = 1,
+    total_steps: int | None = None,
+    observers: Sequence[Any] = (),
+    run_config: Mapping[str, Any] | None = None,
+    group: Any = None,
+    wandb_config: Any = None,
+) -> tuple[StepTelemetry, str]:
+    """Open this rank's session and its StepTelemetry from ``opts``; returns it with the run
+    directory. ``sources``: where each window kind's boundaries come from (written into the
+    manifest under ``integration.sources``). ``observers``: rank 0's, besides steps.jsonl /
+    console / W&B that ``opts`` asks for."""
+    from charllm_nemo.steps import ConsoleObserver, StepsFileObserver, StepTelemetry
+    from charllm_nemo.telemetry.config import open_session
+
+    out_dir = opts.resolved_out_dir()
+    cfg = opts.telemetry_config(out_dir)
+    config = {
+        "integration": {"framework": framework, "sources": dict(sources), "options": asdict(opts)},
+        "telemetry": asdict(cfg),
+        **(dict(run_config) if run_config else {}),
+    }
+    session = open_session(cfg, placement, run_config=config)
+    obs: list[Any] = list(observers)
+    if placement.rank == 0:
+        if opts.steps_file:
+            obs.append(StepsFileObserver(Path(out_dir) / "steps.jsonl"))
+        if opts.console:
+            obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
+        if opts.log_to == "wandb":
+            obs.append(_wandb_observer(wandb_config, out_dir))
+    try:
+        st = StepTelemetry(
+            session,
+            placement,
+            model=model,
+            global_batch_size=global_batch_size,
+            seq_length=seq_length,
+            attention_flops=opts.attention_flops,
+            peak_tflops_per_gpu=opts.peak_tflops_per_gpu,
+            precision=opts.precision,
+            observers=obs,
+            group=group,
+            device=device,
+            num_microbatches=num_microbatches,
+            windows=tuple(opts.windows),
+            total_steps=total_steps,
+        )
+    except BaseException:
+        session.close("failed")
+        raise
+    return st, out_dir
+
+
+def _wandb_observer(wandb_config: Any, out_dir: str) -> Any:
+    """Our W&B sink (charllm_nemo.sinks) as an observer; ``wandb_config``: a LoggerConfig (None:
+    the defaults with name ``wandb``)."""
+    from charllm_nemo.sinks.config import LoggerConfig, build_sink
+    from charllm_nemo.steps import WandbObserver
+
+    cfg = wandb_config if wandb_config is not None else LoggerConfig(name="wandb")
+    sink = build_sink(cfg, 0, run_dir=out_dir)
+    if sink is None:
+        raise ConfigError("log_to='wandb' but the logger config builds no W&B sink; set its name to 'wandb'")
+    return WandbObserver(sink, run_dir=out_dir)
+
+
+def loss_of(output: Any) -> float | None:
+    """A float loss from what a framework's step returned (a tensor, a dict with ``loss`` /
+    ``lm loss`` / ``reduced_train_loss``, or a number); None when there is none (a pipeline stage
+    without the loss)."""
+    if output is None:
+        return None
+    if isinstance(output, Mapping):
+        for key in ("loss", "lm loss", "reduced_train_loss", "avg"):
+            if key in output:
+                return loss_of(output[key])
+        return None
+    item = getattr(output, "item", None)
+    if item is not None:
+        try:
+            if getattr(output, "numel", lambda: 1)() != 1:
+                return None
+            return float(item())
+        except (RuntimeError, ValueError):
+            return None
+    if isinstance(output, (int, float)) and not isinstance(output, bool):
+        return float(output)
+    return None

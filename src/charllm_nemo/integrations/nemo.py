@@ -1,0 +1,291 @@
+"""NeMo 2 / Lightning drop-in: :class:`PowerThermalCallback`.
+
+One line in a NeMo 2 recipe (docs/integrations.md)::
+
+    recipe.trainer.callbacks.append(run.Config(PowerThermalCallback, hz=100, out_dir="runs/{time}"))
+
+or ``callbacks=[PowerThermalCallback()]`` on any ``lightning.pytorch.Trainer``.
+
+Where each window's boundaries come from (the manifest records it, ``integration.sources``):
+
+* step: Lightning's ``on_train_batch_start`` / ``on_train_batch_end`` (the optimizer step is
+  inside; the same on NeMo's MegatronStrategy and on a plain Trainer);
+* forward / backward phases and microbatches: megatron-core's ``config.timers`` calls
+  (``forward-compute`` / ``backward-compute``, the pipeline's send/recv, the gradient syncs),
+  through the API's timers adapter, which wraps NeMo's own ``Timers`` in ``model.config.timers``
+  and forwards to it (NeMo's timing logs keep working). NeMo's ``on_megatron_microbatch_*``
+  hooks bracket the forward only, so they are not used for windows;
+* optimizer phase: Lightning's ``on_before_optimizer_step`` to ``on_train_batch_end``.
+
+NeMo's ``on_megatron_*`` hooks (with exactly the parameter names MegatronStrategy passes) count
+the steps and microbatches NeMo ran; each step's microbatch count is megatron-core's
+``get_num_microbatches()`` (NeMo's ``step.num_microbatches`` is still None at step start).
+Telemetry opens on every rank at ``on_train_start`` (its local device), and closes and flushes at
+``on_train_end``, on an exception (``on_exception``), at ``teardown`` and on SIGTERM (the
+session's handler). All per-step logic is the step-telemetry
+API's (charllm_nemo.steps); this class only says where things begin and end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from charllm_nemo.integrations._common import (
+    IntegrationOptions,
+    LoggersObserver,
+    loss_of,
+    open_step_telemetry,
+)
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as exc:  # pragma: no cover - the callback is only for Lightning users
+    raise ImportError(
+        "charllm_nemo.integrations.nemo needs lightning (pip install 'lightning<=2.4'; NeMo 2 brings it)"
+    ) from exc
+
+log = logging.getLogger(__name__)
+
+SOURCES_MEGATRON = {
+    "step": "lightning:on_train_batch_start..on_train_batch_end",
+    "microbatch": "megatron-core config.timers (span of forward-compute..backward-compute)",
+    "phase:forward": "megatron-core config.timers forward-compute",
+    "phase:backward": "megatron-core config.timers backward-compute",
+    "phase:pp-*": "megatron-core config.timers p2p send/recv",
+    "phase:grad-sync": "megatron-core config.timers all-grads-sync",
+    "phase:optimizer": "lightning:on_before_optimizer_step..on_train_batch_end",
+}
+SOURCES_LIGHTNING = {
+    "step": "lightning:on_train_batch_start..on_train_batch_end",
+    "phase:optimizer": "lightning:on_before_optimizer_step..on_train_batch_end",
+}
+
+
+class PowerThermalCallback(Callback):  # type: ignore[misc]
+    """Per-rank power / energy / thermal / throttle telemetry for a NeMo 2 or Lightning run.
+
+    Every argument is a plain value (Fiddle / NeMo-Run configure it): see
+    :class:`~charllm_nemo.integrations._common.IntegrationOptions` for their meaning and units
+    (``hz`` in samples a second). ``log_to="trainer"`` (default) gives each step's figures to
+    the trainer's loggers as ``<key_prefix><field>`` (NeMo's W&B logger among them);
+    ``"wandb"`` to charllm's own W&B sink instead; ``"none"`` to neither. ``steps.jsonl`` and the
+    per-rank Parquet store are written in the run directory either way.
+    """
+
+    def __init__(
+        self,
+        hz: float = 100.0,
+        counter_hz: float | None = 10.0,
+        backend: str = "auto",
+        out_dir: str = "runs/{time}",
+        windows: Sequence[str] = ("step", "microbatch", "phase"),
+        sampler: str = "auto",
+        log_to: str = "trainer",
+        key_prefix: str = "charllm/",
+        steps_file: bool = True,
+        console: bool = False,
+        attention_flops: str = "causal",
+        peak_tflops_per_gpu: float | None = None,
+        precision: str = "bf16",
+        overwrite: bool = False,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__()
+        self.options = IntegrationOptions(
+            hz=hz,
+            counter_hz=counter_hz,
+            backend=backend,
+            out_dir=out_dir,
+            windows=tuple(windows),
+            sampler=sampler,
+            log_to=log_to,
+            key_prefix=key_prefix,
+            steps_file=steps_file,
+            console=console,
+            attention_flops=attention_flops,
+            peak_tflops_per_gpu=peak_tflops_per_gpu,
+            precision=precision,
+            overwrite=overwrite,
+            enabled=enabled,
+        )
+        self.options.validate("PowerThermalCallback")
+        self.telemetry: Any = None
+        """This rank's StepTelemetry while training (None before and after)."""
+        self.run_dir: str | None = None
+        self.sources: dict[str, str] = {}
+        self.microbatches_seen = 0
+        """Microbatches NeMo ran (its ``on_megatron_microbatch_end``), all steps together."""
+        self.megatron_steps_seen = 0
+        """Steps NeMo's MegatronStrategy ran (its ``on_megatron_step_start``)."""
+        self._in_step = False
+        self._optimizer_phase: Any = None
+        self._timers_patched: list[tuple[Any, Any]] = []
+
+    # -- open ------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.options.enabled or self.telemetry is not None:
+            return
+        from charllm_nemo.telemetry.config import Placement
+
+        configs = _megatron_configs(trainer, pl_module)
+        megatron = bool(configs)
+        labels: dict[str, int] = {}
+        if megatron:
+            labels = dict(Placement.from_megatron().labels)
+        placement = Placement(
+            rank=int(trainer.global_rank),
+            local_rank=int(trainer.local_rank),
+            world_size=int(trainer.world_size),
+            local_world_size=max(1, int(getattr(trainer, "num_devices", 1) or 1)),
+            labels=labels,
+        )
+        device = "cuda" if getattr(pl_module.device, "type", "cpu") == "cuda" else "cpu"
+        model, gbs, seq = _shape_of(trainer, pl_module, self.options.attention_flops)
+        self.sources = dict(SOURCES_MEGATRON if megatron else SOURCES_LIGHTNING)
+        observers: list[Any] = []
+        if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
+            observers.append(LoggersObserver(_log_to_loggers(trainer), self.options.key_prefix))
+        self.telemetry, self.run_dir = open_step_telemetry(
+            self.options,
+            placement,
+            framework="nemo" if megatron else "lightning",
+            sources=self.sources,
+            model=model,
+            global_batch_size=gbs,
+            seq_length=seq,
+            device=device,
+            num_microbatches=_num_microbatches() or 1,
+            total_steps=int(trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else None,
+            observers=observers,
+        )
+        for config in configs:
+            inner = getattr(config, "timers", None)
+            config.timers = self.telemetry.timers(inner=inner)
+            self._timers_patched.append((config, inner))
+
+    # -- steps -----------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        st = self.telemetry
+        if st is None:
+            return
+        # NeMo's step.num_microbatches is None until its step starts: mcore's calculator knows it
+        st.begin_step(int(trainer.global_step), num_microbatches=_num_microbatches())
+        self._in_step = True
+
+    def on_megatron_step_start(self, step: Any) -> None:
+        self.megatron_steps_seen += 1
+
+    def on_megatron_microbatch_end(self, step: Any, batch: Any, forward_callback: Any, output: Any) -> None:
+        self.microbatches_seen += 1
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.telemetry is None or not self._in_step or self._optimizer_phase is not None:
+            return
+        self._optimizer_phase = self.telemetry.phase("optimizer")
+        self._optimizer_phase.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        st = self.telemetry
+        if st is None or not self._in_step:
+            return
+        if self._optimizer_phase is not None:
+            self._optimizer_phase.__exit__(None, None, None)
+            self._optimizer_phase = None
+        self._in_step = False
+        st.end_step(loss=loss_of(outputs), num_microbatches=_num_microbatches())
+
+    # -- close -----------------------------------------------------------------------------
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close("complete")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close("interrupted" if isinstance(exception, KeyboardInterrupt) else "failed")
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._close("complete" if not self._in_step else "failed")
+
+    def _close(self, status: str) -> None:
+        st, self.telemetry = self.telemetry, None
+        for config, inner in self._timers_patched:
+            config.timers = inner  # NeMo's own Timers again
+        self._timers_patched = []
+        self._optimizer_phase = None
+        self._in_step = False
+        if st is not None:
+            st.finish(status)
+
+
+def _megatron_configs(trainer: Any, pl_module: Any) -> list[Any]:
+    """The megatron-core ``TransformerConfig`` objects whose ``timers`` megatron-core's schedules
+    call (NeMo sets ``model.config.timers``); empty for a plain LightningModule."""
+    configs: list[Any] = []
+    seen: set[int] = set()
+
+    def add(config: Any) -> None:
+        if config is not None and hasattr(config, "timers") and id(config) not in seen:
+            seen.add(id(config))
+            configs.append(config)
+
+    add(getattr(pl_module, "config", None))
+    parallel = getattr(trainer.strategy, "megatron_parallel", None)
+    if parallel is not None:
+        for chunk in parallel:
+            module = getattr(chunk, "module", chunk)
+            add(getattr(module, "config", None))
+    if not configs or not any(_is_transformer_config(c) for c in configs):
+        return []
+    return configs
+
+
+def _is_transformer_config(config: Any) -> bool:
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError:
+        return False
+    return isinstance(config, TransformerConfig)
+
+
+def _num_microbatches() -> int | None:
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return int(get_num_microbatches())
+    except (ImportError, AssertionError, AttributeError, TypeError):
+        return None  # not a Megatron run, or the calculator is not set up
+
+
+def _shape_of(trainer: Any, pl_module: Any, attention: str) -> tuple[Any, int | None, int | None]:
+    """(ModelShape or None, global batch size in sequences, sequence length) from NeMo's model
+    config and data sampler; (None, None, None) when the module is not a NeMo GPT model."""
+    config = getattr(pl_module, "config", None)
+    if config is None or not hasattr(config, "num_layers"):
+        return None, None, None
+    from charllm_nemo.metrics.flops import ModelShape
+
+    try:
+        shape = ModelShape.from_nemo_config(
+            config,
+            tokenizer=getattr(pl_module, "tokenizer", None),
+            causal_attention_flops=attention == "causal",
+        )
+    except Exception as exc:  # the figures go on without MFU; say why once
+        log.warning("charllm: no FLOPs / MFU for this model: %s", exc)
+        return None, None, None
+    sampler = getattr(trainer.strategy, "data_sampler", None)
+    gbs = getattr(sampler, "global_batch_size", None) or getattr(
+        trainer.datamodule, "global_batch_size", None
+    )
+    seq = getattr(config, "seq_length", None)
+    return shape, (int(gbs) if gbs else None), (int(seq) if seq else None)
+
+
+def _log_to_loggers(trainer: Any) -> Any:
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    return log_metrics

@@ -1,0 +1,154 @@
+"""One step over all ranks (:class:`StepReport`), and the one vector per rank that carries it.
+
+Each rank sends, once a step, one float64 vector (:func:`pack_rank_vector`): its loss terms, its
+step time and the telemetry figures of an earlier step (the one due; charllm_nemo.steps.telemetry
+says which) in :data:`~charllm_nemo.sinks.keys.STEP_FIGURE_KEYS` order, NaN where unknown.
+Every rank receives every vector (one ``all_gather``: all ranks must agree on the step time,
+which decides how late figures are reported); rank 0 turns them into the step's report
+(:func:`combine_rank_vectors`). Framework-free: plain floats, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, combine_devices
+
+HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count", "step_time_s")
+"""The first entries of a rank's vector: ``loss_sum`` / ``loss_tokens`` (a summed token loss and
+its token count, 0 where the rank has none), ``loss`` / ``loss_count`` (an already averaged loss
+and 1, or 0 and 0), the rank's own ``step_time_s``; then :data:`STEP_FIGURE_KEYS`."""
+VECTOR_WIDTH = len(HEAD_FIELDS) + len(STEP_FIGURE_KEYS)
+_FIG0 = len(HEAD_FIELDS)
+_ENERGY = _FIG0 + STEP_FIGURE_KEYS.index("energy_j")
+_POWER_AVG = _FIG0 + STEP_FIGURE_KEYS.index("power_avg_w")
+_POWER_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("power_peak_w")
+_TEMP_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("temp_gpu_peak_c")
+_THROTTLE = _FIG0 + STEP_FIGURE_KEYS.index("throttle_any_limiting_s")
+
+
+@dataclass
+class StepReport:
+    """One training step over all ranks, as rank 0's observers receive it.
+
+    ``loss``: the step's loss (token-weighted over the ranks that sent summed terms, else the
+    mean of the ranks that sent one; None when none did). ``step_time_s``: the slowest rank's
+    step (s). Rates (:class:`~charllm_nemo.steps.rates.StepRates`): ``tokens_per_s``,
+    ``samples_per_s``, ``model_tflops_per_gpu`` / ``hardware_tflops_per_gpu`` (TFLOP/s per rank),
+    ``mfu`` (fraction of the peak; None when the peak is unknown) counted with
+    ``mfu_attention`` (``full`` | ``causal``: how attention FLOPs are counted). Telemetry over
+    the ranks that reported it (``ranks_reporting``): ``energy_j`` (J, summed), ``power_avg_w``
+    (W, mean of the ranks' averages), ``power_peak_w`` (W, max), ``temp_gpu_peak_c`` (°C, max),
+    ``throttle_share`` (max over ranks of the time a limiting throttle reason was set / step
+    time). Telemetry fields stay None until the step's figures are due. ``rank_vectors``: every
+    rank's figures as gathered (index = rank; :attr:`per_rank` reads them as dicts).
+    """
+
+    step: int
+    loss: float | None
+    step_time_s: float
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    model_tflops_per_gpu: float | None = None
+    hardware_tflops_per_gpu: float | None = None
+    mfu: float | None = None
+    mfu_attention: str | None = None
+    energy_j: float | None = None
+    power_avg_w: float | None = None
+    power_peak_w: float | None = None
+    temp_gpu_peak_c: float | None = None
+    throttle_share: float | None = None
+    ranks_reporting: int = 0
+    num_microbatches: int | None = None
+    rank_vectors: list[list[float]] | None = field(default=None, repr=False)
+
+    @property
+    def per_rank(self) -> list[dict[str, float]]:
+        """Every rank's telemetry figures of this step (index = rank; NaN = not known), by
+        :data:`STEP_FIGURE_KEYS` name; empty until they are due."""
+        if not self.rank_vectors:
+            return []
+        return [dict(zip(STEP_FIGURE_KEYS, row[_FIG0:], strict=True)) for row in self.rank_vectors]
+
+    def figure_rows(self) -> list[list[float]] | None:
+        """Every rank's figures as lists in :data:`STEP_FIGURE_KEYS` order (what
+        ``AsyncSink.log_figures`` takes as ``gathered``), None until they are due."""
+        if not self.rank_vectors:
+            return None
+        return [row[_FIG0:] for row in self.rank_vectors]
+
+    def to_dict(self, *, per_rank: bool = False) -> dict[str, Any]:
+        """The report as a flat dict (steps.jsonl / summary.json rows: docs/store.md); with
+        ``per_rank`` also ``per_rank``: the list of every rank's figures."""
+        out = asdict(self)
+        del out["rank_vectors"]
+        if per_rank:
+            out["per_rank"] = self.per_rank
+        return out
+
+
+def pack_rank_vector(
+    *,
+    loss_sum: float = 0.0,
+    loss_tokens: float = 0.0,
+    loss: float | None = None,
+    step_time_s: float = 0.0,
+    figures: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+) -> list[float]:
+    """This rank's vector: :data:`HEAD_FIELDS`, then its devices' figures combined
+    (:func:`~charllm_nemo.sinks.keys.combine_devices`; ``figures`` None = not known, all NaN).
+    A ``loss`` that is not a finite number counts as none."""
+    value = math.nan if loss is None else float(loss)
+    has_loss = math.isfinite(value)
+    head = [float(loss_sum), float(loss_tokens), value if has_loss else 0.0, 1.0 if has_loss else 0.0]
+    head.append(float(step_time_s))
+    if figures is None:
+        return head + [math.nan] * len(STEP_FIGURE_KEYS)
+    combined = combine_devices(figures)
+    return head + [combined[name] for name in STEP_FIGURE_KEYS]
+
+
+@dataclass(frozen=True)
+class StepHead:
+    """What every rank learns from a step's vectors: the loss (None: no rank had one) and the
+    slowest rank's step time (s)."""
+
+    loss: float | None
+    step_time_s: float
+
+
+def combine_head(rows: Sequence[Sequence[float]]) -> StepHead:
+    """The loss and the step time (max over ranks) from every rank's vector."""
+    tokens = math.fsum(r[1] for r in rows)
+    if tokens > 0:
+        loss: float | None = math.fsum(r[0] for r in rows) / tokens
+    else:
+        count = math.fsum(r[3] for r in rows)
+        loss = math.fsum(r[2] for r in rows) / count if count > 0 else None
+    return StepHead(loss, max(r[4] for r in rows))
+
+
+def _max_known(rows: Sequence[Sequence[float]], i: int) -> float | None:
+    values = [r[i] for r in rows if math.isfinite(r[i])]
+    return max(values) if values else None
+
+
+def apply_rank_figures(report: StepReport, rows: Sequence[Sequence[float]]) -> None:
+    """Put the ranks' telemetry figures (every rank's vector) into ``report``: energy summed
+    and power averaged over the ranks that know their energy; peaks and throttle time the
+    maximum over the ranks that know them (a device may report temperature but no energy)."""
+    reporting = [r for r in rows if math.isfinite(r[_ENERGY])]
+    n = len(reporting)
+    report.ranks_reporting = n
+    report.rank_vectors = [list(r) for r in rows]
+    report.power_peak_w = _max_known(rows, _POWER_PEAK)
+    report.temp_gpu_peak_c = _max_known(rows, _TEMP_PEAK)
+    thr = _max_known(rows, _THROTTLE)
+    report.throttle_share = None if thr is None or report.step_time_s <= 0 else thr / report.step_time_s
+    if n:
+        report.energy_j = math.fsum(r[_ENERGY] for r in reporting)
+        report.power_avg_w = math.fsum(r[_POWER_AVG] for r in rows if math.isfinite(r[_POWER_AVG])) / n

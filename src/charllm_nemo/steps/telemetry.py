@@ -1,0 +1,456 @@
+"""The per-step telemetry API of one rank: every training loop says where steps, microbatches
+and phases begin and end; this does the rest.
+
+::
+
+    st = StepTelemetry(session, placement, model=shape, global_batch_size=512,
+                       observers=[ConsoleObserver(total_steps=100)], device="cuda")
+    config.timers = st.timers(inner=config.timers)   # Megatron-Core's forward/backward marks
+    for step in range(100):
+        st.begin_step(step)
+        ...forward/backward...
+        with st.phase("optimizer"):
+            optimizer.step()
+        st.end_step(loss=loss)          # one all_gather of one small vector per rank
+    st.finish("complete")
+
+Per step, on the training thread: the marks are appended to a flat log (charllm_nemo.steps.marks);
+at :meth:`StepTelemetry.end_step` the step's window goes to the telemetry process, which is asked
+for its figures; the figures of an earlier step, now due (charllm_nemo.steps.pending), are read,
+and each rank's one vector (loss, step time, those figures: charllm_nemo.steps.report) crosses
+the ranks once; rank 0 completes that earlier step's :class:`StepReport` (throughput and MFU
+from :class:`~charllm_nemo.steps.rates.StepRates`, cross-rank telemetry) and hands it to its
+observers. :meth:`StepTelemetry.finish` waits (bounded) for the last steps' figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+from charllm_nemo.steps.marks import StepMarker, StepTiming
+from charllm_nemo.steps.observers import Observer
+from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
+from charllm_nemo.steps.rates import StepRates
+from charllm_nemo.steps.report import StepReport, apply_rank_figures, combine_head, pack_rank_vector
+from charllm_nemo.steps.timers import TimersAdapter
+from charllm_nemo.telemetry.config import Placement
+from charllm_nemo.telemetry.schema import WINDOW_KINDS
+from charllm_nemo.telemetry.windows import WindowRecorder
+
+log = logging.getLogger("charllm_nemo.steps")
+
+THREAD_MODE_FIGURES: tuple[str, ...] = (
+    "duration_s",
+    "energy_j",
+    "power_avg_w",
+    "power_peak_w",
+    "temp_gpu_peak_c",
+    "throttle_any_limiting_s",
+)
+"""The figures a rank reports by default where they are computed on its training thread
+(sampler ``thread``): those of the console line and of the report's cross-rank fields."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What every rank knows of its last ended step: the loss over all ranks (None: no rank had
+    one), the slowest rank's step time and this rank's own (s), and its gradient norm."""
+
+    step: int
+    loss: float | None
+    step_time_s: float
+    local_step_time_s: float
+    grad_norm: float | None
+
+
+def _finite(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class _Phase:
+    """A reusable context manager around one phase timer (``with st.phase("optimizer")``)."""
+
+    __slots__ = ("_timer",)
+
+    def __init__(self, timer: Any) -> None:
+        self._timer = timer
+
+    def __enter__(self) -> None:
+        self._timer.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.stop()
+
+
+class StepTelemetry:
+    """One rank's per-step telemetry (module doc).
+
+    ``session``: the rank's started TelemetrySession (``open_session``), or None: no telemetry
+    (steps are still timed, losses gathered and reports made). ``placement``: where the rank
+    sits (default: the session's rank and world size). ``model`` (a ModelShape) with
+    ``global_batch_size`` (sequences a step) and ``seq_length`` (default the shape's): FLOPs,
+    throughput and MFU, counted with ``attention_flops`` (``full`` | ``causal``; default the
+    shape's), against ``peak_tflops_per_gpu`` (default: looked up for the CUDA device and
+    ``precision``); or pass ready ``rates``. ``observers``: rank 0's (others ignore them).
+    ``group``: the torch.distributed group of the one gather a step (None: the default group
+    when initialised; none without). ``device``: ``cuda`` times marks with CUDA events resolved
+    at step end, else the host clock. ``num_microbatches`` per step (a step may change it),
+    ``num_chunks`` (virtual pipeline chunks on this rank) and ``group_size`` (mcore's
+    ``microbatch_group_size_per_vp_stage``) map the k-th forward to its microbatch.
+    ``windows``: the window kinds to record (default all; ``()`` none). ``total_steps``: the
+    last step asks for its figures at once. ``recorder``: a bare WindowRecorder to record into
+    when there is no session (tests). ``max_figure_wait_s``: the most a step waits for an
+    earlier step's overdue figures (None: up to two sampling periods, at most 50 ms; 0: never,
+    they are dropped); an attribute, so a caller may change it between steps. ``figures``: the
+    telemetry figures each rank reports (names of :data:`STEP_FIGURE_KEYS`; the others travel
+    as NaN). None: all of them where the telemetry process computes them (sampler ``process``),
+    :data:`THREAD_MODE_FIGURES` where they are computed on the training thread (sampler
+    ``thread``: about 1 ms a step for all of them, 0.1 ms for these, measured by
+    bench/bench_step_marks.py).
+    """
+
+    def __init__(
+        self,
+        session: Any = None,
+        placement: Placement | None = None,
+        *,
+        model: Any = None,
+        global_batch_size: int | None = None,
+        seq_length: int | None = None,
+        attention_flops: str | None = None,
+        peak_tflops_per_gpu: float | None = None,
+        precision: str = "bf16",
+        rates: StepRates | None = None,
+        observers: Sequence[Observer] = (),
+        group: Any = None,
+        device: str = "cpu",
+        num_microbatches: int = 1,
+        num_chunks: int = 1,
+        group_size: int | None = None,
+        windows: Sequence[str] | None = None,
+        total_steps: int | None = None,
+        recorder: WindowRecorder | None = None,
+        max_figure_wait_s: float | None = None,
+        figures: Sequence[str] | None = None,
+    ) -> None:
+        if placement is None:
+            placement = (
+                Placement(session.rank, session.local_rank, session.world_size)
+                if session is not None
+                else Placement.from_env()
+            )
+        self.session = session
+        self.placement = placement
+        self.group = group
+        self.total_steps = total_steps
+        kinds = tuple(WINDOW_KINDS if windows is None else windows)
+        unknown = [k for k in kinds if k not in WINDOW_KINDS]
+        if unknown:
+            raise ConfigError(
+                f"telemetry.windows has unknown kinds {unknown}; use a subset of {WINDOW_KINDS}"
+            )
+        marking = session is not None or recorder is not None
+        self.recorder = session.windows if session is not None else (recorder or WindowRecorder())
+        if recorder is not None and session is None and placement.labels:
+            self.recorder.set_labels(**placement.labels)
+        self.cuda = str(device).startswith("cuda")
+        self.marker = StepMarker(
+            self.recorder,
+            num_microbatches=num_microbatches,
+            num_chunks=num_chunks,
+            group_size=group_size,
+            kinds=kinds if marking else (),
+            cuda=self.cuda,
+        )
+        self._torch, self.world_size, self.rank = self._process_group(group)
+        self.is_reporting_rank = self.rank == 0
+        self.observers: list[Observer] = list(observers) if self.is_reporting_rank else []
+        self._broken: set[int] = set()
+        self.rates = rates
+        if rates is None and model is not None and global_batch_size is not None:
+            self.rates = self._rates(
+                model, global_batch_size, seq_length, attention_flops, peak_tflops_per_gpu, precision
+            )
+        # How soon after a step's end its figures can be ready: a sampling period, or a counter
+        # period where the backend reads its counters apart (telemetry.counter_hz).
+        hz = float(getattr(session, "hz", 100.0))
+        every = int(getattr(session, "counter_every", 1))
+        self._period_ns = 1e9 / max(hz, 1e-3) * every
+        ready_s = 2 * (every - 1) / max(hz, 1e-3)  # 0 where every sample can answer a figure
+        self.pending: PendingSteps[StepReport] = PendingSteps(
+            MAX_FIGURES_LAG if session is not None else 1, ready_s
+        )
+        self._final_wait_s = final_wait(hz)
+        self.figures = self._figure_names(session, figures)
+        self.max_figure_wait_s = max_figure_wait_s
+        self._comm_device: Any = None
+        self._phases: dict[str, _Phase] = {}
+        self._step: int | None = None
+        self._finished = False
+        self.last: StepOutcome | None = None
+        """Every rank: its last ended step (:class:`StepOutcome`)."""
+        self.steps_ended = 0
+
+    # -- setup ------------------------------------------------------------------------------
+    @staticmethod
+    def _figure_names(session: Any, figures: Sequence[str] | None) -> tuple[str, ...]:
+        if figures is None:
+            in_process = getattr(session, "sampler_mode", "process") == "process"
+            return STEP_FIGURE_KEYS if in_process else THREAD_MODE_FIGURES
+        unknown = [f for f in figures if f not in STEP_FIGURE_KEYS]
+        if unknown:
+            raise ConfigError(f"unknown step figure(s) {unknown}; use names of sinks.keys.STEP_FIGURE_KEYS")
+        return tuple(figures)
+
+    def _process_group(self, group: Any) -> tuple[Any, int, int]:
+        """(torch or None, the group's size, this rank's place in it): 1 and the placement's
+        rank without an initialised process group."""
+        try:
+            import torch
+            import torch.distributed as tdist
+        except ImportError:
+            return None, 1, self.placement.rank
+        if not tdist.is_available() or not tdist.is_initialized():
+            return torch, 1, self.placement.rank
+        return torch, tdist.get_world_size(group), tdist.get_rank(group)
+
+    def _global_world_size(self) -> int:
+        """The ranks the job's FLOPs are spread over: torch.distributed's world when initialised,
+        else the placement's."""
+        torch = self._torch
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return int(torch.distributed.get_world_size())
+        return self.placement.world_size
+
+    def _rates(
+        self,
+        model: Any,
+        global_batch_size: int,
+        seq_length: int | None,
+        attention_flops: str | None,
+        peak: float | None,
+        precision: str,
+    ) -> StepRates | None:
+        name = units = None
+        if self.cuda and peak is None and self._torch is not None and self._torch.cuda.is_available():
+            props = self._torch.cuda.get_device_properties(self._torch.cuda.current_device())
+            name, units = props.name, props.multi_processor_count
+        try:
+            return StepRates.for_model(
+                model,
+                global_batch_size,
+                self._global_world_size(),
+                seq_length=seq_length,
+                attention_flops=attention_flops,
+                peak_tflops_per_gpu=peak,
+                device_name=name,
+                precision=precision,
+                compute_units=units,
+            )
+        except ConfigError as exc:  # a rate error must not stop training; the rates stay absent
+            log.warning("charllm: no throughput or MFU: %s", exc)
+            return None
+
+    # -- what a training loop calls ----------------------------------------------------------
+    def timers(self, inner: Any = None) -> Any:
+        """The object for Megatron-Core's ``config.timers``: marks forward / backward (and the
+        pipeline's send/recv, the gradient syncs) and forwards every call to ``inner`` (the
+        framework's own Timers) when there is one. With no microbatch or phase windows recorded
+        it is ``inner`` itself (None stays None: megatron-core then calls no timers)."""
+        if not self.marker.phases_on:
+            return inner
+        return TimersAdapter(self.marker, inner)
+
+    def begin_step(self, step: int, num_microbatches: int | None = None) -> None:
+        """A step begins (before zeroing gradients; on CUDA after the previous step's sync).
+        ``num_microbatches``: this step's count when it differs from the last."""
+        if num_microbatches is not None and num_microbatches != self.marker.num_microbatches:
+            self.set_num_microbatches(num_microbatches)
+        self._step = step
+        self.marker.begin_step(step)
+
+    def set_num_microbatches(self, n: int) -> None:
+        """The microbatches of the steps from now on (a batch-size ramp changes it)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"num_microbatches={n!r} must be an integer >= 1")
+        self.marker.num_microbatches = n
+        self.marker._shape_labels = None  # the step-log shape depends on it: made again
+
+    def phase(self, name: str) -> _Phase:
+        """``with st.phase(name):`` marks a phase window of the current step (``optimizer``,
+        ``data``, ...). ``forward`` / ``backward`` count as the step's k-th forward / backward,
+        and make the microbatch windows, as Megatron-Core's timers do."""
+        ph = self._phases.get(name)
+        if ph is None:
+            ph = self._phases[name] = _Phase(self.marker.phase(name))
+        return ph
+
+    @contextmanager
+    def step(self, step: int, **end: Any) -> Iterator[None]:
+        """``with st.step(i): ...`` = :meth:`begin_step` then :meth:`end_step` (``end``: its
+        keywords, fixed up front; use the explicit calls to pass the loss)."""
+        self.begin_step(step)
+        yield
+        self.end_step(**end)
+
+    def end_step(
+        self,
+        loss: float | None = None,
+        num_microbatches: int | None = None,
+        grad_norm: float | None = None,
+        *,
+        loss_sum: float = 0.0,
+        loss_tokens: float = 0.0,
+    ) -> StepReport | None:
+        """The step ended (after the optimizer). ``loss``: this rank's loss, averaged already
+        (ranks without one pass None; the report's loss is the mean over those that have one),
+        or ``loss_sum`` / ``loss_tokens``: summed token loss and token count (weighted over
+        ranks; wins over ``loss``). Every rank of the group must call it (one all_gather).
+        Returns this step's report on rank 0 (rates filled; telemetry figures None until they
+        are due, when the observers get it), None elsewhere."""
+        if self._step is None:
+            raise RuntimeError("end_step() without begin_step()")
+        step, self._step = self._step, None
+        timing = self.marker.end_step()
+        self._request(timing, step)
+        due = self.pending.due()
+        figures = None
+        if due is not None:
+            wait_s = self.pending.wait_s(due, self._period_ns)
+            if self.max_figure_wait_s is not None:
+                wait_s = min(wait_s, self.max_figure_wait_s)
+            figures = self._figures(due, wait_s)
+        rows = self._exchange(
+            pack_rank_vector(
+                loss_sum=loss_sum,
+                loss_tokens=loss_tokens,
+                loss=loss,
+                step_time_s=timing.seconds,
+                figures=figures,
+            )
+        )
+        head = combine_head(rows)
+        if due is not None:
+            self._report(due[0], rows)
+        gn = _finite(grad_norm)
+        report = StepReport(
+            step=step,
+            loss=head.loss,
+            step_time_s=head.step_time_s,
+            grad_norm=gn,
+            num_microbatches=num_microbatches,
+        )
+        if self.rates is not None and self.is_reporting_rank:
+            self.rates.fill(report)
+        self.pending.add((report, timing.t_begin_mono_ns, timing.t_end_mono_ns), head.step_time_s)
+        self.last = StepOutcome(step, head.loss, head.step_time_s, timing.seconds, gn)
+        self.steps_ended += 1
+        return report if self.is_reporting_rank else None
+
+    def finish(
+        self, status: str = "complete", timeout_s: float | None = None, *, close_session: bool = True
+    ) -> None:
+        """Training ended. ``complete``: wait for the last steps' figures (all within
+        ``timeout_s``; None: a few sampling periods, 2-5 s), one more gather each, report them.
+        Any other status (``interrupted``, ``terminated``, ``failed``) reports nothing more and
+        gathers nothing (another rank may be gone). Then the session is closed with ``status``
+        (``close_session``; its files are final before the observers' close uploads them), and
+        the observers. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if status == "complete":
+                self._drain(self._final_wait_s if timeout_s is None else max(0.0, float(timeout_s)))
+        finally:
+            try:
+                if close_session and self.session is not None:
+                    self.session.close(status)
+            finally:
+                for i, obs in enumerate(self.observers):
+                    try:
+                        obs.close(status)
+                    except Exception:
+                        log.exception("charllm: observer %s failed to close", type(obs).__name__)
+                        self._broken.add(i)
+
+    @property
+    def unmatched_marks(self) -> int:
+        """Timer stops without their start (and marks outside a step), counted not recorded."""
+        return int(self.marker.unmatched)
+
+    # -- inside --------------------------------------------------------------------------------
+    def _request(self, timing: StepTiming, step: int) -> None:
+        """Ask now: the telemetry process computes the figures while the next steps run. The
+        last step's are not held for later ones (none come): answered at once."""
+        if self.session is None:
+            return
+        last = self.total_steps is not None and step >= self.total_steps - 1
+        self.session.request_figures(
+            timing.t_begin_mono_ns,
+            timing.t_end_mono_ns,
+            self.figures,
+            batch=1 if last else self.pending.batch,
+        )
+
+    def _figures(self, due: tuple[StepReport, int, int], wait_s: float) -> Any:
+        if self.session is None:
+            return None
+        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.figures)
+
+    def _drain(self, budget_s: float) -> None:
+        """The last steps: their figures, one more gather each, all within one deadline (they are
+        answered together); returns as soon as they are answered."""
+        deadline = time.monotonic() + budget_s
+        while self.pending.steps:
+            last = self.pending.steps.popleft()
+            figures = self._figures(last, max(0.0, deadline - time.monotonic()))
+            rows = self._exchange(pack_rank_vector(figures=figures))
+            self._report(last[0], rows)
+
+    def _exchange(self, vector: list[float]) -> list[list[float]]:
+        """Every rank's vector, on every rank: one all_gather (none with one rank)."""
+        if self.world_size <= 1:
+            return [vector]
+        torch = self._torch
+        if self._comm_device is None:
+            self._comm_device = self._device_for(torch)
+        mine = torch.tensor(vector, dtype=torch.float64, device=self._comm_device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, mine, group=self.group)
+        rows: list[list[float]] = torch.stack(out).cpu().tolist()  # one device-to-host copy
+        return rows
+
+    def _device_for(self, torch: Any) -> Any:
+        backend = str(torch.distributed.get_backend(self.group)).lower()
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _report(self, report: StepReport, rows: list[list[float]]) -> None:
+        """Rank 0: the step's cross-rank figures into its report, then to every observer."""
+        if not self.is_reporting_rank:
+            return
+        apply_rank_figures(report, rows)
+        for i, obs in enumerate(self.observers):
+            if i in self._broken:
+                continue
+            try:
+                obs.on_step(report)
+            except Exception:  # an observer never stops training
+                log.exception("charllm: observer %s failed; it gets no more steps", type(obs).__name__)
+                self._broken.add(i)

@@ -1,0 +1,330 @@
+"""The telemetry configuration of a rank, its validation, its placement, and the call that opens
+its session.
+
+Framework-free: nothing here imports ``charllm_nemo.train`` or a training framework. Every
+training loop (``charllm train``, the NeMo / Lightning / Megatron-LM / Bridge integrations) fills
+a :class:`TelemetryConfig`, says where the rank sits (:class:`Placement`) and calls
+:func:`open_session`; the per-step API (``charllm_nemo.steps``) takes it from there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from charllm_nemo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+ATTENTION_FLOPS: tuple[str, ...] = ("full", "causal")
+"""How MFU counts the attention score and context GEMMs (``telemetry.attention_flops``):
+``full``, the whole ``s x s`` matrix (Narayanan et al. 2021, Megatron-LM's formula before
+mid-2025, NVIDIA's published performance tables; our default, so that figures compare with
+those tables and with earlier runs of this project); ``causal``, only the unmasked half (NeMo
+2.7.3's ``nemo/utils/flops_formulas.py``, Megatron-LM's main branch since mid-2025). For
+Llama-3 8B at 8192 tokens ``full`` reads about 12 % higher than ``causal``."""
+
+
+@dataclass
+class TelemetryConfig:
+    """What a rank samples and records (Hydra group ``telemetry``; docs/config.md).
+
+    Rates in Hz, ``cpu_peak_tflops`` in TFLOP/s. :func:`validate_telemetry` checks every field.
+    """
+
+    enabled: bool = True
+    backend: str = "auto"  # auto | nvml | amdsmi | synthetic
+    hz: float = 100.0
+    # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
+    # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
+    counter_hz: float | None = 10.0
+    # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
+    # (no GIL shared with training; docs/telemetry.md), threads where none can start.
+    sampler: str = "auto"  # auto | thread | process
+    nice: int = 0  # the telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md)
+    collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
+    out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
+    required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
+    windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
+    cpu_peak_tflops: float | None = None  # MFU on CPU only when set
+    attention_flops: str = "full"  # full | causal: how MFU counts attention (ATTENTION_FLOPS)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _choices(allowed: Sequence[object]) -> str:
+    return "[" + ", ".join(str(a) for a in allowed) + "]"
+
+
+def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> list[str]:
+    """Every problem of ``cfg``, one message each (``telemetry.<field>``, the value, the fix);
+    empty when it is valid. Rates and ``cpu_peak_tflops`` must be finite and positive (nan would
+    never compare, inf would sample without pause or end every wait at once). ``check_out_dir``:
+    also check that the run directory can be made and written (a rank that only reads a config
+    elsewhere skips it)."""
+    from charllm_nemo.devices.factory import BACKEND_NAMES
+    from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES
+    from charllm_nemo.telemetry.sample_loop import MAX_HZ, MIN_HZ
+    from charllm_nemo.telemetry.schema import WINDOW_KINDS
+
+    problems: list[str] = []
+
+    def one_of(name: str, allowed: Sequence[str]) -> None:
+        value = getattr(cfg, name)
+        if value not in allowed:
+            problems.append(f"telemetry.{name}={value!r} is not valid; use one of {_choices(allowed)}")
+
+    if not isinstance(cfg.enabled, bool):
+        problems.append(f"telemetry.enabled={cfg.enabled!r} must be true or false")
+    one_of("backend", BACKEND_NAMES)
+    one_of("sampler", SAMPLER_MODES)
+    one_of("collector_sched", COLLECTOR_SCHEDS)
+    one_of("attention_flops", ATTENTION_FLOPS)
+    # The rates matter only to a sampler: a disabled telemetry keeps whatever they read.
+    hz = cfg.hz
+    if cfg.enabled and (not _is_number(hz) or not MIN_HZ <= hz <= MAX_HZ):  # also nan and inf
+        problems.append(
+            f"telemetry.hz={hz!r} is not a sampling rate; use a rate in [{MIN_HZ:g}, {MAX_HZ:g}] Hz, e.g. "
+            "telemetry.hz=100 (1 kHz is the most a Python sampler holds reliably)"
+        )
+    c = cfg.counter_hz
+    if cfg.enabled and c is not None and (not _is_number(c) or not math.isfinite(c) or c <= 0):
+        problems.append(
+            f"telemetry.counter_hz={c!r} is not a positive finite rate; use e.g. telemetry.counter_hz=10 "
+            "(Hz), or null to read the counters with every sample"
+        )
+    nice = cfg.nice
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        problems.append(
+            f"telemetry.nice={nice!r} is not a nice value; give an integer from 0 (the rank's own "
+            "priority) to 19 (the lowest)"
+        )
+    p = cfg.cpu_peak_tflops
+    if p is not None and (not _is_number(p) or not math.isfinite(p) or p <= 0):
+        problems.append(
+            f"telemetry.cpu_peak_tflops={p!r} must be a positive finite rate in TFLOP/s; e.g. "
+            "telemetry.cpu_peak_tflops=1.5, or null for no MFU on CPU"
+        )
+    if not isinstance(cfg.overwrite, bool):
+        problems.append(f"telemetry.overwrite={cfg.overwrite!r} must be true or false")
+    if not isinstance(cfg.required, bool):
+        problems.append(f"telemetry.required={cfg.required!r} must be true or false")
+    windows = cfg.windows
+    if isinstance(windows, str) or not isinstance(windows, Sequence):
+        problems.append(
+            f"telemetry.windows={windows!r} must be a list of window kinds, a subset of "
+            f"{_choices(WINDOW_KINDS)}"
+        )
+    else:
+        unknown = [w for w in windows if w not in WINDOW_KINDS]
+        if unknown:
+            problems.append(
+                f"telemetry.windows has unknown kinds {unknown}; use a subset of {_choices(WINDOW_KINDS)}"
+            )
+    if not str(cfg.out_dir).strip():
+        problems.append(
+            "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
+        )
+    elif check_out_dir:
+        problem = out_dir_problem(str(cfg.out_dir))
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def validate_telemetry(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> None:
+    """Raise :class:`~charllm_nemo.errors.ConfigError` listing every problem of ``cfg``
+    (:func:`telemetry_problems`); return None when it is valid."""
+    problems = telemetry_problems(cfg, check_out_dir=check_out_dir)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def out_dir_problem(out_dir: str) -> str | None:
+    """Why the run directory cannot be made or written, if it cannot: a file in the way, or a
+    folder this user may not write into (checked on the nearest folder that exists)."""
+    try:
+        return _out_dir_path_problem(out_dir)
+    except OSError as exc:  # a name too long, a path through something that is not a folder
+        return f"telemetry.out_dir={out_dir!r} cannot be used ({exc.strerror or exc}); give another directory"
+
+
+def _out_dir_path_problem(out_dir: str) -> str | None:
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        return f"telemetry.out_dir={out_dir!r} is a file, not a directory; give a directory for the run"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return (
+            f"telemetry.out_dir={out_dir!r} cannot be made: {str(existing)!r} is a file; give another "
+            "directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (
+            f"telemetry.out_dir={out_dir!r} cannot be written: {str(existing)!r} is not writable by this "
+            "user; give another directory, or fix its permissions"
+        )
+    return None
+
+
+MEGATRON_LABELS: tuple[str, ...] = ("pp_stage", "tp_rank", "dp_rank", "ep_rank", "cp_rank")
+"""The placement labels :meth:`Placement.from_megatron` fills (window label names,
+``charllm_nemo.telemetry.schema.WINDOW_LABELS``)."""
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "8(x4)"
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer; unset it or fix it"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank sits: its global ``rank`` of ``world_size``, its ``local_rank`` of
+    ``local_world_size`` on its node, and ``labels``: its parallel ranks (``tp_rank``,
+    ``pp_stage``, ``dp_rank``, ``ep_rank``, ``cp_rank``), written on every window."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    labels: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "local_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"placement.{name}={v!r} must be an integer >= 0")
+        for name in ("world_size", "local_world_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"placement.{name}={v!r} must be an integer >= 1")
+        if self.rank >= self.world_size:
+            raise ConfigError(
+                f"placement.rank={self.rank} is not below placement.world_size={self.world_size}; "
+                "check RANK / WORLD_SIZE"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **labels: int) -> Placement:
+        """From the launcher's environment: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE
+        (torchrun), else SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS / SLURM_NTASKS_PER_NODE
+        (srun), else a single process."""
+        e = os.environ if env is None else env
+        if "RANK" in e:
+            rank, world = _env_int(e, "RANK", 0), _env_int(e, "WORLD_SIZE", 1)
+            local = _env_int(e, "LOCAL_RANK", rank)
+        elif "SLURM_PROCID" in e:
+            rank, world = _env_int(e, "SLURM_PROCID", 0), _env_int(e, "SLURM_NTASKS", 1)
+            local = _env_int(e, "SLURM_LOCALID", 0)
+        else:
+            rank, world, local = 0, 1, 0
+        local_world = _env_int(e, "LOCAL_WORLD_SIZE", _env_int(e, "SLURM_NTASKS_PER_NODE", 0)) or world
+        return cls(rank, local, world, local_world, dict(labels))
+
+    @classmethod
+    def from_megatron(cls, env: Mapping[str, str] | None = None) -> Placement:
+        """:meth:`from_env`, with the parallel ranks from ``megatron.core.parallel_state`` when
+        its model-parallel groups are initialised (none otherwise). The global rank and world
+        size come from torch.distributed when it is initialised."""
+        base = cls.from_env(env)
+        labels: dict[str, int] = {}
+        rank, world = base.rank, base.world_size
+        try:
+            import torch.distributed as tdist
+
+            if tdist.is_available() and tdist.is_initialized():
+                rank, world = tdist.get_rank(), tdist.get_world_size()
+        except ImportError:
+            pass
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError:
+            ps = None
+        if ps is not None and ps.model_parallel_is_initialized():
+            labels = {
+                "pp_stage": ps.get_pipeline_model_parallel_rank(),
+                "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "dp_rank": ps.get_data_parallel_rank(),
+                "ep_rank": ps.get_expert_model_parallel_rank(),
+                "cp_rank": ps.get_context_parallel_rank(),
+            }
+        local_world = min(world, base.local_world_size)
+        return cls(rank, base.local_rank, world, local_world, labels)
+
+
+def open_session(
+    cfg: TelemetryConfig,
+    placement: Placement,
+    *,
+    run_config: Mapping[str, Any] | Any | None = None,
+    rank_threads: int = 1,
+    validate: bool = True,
+    **session_options: Any,
+) -> TelemetrySession:
+    """Open and start this rank's telemetry session from ``cfg`` (validated first unless
+    ``validate=False``, for a caller that validated the whole config already) and ``placement``.
+
+    ``run_config``: the run's whole configuration (a mapping or a dataclass), written into the
+    manifest. ``rank_threads``: the CPU threads the rank keeps busy (1 on a GPU, its intra-op
+    threads on a CPU; ``telemetry.collector_sched=auto`` reads it). ``session_options``: further
+    keywords of :class:`~charllm_nemo.telemetry.session.TelemetrySession` (``devices``,
+    ``backend_options``, ``handle_signals``, ...). ``telemetry.overwrite`` is passed through: a
+    launcher that cleared the run directory before any rank could write should pass a config
+    with ``overwrite=False`` (a rank folder holding files then is another job's). Raises
+    ConfigError when ``cfg.enabled`` is false: there is nothing to open.
+    """
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    if validate:
+        validate_telemetry(cfg)
+    if not cfg.enabled:
+        raise ConfigError(
+            "telemetry.enabled=false: no session to open; check cfg.enabled before open_session"
+        )
+    config: dict[str, Any] | None
+    if run_config is None:
+        config = {"telemetry": asdict(cfg)}
+    elif is_dataclass(run_config) and not isinstance(run_config, type):
+        config = asdict(run_config)
+    elif isinstance(run_config, Mapping):
+        config = dict(run_config)
+    else:
+        raise ConfigError(f"run_config={run_config!r}: give a mapping or a dataclass instance")
+    session = TelemetrySession(
+        cfg.out_dir,
+        backend=cfg.backend,
+        hz=cfg.hz,
+        counter_hz=cfg.counter_hz,
+        sampler=cfg.sampler,
+        nice=cfg.nice,
+        collector_sched=cfg.collector_sched,
+        overwrite=cfg.overwrite,
+        local_ranks=placement.local_world_size,
+        rank_threads=rank_threads,
+        rank=placement.rank,
+        local_rank=placement.local_rank,
+        world_size=placement.world_size,
+        config=config,
+        **session_options,
+    )
+    known = {k: v for k, v in placement.labels.items() if k in MEGATRON_LABELS or k == "vpp_chunk"}
+    if known:
+        session.windows.set_labels(**known)
+    return session.start()

@@ -1,0 +1,267 @@
+"""PowerThermalCallback under the real NeMo 2.7.3 stack on CPU: ``nl.Trainer`` + ``MegatronStrategy``
+training a tiny ``llm.GPTModel`` (directly, and through a shrunk ``llm.llama3_8b.pretrain_recipe()``
+with the callback appended as ``run.Config``), a tiny ``llm.MixtralModel``, and a plain Lightning
+Trainer. Each training runs in its own process (NeMo initialises megatron-core's global state
+once a process); the child writes what the test asserts on as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.conftest import require
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD_PRELUDE = """
+import json, os, sys, tempfile
+sys.path.insert(0, {repo!r})
+from tests.integrations import nemo_cpu
+nemo_cpu.enable(os.path.join({tmp!r}, "nemorun"))
+from collections import Counter
+from charllm_nemo.integrations.nemo import PowerThermalCallback
+from charllm_nemo.telemetry.reader import load_run
+
+def summary(run_dir, csv_dir=None):
+    r = load_run(run_dir)
+    w = r.windows.to_pylist()
+    steps = [json.loads(line) for line in open(os.path.join(run_dir, "steps.jsonl"))]
+    keys = set()
+    if csv_dir is not None:
+        import csv, glob
+        for f in glob.glob(os.path.join(csv_dir, "**", "metrics.csv"), recursive=True):
+            with open(f) as fh:
+                for row in csv.DictReader(fh):
+                    keys |= {{k for k, v in row.items() if v not in ("", None)}}
+    return {{
+        "windows": [[x["kind"], x["name"], x["step"], x["microbatch"]] for x in w],
+        "samples": r.samples.num_rows,
+        "steps": steps,
+        "manifest": r.manifests[0].get("config", {{}}).get("integration", {{}}),
+        "logged_keys": sorted(keys),
+    }}
+"""
+
+
+def _run_child(tmp_path: Path, body: str, timeout: float = 420) -> dict[str, Any]:
+    require("nemo.collections.llm")
+    script = CHILD_PRELUDE.format(repo=str(REPO), tmp=str(tmp_path)) + textwrap.dedent(body)
+    out = tmp_path / "result.json"
+    env = dict(os.environ, RESULT=str(out), PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(
+            f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def _assert_megatron_windows(result: dict[str, Any], steps: int, microbatches: int) -> None:
+    kinds = Counter((k, n) for k, n, _s, _m in result["windows"])
+    assert kinds[("step", "step")] == steps
+    # one microbatch window per microbatch, each spanning its forward and its backward (timers)
+    assert kinds[("microbatch", "microbatch")] == steps * microbatches
+    assert kinds[("phase", "forward")] == steps * microbatches
+    assert kinds[("phase", "backward")] == steps * microbatches
+    assert kinds[("phase", "optimizer")] == steps
+    mb_of_step = Counter(s for k, _n, s, _m in result["windows"] if k == "microbatch")
+    assert mb_of_step == {s: microbatches for s in range(steps)}
+    assert result["samples"] > 0
+    src = result["manifest"]["sources"]
+    assert "forward-compute" in src["phase:forward"] and "backward-compute" in src["phase:backward"]
+    assert result["manifest"]["framework"] == "nemo"
+
+
+def _assert_step_figures(result: dict[str, Any], steps: int) -> None:
+    rows = result["steps"]
+    assert [r["step"] for r in rows] == list(range(steps))
+    for r in rows:
+        # the synthetic device draws between idle and its cap: energy = power x time, > 0
+        assert r["energy_j"] > 0 and r["power_avg_w"] > 0
+        assert r["energy_j"] == pytest.approx(r["power_avg_w"] * r["step_time_s"], rel=0.35)
+        assert r["loss"] is not None and 0 < r["loss"] < 20
+        assert r["tokens_per_s"] > 0 and r["model_tflops_per_gpu"] > 0
+
+
+def test_tiny_gpt_under_nl_trainer_records_steps_microbatches_phases_and_logs(tmp_path: Path) -> None:
+    result = _run_child(
+        tmp_path,
+        """
+        from lightning.pytorch.loggers import CSVLogger
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        model = llm.GPTModel(nemo_cpu.tiny_gpt_config(), optim=nemo_cpu.cpu_optimizer(),
+                             tokenizer=nemo_cpu.ByteTokenizer())
+        data = nemo_cpu.MaskedMockDataModule(seq_length=32, micro_batch_size=1, global_batch_size=2)
+        trainer = nl.Trainer(accelerator="cpu", devices=1, max_steps=3, strategy=nemo_cpu.cpu_strategy(),
+            plugins=nl.MegatronMixedPrecision(precision="32"), callbacks=[cb], logger=CSVLogger("csv"),
+            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
+        inner = None
+        trainer.fit(model, data)
+        res = summary(out, "csv")
+        res["microbatches_seen"] = cb.microbatches_seen
+        res["megatron_steps_seen"] = cb.megatron_steps_seen
+        res["timers_restored"] = type(model.config.timers).__module__
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    _assert_megatron_windows(result, steps=3, microbatches=2)
+    _assert_step_figures(result, steps=3)
+    assert result["microbatches_seen"] == 6  # NeMo's on_megatron_microbatch_end, 2 a step
+    assert result["megatron_steps_seen"] == 3  # NeMo's on_megatron_step_start
+    # NeMo's own Timers is back in model.config.timers after training
+    assert result["timers_restored"] == "megatron.core.timers"
+    # the trainer's loggers got the figures under the prefix; NeMo's own keys are still there
+    for key in ("charllm/energy_j", "charllm/power_avg_w", "charllm/tokens_per_s", "reduced_train_loss"):
+        assert key in result["logged_keys"], result["logged_keys"]
+
+
+def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
+    # the one line of docs/integrations.md, on llm.llama3_8b.pretrain_recipe() shrunk for a CPU
+    result = _run_child(
+        tmp_path,
+        """
+        import nemo_run as run
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        out = os.path.join(os.getcwd(), "run")
+        recipe = llm.llama3_8b.pretrain_recipe(name="tiny", dir=os.path.join(os.getcwd(), "nemo"),
+                                               num_nodes=1, num_gpus_per_node=1)
+        recipe.model = run.Config(llm.GPTModel, config=run.Config(nemo_cpu.tiny_gpt_config),
+                                  tokenizer=run.Config(nemo_cpu.ByteTokenizer))
+        recipe.optim = run.Config(nemo_cpu.cpu_optimizer)
+        recipe.data = run.Config(nemo_cpu.MaskedMockDataModule, seq_length=32, micro_batch_size=1,
+                                 global_batch_size=4)
+        recipe.trainer.accelerator = "cpu"
+        recipe.trainer.devices = 1
+        recipe.trainer.max_steps = 2
+        recipe.trainer.limit_val_batches = 0
+        recipe.trainer.enable_checkpointing = False  # (dist_checkpointing syncs CUDA)
+        recipe.trainer.val_check_interval = 10
+        recipe.trainer.strategy = run.Config(nemo_cpu.cpu_strategy)
+        recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
+        recipe.log = run.Config(nl.NeMoLogger, log_dir=os.path.join(os.getcwd(), "nemo"))
+        recipe.resume = None
+        recipe.trainer.callbacks = [run.Config(PowerThermalCallback, hz=200, backend="synthetic",
+                                               out_dir=out, sampler="thread")]
+        run.run(recipe, direct=True)
+        json.dump(summary(out), open(os.environ["RESULT"], "w"))
+        """,
+    )
+    _assert_megatron_windows(result, steps=2, microbatches=4)
+    _assert_step_figures(result, steps=2)
+
+
+def test_tiny_mixtral_moe(tmp_path: Path) -> None:
+    result = _run_child(
+        tmp_path,
+        """
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        model = llm.MixtralModel(nemo_cpu.tiny_mixtral_config(), optim=nemo_cpu.cpu_optimizer(),
+                                 tokenizer=nemo_cpu.ByteTokenizer())
+        data = nemo_cpu.MaskedMockDataModule(seq_length=32, micro_batch_size=1, global_batch_size=2)
+        trainer = nl.Trainer(accelerator="cpu", devices=1, max_steps=2, strategy=nemo_cpu.cpu_strategy(),
+            plugins=nl.MegatronMixedPrecision(precision="32"), callbacks=[cb], logger=False,
+            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(model, data)
+        json.dump(summary(out), open(os.environ["RESULT"], "w"))
+        """,
+    )
+    _assert_megatron_windows(result, steps=2, microbatches=2)
+    _assert_step_figures(result, steps=2)
+
+
+def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
+    result = _run_child(
+        tmp_path,
+        """
+        import torch
+        import lightning.pytorch as pl
+        from lightning.pytorch.loggers import CSVLogger
+
+        class Tiny(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(16, 1)
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.lin(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randn(40, 1))
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[cb],
+                             logger=CSVLogger("csv"), enable_checkpointing=False,
+                             enable_progress_bar=False, log_every_n_steps=1)
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        json.dump(summary(out, "csv"), open(os.environ["RESULT"], "w"))
+        """,
+    )
+    kinds = Counter((k, n) for k, n, _s, _m in result["windows"])
+    assert kinds[("step", "step")] == 5
+    assert kinds[("phase", "optimizer")] == 5
+    assert kinds[("microbatch", "microbatch")] == 0  # no Megatron timers: no microbatch windows
+    assert result["manifest"]["framework"] == "lightning"
+    rows = result["steps"]
+    assert [r["step"] for r in rows] == list(range(5))
+    assert all(r["energy_j"] > 0 and r["loss"] is not None for r in rows)
+    assert rows[0]["tokens_per_s"] is None  # no model shape: no throughput invented
+    assert "charllm/energy_j" in result["logged_keys"]
+
+
+def test_an_exception_in_training_closes_the_telemetry_as_failed(tmp_path: Path) -> None:
+    # the step that raises is cut short; the steps before it keep their windows and figures
+    result = _run_child(
+        tmp_path,
+        """
+        import torch
+        import lightning.pytorch as pl
+
+        class Boom(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 1)
+            def training_step(self, batch, batch_idx):
+                if self.global_step == 3:
+                    raise RuntimeError("boom at step 3")
+                return self.lin(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        try:
+            trainer.fit(Boom(), torch.utils.data.DataLoader(data, batch_size=4))
+        except RuntimeError as exc:
+            assert "boom" in str(exc)
+        res = summary(out)
+        res["status"] = load_run(out).manifests[0]["status"]
+        res["closed"] = cb.telemetry is None
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result["status"] == "failed" and result["closed"]
+    steps = [s for k, _n, s, _m in result["windows"] if k == "step"]
+    assert sorted(steps)[:3] == [0, 1, 2]
