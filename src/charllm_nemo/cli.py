@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -63,6 +64,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     t_end = time.monotonic() + args.seconds
     step = 0
     rec = session.windows
+    status = "failed"  # until the loop below ends by itself
     try:
         # Idle lead-in, then steps of forward (40 %), backward (40 %), optimizer (10 %), idle gap.
         time.sleep(min(0.2, args.seconds / 10))
@@ -76,8 +78,16 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
             time.sleep(args.step_s * 0.1)
             step += 1
         time.sleep(max(0.0, t_end - time.monotonic()))
+        status = "complete"
+    except KeyboardInterrupt:
+        # Ctrl-C: the run so far is kept and said to be cut short (the telemetry process
+        # ignores SIGINT and stores what it has); no traceback, the shell's 130.
+        status = "interrupted"
     finally:
-        session.close()
+        session.close(status)
+    if status == "interrupted":
+        print(f"interrupted (Ctrl-C) after {step} step(s); run directory {out} (status interrupted)")
+        return EXIT_INTERRUPTED
     health = session.health
     print(
         f"{health.samples} samples, {health.deadline_ratio() * 100:.1f} % of deadlines met, "
@@ -131,6 +141,41 @@ def resolve_devices(
         backend = "synthetic"  # auto found no GPU library: the warning has been given
     indices = [0] if isinstance(wanted, str) else list(wanted)
     return "synthetic", indices, {**options, "count": max(indices) + 1}
+
+
+EXIT_INTERRUPTED = 128 + 2
+"""``charllm telemetry``'s exit code after Ctrl-C (SIGINT), as a shell reports it."""
+
+
+def finite_number(least: float, *, inclusive: bool, most: float | None = None) -> Any:
+    """An argparse ``type`` for a float that must be finite and > ``least`` (>= when
+    ``inclusive``), and <= ``most`` if given: ``nan``, ``inf`` and out-of-range values are a
+    usage error naming the bound, not a run that never ends or ends at once."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        above = value >= least if inclusive else value > least
+        if not (math.isfinite(value) and above and (most is None or value <= most)):
+            lo = f">= {least:g}" if inclusive else f"> {least:g}"
+            hi = f" and <= {most:g}" if most is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {lo}{hi}")
+        return value
+
+    parse.__name__ = "number"  # argparse names the type in its message
+    return parse
+
+
+def nonempty_path(text: str) -> str:
+    """An argparse ``type`` for an output path: empty (or blank) would write into the current
+    directory, which is never what was meant."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty path would write into the current directory; give a directory"
+        )
+    return text
 
 
 def steps_range(text: str) -> tuple[int | None, int | None]:
@@ -362,15 +407,30 @@ def build_parser() -> argparse.ArgumentParser:
         "telemetry", help="sample a device under a small marked workload and write a run directory"
     )
     t.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="device backend (default: auto)")
-    t.add_argument("--hz", type=float, default=100.0, help="sampling rate, 1-1000 Hz (default: 100)")
+    t.add_argument(
+        "--hz",
+        type=finite_number(1.0, inclusive=True, most=1000.0),
+        default=100.0,
+        help="sampling rate, 1-1000 Hz (default: 100)",
+    )
     t.add_argument(
         "--sampler",
         default="auto",
         choices=SAMPLER_MODES,
         help="where sampling and storing run (default: auto = a telemetry process, else threads)",
     )
-    t.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default: 3)")
-    t.add_argument("--step-s", type=float, default=0.5, help="length of one marked step (default: 0.5)")
+    t.add_argument(
+        "--seconds",
+        type=finite_number(0.0, inclusive=False),
+        default=3.0,
+        help="how long to sample (default: 3)",
+    )
+    t.add_argument(
+        "--step-s",
+        type=finite_number(0.0, inclusive=False),
+        default=0.5,
+        help="length of one marked step, seconds (default: 0.5)",
+    )
     t.add_argument(
         "--devices",
         type=devices_list,
@@ -378,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices to sample: all, or host indices such as 0,3 (default: the one of local rank 0); "
         "all land in rank=0/, one device_index each",
     )
-    t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument("--out", type=nonempty_path, required=True, help="run directory to write")
     t.add_argument(
         "--overwrite", action="store_true", help="replace a run already in --out (default: refuse)"
     )
@@ -433,13 +493,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    if args.command == "telemetry" and args.seconds <= 0:
-        parser.error(f"--seconds={args.seconds} must be > 0")
     try:
         return int(args.func(args))
     except CharllmError as exc:
         print(f"charllm: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (starting up, reading): no traceback
+        print("charllm: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``charllm inspect RUN | head``): stop quietly, as Unix tools do.
         # stdout points at nothing from here on, so that the exit's own flush cannot fail again.

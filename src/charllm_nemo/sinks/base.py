@@ -7,14 +7,18 @@ of training; the training loop knows nothing of W&B.
 The training loop never calls a backend directly: :class:`AsyncSink` puts each call on a
 bounded queue that one daemon thread drains. A full queue drops the new item and counts it
 (the caller never waits), a call that raises is counted and logged once (never propagated),
-and :meth:`AsyncSink.finish` waits at most its timeout, whatever the backend does. Everything a
-sink loses is still on disk in the run directory.
+and :meth:`AsyncSink.finish` waits at most its timeout, whatever the backend does; then
+:func:`exit_now_if_abandoned` keeps a hung backend's exit hooks from holding the process.
+Everything a sink loses is still on disk in the run directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,6 +93,30 @@ class SinkReport:
 
 
 _FINISH = object()  # queue sentinel: drain everything before it, then call backend.finish
+
+ABANDONED: list[str] = []
+"""Names of the sinks whose backend did not finish within its timeout in this process (their
+threads are left behind): :func:`exit_now_if_abandoned` ends the process without waiting."""
+
+
+def exit_now_if_abandoned(code: int) -> None:
+    """End this process at once with ``code`` when a sink's backend was abandoned (its finish
+    timed out); else return. A hung backend's library may hold the exit in its own hooks
+    (wandb's atexit teardown waits for its service, which waits for the hung request: 60 s
+    and more, then a traceback); everything of the run is on disk by now, so exit hooks are
+    skipped (``os._exit``) after the standard streams and the log handlers are flushed."""
+    if not ABANDONED:
+        return
+    log.warning(
+        "exiting without waiting for sink %s (its backend did not finish in time; the run directory "
+        "has everything)",
+        ", ".join(ABANDONED),
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 class AsyncSink:
@@ -211,6 +239,7 @@ class AsyncSink:
         )
         line = self._report.line()
         if timed_out:
+            ABANDONED.append(self.name)
             log.warning("%s (the backend is slow or hung; its thread is left behind)", line)
         elif self._report.dropped or self._report.errors:
             log.warning(line)
@@ -261,15 +290,17 @@ class AsyncSink:
             self.errors += 1
             if method not in self._errors_logged:
                 self._errors_logged.add(method)
+                # One line (a backend's network error is not this program's bug); the
+                # traceback at DEBUG (`charllm -v` shows INFO, CHARLLM_LOG_LEVEL=DEBUG this).
                 log.warning(
                     "sink %s: %s raised %s: %s (counted; later errors of %s are counted silently)",
                     self.name,
                     method,
                     type(exc).__name__,
-                    exc,
+                    str(exc).splitlines()[0] if str(exc) else "",
                     method,
-                    exc_info=True,
                 )
+                log.debug("sink %s: %s's traceback", self.name, method, exc_info=True)
             return False
         self.logged += 1
         return True

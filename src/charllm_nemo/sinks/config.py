@@ -12,6 +12,7 @@ thread; :func:`validate_logger_config` checks the values before any process star
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -90,10 +91,17 @@ def validate_logger_config(cfg: LoggerConfig) -> None:
         raise ConfigError(f"logger.rank_every={cfg.rank_every!r} must be an integer >= 1")
     if isinstance(cfg.queue_size, bool) or not isinstance(cfg.queue_size, int) or cfg.queue_size < 1:
         raise ConfigError(f"logger.queue_size={cfg.queue_size!r} must be an integer >= 1 (e.g. 1024)")
-    if not cfg.finish_timeout_s > 0:
-        raise ConfigError(f"logger.finish_timeout_s={cfg.finish_timeout_s!r} must be > 0 seconds")
-    if not cfg.artifact_max_mb >= 0:
-        raise ConfigError(f"logger.artifact_max_mb={cfg.artifact_max_mb!r} must be >= 0 (0 = never upload)")
+    # nan fails every comparison and inf passes "> 0": both are refused, each by name (an
+    # infinite finish timeout is a run that never ends when W&B is unreachable).
+    if not (math.isfinite(cfg.finish_timeout_s) and cfg.finish_timeout_s > 0):
+        raise ConfigError(
+            f"logger.finish_timeout_s={cfg.finish_timeout_s!r} must be finite seconds > 0, e.g. 60"
+        )
+    if not (math.isfinite(cfg.artifact_max_mb) and cfg.artifact_max_mb >= 0):
+        raise ConfigError(
+            f"logger.artifact_max_mb={cfg.artifact_max_mb!r} must be finite and >= 0 (0 = never upload), "
+            "e.g. 256"
+        )
     if (
         isinstance(cfg.table_max_rows, bool)
         or not isinstance(cfg.table_max_rows, int)

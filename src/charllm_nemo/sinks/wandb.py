@@ -108,6 +108,41 @@ def resolve_mode(requested: str | None, env: Mapping[str, str] | None = None) ->
     )
 
 
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+PROBE_TIMEOUT_S = 5.0
+"""How long :func:`server_problem` waits for a TCP connection to the W&B server."""
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def server_problem(
+    base_url: str | None = None, env: Mapping[str, str] | None = None, timeout_s: float = PROBE_TIMEOUT_S
+) -> str | None:
+    """Why the W&B server cannot be reached, or None: one TCP connection to ``base_url``
+    (``$WANDB_BASE_URL``, else W&B's cloud) within ``timeout_s``. wandb itself retries an
+    unreachable server for minutes (``init`` gives up after 90 s, and its exit hooks wait
+    for it after that); this answers in at most ``timeout_s`` (a refused port: at once).
+    Behind a proxy (``HTTPS_PROXY`` and the like) the server is not probed: None."""
+    import socket
+
+    e: Mapping[str, str] = os.environ if env is None else env
+    if any(e.get(v) for v in PROXY_VARS):
+        return None
+    url = base_url or e.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    try:
+        port = parts.port or (80 if parts.scheme == "http" else 443)
+    except ValueError:
+        return f"{url!r} has no valid port"
+    if not parts.hostname:
+        return f"{url!r} names no host"
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        return f"{parts.hostname}:{port} ({reason})"
+
+
 def _say_once(message: str) -> None:
     if message not in _announced:
         _announced.add(message)
@@ -361,6 +396,22 @@ class WandbSink:
 
         self._wandb = wandb
         kwargs = self.init_kwargs(config, manifest)
+        if kwargs["mode"] in ("online", "shared"):
+            problem = server_problem(self.settings.get("base_url"), self.env)
+            if problem is not None:
+                # Training must not wait on, nor its end be held by, a server that is not there:
+                # the metrics go to an offline run (a secondary writer of shared mode stops).
+                offline = "offline" if self.primary else "disabled"
+                kwargs["mode"] = offline
+                if self.shared:  # shared mode's own settings mean nothing to an offline run
+                    for key in ("x_primary", "x_label", "x_update_finish_state"):
+                        kwargs["settings"].pop(key, None)
+                log.warning(
+                    "W&B server unreachable: %s; this run logs %s%s",
+                    problem,
+                    offline,
+                    " (upload it later with `wandb sync <dir>/wandb/offline-run-*`)" if self.primary else "",
+                )
         self.mode = kwargs["mode"]
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)

@@ -11,13 +11,15 @@ logs (once per observer) what an observer raises: a broken observer never stops 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TextIO, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from charllm_nemo.steps.report import StepReport
 
@@ -51,32 +53,57 @@ class FunctionObserver:
             self.on_close(status)
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""A write refused because the disk, or the user's quota, is full."""
+
+
 class StepsFile:
     """Rank 0's per-step figures on disk as the run goes (``steps.jsonl``): one line per
-    reported step, handed to the kernel at once (line-buffered), so a run that is killed keeps
-    every step reported before (docs/store.md). The file is truncated when opened: a run
-    directory holds one run. A write that fails (a full disk) never stops training: it is
-    logged once and the file is given up."""
+    reported step, handed to the kernel at once (one ``write`` a line, no buffer), so a run
+    that is killed keeps every step reported before (docs/store.md). The file is truncated when
+    opened: a run directory holds one run. A write that fails (a full disk) never stops
+    training: the part of the line that got out is cut off again (the file ends with a whole
+    line, always), one error line says so, the file is given up, and :attr:`disk_full` is set
+    when the disk (or quota) was the reason."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f: TextIO | None = path.open("w", buffering=1, encoding="utf-8")
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._size = 0  # bytes of whole lines written: where a failed line is cut back to
+        self.lines = 0  # lines written
+        self.disk_full = False
 
     def write(self, row: dict[str, Any]) -> None:
-        if self._f is None:
+        if self._fd is None:
             return
+        data = (json.dumps(row, default=str) + "\n").encode()
+        done = 0
         try:
-            self._f.write(json.dumps(row, default=str) + "\n")
+            while done < len(data):  # a short write (the last free blocks) is followed by ENOSPC
+                done += os.write(self._fd, data[done:])
         except OSError as exc:
-            log.error("cannot write %s (%s): per-step lines stop here", self.path, exc)
+            self.disk_full = exc.errno in DISK_FULL_ERRNOS
+            if done:
+                with contextlib.suppress(OSError):  # not a regular file (/dev/full): nothing to cut
+                    os.ftruncate(self._fd, self._size)
+            log.error(
+                "cannot write %s (%s): per-step lines stop here, the %d before are whole; summary.json "
+                "gets them all if it can be written",
+                self.path,
+                exc.strerror or exc,
+                self.lines,
+            )
             self.close()
+            return
+        self._size += len(data)
+        self.lines += 1
 
     def close(self) -> None:
-        f, self._f = self._f, None
-        if f is not None:
-            with contextlib.suppress(OSError):  # the buffer's last flush may fail the same way
-                f.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class StepsFileObserver:

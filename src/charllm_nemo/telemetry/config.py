@@ -50,6 +50,7 @@ class TelemetryConfig:
     collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
+    required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
     attention_flops: str = "full"  # full | causal: how MFU counts attention (ATTENTION_FLOPS)
@@ -118,6 +119,8 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
         )
     if not isinstance(cfg.overwrite, bool):
         problems.append(f"telemetry.overwrite={cfg.overwrite!r} must be true or false")
+    if not isinstance(cfg.required, bool):
+        problems.append(f"telemetry.required={cfg.required!r} must be true or false")
     windows = cfg.windows
     if isinstance(windows, str) or not isinstance(windows, Sequence):
         problems.append(

@@ -19,9 +19,11 @@ The conf/ directory: ``$CHARLLM_CONF_DIR`` if set, else the repository checkout'
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,68 @@ def check_run_dir(cfg: TrainConfig, removes: bool) -> None:
         print(f"charllm train: replaced the earlier run in {out} ({len(old)} files)", file=sys.stderr)
 
 
+FRESH_NAME_TRIES = 1000
+"""How many ``-2``, ``-3``, ... suffixes a generated run directory name may get before giving up."""
+
+
+def claim_run_dir(out_dir: Path, *, fresh_name: bool) -> Path:
+    """Create the run directory and return it (StoreError / ConfigError if it cannot be).
+
+    ``fresh_name``: ``out_dir`` was generated (the default ``runs/<date-time>``, any
+    ``telemetry.out_dir`` with a ``${...}`` in it), so this run must get a directory of its
+    own: it is made with ``mkdir`` without ``exist_ok`` (atomic: of two launchers that start
+    in the same second only one makes it), and a taken name gets ``-2``, ``-3``, ... Else the
+    name is the user's: made if missing, and an earlier run in it is :func:`check_run_dir`'s."""
+    from charllm_nemo.telemetry.store import check_writable
+
+    if not fresh_name:
+        check_writable(out_dir)
+        return out_dir
+    check_writable(out_dir.parent)
+    for n in range(1, FRESH_NAME_TRIES + 1):
+        candidate = out_dir if n == 1 else out_dir.with_name(f"{out_dir.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:  # a name too long, say: StoreError naming the directory
+            check_writable(candidate)
+            raise ConfigError(f"telemetry.out_dir={str(candidate)!r} cannot be made: {exc}") from exc
+        check_writable(candidate)
+        return candidate
+    raise ConfigError(
+        f"telemetry.out_dir={str(out_dir)!r} and {FRESH_NAME_TRIES - 1} suffixed names are all taken; "
+        "give telemetry.out_dir explicitly"
+    )
+
+
+@contextlib.contextmanager
+def run_dir_lock(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` for this run: an exclusive ``flock`` on the directory itself, released
+    when the run ends (or its process dies, even by SIGKILL), that nothing is left behind for.
+    A second run given the same directory while the first goes on is refused at once
+    (ConfigError), before it writes config.yaml or starts a rank. A filesystem that cannot lock
+    a directory (some NFS mounts) goes unlocked: the earlier-run check still applies."""
+    try:
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"telemetry.out_dir={str(out_dir)!r} is in use by another run that is still going; give "
+                "another directory (the default, runs/<time>, is new for every run), or wait for it to end"
+            ) from None
+        except OSError:
+            pass  # no directory locks on this filesystem
+        yield
+    finally:
+        os.close(fd)
+
+
 def _where(out_dir: Path) -> None:
     """The last line of a run (after the launcher's failure report, if any): where its files
     are, and how to look at them."""
@@ -204,11 +268,14 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
     return 0
 
 
-def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
+def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None, fresh_name: bool | None = None) -> int:
     """Validate ``cfg`` for its launcher and start it (or, with ``launch.dry_run``, print what
     it would run); returns the exit code. Raises ConfigError (every problem listed) before
-    anything starts."""
+    anything starts. ``fresh_name``: ``telemetry.out_dir`` was generated, not named by the user
+    (:func:`claim_run_dir`); None: it was if it still holds a ``${...}``."""
     environ = os.environ if environ is None else environ
+    if fresh_name is None:
+        fresh_name = "${" in cfg.telemetry.out_dir
     cfg = resolved(cfg)
     if cfg.launch.dry_run:
         return dry_run(cfg, environ)
@@ -218,34 +285,49 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None) -> int:
         problem = local_gpu_problem(cfg.launch.nproc, local_gpu_count(environ))
         if problem:
             raise ConfigError(problem)
-    out_dir = Path(cfg.telemetry.out_dir)
-    removes = cfg.launch.launcher == "local" or rank_env.get("RANK") == "0"
-    if removes:  # made (and written) now, so that a folder that cannot be is a clear error
-        from charllm_nemo.telemetry.store import check_writable
-
-        check_writable(out_dir)
-    check_run_dir(cfg, removes=removes)
     if cfg.launch.launcher == "local":
-        _announce(cfg, layout)
-        with config_for_ranks(cfg, out_dir / "config.yaml") as config_path:  # secrets: not in the run dir
-            rc = launch_local(
-                config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
-            )
+        # One process decides the directory, before any rank starts, and hands it to them in
+        # config.yaml: a generated name taken by a run started in the same second gets a suffix.
+        out_dir = claim_run_dir(Path(cfg.telemetry.out_dir), fresh_name=fresh_name)
+        cfg.telemetry.out_dir = str(out_dir)
+        with run_dir_lock(out_dir):
+            check_run_dir(cfg, removes=True)
+            _announce(cfg, layout)
+            with config_for_ranks(cfg, out_dir / "config.yaml") as config_path:  # secrets: not in the run dir
+                rc = launch_local(
+                    config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port
+                )
         _where(out_dir)
         return rc
-    # slurm / none: this process is one rank.
-    os.environ.update(rank_env)
-    if rank_env["RANK"] == "0":
-        _announce(cfg, layout)
-        save_train_config(cfg, out_dir / "config.yaml")
-    from charllm_nemo.train.loop import run_rank
-    from charllm_nemo.train.worker import sigterm_unwinds
+    # slurm / none: this process is one rank. Every rank computes the same name (the job's id),
+    # so none may add a suffix; rank 0 makes the directory and holds it for the run.
+    out_dir = Path(cfg.telemetry.out_dir)
+    lead = rank_env.get("RANK") == "0"
+    if lead:
+        claim_run_dir(out_dir, fresh_name=False)
+    with run_dir_lock(out_dir) if lead else contextlib.nullcontext():
+        check_run_dir(cfg, removes=lead)
+        os.environ.update(rank_env)
+        if lead:
+            _announce(cfg, layout)
+            save_train_config(cfg, out_dir / "config.yaml")
+        from charllm_nemo.train.loop import run_rank
+        from charllm_nemo.train.worker import sigterm_unwinds
 
-    with sigterm_unwinds():  # as a locally launched rank: SLURM's SIGTERM still ends in summary.json
-        result = run_rank(cfg)
-    if rank_env["RANK"] == "0":
+        with sigterm_unwinds():  # as a locally launched rank: SLURM's SIGTERM still ends in summary.json
+            result = run_rank(cfg)
+    if lead:
         _where(out_dir)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def _generated_out_dir(dcfg: DictConfig) -> bool:
+    """Whether ``telemetry.out_dir`` is generated (an interpolation such as the default
+    ``runs/${charllm_run_id:...}``), read before it is resolved."""
+    raw = OmegaConf.to_container(dcfg, resolve=False)
+    telemetry = raw.get("telemetry") if isinstance(raw, dict) else None
+    value = telemetry.get("out_dir") if isinstance(telemetry, dict) else None
+    return isinstance(value, str) and "${" in value
 
 
 def _job(dcfg: DictConfig) -> int:
@@ -264,7 +346,7 @@ def _job(dcfg: DictConfig) -> int:
         # Each job of a sweep gets its own run directory: Hydra's job directory.
         dcfg = OmegaConf.merge(dcfg, {"telemetry": {"out_dir": hc.runtime.output_dir}})  # type: ignore[assignment]
     try:
-        return run(train_config_from(dcfg))
+        return run(train_config_from(dcfg), fresh_name=_generated_out_dir(dcfg))
     except CharllmError as exc:  # a config value, or this machine (no driver, a run directory)
         print(f"charllm train: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
@@ -289,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"charllm train: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     register_resolvers()
+    from charllm_nemo.sinks.base import ABANDONED, exit_now_if_abandoned
+
+    ABANDONED.clear()  # only this run's sinks count (a process may run several: tests, notebooks)
     codes: list[int] = []
     started: list[bool] = []
 
@@ -303,6 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = ["charllm train", *args]
     try:
         app()
+    except KeyboardInterrupt:
+        # Ctrl-C in an in-process rank (launcher=slurm / none): the rank closed `interrupted`
+        # on its way out; the shell's 130, no traceback. (launcher=local forwards it instead.)
+        print("charllm train: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
@@ -315,7 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code if isinstance(code, int) else 1
     finally:
         sys.argv = saved_argv
-    return max(codes, default=0, key=lambda c: (c != 0, c))
+    code = max(codes, default=0, key=lambda c: (c != 0, c))
+    exit_now_if_abandoned(code)  # an in-process rank (srun, torchrun) whose W&B hung
+    return code
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
+from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull, write_summary
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
 from charllm_nemo.train.profile import StepProfiler
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
@@ -189,6 +190,7 @@ def run_rank(
     own_session = False
     status = "failed"
     sink = None
+    disk = DiskWatch(cfg.telemetry.out_dir, required=cfg.telemetry.required, rank=dist.rank)
     started: list[RankResult] = []  # _train's result once it exists: a partial one if training stops
     try:
         t0 = time.monotonic()
@@ -206,9 +208,12 @@ def run_rank(
         if rec is not None:
             rec.set_labels(**dist.labels())
         kinds = list(cfg.telemetry.windows) if marking else []
-        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s)
+        result = _train(cfg, dist, layout, rec, session, kinds, torch, sink, started, setup_s, disk)
         status = "complete"
         return result
+    except TelemetryDiskFull:  # telemetry.required and the disk is full: said by the worker, once
+        status = DISK_FULL
+        raise
     except KeyboardInterrupt:  # Ctrl-C (the local launcher forwards it to every rank)
         status = "interrupted"
         raise
@@ -216,11 +221,18 @@ def run_rank(
         status = "terminated"
         raise
     finally:
+        if status == "complete" and (disk.full or getattr(session, "disk_full", False)):
+            status = DISK_FULL  # trained to the end; telemetry stopped when the disk filled
         if started:
             started[0].wall_s = time.monotonic() - t_start
+        disk.release()  # the room kept for summary.json
         if started and dist.rank == 0:
             try:
                 _write_summary(cfg, layout, started[0], status)
+            except OSError as exc:  # a full disk: one line, not a traceback
+                log.error(
+                    "could not write summary.json in %s: %s", cfg.telemetry.out_dir, exc.strerror or exc
+                )
             except Exception:  # never hide why training stopped
                 log.exception("could not write summary.json")
         closed = status
@@ -240,10 +252,8 @@ def run_rank(
 def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: str) -> None:
     """Rank 0 writes ``summary.json`` into the run directory when training ends, however it
     ends (``status``: complete, interrupted, terminated, failed; schema in docs/store.md)."""
-    import json
     from dataclasses import asdict, is_dataclass
 
-    from charllm_nemo.telemetry.store import atomic_write_bytes
     from charllm_nemo.train.report import run_summary
 
     out = Path(cfg.telemetry.out_dir)
@@ -264,7 +274,8 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         **run_summary(result.summaries, world_size=result.world_size),
         "per_step": result.summaries,
     }
-    atomic_write_bytes(out / SUMMARY_FILE, json.dumps(data, indent=2, default=str).encode())
+    if write_summary(out / SUMMARY_FILE, data) == "compact":
+        log.error("the disk is full: summary.json written without its per-step rows (steps.jsonl has them)")
 
 
 def setup_line(setup_s: dict[str, float], num_parameters: int, steps: int) -> str:
@@ -318,6 +329,7 @@ def _train(
     sink: Any = None,
     started: list[RankResult] | None = None,
     setup_s: dict[str, float] | None = None,
+    disk: DiskWatch | None = None,
 ) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -366,6 +378,10 @@ def _train(
         print(setup_line(setup_s, bundle.num_parameters, b.train_steps), file=sys.stderr, flush=True)
     st = _step_telemetry(cfg, dist, layout, rec, session, kinds, bundle, n_micro, sink, result, print_steps)
     config.timers = st.timers()  # None with nothing marked: the bench's "off" case
+    from charllm_nemo.steps import StepsFileObserver
+
+    # rank 0's steps.jsonl, which DiskWatch asks whether the disk filled up
+    steps_file = next((o.file for o in st.observers if isinstance(o, StepsFileObserver)), None)
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     profiler = StepProfiler(cfg.telemetry.out_dir, dist.rank, cfg.telemetry.profile_steps)
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
@@ -403,6 +419,8 @@ def _train(
             result.grad_norms.append(out.grad_norm)
             result.step_times_s.append(out.step_time_s)
             result.local_step_times_s.append(out.local_step_time_s)
+            if disk is not None:  # every rank: telemetry's store; rank 0: steps.jsonl too
+                disk.check(session, steps_file, step)
         # The last steps' figures (one more gather each, within one bounded wait); the session
         # stays open: run_rank closes it after summary.json.
         st.finish("complete", close_session=False)

@@ -99,8 +99,22 @@ class _Checker:
     def positive(self, fieldname: str, value: int | float | None, *, allow_none: bool = False) -> bool:
         if value is None and allow_none:
             return True
-        if value is None or isinstance(value, bool) or value <= 0:
+        # nan compares False with everything and inf passes "> 0": both are refused by name.
+        if value is None or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             self.add(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
+            return False
+        return True
+
+    def within(
+        self, fieldname: str, value: float, low: float, high: float, *, high_open: bool = False, hint: str
+    ) -> bool:
+        """``value`` finite and in [low, high] ([low, high) with ``high_open``); else a problem
+        naming the field, the range and ``hint`` (a value that works)."""
+        above = value >= low
+        below = value < high if high_open else value <= high
+        if isinstance(value, bool) or not (math.isfinite(value) and above and below):
+            bracket = ")" if high_open else "]"
+            self.add(f"{fieldname}={value!r} must lie in [{low:g}, {high:g}{bracket}; {hint}")
             return False
         return True
 
@@ -175,7 +189,9 @@ class _Checker:
                 f"set max_position_embeddings >= {m.seq_length} or null"
             )
         e = m.num_experts
-        if pos["num_experts"] and e is not None and not 1 <= m.moe_router_topk <= e:
+        if e is None:  # unused by a dense model, but a value that could never work is still wrong
+            self.positive("model.moe_router_topk", m.moe_router_topk)
+        elif pos["num_experts"] and not 1 <= m.moe_router_topk <= e:
             self.add(
                 f"model.moe_router_topk={m.moe_router_topk} must lie in [1, model.num_experts={e}]; "
                 f"e.g. model.moe_router_topk={min(2, e)}"
@@ -442,13 +458,21 @@ class _Checker:
 
     def optim(self, virtual_stages: list[int] | None) -> None:
         o, p = self.cfg.optim, self.cfg.parallel
-        self.positive("optim.lr", o.lr)
-        if o.min_lr < 0 or o.min_lr > o.lr:
-            self.add(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
+        if self.positive("optim.lr", o.lr):
+            self.within(
+                "optim.min_lr", o.min_lr, 0.0, o.lr, hint=f"it is the floor of the decay, <= optim.lr={o.lr}"
+            )
         if o.warmup_steps < 0:
             self.add(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-        if o.clip_grad < 0:
-            self.add(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 = no clipping)")
+        if not (math.isfinite(o.clip_grad) and o.clip_grad >= 0):
+            self.add(
+                f"optim.clip_grad={o.clip_grad!r} must be a finite number >= 0 (0 = no clipping), e.g. 1.0"
+            )
+        if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
+            self.add(f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0, e.g. 0.01")
+        for name in ("adam_beta1", "adam_beta2"):
+            # Adam divides by 1 - beta**t: a beta of 1 is a division by zero at the first step.
+            self.within(f"optim.{name}", getattr(o, name), 0.0, 1.0, high_open=True, hint="e.g. 0.9 / 0.95")
         g_ok = self.one_of(
             "optim.recompute_granularity", o.recompute_granularity, RECOMPUTE_GRANULARITIES, none_ok=True
         )

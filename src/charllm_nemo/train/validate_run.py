@@ -6,6 +6,7 @@ Part of :func:`charllm_nemo.train.validate.validate`; each function returns prob
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from charllm_nemo.train.layout import choices
 
 LAUNCHERS = ("local", "slurm", "none")
 DEVICES = ("auto", "cpu", "cuda")
+SEED_LIMIT = 2**32
+"""``data.seed`` stays below this: numpy's ``RandomState`` (megatron-core's dataset shuffle) takes no more."""
 
 
 def _one_of(problems: list[str], fieldname: str, value: object, allowed: Sequence[object]) -> None:
@@ -24,7 +27,7 @@ def _one_of(problems: list[str], fieldname: str, value: object, allowed: Sequenc
 
 
 def _positive(problems: list[str], fieldname: str, value: float) -> None:
-    if isinstance(value, bool) or value <= 0:
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:  # nan and inf too
         problems.append(f"{fieldname}={value!r} must be a positive number; e.g. {fieldname}=1")
 
 
@@ -56,8 +59,11 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
             f"launch.master_port={la.master_port} is not a TCP port; use one in [1, 65535], e.g. 29511"
         )
 
-    if d.seed < 0:
-        problems.append(f"data.seed={d.seed} must be >= 0")
+    if not 0 <= d.seed < SEED_LIMIT:
+        problems.append(
+            f"data.seed={d.seed} must lie in [0, 2**32): megatron-core's GPT dataset seeds numpy's "
+            "RandomState with it; e.g. data.seed=1234"
+        )
     if d.path is not None:
         missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(d.path + ext)]
         if missing:

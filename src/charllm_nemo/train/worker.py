@@ -110,7 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     try:
         with sigterm_unwinds():
-            return run(args[0])
+            code = run(args[0])
+        from charllm_nemo.sinks.base import exit_now_if_abandoned
+
+        exit_now_if_abandoned(code)  # a hung W&B: its exit hooks do not hold the rank
+        return code
     except CharllmError as exc:  # a config value, or this machine (no driver, a run directory)
         rank = os.environ.get("RANK", "?")
         print(f"rank {rank}: {exc}", file=sys.stderr)

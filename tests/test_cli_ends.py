@@ -1,0 +1,85 @@
+"""How ``charllm telemetry`` ends: Ctrl-C, and options that make no sense (nan, inf, <= 0, '')."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.cli import main
+
+
+def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic"]
+    argv += ["--seconds", "60", "--step-s", "0.1", "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # "sampling ..." once the session has started
+        assert first.startswith(b"sampling"), first
+        time.sleep(0.5)  # a few steps marked
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err, err.decode()
+    assert b"interrupted (Ctrl-C)" in rest
+    manifest = json.loads((out / "rank=0" / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--hz", "nan"),
+        ("--hz", "inf"),
+        ("--hz", "0"),
+        ("--hz", "-5"),
+        ("--hz", "2000"),
+        ("--seconds", "nan"),
+        ("--seconds", "inf"),
+        ("--seconds", "0"),
+        ("--seconds", "-1"),
+        ("--step-s", "nan"),
+        ("--step-s", "inf"),
+        ("--step-s", "0"),
+        ("--step-s", "-0.1"),
+        ("--out", ""),
+        ("--out", " "),
+    ],
+)
+def test_a_meaningless_number_or_an_empty_path_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    args = {"--hz": "100", "--seconds": "0.3", "--step-s": "0.1", "--out": str(tmp_path / "run")}
+    args[option] = value
+    argv = ["telemetry", "--backend", "synthetic", *[x for kv in args.items() for x in kv]]
+    before = set(os.listdir(tmp_path)), set(os.listdir("."))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and "Traceback" not in err
+    assert (set(os.listdir(tmp_path)), set(os.listdir("."))) == before  # nothing written anywhere
+
+
+def test_a_run_that_raises_is_never_marked_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import charllm_nemo.cli as cli
+
+    def broken(seconds: float) -> None:
+        raise ValueError("sleep length must be non-negative")  # what --step-s -1 raised before
+
+    monkeypatch.setattr(cli, "_busy", broken)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError):
+        main(["telemetry", "--backend", "synthetic", "--seconds", "1", "--step-s", "0.1", "--out", str(out)])
+    assert json.loads((out / "rank=0" / "manifest.json").read_text())["status"] == "failed"
