@@ -123,7 +123,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 work()
                 if arm == "on":
-                    g = gathered(step)  # what gather_to_rank0 hands rank 0 (outside the call)
+                    g = gathered(step)  # what the step API hands rank 0 (outside the call)
                     c0 = time.perf_counter()
                     sink.log_figures(step, summary, g)
                     call_us.append((time.perf_counter() - c0) * 1e6)

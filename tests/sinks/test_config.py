@@ -74,7 +74,7 @@ def test_importing_the_sinks_needs_neither_wandb_nor_torch():
     import sys
 
     code = (
-        "import sys, charllm_nemo.sinks.config, charllm_nemo.sinks.gather, charllm_nemo.sinks.wandb"
+        "import sys, charllm_nemo.sinks.config, charllm_nemo.sinks.keys, charllm_nemo.sinks.wandb"
         "; print(sorted(m for m in ('wandb', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -3,8 +3,7 @@
 The schedule is driven by hand here (the calls megatron-core's schedules make, in their order);
 the CUDA path runs against a stand-in for ``torch.cuda.Event`` whose clock is the host's, so the
 resolution maths (anchor + elapsed_time -> CLOCK_MONOTONIC ns, one synchronize per step) is
-checked without a GPU. Every test runs with the timers in C (``StepMarker``, where
-charllm_nemo._hot is built) and in Python (``PyStepMarker``).
+checked without a GPU.
 """
 
 from __future__ import annotations
@@ -14,18 +13,15 @@ from typing import Any
 
 import pytest
 
-from charllm_nemo.speedups import IN_C
 from charllm_nemo.telemetry.windows import WindowRecorder
-from charllm_nemo.train.marks import PyStepMarker, StepMarker
+from charllm_nemo.train.marks import StepMarker
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(params=["c", "python"])
-def Marker(request: pytest.FixtureRequest) -> type[StepMarker] | type[PyStepMarker]:
-    if request.param == "c" and not IN_C:
-        pytest.skip("charllm_nemo._hot is not in use (tests/test_speedups.py says whether it must be)")
-    return StepMarker if request.param == "c" else PyStepMarker
+@pytest.fixture
+def Marker() -> type[StepMarker]:
+    return StepMarker
 
 
 def one_f_one_b(marker: StepMarker, order: list[tuple[str, int]]) -> None:

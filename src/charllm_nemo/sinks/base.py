@@ -201,7 +201,7 @@ class AsyncSink:
         """Queue one step's raw numbers; the sink thread turns them into keys (``step_keys``:
         :class:`~charllm_nemo.sinks.keys.StepKeys`) and calls the backend's ``log_step``.
         ``summary``: a ``StepReport.to_dict()`` (charllm_nemo.steps; loss, step time, throughput, MFU);
-        ``gathered``: rank 0's :func:`~charllm_nemo.sinks.gather.gather_to_rank0` result.
+        ``gathered``: every rank's figure vector, index = rank (``StepReport.rank_figures``).
         The cheapest call for the training thread: a queue put, no key is built here."""
         self._put(("log_figures", (step, summary, gathered)))
 

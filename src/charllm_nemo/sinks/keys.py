@@ -16,8 +16,8 @@ Layout (docs/wandb.md has the full table):
 A figure that is not known (None, NaN, inf) is omitted, never logged as 0.
 
 A rank's figures reach rank 0 as one float64 vector in :data:`STEP_FIGURE_KEYS` order
-(:func:`pack_step_figures`, gathered by sinks/gather.py, read back by
-:func:`unpack_gathered`); NaN marks a figure the rank does not know.
+(:func:`pack_step_figures`; the step API gathers them, charllm_nemo.steps, and
+:func:`unpack_gathered` reads them back); NaN marks a figure the rank does not know.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Timing. A timer's ``start`` / ``stop`` only append (key, clock reading) to the s
 (telemetry/steplog.py): they run between two pieces of training work, when the CPU caches hold
 the training's data and not this code, and there every line they touch costs (on a tiny CPU
 model here, a mark that built and stored its window as it happened took 10-50 µs; noting it
-takes a few; the timers here are plain Python, :class:`PyTimer`). At
+takes a few; see :class:`MarkTimer`). At
 :meth:`StepMarker.end_step` the log
 becomes the step's windows, in one go: in the telemetry process when the session has one (the
 training thread only copies the log into the shared mark ring), else here. The clock
@@ -48,7 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from charllm_nemo.telemetry import steplog
 from charllm_nemo.telemetry.steplog import KIND_MICROBATCH, KIND_PHASE, StepLog, mark_key
@@ -100,7 +100,7 @@ class StepTiming:
         return (self.t_end_mono_ns - self.t_begin_mono_ns) / 1e9
 
 
-class PyTimer:
+class MarkTimer:
     """What ``config.timers(name)`` returns: ``start``/``stop`` with mcore's signature.
     ``phase`` None: not a window (``forward-backward``, ...): both return at once.
 
@@ -113,7 +113,7 @@ class PyTimer:
 
     __slots__ = ("_k_begin", "_k_end", "_m", "_open_in", "_phase")
 
-    def __init__(self, marker: PyMarkBase, phase: str | None, key_begin: int, key_end: int) -> None:
+    def __init__(self, marker: StepMarker, phase: str | None, key_begin: int, key_end: int) -> None:
         self._m = marker
         self._phase = phase
         self._k_begin = key_begin
@@ -145,35 +145,6 @@ class PyTimer:
                 fn("phase", self._phase, False)
 
 
-class PyMarkBase:
-    """The timer table of a marker: ``marker(name)`` is the name's timer, made by
-    ``_new_timer`` the first time. ``_log``: the step's flat ``[key, clock, ...]``;
-    ``_listeners``: the recorder's, told of every begin / end; ``_clock``: what a mark reads
-    (``time.monotonic_ns``, or the next CUDA event); ``_timers``: name -> timer; ``_serial``: the
-    step in progress (0 between steps); ``unmatched``: marks outside a step or stops without
-    their start, counted, not logged."""
-
-    HOST_CLOCK: Callable[[], int] | None = time.monotonic_ns  # what ``_clock`` is on host timing
-    TIMER: Any = PyTimer
-
-    def __init__(self) -> None:
-        self._log: list[Any] = []
-        self._listeners: list[Any] = []
-        self._clock: Any = None
-        self._timers: dict[str, Any] = {}
-        self._serial = 0
-        self.unmatched = 0
-
-    def __call__(self, name: str, log_level: int | None = None) -> Any:
-        timer = self._timers.get(name)
-        if timer is None:
-            timer = self._new_timer(name)
-        return timer
-
-    def _new_timer(self, name: str) -> Any:
-        raise NotImplementedError
-
-
 @dataclass
 class _StepState:
     step: int
@@ -181,27 +152,22 @@ class _StepState:
     anchor: Any = None
 
 
-class _Marker:
+class StepMarker:
     """Turns one rank's step and mcore timer calls into windows on a :class:`WindowRecorder`.
 
     ``kinds``: which window kinds to record (``telemetry.windows``). ``cuda``: time with CUDA
     events (GPU runs). ``num_microbatches`` per step and ``num_chunks`` (virtual pipeline chunks
     on this rank) give the schedule order; ``group_size`` is mcore's
     ``microbatch_group_size_per_vp_stage``.
+
+    ``marker(name)`` is the name's :class:`MarkTimer`, made the first time. ``_log``: the step's
+    flat ``[key, clock, ...]``; ``_listeners``: the recorder's, told of every begin / end;
+    ``_clock``: what a mark reads (``time.monotonic_ns``, or the next CUDA event); ``_serial``:
+    the step in progress (0 between steps); ``unmatched``: marks outside a step or stops without
+    their start, counted, not logged.
     """
 
-    # the timer table's fields (MarkBase)
-    HOST_CLOCK: Callable[[], int] | None
-    TIMER: Any
-    _log: list[Any]
-    _listeners: list[Any]
-    _clock: Any
-    _timers: dict[str, Any]
-    _serial: int
-    unmatched: int
-    if TYPE_CHECKING:
-
-        def __call__(self, name: str, log_level: int | None = None) -> Any: ...
+    HOST_CLOCK: Callable[[], int] | None = time.monotonic_ns  # what ``_clock`` is on host timing
 
     def __init__(
         self,
@@ -213,7 +179,10 @@ class _Marker:
         kinds: tuple[str, ...] | list[str] = ("step", "microbatch", "phase"),
         cuda: bool = False,
     ) -> None:
-        super().__init__()
+        self._log: list[Any] = []
+        self._timers: dict[str, MarkTimer] = {}
+        self._serial = 0
+        self.unmatched = 0
         if num_microbatches < 1 or num_chunks < 1:  # a step's window ids are reserved per microbatch
             raise ValueError(f"num_microbatches={num_microbatches} and num_chunks={num_chunks} must be >= 1")
         self.recorder = recorder
@@ -229,24 +198,30 @@ class _Marker:
         )
         self._host = recorder.names.code("host")
         self._cuda_timing = recorder.names.code("cuda_event")
-        self._clock = self._cuda_event if cuda else self.HOST_CLOCK
+        self._clock: Any = self._cuda_event if cuda else self.HOST_CLOCK
         self._state: _StepState | None = None
         self._steps_begun = 0  # the serial of the step in progress is this (0 between steps)
         self._events: list[Any] = []
         self._next_event = 0
-        self._listeners = recorder.listeners  # the live list: listeners added later are seen
+        self._listeners: list[Any] = recorder.listeners  # the live list: listeners added later are seen
         self._shape_labels: tuple[int, ...] | None = None  # the labels self._shape was made with
         self._shape: list[int] = []
         recorder.add_pending_source(self.flush_pending)
 
-    # -- config.timers protocol (``marker(name)`` is MarkBase's) -----------------------------
-    def _new_timer(self, name: str) -> Any:
+    # -- config.timers protocol ---------------------------------------------------------------
+    def __call__(self, name: str, log_level: int | None = None) -> MarkTimer:
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._new_timer(name)
+        return timer
+
+    def _new_timer(self, name: str) -> MarkTimer:
         """The timer of a name mcore asks for the first time: its phase is classified once;
         timers that are not windows (``forward-backward``, ...) do nothing."""
         phase = self._classify(name)
         code = 0 if phase is None else self.recorder.names.code(phase)
         index = len(self._timers)
-        timer = self.TIMER(self, phase, mark_key(code, index, True), mark_key(code, index, False))
+        timer = MarkTimer(self, phase, mark_key(code, index, True), mark_key(code, index, False))
         self._timers[name] = timer
         return timer
 
@@ -376,11 +351,3 @@ class _Marker:
         if name.startswith("charllm:"):
             return name[len("charllm:") :]
         return None  # forward-backward (the whole schedule) and anything unknown: not a window
-
-
-class StepMarker(_Marker, PyMarkBase):
-    __doc__ = _Marker.__doc__
-
-
-PyStepMarker = StepMarker
-"""The same class (the name the C twin's tests and benchmarks used; that twin is gone)."""

@@ -4,9 +4,6 @@ importable from here for existing code."""
 from charllm_nemo.steps.marks import (
     GRAD_SYNC_TIMERS,
     P2P_TIMERS,
-    PyMarkBase,
-    PyStepMarker,
-    PyTimer,
     StepMarker,
     StepTiming,
     schedule_order,
@@ -15,9 +12,6 @@ from charllm_nemo.steps.marks import (
 __all__ = [
     "GRAD_SYNC_TIMERS",
     "P2P_TIMERS",
-    "PyMarkBase",
-    "PyStepMarker",
-    "PyTimer",
     "StepMarker",
     "StepTiming",
     "schedule_order",
