@@ -128,10 +128,9 @@ def test_the_window_crosses_into_the_telemetry_process_with_the_level():
     parent = open_backend("synthetic", activity="marks", clock=clock, **options)
     word = [math.nan]
     parent.activity.on_change = lambda v: word.__setitem__(0, v)
-    plan = process_plan("synthetic", {**options, "activity": "marks"})
+    plan = process_plan("synthetic", {**options, "activity": "marks", "clock": clock})
     assert "slowdown" not in plan.options and plan.options["throttle"] == options["throttle"]
     child = open_in_process("synthetic", None, plan, parent_pid=0, published_level=lambda: word[0]).devices[0]
-    child._clock = clock
     seen = []
     for _ in range(3):
         parent.activity("step", "step", True)
