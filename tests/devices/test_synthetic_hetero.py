@@ -163,8 +163,10 @@ def test_slowdown_makes_compute_phases_longer_by_the_clock_drop():
         marks("phase", "forward", False)
         lengths.append(time.monotonic() - t0)
         marks("step", "step", False)
-    assert lengths[0] < 0.016 and lengths[1] < 0.016  # unthrottled: the work plus ~3 %
-    assert all(0.018 < x < 0.040 for x in lengths[3:])  # clock halved: the work twice over
+    # unthrottled: the work plus ~3 % (the least of two: a loaded machine only adds)
+    assert min(lengths[:2]) < 0.015
+    # clock halved (and ~3 % under the cap): the work twice over; sleeps only overshoot
+    assert all(0.019 < x < 0.2 for x in lengths[3:])
     assert marks.governor.slept_s > 0.02
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
@@ -57,6 +57,14 @@ THREAD_MODE_FIGURES: tuple[str, ...] = (
 )
 """The figures a rank reports by default where they are computed on its training thread
 (sampler ``thread``): those of the console line and of the report's cross-rank fields."""
+
+ALERT_FIGURES: tuple[str, ...] = (
+    "clock_sm_avg_mhz",
+    "clock_sm_min_mhz",
+    *(f for f in THROTTLE_FIGURES if f != "throttle_any_limiting_s"),
+)
+"""What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
+when ``phase_times`` is on (process mode computes every figure anyway)."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,8 @@ class StepTelemetry:
         )
         self._final_wait_s = final_wait(hz)
         self.figures = self._figure_names(session, figures)
+        if phase_times and figures is None and self.figures == THREAD_MODE_FIGURES:
+            self.figures = (*THREAD_MODE_FIGURES, *ALERT_FIGURES)  # what the alerts read
         self.max_figure_wait_s = max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
