@@ -8,11 +8,11 @@ observers), on two StepTelemetry objects over synthetic telemetry sessions (samp
 interleaved in rounds so that machine noise hits both alike:
 
 * ``off``: ``alerts=off``: no alert observer, no phase sums, no facts exchanged (what a run
-  without alerts does, the same as before alerts existed but for the 6 NaN entries the
+  without alerts does, the same as before alerts existed but for the 9 NaN entries the
   per-rank vector now carries);
 * ``on``: the alert observer on rank 0 (``alerts.jsonl`` in a temporary folder; nothing fires
-  in steady state), ``phase_times`` (each step's marks summed by phase group) and the ranks'
-  facts exchanged once.
+  in steady state), ``phase_times`` (each step's marks summed by phase group, and the
+  sampler's health read) and the ranks' facts exchanged once.
 
 One rank: the report holds one rank's figures. Part b times the detector alone over reports
 of N ranks (steady state: no alert fires, every check runs), the part that grows with the job.

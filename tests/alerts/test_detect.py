@@ -196,3 +196,30 @@ def test_the_config_group_composes_default_and_off():
     assert app.load([]).alerts == AlertsConfig()
     assert app.load(["alerts=off"]).alerts == replace(AlertsConfig(), enabled=False)
     assert app.load(["alerts.straggler_steps=5"]).alerts.straggler_steps == 5
+
+
+def test_sampler_health_deadlines_nulls_and_a_stop():
+    det = AlertDetector(AlertsConfig(sampler_missed=10))
+    det.set_rank_info(INFOS[:1])
+
+    def rep(step, missed, nulls, stopped):
+        r = StepReport(step=step, loss=1.0, step_time_s=0.1)
+        apply_rank_figures(
+            r,
+            [pack_rank_vector(step_time_s=0.1, figures={"duration_s": 0.1}, health=(missed, nulls, stopped))],
+        )
+        return r
+
+    counts = [(0, 0, 0), (5, 0, 0), (25, 0, 0), (26, 3, 0), (26, 3, 1), (26, 3, 1)]
+    seen = [[(a["problem"], a["severity"]) for a in det.check(rep(s, *h))] for s, h in enumerate(counts)]
+    assert seen == [
+        [],
+        [],
+        [("deadlines_missed", "warning")],
+        [("nulls", "warning")],
+        [("stopped", "error")],
+        [],
+    ]
+    unknown = StepReport(step=9, loss=1.0, step_time_s=0.1)
+    apply_rank_figures(unknown, [pack_rank_vector(step_time_s=0.1, figures={"duration_s": 0.1})])
+    assert det.check(unknown) == []  # not sent (alerts off on that rank): nothing to judge

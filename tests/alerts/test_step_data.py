@@ -85,3 +85,32 @@ def test_thread_mode_computes_what_the_alerts_read():
     assert StepTelemetry(Session()).figures == THREAD_MODE_FIGURES
     with_alerts = StepTelemetry(Session(), phase_times=True).figures
     assert set(ALERT_FIGURES) <= set(with_alerts) and "throttle_sw_thermal_s" in with_alerts
+
+
+def test_the_sampler_health_travels_with_phase_times():
+    from charllm_nemo.telemetry.sample_loop import SamplerHealth
+
+    class Session:
+        sampler_mode, hz, counter_every, rank, local_rank, world_size = "process", 100.0, 1, 0, 0, 1
+        windows = WindowRecorder()
+
+        def health(self):
+            h = SamplerHealth(hz=100.0, deadlines_missed=7)
+            h.nulls[0] = 2
+            return h
+
+        def request_figures(self, *a, **k):
+            pass
+
+        def step_figures(self, *a, **k):
+            return None
+
+    reports = []
+    st = StepTelemetry(Session(), observers=[FunctionObserver(reports.append)], phase_times=True)
+    for step in range(3):
+        st.begin_step(step)
+        st.end_step(loss=1.0)
+    st.finish("complete", close_session=False)
+    assert reports and reports[0].per_rank_health == [
+        {"sampler_deadlines_missed": 7.0, "sampler_nulls": 2.0, "sampler_stopped": 0.0}
+    ]

@@ -44,6 +44,7 @@ class AlertsConfig:
     # thermal imbalance (per node), power
     thermal_imbalance_c: float = 15.0  # hottest minus coolest rank of a node
     power_over_limit: float = 0.05  # a rank's average power above its limit by this share
+    sampler_missed: int = 10  # a rank's sampler missed at least this many deadlines since the last step
     # rate limit
     repeat_after_steps: int = 100
     max_per_step: int = 8
@@ -85,6 +86,7 @@ def alerts_problems(cfg: AlertsConfig) -> list[str]:
         ("straggler_steps", 1),
         ("warmup_steps", 0),
         ("repeat_after_steps", 1),
+        ("sampler_missed", 1),
         ("max_per_step", 1),
     ):
         v = getattr(cfg, name)

@@ -25,6 +25,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "straggler",
     "thermal_imbalance",
     "power_over_limit",
+    "sampler_health",
 )
 """Every ``kind`` an alert may have (docs/alerts.md)."""
 
@@ -99,6 +100,7 @@ class AlertDetector:
         self._last: dict[tuple[str, Any], int] = {}
         self.suppressed = 0
         self.raised = 0
+        self._health_seen: dict[int, tuple[float, float, float]] = {}
         self._reason_keys = [(r, f"throttle_{r}_s") for r in cfg.throttle_reasons]
 
     def set_rank_info(self, infos: Sequence[Mapping[str, Any]]) -> None:
@@ -117,6 +119,7 @@ class AlertDetector:
         alerts += self._stragglers(step, figs, timing, compute)
         alerts += self._thermal(step, figs)
         alerts += self._power(step, figs)
+        alerts += self._sampler(step, getattr(report, "per_rank_health", []))
         if len(alerts) > self.cfg.max_per_step:
             self.suppressed += len(alerts) - self.cfg.max_per_step
             alerts = alerts[: self.cfg.max_per_step]
@@ -415,6 +418,50 @@ class AlertDetector:
                             f"{self._where(rank)} drew {power:.0f} W on average at step {step}, "
                             f"{100 * (power / limit - 1):.0f}% over its {limit:.0f} W limit"
                         ),
+                    }
+                )
+        return out
+
+    # -- sampler health ---------------------------------------------------------------------
+    def _sampler(self, step: int, health: list[dict[str, float]]) -> list[dict[str, Any]]:
+        """A rank's sampler stopped (a device lost, an error), missed ``sampler_missed`` or more
+        deadlines since the last report, or read nulls of metrics its device supported."""
+        out = []
+        keys = ("sampler_deadlines_missed", "sampler_nulls", "sampler_stopped")
+        for rank, h in enumerate(health):
+            missed, nulls, stopped = (_f(h.get(k)) for k in keys)
+            if missed is None or nulls is None or stopped is None:
+                continue
+            before = self._health_seen.get(rank, (0.0, 0.0, 0.0))
+            self._health_seen[rank] = (missed, nulls, stopped)
+            problems = []
+            if stopped and not before[2]:
+                problems.append(("stopped", "error", "its sampler stopped (a device lost, or an error)"))
+            new_missed, new_nulls = missed - before[0], nulls - before[1]
+            if new_missed >= self.cfg.sampler_missed:
+                problems.append(
+                    ("deadlines_missed", "warning", f"its sampler missed {new_missed:.0f} deadlines")
+                )
+            if new_nulls > 0:
+                problems.append(
+                    ("nulls", "warning", f"{new_nulls:.0f} readings of supported metrics were null")
+                )
+            for problem, severity, text in problems:
+                if problem != "stopped" and not self._allow(f"sampler_{problem}", rank, step):
+                    continue
+                out.append(
+                    {
+                        "kind": "sampler_health",
+                        "severity": severity,
+                        "step": step,
+                        **self._who(rank),
+                        "problem": problem,
+                        "deadlines_missed": missed,
+                        "deadlines_missed_new": new_missed,
+                        "nulls": nulls,
+                        "nulls_new": new_nulls,
+                        "stopped": bool(stopped),
+                        "message": f"{self._where(rank)} at step {step}: {text}",
                     }
                 )
         return out

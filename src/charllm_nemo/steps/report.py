@@ -27,9 +27,14 @@ RANK_TIMING_FIELDS: tuple[str, ...] = ("step_time_s", *PHASE_GROUPS)
 """The rank's own timing of the step being reported (s): its step window, and its phase time by
 group (NaN unless its StepTelemetry sums phases: ``phase_times=True``, which alerts ask for).
 Held on each rank until the step's figures are due, so one row holds one step."""
-VECTOR_WIDTH = len(HEAD_FIELDS) + len(RANK_TIMING_FIELDS) + len(STEP_FIGURE_KEYS)
+HEALTH_FIELDS: tuple[str, ...] = ("sampler_deadlines_missed", "sampler_nulls", "sampler_stopped")
+"""The rank's sampler health when it sent the vector (NaN unless its StepTelemetry was made with
+``phase_times=True``, as alerts do): deadlines missed and null readings of supported metrics so
+far (counts), and 1 when its sampler stopped (a device lost, an error), else 0."""
+VECTOR_WIDTH = len(HEAD_FIELDS) + len(RANK_TIMING_FIELDS) + len(HEALTH_FIELDS) + len(STEP_FIGURE_KEYS)
 _TIM0 = len(HEAD_FIELDS)
-_FIG0 = _TIM0 + len(RANK_TIMING_FIELDS)
+_HEA0 = _TIM0 + len(RANK_TIMING_FIELDS)
+_FIG0 = _HEA0 + len(HEALTH_FIELDS)
 _ENERGY = _FIG0 + STEP_FIGURE_KEYS.index("energy_j")
 _POWER_AVG = _FIG0 + STEP_FIGURE_KEYS.index("power_avg_w")
 _POWER_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("power_peak_w")
@@ -87,7 +92,15 @@ class StepReport:
         name (s; NaN = not known); empty until the step's figures are due."""
         if not self.rank_vectors:
             return []
-        return [dict(zip(RANK_TIMING_FIELDS, row[_TIM0:_FIG0], strict=True)) for row in self.rank_vectors]
+        return [dict(zip(RANK_TIMING_FIELDS, row[_TIM0:_HEA0], strict=True)) for row in self.rank_vectors]
+
+    @property
+    def per_rank_health(self) -> list[dict[str, float]]:
+        """Every rank's sampler health (index = rank), by :data:`HEALTH_FIELDS` name (NaN = not
+        sent); empty until the step's figures are due."""
+        if not self.rank_vectors:
+            return []
+        return [dict(zip(HEALTH_FIELDS, row[_HEA0:_FIG0], strict=True)) for row in self.rank_vectors]
 
     def figure_rows(self) -> list[list[float]] | None:
         """Every rank's figures as lists in :data:`STEP_FIGURE_KEYS` order (what
@@ -114,9 +127,11 @@ def pack_rank_vector(
     step_time_s: float = 0.0,
     figures: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
     timing: Sequence[float] | None = None,
+    health: Sequence[float] | None = None,
 ) -> list[float]:
     """This rank's vector: :data:`HEAD_FIELDS`, its ``timing`` of the reported step
-    (:data:`RANK_TIMING_FIELDS` values; None = not known, NaN), then its devices' figures
+    (:data:`RANK_TIMING_FIELDS` values; None = not known, NaN), its sampler ``health``
+    (:data:`HEALTH_FIELDS`; None: NaN), then its devices' figures
     combined (:func:`~charllm_nemo.sinks.keys.combine_devices`; ``figures`` None = not known,
     all NaN). A ``loss`` that is not a finite number counts as none."""
     value = math.nan if loss is None else float(loss)
@@ -128,6 +143,7 @@ def pack_rank_vector(
     else:
         head.extend(float(v) for v in timing)
         head.extend([math.nan] * (len(RANK_TIMING_FIELDS) - len(timing)))
+    head.extend([math.nan] * len(HEALTH_FIELDS) if health is None else [float(v) for v in health])
     if figures is None:
         return head + [math.nan] * len(STEP_FIGURE_KEYS)
     combined = combine_devices(figures)

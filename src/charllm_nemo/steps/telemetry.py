@@ -368,6 +368,7 @@ class StepTelemetry:
                 step_time_s=timing.seconds,
                 figures=figures,
                 timing=None if due is None else self._timings.pop(due[0].step, None),
+                health=self._health() if due is not None and self.marker.sum_phases else None,
             )
         )
         head = combine_head(rows)
@@ -446,9 +447,9 @@ class StepTelemetry:
         while self.pending.steps:
             last = self.pending.steps.popleft()
             figures = self._figures(last, max(0.0, deadline - time.monotonic()))
-            rows = self._exchange(
-                pack_rank_vector(figures=figures, timing=self._timings.pop(last[0].step, None))
-            )
+            timing = self._timings.pop(last[0].step, None)
+            health = self._health() if self.marker.sum_phases else None
+            rows = self._exchange(pack_rank_vector(figures=figures, timing=timing, health=health))
             self._report(last[0], rows)
 
     def _exchange(self, vector: list[float]) -> list[list[float]]:
@@ -463,6 +464,19 @@ class StepTelemetry:
         torch.distributed.all_gather(out, mine, group=self.group)
         rows: list[list[float]] = torch.stack(out).cpu().tolist()  # one device-to-host copy
         return rows
+
+    def _health(self) -> tuple[float, float, float] | None:
+        """The session's sampler health as HEALTH_FIELDS (a read of the shared block's counters
+        in process mode); None without a session, or where it cannot say."""
+        health = getattr(self.session, "health", None)
+        if health is None:
+            return None
+        try:
+            h = health()
+            stopped = 1.0 if (h.devices_lost or h.stop_reason) else 0.0
+            return float(h.deadlines_missed), float(sum(h.nulls)), stopped
+        except Exception:  # health is a report, never a reason to fail a step
+            return None
 
     def _exchange_rank_info(self) -> None:
         """Every rank's :func:`rank_facts`, once (one ``all_gather_object``); rank 0 hands them
