@@ -114,6 +114,16 @@ class LoggersObserver:
     def close(self, status: str) -> None:
         return None
 
+    def log_alert(self, alert: Mapping[str, Any]) -> None:
+        """An alert (charllm_nemo.alerts) to the framework's loggers as one scalar,
+        ``<prefix>alerts/<kind>`` = the rank (-1 for none), at the alert's step: with
+        ``log_to="trainer"`` the framework's W&B run gets the alert as a key."""
+        rank = alert.get("rank")
+        self._log(
+            {f"{self._prefix}alerts/{alert.get('kind')}": float(-1 if rank is None else rank)},
+            int(alert["step"]),
+        )
+
 
 def open_step_telemetry(
     opts: IntegrationOptions,
@@ -164,7 +174,9 @@ def open_step_telemetry(
         from charllm_nemo.alerts import AlertsConfig, alert_observer
 
         sink = next((o.sink for o in obs if type(o).__name__ == "WandbObserver"), None)
-        hooks = [on_alert] if on_alert is not None else []
+        hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
+        if on_alert is not None:
+            hooks.append(on_alert)
         alerter = alert_observer(alerts_config or AlertsConfig(), run_dir=out_dir, sink=sink, hooks=hooks)
         if alerter is not None:
             obs.append(alerter)
