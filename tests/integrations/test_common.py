@@ -65,3 +65,29 @@ def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, monkeypatch: pytest
         st.finish("complete")
     assert run_dir == str(tmp_path / "run")
     assert (tmp_path / "run" / "steps.jsonl").read_text().count("\n") == 1
+
+
+def test_alerts_reach_the_trainer_loggers_and_the_users_function(tmp_path: Path) -> None:
+    from charllm_nemo.alerts import AlertObserver
+
+    got: list[tuple[dict[str, float], int]] = []
+    mine: list[dict[str, Any]] = []
+    opts = IntegrationOptions(backend="synthetic", sampler="thread", out_dir=str(tmp_path / "run"))
+    st, _ = open_step_telemetry(
+        opts, Placement(), framework="test", sources={"step": "test"},
+        observers=[LoggersObserver(lambda m, s: got.append((m, s)))], on_alert=mine.append,
+    )  # fmt: skip
+    try:
+        (alerter,) = [o for o in st.observers if isinstance(o, AlertObserver)]
+        assert st.marker.sum_phases  # alerts on: every rank sums its phases
+        alerter._deliver({"kind": "straggler", "step": 3, "rank": 1, "message": "m"})
+    finally:
+        st.finish("complete")
+    assert ({"charllm/alerts/straggler": 1.0}, 3) in got
+    assert [a["kind"] for a in mine] == ["straggler"]
+    off = IntegrationOptions(
+        backend="synthetic", sampler="thread", out_dir=str(tmp_path / "off"), alerts=False
+    )
+    st, _ = open_step_telemetry(off, Placement(), framework="test", sources={"step": "test"})
+    st.finish("complete")
+    assert not any(isinstance(o, AlertObserver) for o in st.observers) and not st.marker.sum_phases

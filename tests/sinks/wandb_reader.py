@@ -108,6 +108,7 @@ class WandbRun:
     files: list[str] = field(default_factory=list)
     exited: bool = False
     kinds: list[str] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # wandb.alert: title, text, level
 
 
 def read_run(path: str | Path, wait_s: float = 0.0) -> WandbRun:
@@ -151,6 +152,9 @@ def _decode(path: str | Path) -> WandbRun:
             run.metrics.append(rec.metric)
         elif kind == "files":
             run.files.extend(f.path for f in rec.files.files)
+        elif kind == "alert":
+            a = rec.alert
+            run.alerts.append({"title": a.title, "text": a.text, "level": a.level})
         elif kind == "exit":
             run.exited = True
     return run

@@ -40,7 +40,10 @@ class IntegrationOptions:
     ``steps_file``: write ``steps.jsonl`` in the run directory; ``console``: rank 0 prints a line
     a step; ``attention_flops``: full | causal (how MFU counts attention); ``peak_tflops_per_gpu``:
     the MFU denominator (None: looked up for the device); ``precision``: the peak's precision;
-    ``overwrite``: replace an earlier run in ``out_dir``; ``enabled``: False does nothing.
+    ``overwrite``: replace an earlier run in ``out_dir``; ``enabled``: False does nothing;
+    ``alerts``: live alerts on rank 0 with the default thresholds (docs/alerts.md: console,
+    ``alerts.jsonl``, our W&B sink with ``log_to="wandb"``, an ``on_alert`` function); False
+    installs nothing.
     """
 
     hz: float = 100.0
@@ -58,6 +61,7 @@ class IntegrationOptions:
     precision: str = "bf16"
     overwrite: bool = False
     enabled: bool = True
+    alerts: bool = True
 
     def validate(self, owner: str) -> None:
         """Raise ConfigError naming ``<owner>.<field>`` for a value that cannot work (the
@@ -110,6 +114,16 @@ class LoggersObserver:
     def close(self, status: str) -> None:
         return None
 
+    def log_alert(self, alert: Mapping[str, Any]) -> None:
+        """An alert (charllm_nemo.alerts) to the framework's loggers as one scalar,
+        ``<prefix>alerts/<kind>`` = the rank (-1 for none), at the alert's step: with
+        ``log_to="trainer"`` the framework's W&B run gets the alert as a key."""
+        rank = alert.get("rank")
+        self._log(
+            {f"{self._prefix}alerts/{alert.get('kind')}": float(-1 if rank is None else rank)},
+            int(alert["step"]),
+        )
+
 
 def open_step_telemetry(
     opts: IntegrationOptions,
@@ -127,11 +141,15 @@ def open_step_telemetry(
     run_config: Mapping[str, Any] | None = None,
     group: Any = None,
     wandb_config: Any = None,
+    on_alert: Callable[[dict[str, Any]], object] | None = None,
+    alerts_config: Any = None,
 ) -> tuple[StepTelemetry, str]:
     """Open this rank's session and its StepTelemetry from ``opts``; returns it with the run
     directory. ``sources``: where each window kind's boundaries come from (written into the
     manifest under ``integration.sources``). ``observers``: rank 0's, besides steps.jsonl /
-    console / W&B that ``opts`` asks for."""
+    console / W&B that ``opts`` asks for. With ``opts.alerts``, rank 0 also gets the alert
+    observer (``alerts_config``: an AlertsConfig, None = the defaults; ``on_alert``: called with
+    each alert's dict) and every rank sums its phases and sends its facts once."""
     from charllm_nemo.steps import ConsoleObserver, StepsFileObserver, StepTelemetry
     from charllm_nemo.telemetry.config import open_session
 
@@ -151,6 +169,17 @@ def open_step_telemetry(
             obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
             obs.append(_wandb_observer(wandb_config, out_dir))
+    alerts_on = bool(opts.alerts)
+    if alerts_on and placement.rank == 0:
+        from charllm_nemo.alerts import AlertsConfig, alert_observer
+
+        sink = next((o.sink for o in obs if type(o).__name__ == "WandbObserver"), None)
+        hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
+        if on_alert is not None:
+            hooks.append(on_alert)
+        alerter = alert_observer(alerts_config or AlertsConfig(), run_dir=out_dir, sink=sink, hooks=hooks)
+        if alerter is not None:
+            obs.append(alerter)
     try:
         st = StepTelemetry(
             session,
@@ -167,6 +196,8 @@ def open_step_telemetry(
             num_microbatches=num_microbatches,
             windows=tuple(opts.windows),
             total_steps=total_steps,
+            phase_times=alerts_on,
+            rank_info=alerts_on,
         )
     except BaseException:
         session.close("failed")

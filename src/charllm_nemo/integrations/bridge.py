@@ -26,7 +26,7 @@ its events. All per-step logic is the step-telemetry API's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from charllm_nemo.integrations._common import (
@@ -56,6 +56,7 @@ class PowerThermalBridgeCallback:
     The keywords are :class:`~charllm_nemo.integrations._common.IntegrationOptions`' (``hz`` in
     samples a second, ...). ``log_to="trainer"`` hands each step's figures to Bridge's W&B run
     (``state.wandb_logger``) when it has one; ``"wandb"``: charllm's own W&B sink; ``"none"``.
+    ``alerts`` (default on): live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)``.
     """
 
     def __init__(
@@ -75,6 +76,8 @@ class PowerThermalBridgeCallback:
         precision: str = "bf16",
         overwrite: bool = False,
         enabled: bool = True,
+        alerts: bool = True,
+        on_alert: Callable[[dict[str, Any]], object] | None = None,
     ) -> None:
         self.options = IntegrationOptions(
             hz=hz,
@@ -92,7 +95,9 @@ class PowerThermalBridgeCallback:
             precision=precision,
             overwrite=overwrite,
             enabled=enabled,
+            alerts=alerts,
         )
+        self.on_alert = on_alert  # called on rank 0 with each alert's dict (docs/alerts.md)
         self.options.validate("PowerThermalBridgeCallback")
         self.telemetry: Any = None
         self.run_dir: str | None = None
@@ -142,6 +147,7 @@ class PowerThermalBridgeCallback:
             num_microbatches=_num_microbatches() or 1,
             total_steps=getattr(train_cfg, "train_iters", None),
             observers=observers,
+            on_alert=self.on_alert,
         )
         inner = state.timers
         timers = StepBoundaryTimers(

@@ -140,11 +140,17 @@ class MegatronLMTelemetry:
     """Per-rank telemetry for a Megatron-LM-style loop (module doc). The keywords are
     :class:`~charllm_nemo.integrations._common.IntegrationOptions`' (``hz`` in samples a second,
     ...); ``log_metrics``: a function ``(metrics: dict, step: int)`` that receives each step's
-    figures on rank 0 (e.g. Megatron-LM's W&B writer), with ``log_to="trainer"``."""
+    figures on rank 0 (e.g. Megatron-LM's W&B writer), with ``log_to="trainer"``; ``on_alert``:
+    a function called on rank 0 with each alert's dict (``alerts=True``, the default:
+    docs/alerts.md)."""
 
     def __init__(
-        self, log_metrics: Callable[[dict[str, float], int], Any] | None = None, **options: Any
+        self,
+        log_metrics: Callable[[dict[str, float], int], Any] | None = None,
+        on_alert: Callable[[dict[str, Any]], object] | None = None,
+        **options: Any,
     ) -> None:
+        self.on_alert = on_alert
         self.options = IntegrationOptions(**options)
         self.options.validate("MegatronLMTelemetry")
         self.log_metrics = log_metrics
@@ -216,6 +222,7 @@ class MegatronLMTelemetry:
             device=device,
             num_microbatches=_num_microbatches() or 1,
             observers=observers,
+            on_alert=self.on_alert,
         )
         self._step = first_step
         adapter = self.telemetry.timers(inner=timers)

@@ -29,7 +29,7 @@ API's (charllm_nemo.steps); this class only says where things begin and end.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from charllm_nemo.integrations._common import (
@@ -71,7 +71,8 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     (``hz`` in samples a second). ``log_to="trainer"`` (default) gives each step's figures to
     the trainer's loggers as ``<key_prefix><field>`` (NeMo's W&B logger among them);
     ``"wandb"`` to charllm's own W&B sink instead; ``"none"`` to neither. ``steps.jsonl`` and the
-    per-rank Parquet store are written in the run directory either way.
+    per-rank Parquet store are written in the run directory either way. ``alerts`` (default on):
+    live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)`` when given.
     """
 
     def __init__(
@@ -91,6 +92,8 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         precision: str = "bf16",
         overwrite: bool = False,
         enabled: bool = True,
+        alerts: bool = True,
+        on_alert: Callable[[dict[str, Any]], object] | None = None,
     ) -> None:
         super().__init__()
         self.options = IntegrationOptions(
@@ -109,7 +112,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             precision=precision,
             overwrite=overwrite,
             enabled=enabled,
+            alerts=alerts,
         )
+        self.on_alert = on_alert  # called on rank 0 with each alert's dict (docs/alerts.md)
         self.options.validate("PowerThermalCallback")
         self.telemetry: Any = None
         """This rank's StepTelemetry while training (None before and after)."""
@@ -159,6 +164,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             num_microbatches=_num_microbatches() or 1,
             total_steps=int(trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else None,
             observers=observers,
+            on_alert=self.on_alert,
         )
         for config in configs:
             inner = getattr(config, "timers", None)

@@ -208,6 +208,13 @@ class AsyncSink:
     def log_windows_table(self, rows: list[dict[str, Any]]) -> None:
         self._put(("log_windows_table", (rows,)))
 
+    def log_alert(self, step: int, alert: dict[str, Any]) -> None:
+        """Queue one alert (charllm_nemo.alerts; a dict with ``kind``, ``message``, ...): the
+        sink thread calls the backend's ``log_alert(step, alert)``; a backend without one
+        skips it."""
+        if hasattr(self.sink, "log_alert"):
+            self._put(("log_alert", (step, dict(alert))))
+
     def finish(self, run_dir: Path | None = None, *, timeout_s: float | None = None) -> None:
         """Drain and close within ``timeout_s`` seconds; logs and stores :attr:`report`.
         Idempotent: a second call returns at once."""

@@ -439,6 +439,27 @@ class WandbSink:
         data[STEP_KEY] = int(step)
         run.log(data)
 
+    def log_alert(self, step: int, alert: dict[str, Any]) -> None:
+        """One alert (docs/alerts.md): ``wandb.alert`` (title ``charllm <kind>: rank <r>``,
+        level WARN or INFO, no wait), and a history row with ``alerts/<kind>`` = the rank (-1
+        for none) and ``alerts/count`` (alerts so far) at ``step``."""
+        run = self._require_run()
+        if self.shared and not self.primary:
+            return
+        self._alerts = getattr(self, "_alerts", 0) + 1
+        kind = str(alert.get("kind", "alert"))
+        rank = alert.get("rank")
+        run.log(
+            {
+                f"alerts/{kind}": -1 if rank is None else int(rank),
+                "alerts/count": self._alerts,
+                STEP_KEY: int(step),
+            }
+        )
+        level = "INFO" if alert.get("severity") == "info" else "WARN"
+        title = f"charllm {kind}" + ("" if rank is None else f": rank {rank}")
+        run.alert(title=title, text=str(alert.get("message", "")), level=level, wait_duration=0)
+
     def log_windows_table(self, rows: list[dict[str, Any]]) -> None:
         run = self._require_run()
         if self.shared and not self.primary:

@@ -94,10 +94,55 @@ class StepTiming:
     window_id: int | None
     t_begin_mono_ns: int
     t_end_mono_ns: int
+    phases: tuple[float, ...] | None = None  # PHASE_GROUPS seconds, when the marker sums them
 
     @property
     def seconds(self) -> float:
         return (self.t_end_mono_ns - self.t_begin_mono_ns) / 1e9
+
+
+PHASE_GROUPS: tuple[str, ...] = ("forward_s", "backward_s", "optimizer_s", "pp_wait_s", "grad_sync_s")
+"""A step's phase time summed by group (s): ``forward``, ``backward``, ``optimizer``, pipeline
+send/recv (``pp-*``, waiting included) and gradient syncs (``*grad-sync``)."""
+
+
+def phase_group(name: str) -> int | None:
+    """The index in :data:`PHASE_GROUPS` of a phase name; None for a phase in none."""
+    if name == "forward":
+        return 0
+    if name == "backward":
+        return 1
+    if name == "optimizer":
+        return 2
+    if name.startswith("pp-"):
+        return 3
+    if name.endswith("grad-sync"):
+        return 4
+    return None
+
+
+def sum_phases(log: list[Any], group_of_code: dict[int, int | None], names: list[str]) -> tuple[float, ...]:
+    """A step's flat mark log (``[key, t_ns, ...]``, every stop after its start: MarkTimer logs
+    no other) summed into :data:`PHASE_GROUPS` seconds. ``group_of_code`` caches each name
+    code's group (filled here)."""
+    sums = [0.0] * len(PHASE_GROUPS)
+    began: dict[int, int] = {}
+    for j in range(0, len(log) - 1, 2):
+        key, t = log[j], log[j + 1]
+        timer = key >> 1
+        if key & 1:
+            began[timer] = t
+            continue
+        t0 = began.pop(timer, None)
+        if t0 is None:
+            continue
+        code = timer >> 16
+        g = group_of_code.get(code, -1)
+        if g == -1:
+            g = group_of_code[code] = phase_group(names[code]) if code < len(names) else None
+        if g is not None:
+            sums[g] += (t - t0) / 1e9
+    return tuple(sums)
 
 
 class MarkTimer:
@@ -206,6 +251,8 @@ class StepMarker:
         self._listeners: list[Any] = recorder.listeners  # the live list: listeners added later are seen
         self._shape_labels: tuple[int, ...] | None = None  # the labels self._shape was made with
         self._shape: list[int] = []
+        self.sum_phases = False  # StepTiming.phases: the step's PHASE_GROUPS sums (alerts ask for them)
+        self._group_of_code: dict[int, int | None] = {}
         recorder.add_pending_source(self.flush_pending)
 
     # -- config.timers protocol ---------------------------------------------------------------
@@ -272,7 +319,12 @@ class StepMarker:
             t1 = time.monotonic_ns()
             for fn in self._listeners:
                 fn("step", "step", False)
-            return StepTiming(st.step, self._record_step(st, t1, self._host), st.t0_ns, t1)
+            sums = (
+                sum_phases(self._log, self._group_of_code, self.recorder.names.names)
+                if self.sum_phases
+                else None
+            )
+            return StepTiming(st.step, self._record_step(st, t1, self._host), st.t0_ns, t1, sums)
         import torch
 
         end_ev = self._clock()
@@ -282,7 +334,8 @@ class StepMarker:
         anchor, t0 = st.anchor, st.t0_ns
         log[1::2] = [t0 + round(anchor.elapsed_time(ev) * 1e6) for ev in log[1::2]]
         t1 = min(max(t0 + round(anchor.elapsed_time(end_ev) * 1e6), t0), t1_host)
-        return StepTiming(st.step, self._record_step(st, t1, self._cuda_timing), t0, t1)
+        sums = sum_phases(log, self._group_of_code, self.recorder.names.names) if self.sum_phases else None
+        return StepTiming(st.step, self._record_step(st, t1, self._cuda_timing), t0, t1, sums)
 
     def _record_step(self, st: _StepState, t1: int | None, timing: int) -> int | None:
         """Record the step's windows from its log (times in ns by now): send the log to the

@@ -16,13 +16,25 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, combine_devices
+from charllm_nemo.steps.marks import PHASE_GROUPS
 
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count", "step_time_s")
 """The first entries of a rank's vector: ``loss_sum`` / ``loss_tokens`` (a summed token loss and
 its token count, 0 where the rank has none), ``loss`` / ``loss_count`` (an already averaged loss
-and 1, or 0 and 0), the rank's own ``step_time_s``; then :data:`STEP_FIGURE_KEYS`."""
-VECTOR_WIDTH = len(HEAD_FIELDS) + len(STEP_FIGURE_KEYS)
-_FIG0 = len(HEAD_FIELDS)
+and 1, or 0 and 0), the rank's own ``step_time_s`` of the step that just ended; then
+:data:`RANK_TIMING_FIELDS` and :data:`STEP_FIGURE_KEYS` of the step being reported."""
+RANK_TIMING_FIELDS: tuple[str, ...] = ("step_time_s", *PHASE_GROUPS)
+"""The rank's own timing of the step being reported (s): its step window, and its phase time by
+group (NaN unless its StepTelemetry sums phases: ``phase_times=True``, which alerts ask for).
+Held on each rank until the step's figures are due, so one row holds one step."""
+HEALTH_FIELDS: tuple[str, ...] = ("sampler_deadlines_missed", "sampler_nulls", "sampler_stopped")
+"""The rank's sampler health when it sent the vector (NaN unless its StepTelemetry was made with
+``phase_times=True``, as alerts do): deadlines missed and null readings of supported metrics so
+far (counts), and 1 when its sampler stopped (a device lost, an error), else 0."""
+VECTOR_WIDTH = len(HEAD_FIELDS) + len(RANK_TIMING_FIELDS) + len(HEALTH_FIELDS) + len(STEP_FIGURE_KEYS)
+_TIM0 = len(HEAD_FIELDS)
+_HEA0 = _TIM0 + len(RANK_TIMING_FIELDS)
+_FIG0 = _HEA0 + len(HEALTH_FIELDS)
 _ENERGY = _FIG0 + STEP_FIGURE_KEYS.index("energy_j")
 _POWER_AVG = _FIG0 + STEP_FIGURE_KEYS.index("power_avg_w")
 _POWER_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("power_peak_w")
@@ -74,6 +86,22 @@ class StepReport:
             return []
         return [dict(zip(STEP_FIGURE_KEYS, row[_FIG0:], strict=True)) for row in self.rank_vectors]
 
+    @property
+    def per_rank_timing(self) -> list[dict[str, float]]:
+        """Every rank's own timing of this step (index = rank), by :data:`RANK_TIMING_FIELDS`
+        name (s; NaN = not known); empty until the step's figures are due."""
+        if not self.rank_vectors:
+            return []
+        return [dict(zip(RANK_TIMING_FIELDS, row[_TIM0:_HEA0], strict=True)) for row in self.rank_vectors]
+
+    @property
+    def per_rank_health(self) -> list[dict[str, float]]:
+        """Every rank's sampler health (index = rank), by :data:`HEALTH_FIELDS` name (NaN = not
+        sent); empty until the step's figures are due."""
+        if not self.rank_vectors:
+            return []
+        return [dict(zip(HEALTH_FIELDS, row[_HEA0:_FIG0], strict=True)) for row in self.rank_vectors]
+
     def figure_rows(self) -> list[list[float]] | None:
         """Every rank's figures as lists in :data:`STEP_FIGURE_KEYS` order (what
         ``AsyncSink.log_figures`` takes as ``gathered``), None until they are due."""
@@ -98,14 +126,24 @@ def pack_rank_vector(
     loss: float | None = None,
     step_time_s: float = 0.0,
     figures: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    timing: Sequence[float] | None = None,
+    health: Sequence[float] | None = None,
 ) -> list[float]:
-    """This rank's vector: :data:`HEAD_FIELDS`, then its devices' figures combined
-    (:func:`~charllm_nemo.sinks.keys.combine_devices`; ``figures`` None = not known, all NaN).
-    A ``loss`` that is not a finite number counts as none."""
+    """This rank's vector: :data:`HEAD_FIELDS`, its ``timing`` of the reported step
+    (:data:`RANK_TIMING_FIELDS` values; None = not known, NaN), its sampler ``health``
+    (:data:`HEALTH_FIELDS`; None: NaN), then its devices' figures
+    combined (:func:`~charllm_nemo.sinks.keys.combine_devices`; ``figures`` None = not known,
+    all NaN). A ``loss`` that is not a finite number counts as none."""
     value = math.nan if loss is None else float(loss)
     has_loss = math.isfinite(value)
     head = [float(loss_sum), float(loss_tokens), value if has_loss else 0.0, 1.0 if has_loss else 0.0]
     head.append(float(step_time_s))
+    if timing is None:
+        head.extend([math.nan] * len(RANK_TIMING_FIELDS))
+    else:
+        head.extend(float(v) for v in timing)
+        head.extend([math.nan] * (len(RANK_TIMING_FIELDS) - len(timing)))
+    head.extend([math.nan] * len(HEALTH_FIELDS) if health is None else [float(v) for v in health])
     if figures is None:
         return head + [math.nan] * len(STEP_FIGURE_KEYS)
     combined = combine_devices(figures)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS
+from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
@@ -57,6 +57,14 @@ THREAD_MODE_FIGURES: tuple[str, ...] = (
 )
 """The figures a rank reports by default where they are computed on its training thread
 (sampler ``thread``): those of the console line and of the report's cross-rank fields."""
+
+ALERT_FIGURES: tuple[str, ...] = (
+    "clock_sm_avg_mhz",
+    "clock_sm_min_mhz",
+    *(f for f in THROTTLE_FIGURES if f != "throttle_any_limiting_s"),
+)
+"""What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
+when ``phase_times`` is on (process mode computes every figure anyway)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,12 @@ class StepTelemetry:
     :data:`THREAD_MODE_FIGURES` where they are computed on the training thread (sampler
     ``thread``: about 1 ms a step for all of them, 0.1 ms for these, measured by
     bench/bench_step_marks.py).
+    ``phase_times``: sum each step's phases by group on every rank (``StepReport.per_rank_timing``;
+    a pass over the step's marks at its end). ``rank_info``: at the first step's end every rank
+    sends its static facts once (host, local rank, device index, UUID, name, power limit:
+    :func:`rank_facts`; one ``all_gather_object``), and rank 0's observers that have
+    ``on_rank_info(list)`` get them before their first step. Both must be the same on every
+    rank (alerts set them: charllm_nemo.alerts).
     """
 
     def __init__(
@@ -146,6 +160,8 @@ class StepTelemetry:
         recorder: WindowRecorder | None = None,
         max_figure_wait_s: float | None = None,
         figures: Sequence[str] | None = None,
+        phase_times: bool = False,
+        rank_info: bool = False,
     ) -> None:
         if placement is None:
             placement = (
@@ -176,6 +192,11 @@ class StepTelemetry:
             kinds=kinds if marking else (),
             cuda=self.cuda,
         )
+        self.marker.sum_phases = bool(phase_times)
+        self._timings: dict[int, tuple[float, ...]] = {}  # step -> its RANK_TIMING_FIELDS, until due
+        self._rank_info = bool(rank_info)
+        self.rank_infos: list[dict[str, Any]] | None = None
+        """Every rank's static facts (index = rank) once exchanged (``rank_info``)."""
         self._torch, self.world_size, self.rank = self._process_group(group)
         self.is_reporting_rank = self.rank == 0
         self.observers: list[Observer] = list(observers) if self.is_reporting_rank else []
@@ -196,6 +217,8 @@ class StepTelemetry:
         )
         self._final_wait_s = final_wait(hz)
         self.figures = self._figure_names(session, figures)
+        if phase_times and figures is None and self.figures == THREAD_MODE_FIGURES:
+            self.figures = (*THREAD_MODE_FIGURES, *ALERT_FIGURES)  # what the alerts read
         self.max_figure_wait_s = max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
@@ -326,6 +349,9 @@ class StepTelemetry:
             raise RuntimeError("end_step() without begin_step()")
         step, self._step = self._step, None
         timing = self.marker.end_step()
+        self._timings[step] = (timing.seconds, *(timing.phases or ()))
+        if self._rank_info and self.rank_infos is None:
+            self._exchange_rank_info()
         self._request(timing, step)
         due = self.pending.due()
         figures = None
@@ -341,6 +367,8 @@ class StepTelemetry:
                 loss=loss,
                 step_time_s=timing.seconds,
                 figures=figures,
+                timing=None if due is None else self._timings.pop(due[0].step, None),
+                health=self._health() if due is not None and self.marker.sum_phases else None,
             )
         )
         head = combine_head(rows)
@@ -419,7 +447,9 @@ class StepTelemetry:
         while self.pending.steps:
             last = self.pending.steps.popleft()
             figures = self._figures(last, max(0.0, deadline - time.monotonic()))
-            rows = self._exchange(pack_rank_vector(figures=figures))
+            timing = self._timings.pop(last[0].step, None)
+            health = self._health() if self.marker.sum_phases else None
+            rows = self._exchange(pack_rank_vector(figures=figures, timing=timing, health=health))
             self._report(last[0], rows)
 
     def _exchange(self, vector: list[float]) -> list[list[float]]:
@@ -434,6 +464,39 @@ class StepTelemetry:
         torch.distributed.all_gather(out, mine, group=self.group)
         rows: list[list[float]] = torch.stack(out).cpu().tolist()  # one device-to-host copy
         return rows
+
+    def _health(self) -> tuple[float, float, float] | None:
+        """The session's sampler health as HEALTH_FIELDS (a read of the shared block's counters
+        in process mode); None without a session, or where it cannot say."""
+        health = getattr(self.session, "health", None)
+        if health is None:
+            return None
+        try:
+            h = health()
+            stopped = 1.0 if (h.devices_lost or h.stop_reason) else 0.0
+            return float(h.deadlines_missed), float(sum(h.nulls)), stopped
+        except Exception:  # health is a report, never a reason to fail a step
+            return None
+
+    def _exchange_rank_info(self) -> None:
+        """Every rank's :func:`rank_facts`, once (one ``all_gather_object``); rank 0 hands them
+        to the observers that take them. A failure leaves them unknown, never stops training."""
+        mine = rank_facts(self.session, self.placement)
+        infos = [mine]
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            self._torch.distributed.all_gather_object(gathered, mine, group=self.group)
+            infos = [g if isinstance(g, dict) else {} for g in gathered]
+        self.rank_infos = infos
+        for i, obs in enumerate(self.observers):
+            fn = getattr(obs, "on_rank_info", None)
+            if fn is None or i in self._broken:
+                continue
+            try:
+                fn(infos)
+            except Exception:
+                log.exception("charllm: observer %s failed; it gets no more steps", type(obs).__name__)
+                self._broken.add(i)
 
     def _device_for(self, torch: Any) -> Any:
         backend = str(torch.distributed.get_backend(self.group)).lower()
@@ -454,3 +517,32 @@ class StepTelemetry:
             except Exception:  # an observer never stops training
                 log.exception("charllm: observer %s failed; it gets no more steps", type(obs).__name__)
                 self._broken.add(i)
+
+
+def rank_facts(session: Any, placement: Placement) -> dict[str, Any]:
+    """This rank's static facts, sent once (``StepTelemetry(rank_info=True)``): ``rank``,
+    ``local_rank``, ``host``, and of its first device ``gpu_index``, ``gpu_uuid``, ``gpu_name``,
+    ``backend`` and ``power_limit_w`` (W, one reading at the start; None where unknown)."""
+    import socket
+
+    from charllm_nemo.devices.contract import METRIC_INDEX
+
+    info: dict[str, Any] = {
+        "rank": placement.rank,
+        "local_rank": placement.local_rank,
+        "host": socket.gethostname(),
+        "gpu_index": None,
+        "gpu_uuid": None,
+        "gpu_name": None,
+        "backend": None,
+        "power_limit_w": None,
+    }
+    devices = getattr(getattr(session, "backend", None), "devices", None) or []
+    if devices:
+        ident = devices[0].identity
+        info.update(gpu_index=ident.index, gpu_uuid=ident.uuid, gpu_name=ident.name, backend=ident.backend)
+        try:
+            info["power_limit_w"] = _finite(devices[0].read()[METRIC_INDEX["power_limit_w"]])
+        except Exception:  # a device that cannot be read now: the limit stays unknown
+            log.debug("no power limit for the rank facts", exc_info=True)
+    return info

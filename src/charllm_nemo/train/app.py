@@ -29,6 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from charllm_nemo.alerts.observer import ALERTS_FILE
 from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.config_io import (
@@ -106,7 +107,7 @@ def world_and_env(cfg: TrainConfig, environ: Mapping[str, str]) -> tuple[int, di
     return cfg.launch.nproc, {}
 
 
-RUN_FILES = (STEPS_FILE, SUMMARY_FILE)
+RUN_FILES = (STEPS_FILE, SUMMARY_FILE, ALERTS_FILE)
 """What rank 0 writes at the top of a run directory, besides config.yaml (rewritten each run)."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from charllm_nemo.alerts.config import AlertsConfig
 from charllm_nemo.sinks.config import LoggerConfig
 from charllm_nemo.telemetry.config import TelemetryConfig
 
@@ -133,6 +134,7 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(name="console"))
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)  # live alerts on rank 0 (docs/alerts.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

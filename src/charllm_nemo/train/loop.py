@@ -486,6 +486,15 @@ def _step_telemetry(
             observers.append(ConsoleObserver(cfg.batch.train_steps, dist.world_size))
         if sink is not None:
             observers.append(WandbObserver(sink, finish=False))
+    # Alerts (docs/alerts.md): every rank sums its phases and sends its facts once; rank 0
+    # watches. Off (alerts=off, or no telemetry to judge): no observer, nothing summed or sent.
+    alerts_on = cfg.alerts.enabled and session is not None
+    if alerts_on and dist.rank == 0:
+        from charllm_nemo.alerts import alert_observer
+
+        obs = alert_observer(cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink)
+        if obs is not None:
+            observers.append(obs)
     config = bundle.config
     return StepTelemetry(
         session,
@@ -499,4 +508,6 @@ def _step_telemetry(
         windows=kinds,
         total_steps=cfg.batch.train_steps,
         recorder=rec,
+        phase_times=alerts_on,
+        rank_info=alerts_on,
     )

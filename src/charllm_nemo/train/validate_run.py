@@ -50,6 +50,9 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     la, d = cfg.launch, cfg.data
     _collect(problems, validate_logger_config, cfg.logger)
     problems.extend(telemetry_problems(cfg.telemetry))
+    from charllm_nemo.alerts.config import alerts_problems
+
+    problems.extend(alerts_problems(cfg.alerts))
 
     _one_of(problems, "launch.launcher", la.launcher, LAUNCHERS)
     _one_of(problems, "launch.device", la.device, DEVICES)

@@ -1,0 +1,154 @@
+"""What live alerts cost rank 0's training thread per step: alerts on against alerts off.
+
+Run:  .venv/bin/python bench/bench_alerts.py [--steps 2000] [--rounds 20] [--microbatches 4]
+
+Part a. The step API's calls of one Megatron-Core step (bench_step_marks.py's replay: begin,
+forward / backward timers per microbatch, grad sync, optimizer, end_step with its report to the
+observers), on two StepTelemetry objects over synthetic telemetry sessions (sampler ``process``),
+interleaved in rounds so that machine noise hits both alike:
+
+* ``off``: ``alerts=off``: no alert observer, no phase sums, no facts exchanged (what a run
+  without alerts does, the same as before alerts existed but for the 9 NaN entries the
+  per-rank vector now carries);
+* ``on``: the alert observer on rank 0 (``alerts.jsonl`` in a temporary folder; nothing fires
+  in steady state), ``phase_times`` (each step's marks summed by phase group, and the
+  sampler's health read) and the ranks' facts exchanged once.
+
+One rank: the report holds one rank's figures. Part b times the detector alone over reports
+of N ranks (steady state: no alert fires, every check runs), the part that grows with the job.
+
+Printed: median training-thread CPU (``time.thread_time_ns``) per step of each arm, the
+difference, and the ratio on/off; part b: µs per step for N ranks. The last line is
+``BENCH_JSON {...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from typing import Any
+
+ARMS = ("off", "on")
+
+
+def replay_step(st: Any, timers: Any, step: int, n_micro: int) -> None:
+    """One step's calls, as Megatron-Core's schedule and the loop make them."""
+    st.begin_step(step)
+    for _ in range(n_micro):
+        for name in ("forward-compute", "backward-compute"):
+            t = timers(name, log_level=2)
+            t.start()
+            t.stop()
+    t = timers("all-grads-sync", log_level=2)
+    t.start()
+    t.stop()
+    with st.phase("optimizer"):
+        pass
+    st.end_step(loss=2.5, num_microbatches=n_micro)
+
+
+def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
+    from charllm_nemo.alerts import AlertsConfig, alert_observer
+    from charllm_nemo.steps import FunctionObserver, StepTelemetry
+    from charllm_nemo.telemetry.config import Placement
+    from charllm_nemo.telemetry.session import TelemetrySession
+
+    apis, timers, sessions = {}, {}, []
+    for arm in ARMS:
+        s = TelemetrySession(
+            tempfile.mkdtemp(prefix=f"bench-alerts-{arm}-"),
+            backend="synthetic",
+            hz=100.0,
+            sampler="process",
+            backend_options={"activity": "marks"},
+            handle_signals=False,
+        ).start()
+        sessions.append(s)
+        observers: list[Any] = [FunctionObserver(lambda _r: None)]
+        on = arm == "on"
+        if on:
+            obs = alert_observer(AlertsConfig(), run_dir=tempfile.mkdtemp(prefix="bench-alerts-dir-"))
+            assert obs is not None
+            observers.append(obs)
+        apis[arm] = StepTelemetry(
+            s, Placement(), observers=observers, num_microbatches=n_micro, phase_times=on, rank_info=on
+        )
+        timers[arm] = apis[arm].timers()
+    per_round = max(1, steps // rounds)
+    cpu: dict[str, list[float]] = {a: [] for a in ARMS}
+    step = 0
+    time.sleep(0.3)
+    try:
+        for r in range(rounds):
+            for arm in ARMS if r % 2 == 0 else reversed(ARMS):
+                for _ in range(per_round):
+                    c0 = time.thread_time_ns()
+                    replay_step(apis[arm], timers[arm], step, n_micro)
+                    cpu[arm].append((time.thread_time_ns() - c0) / 1e3)
+                    step += 1
+                    time.sleep(0.001)
+    finally:
+        for arm in ARMS:
+            apis[arm].finish("complete")
+    return {arm: statistics.median(cpu[arm][1:]) for arm in ARMS} | {"steps_per_arm": len(cpu["on"])}
+
+
+def part_b(ranks: int, steps: int) -> float:
+    """µs per step of AlertDetector.check over ``ranks`` ranks (steady state, nothing fires)."""
+    from charllm_nemo.alerts import AlertDetector, AlertsConfig
+    from charllm_nemo.steps.report import StepReport, apply_rank_figures, pack_rank_vector
+
+    det = AlertDetector(AlertsConfig(warmup_steps=0))
+    det.set_rank_info([{"rank": r, "host": f"node{r // 8}", "power_limit_w": 700.0} for r in range(ranks)])
+    rows = []
+    for r in range(ranks):
+        wobble = 1 + 0.01 * math.sin(r)
+        figures = {
+            "duration_s": 0.1,
+            "power_avg_w": 600.0,
+            "temp_gpu_peak_c": 70 + r % 5,
+            "clock_sm_avg_mhz": 1900,
+        }
+        rows.append(
+            pack_rank_vector(step_time_s=0.1, figures=figures, timing=(0.1, 0.03 * wobble, 0.05, 0.01, 0, 0))
+        )
+    times = []
+    for step in range(steps):
+        rep = StepReport(step=step, loss=1.0, step_time_s=0.1)
+        apply_rank_figures(rep, rows)
+        c0 = time.thread_time_ns()
+        alerts = det.check(rep)
+        times.append((time.thread_time_ns() - c0) / 1e3)
+        assert not alerts, alerts
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000, help="timed steps per arm")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
+    args = ap.parse_args()
+    a = part_a(args.steps, args.rounds, args.microbatches)
+    diff = a["on"] - a["off"]
+    print(
+        f"a. training-thread CPU per step, {args.microbatches} microbatches, {a['steps_per_arm']} steps "
+        "per arm, interleaved (median)"
+    )
+    ratio = a["on"] / a["off"]
+    print(f"   alerts off {a['off']:7.1f} us   alerts on {a['on']:7.1f} us   difference {diff:+6.1f} us")
+    print(f"   ratio on/off {ratio:.3f}; the difference is {100 * diff / 1e5:.3f} % of a 100 ms step")
+    b = {n: part_b(n, 200) for n in args.ranks}
+    print("b. the detector alone (rank 0, per step, steady state: nothing fires)")
+    for n, us in b.items():
+        print(f"   {n:5d} ranks {us:9.1f} us   = {100 * us / 1e6:.3f} % of a 1 s step")
+    print("BENCH_JSON " + json.dumps({"a": a, "b": {str(k): v for k, v in b.items()}}))
+
+
+if __name__ == "__main__":
+    main()

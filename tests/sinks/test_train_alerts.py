@@ -1,0 +1,84 @@
+"""Done check of issue #29 item 1, on CPU: a real `charllm train` over gloo ranks whose rank 1
+has a hot synthetic device raises a throttle alert naming rank 1, its host and the reason, and a
+straggler alert naming rank 1, within a few steps of onset, in rank 0's console output,
+alerts.jsonl and the offline W&B run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.sinks.wandb_reader import find_wandb_file, read_run
+
+pytest.importorskip("wandb")
+pytest.importorskip("megatron.core")
+
+STEPS = 14
+INJECT_FROM = 6  # a hw_slowdown window on rank 1 from this step: a straggler whatever the CPU noise
+
+
+def _train(out, nproc, parallel, extra, env):
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "logger=wandb",
+           "+logger.settings={console: 'off', x_disable_stats: true}", "telemetry=synthetic",
+           f"telemetry.out_dir={out}", f"batch.train_steps={STEPS}", f"nproc={nproc}", f"parallel={parallel}",
+           # rank 1 is poorly cooled (it settles far above its 87 C limit, within ~1 s) ...
+           "++telemetry.synthetic.devices.1.cooling=0.3", "++telemetry.synthetic.devices.1.tau_s=1.0",
+           # ... and slows down hard for a while, so the straggler stands out of this shared VM's noise
+           f"++telemetry.synthetic.devices.1.throttle=[{{steps:[{INJECT_FROM},{STEPS}],reasons:[hw_slowdown],"
+           "clock_factor:0.3}]",
+           "alerts.warmup_steps=3", *extra]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _check(out, proc, rank=1):
+    host = socket.gethostname()
+    alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
+    onset = [a for a in alerts if a["kind"] == "throttle_onset" and a["rank"] == rank]
+    assert onset, alerts
+    a = onset[0]
+    assert a["host"] == host and a["gpu_uuid"] == "SYNTHETIC-0000" and a["gpu_index"] == 0
+    assert "sw_thermal" in a["reasons"]  # the heat, as NVML's bit names it
+    assert a["step"] <= 4  # the device is over its limit within ~1 s: the first steps
+    stragglers = [s for s in alerts if s["kind"] == "straggler" and s["rank"] == rank]
+    assert stragglers, alerts
+    s = stragglers[0]
+    assert s["host"] == host and s["excess"] > 0.15
+    # within a few steps of the slowdown (straggler_steps=3 in a row, + the warm-up if earlier)
+    assert s["step"] <= INJECT_FROM + 4
+    assert s["clock_sm_avg_mhz"] < s["peers_clock_sm_avg_mhz"]  # the telemetry says why
+    # the console (rank 0's stderr)
+    console = proc.stderr
+    assert f"charllm ALERT [throttle_onset] rank {rank} ({host}, GPU 0 SYNTHETIC-0000)" in console
+    assert f"charllm ALERT [straggler] rank {rank} ({host}" in console
+    # the offline W&B run: wandb.alert records and the alerts/* keys
+    wb = read_run(find_wandb_file(out / "wandb"), wait_s=10)
+    titles = [x["title"] for x in wb.alerts]
+    assert f"charllm throttle_onset: rank {rank}" in titles and f"charllm straggler: rank {rank}" in titles
+    assert any(r.get("alerts/throttle_onset") == rank for r in wb.history)
+    assert any(r.get("alerts/straggler") == rank for r in wb.history)
+
+
+def test_a_hot_rank_raises_throttle_and_straggler_alerts_everywhere(tmp_path, wandb_env):
+    out = tmp_path / "run"
+    proc = _train(out, 2, "dp2", ["batch.global_batch_size=8"], wandb_env)
+    _check(out, proc)
+
+
+def test_alerts_off_writes_no_alerts(tmp_path, wandb_env):
+    out = tmp_path / "run"
+    _train(out, 2, "dp2", ["batch.global_batch_size=8", "alerts=off", "batch.train_steps=4"], wandb_env)
+    assert not (out / "alerts.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_hot_pipeline_stage_in_pp4(tmp_path, wandb_env):
+    out = tmp_path / "run"
+    proc = _train(out, 4, "pp4", ["batch.global_batch_size=4"], wandb_env)
+    _check(out, proc)
