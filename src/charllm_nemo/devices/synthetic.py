@@ -39,6 +39,10 @@ from charllm_nemo.devices.factory import ProcessPlan
 from charllm_nemo.errors import ConfigError
 
 ActivitySpec = str | float | Callable[[int], float]
+Injection = tuple[str, float, float, int, float]
+"""An injected throttle window: (``steps`` | ``seconds``, begin, end, reason bits, clock
+factor); devices/synthetic_config.py's ``injection_tuples`` makes them from the config."""
+_THERMAL_BITS = THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["sw_thermal"] | THROTTLE_BITS["hw_thermal"]
 
 
 @dataclass(frozen=True)
@@ -82,29 +86,62 @@ class MarkActivity:
     outside steps; kept as counts of open phases per activity, so a mark costs a few list
     operations."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, schedule: Sequence[Injection] = (), clock: Callable[[], int] = time.monotonic_ns
+    ) -> None:
         self._open = [0] * len(_LEVELS)  # phases open per activity level
         self._in_step = 0
         self.seen_any = False
         self.on_change: Callable[[float], object] | None = None
         self._published = -1.0
+        self.schedule: tuple[Injection, ...] = tuple(schedule)
+        self._clock = clock
+        self.step_index = -1  # steps begun so far - 1: the step in progress (or the last one)
+        self._first_step_ns: int | None = None
+        self.governor: Slowdown | None = None  # set by open_backend when the device slows the loop
 
     def __call__(self, kind: str, name: str, is_begin: bool) -> None:
         self.seen_any = True
+        gov = self.governor
+        if gov is not None:
+            gov.device.advance_now()  # the time since the last mark, at the level it had
         if kind == "phase":
             i = _LEVEL_OF.get(name, 1)
             n = self._open[i] + (1 if is_begin else -1)
             self._open[i] = n if n > 0 else 0
         elif kind == "step":
             self._in_step += 1 if is_begin else -1
+            if is_begin:
+                self.step_index += 1
+                if self._first_step_ns is None:
+                    self._first_step_ns = self._clock()
         if self.on_change is not None:
-            level = self.level()
-            if level != self._published:
-                self._published = level
+            value = self.level()
+            if self.schedule:
+                value += 2.0 * self.injected(self._clock())
+            if value != self._published:
+                self._published = value
                 try:
-                    self.on_change(level)
+                    self.on_change(value)
                 except (ValueError, TypeError):
                     self.on_change = None
+        if gov is not None and kind == "phase":
+            gov.phase(name, is_begin)
+
+    def injected(self, t_ns: int) -> int:
+        """The injected throttle window in force at ``t_ns``: 1 + its index in
+        :attr:`schedule`, 0 for none (before the first step, none is). Windows by step count
+        the steps this listener saw begin, from 0; by seconds, from the first step's begin."""
+        first = self._first_step_ns
+        if not self.schedule or first is None:
+            return 0
+        for i, (kind, begin, end, _bits, _factor) in enumerate(self.schedule):
+            if kind == "steps":
+                if begin <= self.step_index <= end:
+                    return i + 1
+            elif begin <= (t_ns - first) / 1e9 < end:
+                return i + 1
+        return 0
 
     def level(self) -> float:
         o = self._open
@@ -115,6 +152,44 @@ class MarkActivity:
         if o[2]:
             return _LEVELS[2]
         return _IN_STEP if self._in_step > 0 else _IDLE
+
+
+_SLOWED = {"forward": 0, "backward": 1, "optimizer": 2}
+"""The phases a synthetic device's clock slows (compute; pipeline and gradient sync waits are not)."""
+
+
+class Slowdown:
+    """Simulates, on a CPU, that a rank's accelerator runs at its modelled clock: at the begin
+    of each compute phase (``forward``, ``backward``, ``optimizer``) the training thread sleeps
+    ``last length of that phase x (1 / clock fraction - 1)``, where the clock fraction is the
+    device's SM clock at full activity over its maximum (power cap, thermal limit and injected
+    windows included; :meth:`SyntheticDevice.clock_fraction`). The sleep falls inside the phase
+    window (its begin mark is taken first), so the phase, the step and the peers waiting on the
+    rank are slower as they would be on a throttled GPU. A phase's length is measured from after
+    its sleep, so the slowdown does not feed on itself. It is a simulation, on for the synthetic
+    backend only (``telemetry.synthetic.slowdown``), and says so in docs/devices.md."""
+
+    def __init__(self, device: SyntheticDevice, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.device = device
+        self._sleep = sleep
+        self._last_s = [0.0, 0.0, 0.0]  # the last length of each slowed phase (s)
+        self._began = [0, 0, 0]  # when it began, after its sleep (ns; 0: not open)
+        self.slept_s = 0.0  # in all (s)
+
+    def phase(self, name: str, is_begin: bool) -> None:
+        i = _SLOWED.get(name)
+        if i is None:
+            return
+        if is_begin:
+            f = self.device.clock_fraction(_LEVELS[2] if i == 2 else _LEVELS[0])
+            extra = self._last_s[i] * (1.0 / f - 1.0) if 0.0 < f < 1.0 else 0.0
+            if extra > 0.0:
+                self._sleep(extra)
+                self.slept_s += extra
+            self._began[i] = time.monotonic_ns()
+        elif self._began[i]:
+            self._last_s[i] = (time.monotonic_ns() - self._began[i]) / 1e9
+            self._began[i] = 0
 
 
 class CpuActivity:
@@ -162,7 +237,8 @@ class SharedActivity:
     process and the synthetic device is read in the sampling process. The training process
     writes ``MarkActivity.level()`` into one float64 of the shared block on every mark; this
     reads it back through ``read_level()``. NaN means no mark has arrived yet: the level then
-    comes from ``fallback`` (``auto``: the training process's CPU use; ``marks``: idle).
+    comes from ``fallback`` (``auto``: the training process's CPU use; ``marks``: idle). With
+    injected throttle windows the word is ``level + 2 * window`` (:meth:`MarkActivity.injected`).
     """
 
     def __init__(self, read_level: Callable[[], float], fallback: Callable[[int], float]) -> None:
@@ -171,7 +247,15 @@ class SharedActivity:
 
     def level(self, t_ns: int) -> float:
         value = self._read()
-        return self._fallback(t_ns) if value != value else value
+        if value != value:
+            return self._fallback(t_ns)
+        return value - 2.0 * (value // 2.0) if value > 1.0 else value
+
+    def injected(self, t_ns: int) -> int:
+        """The injected throttle window the training process published (1 + its index; 0:
+        none). The published word is ``level + 2 * window`` (level in [0, 1])."""
+        value = self._read()
+        return 0 if value != value or value <= 1.0 else int(value // 2.0)
 
 
 class SyntheticDevice:
@@ -184,8 +268,12 @@ class SyntheticDevice:
         params: SyntheticParams,
         clock: Callable[[], int] = time.monotonic_ns,
         observe_pid: int | None = None,
+        throttle: Sequence[Injection] = (),
+        injected: Callable[[int], int] | None = None,
     ) -> None:
         self.params = params
+        self.throttle: tuple[Injection, ...] = tuple(throttle)
+        self._injected = injected  # t_ns -> 1 + the injected window in force (0: none)
         self._statm = "/proc/self/statm" if observe_pid is None else f"/proc/{observe_pid}/statm"
         self._activity = activity
         self._clock = clock
@@ -221,16 +309,13 @@ class SyntheticDevice:
         unsupported = {"power_memory_w", "temp_hotspot_c", "nvlink_tx_bytes", "nvlink_rx_bytes"}
         return {m: m not in unsupported for m in METRIC_NAMES}
 
-    def _advance(self, now: int) -> None:
+    def _operating_point(self, a: float, now: int) -> tuple[float, float, int, bool, bool]:
+        """(delivered power W, SM clock MHz, throttle bits, power-limited, thermally limited) at
+        activity ``a`` with the die at its present temperature and the injection at ``now``."""
         p = self.params
-        dt_ns = now - self._t
-        if dt_ns <= 0:
-            return
-        dt = dt_ns / 1e9
-        a = min(1.0, max(0.0, float(self._activity(now))))
-        self._activity_level = a
         demanded = p.idle_w + (p.peak_w - p.idle_w) * a
         reasons = 0
+        power_held = thermal_held = False
         if a < 0.05:
             reasons |= THROTTLE_BITS["idle"]
             clock = p.clock_idle_mhz
@@ -243,11 +328,34 @@ class SyntheticDevice:
             dyn_demand = demanded - p.idle_w
             clock *= (dyn_avail / dyn_demand) ** (1.0 / 3.0)
             reasons |= THROTTLE_BITS["sw_power_cap"]
-            self._viol_power_ns += dt_ns
+            power_held = True
         if self._temp > p.temp_limit_c:
             clock *= p.thermal_clock_factor
             power = p.idle_w + (power - p.idle_w) * p.thermal_clock_factor**3
             reasons |= THROTTLE_BITS["sw_thermal"]
+            thermal_held = True
+        k = self._injected(now) if self._injected is not None else 0
+        if 0 < k <= len(self.throttle):
+            _kind, _b, _e, bits, factor = self.throttle[k - 1]
+            clock *= factor
+            power = p.idle_w + (power - p.idle_w) * factor**3
+            reasons |= bits
+            thermal_held |= bool(bits & _THERMAL_BITS)
+            power_held |= bool(bits & ~_THERMAL_BITS)
+        return power, clock, reasons, power_held, thermal_held
+
+    def _advance(self, now: int) -> None:
+        p = self.params
+        dt_ns = now - self._t
+        if dt_ns <= 0:
+            return
+        dt = dt_ns / 1e9
+        a = min(1.0, max(0.0, float(self._activity(now))))
+        self._activity_level = a
+        power, clock, reasons, power_held, thermal_held = self._operating_point(a, now)
+        if power_held:
+            self._viol_power_ns += dt_ns
+        if thermal_held:
             self._viol_thermal_ns += dt_ns
         # First-order thermal response, exact for piecewise-constant power.
         t_inf = p.ambient_c + p.r_gpu_c_per_w * power
@@ -267,6 +375,19 @@ class SyntheticDevice:
         self._clock_sm = clock
         self._reasons = reasons
         self._t = now
+
+    def advance_now(self) -> None:
+        """Bring the model up to now (the training process's copy does this at every mark
+        when it slows the loop, so that each stretch between marks has the level it had)."""
+        with self._lock:
+            self._advance(self._clock())
+
+    def clock_fraction(self, level: float = 1.0) -> float:
+        """The SM clock at activity ``level``, now, as a fraction of the maximum clock (power
+        cap, thermal limit and injected windows included): what :class:`Slowdown` runs at."""
+        with self._lock:
+            now = self._clock()
+            return self._operating_point(level, now)[1] / self.params.clock_max_mhz
 
     def read(self) -> Reading:
         with self._lock:
@@ -331,7 +452,10 @@ class SyntheticBackend:
 
 
 def _activity_fn(
-    spec: ActivitySpec, observe_pid: int | None = None
+    spec: ActivitySpec,
+    observe_pid: int | None = None,
+    schedule: Sequence[Injection] = (),
+    clock: Callable[[], int] = time.monotonic_ns,
 ) -> tuple[Callable[[int], float], MarkActivity | None]:
     if callable(spec):
         return spec, None
@@ -341,13 +465,13 @@ def _activity_fn(
             raise ConfigError(f"synthetic activity={level} must be within [0, 1]")
         return (lambda _t: level), None
     if spec == "marks":
-        marks = MarkActivity()
+        marks = MarkActivity(schedule, clock)
         return (lambda _t: marks.level()), marks
     if spec == "cpu":
         cpu = CpuActivity(observe_pid)
         return cpu.level, None
     if spec == "auto":
-        marks = MarkActivity()
+        marks = MarkActivity(schedule, clock)
         cpu = CpuActivity(observe_pid)
 
         def auto(t: int) -> float:
@@ -365,6 +489,7 @@ def process_plan(options: dict[str, Any]) -> ProcessPlan:
     the first mark); ``cpu`` and fixed levels cross as they are; every mode models the training
     process, not the telemetry process. A callable cannot cross (ConfigError)."""
     activity = options.pop("activity", "auto")
+    options.pop("slowdown", None)  # the training thread's business: its own copy of the device
     if activity in ("marks", "auto"):
         return ProcessPlan(options, str(activity), True)
     if activity == "cpu":
@@ -382,7 +507,8 @@ def process_activity(mode: str, published_level: Callable[[], float], parent_pid
     whose plan said ``mode`` (``marks`` / ``auto``): the published level, and until there is
     one, 0 (``marks``) or the training process's CPU use (``auto``)."""
     fallback: Callable[[int], float] = CpuActivity(parent_pid).level if mode == "auto" else (lambda _t: 0.0)
-    return {"activity": SharedActivity(published_level, fallback).level}
+    shared = SharedActivity(published_level, fallback)
+    return {"activity": shared.level, "injected": shared.injected}
 
 
 def open_backend(
@@ -393,6 +519,9 @@ def open_backend(
     params: SyntheticParams | None = None,
     clock: Callable[[], int] = time.monotonic_ns,
     observe_pid: int | None = None,
+    throttle: Sequence[Injection] = (),
+    injected: Callable[[int], int] | None = None,
+    slowdown: bool = False,
 ) -> SyntheticBackend:
     """Open ``count`` synthetic devices (or those at ``indices``).
 
@@ -402,6 +531,10 @@ def open_backend(
     ``observe_pid``: the process whose CPU use (``cpu``, ``auto``) and resident memory
     (``mem_used_bytes``) the model follows; None = this one. The sampling process passes the
     training process, and a :class:`SharedActivity` level for ``marks`` / ``auto``.
+    ``throttle``: injected throttle windows (:data:`Injection`; with ``marks`` / ``auto``,
+    which count the steps); ``injected``: where the window in force is read instead (the
+    telemetry process: the word the training process publishes). ``slowdown``: the first
+    device slows the training thread by its clock (:class:`Slowdown`; needs marks).
     """
     if count < 1:
         raise ConfigError(f"synthetic count={count} must be >= 1")
@@ -409,6 +542,16 @@ def open_backend(
     bad = [i for i in idx if not 0 <= i < max(count, len(idx))]
     if bad:
         raise ConfigError(f"synthetic device indices {bad} are negative; use 0..{count - 1}")
-    fn, marks = _activity_fn(activity, observe_pid)
+    fn, marks = _activity_fn(activity, observe_pid, throttle if injected is None else (), clock)
+    if marks is None and injected is None and (throttle or slowdown):
+        raise ConfigError(
+            f"synthetic activity={activity!r} does not follow the training loop's marks, which "
+            "injected throttle windows and the slowdown need; use activity 'auto' or 'marks'"
+        )
+    if injected is None and marks is not None and throttle:
+        injected = marks.injected
     prm = params or SyntheticParams()
-    return SyntheticBackend([SyntheticDevice(i, fn, prm, clock, observe_pid) for i in idx], marks)
+    devices = [SyntheticDevice(i, fn, prm, clock, observe_pid, throttle, injected) for i in idx]
+    if slowdown and marks is not None:
+        marks.governor = Slowdown(devices[0])
+    return SyntheticBackend(devices, marks)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from charllm_nemo.devices.synthetic_config import SyntheticConfig, synthetic_options, synthetic_problems
 from charllm_nemo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,6 +59,10 @@ class TelemetryConfig:
     # <out_dir>/traces/rank=<r>/step-NNNNNN.json, for charllm analyze's kernel breakdown
     # (train/profile.py, docs/analysis.md). A profiled step runs slower: pick few, after warm-up.
     profile_steps: list[int] = field(default_factory=list)
+    # Heterogeneous synthetic devices, by global rank: cooling, power limit, injected throttle
+    # windows, and whether they slow the training thread (devices/synthetic_config.py,
+    # docs/devices.md). Read only where the backend is synthetic (named, or auto's fallback).
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 def _is_number(value: Any) -> bool:
@@ -141,6 +146,7 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
             f"telemetry.profile_steps={steps!r} must be a list of step numbers >= 0 (from 0), "
             "e.g. telemetry.profile_steps=[5,6]"
         )
+    problems.extend(synthetic_problems(cfg.synthetic))
     if not str(cfg.out_dir).strip():
         problems.append(
             "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
@@ -319,6 +325,10 @@ def open_session(
         config = dict(run_config)
     else:
         raise ConfigError(f"run_config={run_config!r}: give a mapping or a dataclass instance")
+    if cfg.backend in ("synthetic", "auto"):  # auto hands options to its synthetic fallback only
+        options = synthetic_options(cfg.synthetic, placement.rank)
+        if options:
+            session_options["backend_options"] = {**options, **session_options.get("backend_options", {})}
     session = TelemetrySession(
         cfg.out_dir,
         backend=cfg.backend,
