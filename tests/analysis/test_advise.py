@@ -283,47 +283,43 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_a_real_pipeline_run_with_a_heavy_stage(
+def test_end_to_end_a_real_pipeline_run_with_a_hot_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A real 2-stage CPU run (gloo) where stage 0 holds 3 of the 4 layers: a real imbalance.
-    # charllm advise proposes moving layers off it, and charllm train accepts the command.
+    # A real 2-stage CPU run (gloo), 4 layers as [2, 2], where rank 0's synthetic device (stage
+    # 0) runs hot and throttled at a third of its clock from step 1 on; the slowdown simulation
+    # stretches that rank's compute phases by the clock drop (docs/devices.md). charllm advise
+    # proposes moving a layer off stage 0, and charllm train accepts the command it prints.
     pytest.importorskip("megatron.core")
+    import json
     import shlex
 
     from charllm_nemo.analysis.advise_cmd import advise
     from charllm_nemo.cli import main
 
     run = tmp_path / "run"
+    hot = "++telemetry.synthetic.devices.0"
     argv = [
-        "train",
-        "model=tiny_gpt",
-        "parallel=pp2",
-        "parallel.pipeline_layout=[3,1]",
-        "nproc=2",
-        "telemetry.backend=synthetic",
-        "batch.train_steps=6",
-        "batch.global_batch_size=8",
-        "logger=none",
-        f"telemetry.out_dir={run}",
-    ]
+        "train", "model=tiny_gpt", "parallel=pp2", "nproc=2", "telemetry.backend=synthetic",
+        "batch.train_steps=6", "batch.global_batch_size=8", "logger=none", f"telemetry.out_dir={run}",
+        f"{hot}.cooling=0.3", f"{hot}.tau_s=0.5",
+        f"{hot}.throttle=[{{steps:[1,1000],reasons:[hw_slowdown],clock_factor:0.33}}]",
+    ]  # fmt: skip
     assert main(argv) == 0
     report = advise(run)
     (layout,) = [a for a in report.advice if a.kind == "pipeline_layout"]
-    assert layout.current == [3, 1] and layout.proposed[0] < 3 and layout.expected_gain > 0
-    assert layout.command is not None and "parallel.pipeline_layout=" in layout.command
+    assert layout.current == [2, 2] and layout.proposed == [1, 3] and layout.expected_gain > 0.03
+    hot_stage = next(e for e in layout.evidence if e.startswith("stage 0"))
+    assert "throttled 100% of step time" in hot_stage
+    assert layout.placement is not None and layout.placement.startswith("stage 0 gets the fewest layers")
+    assert layout.command is not None and "parallel.pipeline_layout=[1,3]" in layout.command
     assert not [p for p in report.problems if "re-run command" in p]
     capsys.readouterr()
     words = shlex.split(layout.command)
     assert words[:2] == ["charllm", "train"]
     assert main([*words[1:], "dry_run=true", f"telemetry.out_dir={tmp_path / 'again'}"]) == 0
     out = capsys.readouterr().out
-    assert "valid; nothing started" in out
+    assert "valid; nothing started" in out and "layers/stage=[1, 3]" in out
     assert main(["advise", str(run), "--json"]) == 0
-    import json
-
     data = json.loads(capsys.readouterr().out)
-    assert (
-        data["advice"][0]["proposed"] == layout.proposed
-        and data["no_advice"][0]["kind"] == "micro_batch_size"
-    )
+    assert data["advice"][0]["proposed"] == [1, 3] and data["no_advice"][0]["kind"] == "micro_batch_size"
