@@ -145,7 +145,9 @@ def test_layout_advice_names_the_hot_stage_and_gives_the_overrides() -> None:
     assert got.overrides[1] == "parallel.pipeline_layout_scheme=null"
     hot = next(e for e in got.evidence if e.startswith("stage 2"))
     assert "throttled 60%" in hot and "peak 88.0 °C" in hot and "node0:GPU2" in hot
-    assert got.placement is not None and "stage 2" in got.placement and "node0:GPU2" in got.placement
+    assert (
+        got.placement is not None and "stage 2" in got.placement and "rank(s) 2 (node0:GPU2)" in got.placement
+    )
     assert [s["proposed_layers"] for s in got.stages] == got.proposed
 
 
@@ -323,3 +325,21 @@ def test_end_to_end_a_real_pipeline_run_with_a_hot_stage(
     assert main(["advise", str(run), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["advice"][0]["proposed"] == [1, 3] and data["no_advice"][0]["kind"] == "micro_batch_size"
+
+
+def test_rerun_overrides_without_a_known_preset_diff_against_the_defaults() -> None:
+    pytest.importorskip("hydra")
+    from omegaconf import OmegaConf
+
+    from charllm_nemo.analysis.advise_cmd import rerun_overrides
+    from charllm_nemo.train.app import compose
+
+    cfg = compose(["parallel=pp2", "nproc=2"])
+    OmegaConf.update(cfg, "telemetry.out_dir", "/tmp/somewhere")
+    OmegaConf.update(cfg, "parallel.name", "gone")  # a preset renamed since the run
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)
+    overrides, problem = rerun_overrides(config, ["parallel.pipeline_layout=[1,3]"])
+    assert problem is None
+    assert not any(o.startswith("parallel=") for o in overrides)
+    assert {"parallel.name=gone", "parallel.pp=2", "nproc=2"} <= set(overrides)

@@ -198,7 +198,7 @@ def placement_note(stages: list[Stage], proposed: list[int]) -> str | None:
         return None
     light = min(range(len(stages)), key=lambda i: (proposed[i], i))
     s = stages[light]
-    where = ", ".join(s.devices) if s.devices else f"ranks {','.join(map(str, s.ranks))}"
+    where = f"rank(s) {','.join(map(str, s.ranks))}" + (f" ({', '.join(s.devices)})" if s.devices else "")
     return (
         f"stage {light} gets the fewest layers ({proposed[light]}); keep it on {where} (the same "
         "rank -> GPU placement as this run): on another placement the slow GPU may take a heavy stage"

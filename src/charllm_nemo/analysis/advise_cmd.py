@@ -89,7 +89,9 @@ def rerun_overrides(config: dict[str, Any], advised: list[str]) -> tuple[list[st
             groups.append(f"{g}={name}")
     try:
         base = _flatten({k: v for k, v in _compose(groups).items() if k in SECTIONS})
-    except Exception:
+    except ImportError:
+        raise
+    except Exception:  # a preset that no longer exists: diff against the defaults instead
         groups = []
         base = _flatten({k: v for k, v in _compose([]).items() if k in SECTIONS})
     want = _flatten({k: v for k, v in config.items() if k in SECTIONS})
@@ -105,7 +107,7 @@ def rerun_overrides(config: dict[str, Any], advised: list[str]) -> tuple[list[st
     overrides = [*groups, *diffs, *advised]
     try:
         got = _flatten({k: v for k, v in _compose(overrides).items() if k in SECTIONS})
-    except Exception as exc:
+    except Exception as exc:  # reported, not raised: the advice stands without the command
         return overrides, f"the re-run command does not compose ({exc}); apply the overrides by hand"
     bad = sorted(k for k, v in want.items() if k not in SKIPPED | advised_keys and got.get(k) != v)
     if bad:
@@ -145,7 +147,14 @@ def advise(
             if run is None or not run.config:
                 report.problems.append(f"{a.run}: no config.yaml; apply {' '.join(a.overrides)} by hand")
                 continue
-            overrides, problem = rerun_overrides(run.config, a.overrides)
+            try:
+                overrides, problem = rerun_overrides(run.config, a.overrides)
+            except ImportError as exc:  # hydra is the megatron extra's
+                report.problems.append(
+                    f"{a.run}: no re-run command ({exc.name} is not installed: pip install -e "
+                    f"'.[megatron]'); apply {' '.join(a.overrides)} to the run's own command"
+                )
+                continue
             a.command = "charllm train " + " ".join(shlex.quote(o) for o in overrides)
             if problem:
                 report.problems.append(f"{a.run}: {problem}")
