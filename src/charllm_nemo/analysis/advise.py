@@ -360,6 +360,11 @@ def layout_advice(
         f"step time {step_s * 1e3:.1f} ms (median of {len(times)} measured steps), {m} microbatches; "
         f"1F1B pipeline compute {pipeline_time_s([s.busy_s for s in stages], m) * 1e3:.1f} ms of it"
     )
+    spread = median([abs(t - step_s) for t in times]) / step_s
+    evidence.append(
+        f"step times vary by {spread * 100:.1f}% step to step (median absolute deviation): a "
+        "measured change smaller than that needs more steps or runs to show"
+    )
     evidence.append(
         f"the last stage's output layer counted as {head:.2f} layers of work (logits FLOPs / a layer's)"
         if head is not None
