@@ -103,6 +103,7 @@ def _rows(
     pp_stage: bool = True,
     throttle: list[float] | None = None,
     temps: list[float] | None = None,
+    step_s: float = 1.0,
 ) -> dict[str, list[dict[str, Any]]]:
     n = len(busy)
     return {
@@ -128,7 +129,7 @@ def _rows(
             for k in range(n)
         ],
         "hosts": [{"run": "r", "rank": k, "host": "node0"} for k in range(n)],
-        "thermal_steps": [{"run": "r", "step": s + 1, "step_time_s": 1.0} for s in range(steps)],
+        "thermal_steps": [{"run": "r", "step": s + 1, "step_time_s": step_s} for s in range(steps)],
     }
 
 
@@ -324,7 +325,9 @@ def test_end_to_end_a_real_pipeline_run_with_a_hot_stage(
     assert "valid; nothing started" in out and "layers/stage=[1, 3]" in out
     assert main(["advise", str(run), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["advice"][0]["proposed"] == [1, 3] and data["no_advice"][0]["kind"] == "micro_batch_size"
+    assert data["advice"][0]["proposed"] == [1, 3]
+    # CPU ranks all report GPU0: no placement to advise; one micro batch size: no mbs advice
+    assert {n["kind"] for n in data["no_advice"]} == {"rank_placement", "micro_batch_size"}
 
 
 def test_rerun_overrides_without_a_known_preset_diff_against_the_defaults() -> None:
@@ -343,3 +346,61 @@ def test_rerun_overrides_without_a_known_preset_diff_against_the_defaults() -> N
     assert problem is None
     assert not any(o.startswith("parallel=") for o in overrides)
     assert {"parallel.name=gone", "parallel.pp=2", "nproc=2"} <= set(overrides)
+
+
+def test_best_assignment_puts_the_slow_gpu_on_the_least_work() -> None:
+    from charllm_nemo.analysis.advise_placement import best_assignment
+
+    # stage 1 holds the output layer (5.14 layers of work) and the slow GPU (2 s per layer)
+    order, t = best_assignment([4.0, 5.14], [1.0, 2.0], 8)
+    assert order == [1, 0] and t == pytest.approx(pipeline_time_s([8.0, 5.14], 8))
+    # already best: kept
+    assert best_assignment([4.0, 5.14], [2.0, 1.0], 8)[0] == [0, 1]
+    # equal speeds: the identity
+    assert best_assignment([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], 4)[0] == [0, 1, 2]
+    with pytest.raises(ValueError, match="of one length"):
+        best_assignment([1.0], [1.0, 2.0], 4)
+
+
+def test_best_assignment_above_the_brute_force_limit_sorts() -> None:
+    from charllm_nemo.analysis.advise_placement import BRUTE_FORCE_STAGES, best_assignment
+
+    p = BRUTE_FORCE_STAGES + 2
+    work = [2.0] * (p - 1) + [3.0]  # the last stage is heaviest
+    speed = [1.0] * p
+    speed[p - 1] = 2.0  # ... and has the slow GPU
+    order, _ = best_assignment(work, speed, 16)
+    assert order[p - 1] != p - 1 and speed[order[p - 1]] == 1.0
+
+
+def test_placement_advice_moves_the_slow_gpu_off_the_heavy_stage() -> None:
+    from charllm_nemo.analysis.advise_placement import placement_advice
+
+    model = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+             "vocab_size": 1024, "seq_length": 64}  # fmt: skip
+    rows = _rows([0.4, 1.2], throttle=[0.0, 0.7], temps=[60.0, 90.0], step_s=1.5)  # GPU1: slow, hot
+    got = placement_advice({"run": "r", "pp": 2}, _summary([4, 4]), {"model": model}, rows)
+    assert isinstance(got, Advice) and got.kind == "rank_placement"
+    assert got.current == ["node0:GPU0", "node0:GPU1"] and got.proposed == ["node0:GPU1", "node0:GPU0"]
+    assert got.overrides == ["CUDA_VISIBLE_DEVICES=1,0"] and got.expected_gain > 0.03
+    assert any("stage 0 <- node0:GPU1 (now on stage 1)" in e for e in got.evidence)
+    # the slow GPU already on the light stage: nothing to move
+    rows = _rows([1.0, 0.6])
+    kept = placement_advice({"run": "r", "pp": 2}, _summary([4, 4]), {"model": model}, rows)
+    assert isinstance(kept, NoAdvice) and "already sit on the best stages" in kept.reason
+
+
+def test_no_placement_advice_says_why() -> None:
+    from charllm_nemo.analysis.advise_placement import placement_advice
+
+    rows = _rows([0.4, 1.2])
+    for r in rows["ranks"]:
+        r["device_index"] = 0  # CPU ranks: every one reports GPU0
+    got = placement_advice({"run": "r", "pp": 2}, _summary([4, 4]), {}, rows)
+    assert isinstance(got, NoAdvice) and "share GPU indices" in got.reason
+    rows = _rows([0.4, 1.2])
+    rows["hosts"][1]["host"] = "node1"
+    got = placement_advice({"run": "r", "pp": 2}, _summary([4, 4]), {}, rows)
+    assert isinstance(got, NoAdvice) and "2 hosts" in got.reason
+    got = placement_advice({"run": "r", "pp": 1}, _summary([4]), {}, _rows([0.4]))
+    assert isinstance(got, NoAdvice) and got.kind == "rank_placement" and "pp=1" in got.reason

@@ -314,19 +314,33 @@ def run_stages(
     return stages, None
 
 
-def layout_advice(
+@dataclass
+class Measured:
+    """What the layout and placement models need of one run: its stages, microbatches per
+    step, the measured step times (s) and their median, the output layer's work in layers."""
+
+    run: str
+    stages: list[Stage]
+    microbatches: int
+    times: list[float]
+    step_s: float
+    head: float | None
+
+
+def measure_run(
     info: dict[str, Any],
     summary: dict[str, Any],
     config: dict[str, Any],
     rows: dict[str, list[dict[str, Any]]],
-    min_gain: float = MIN_GAIN,
     min_steps: int = MIN_STEPS,
-) -> Advice | NoAdvice:
-    """Layout advice for one run (``info``: its ``runs`` row), or why there is none."""
+    kind: str = "pipeline_layout",
+) -> Measured | NoAdvice:
+    """A run's :class:`Measured` (``info``: its ``runs`` row), or why the data cannot support
+    advice of ``kind`` (one stage, interleaving, too few steps, no phase windows, ...)."""
     run = str(info["run"])
 
     def no(reason: str) -> NoAdvice:
-        return NoAdvice("pipeline_layout", run, reason)
+        return NoAdvice(kind, run, reason)
 
     pp = info.get("pp")
     if not isinstance(pp, int) or pp < 2:
@@ -351,25 +365,53 @@ def layout_advice(
     m = (summary.get("layout") or {}).get("num_microbatches") or summary.get("num_microbatches")
     if not isinstance(m, int) or m < 1:
         return no("the number of microbatches per step is unknown (summary.json has no num_microbatches)")
-    if sum(layers) < pp + 1:
-        return no(f"{sum(layers)} layers over {pp} stages: every stage needs >= 1, nothing can move")
-    step_s = median(times)
-    proposed, expected, gain = propose_layout(stages, m, step_s, min_gain)
+    return Measured(run, stages, m, times, median(times), head)
+
+
+def run_evidence(ms: Measured) -> list[str]:
+    """The evidence lines every piece of layout or placement advice carries."""
+    stages, m, step_s = ms.stages, ms.microbatches, ms.step_s
     evidence = stage_evidence(stages)
     evidence.append(
-        f"step time {step_s * 1e3:.1f} ms (median of {len(times)} measured steps), {m} microbatches; "
+        f"step time {step_s * 1e3:.1f} ms (median of {len(ms.times)} measured steps), {m} microbatches; "
         f"1F1B pipeline compute {pipeline_time_s([s.busy_s for s in stages], m) * 1e3:.1f} ms of it"
     )
-    spread = median([abs(t - step_s) for t in times]) / step_s
+    spread = median([abs(t - step_s) for t in ms.times]) / step_s
     evidence.append(
         f"step times vary by {spread * 100:.1f}% step to step (median absolute deviation): a "
         "measured change smaller than that needs more steps or runs to show"
     )
     evidence.append(
-        f"the last stage's output layer counted as {head:.2f} layers of work (logits FLOPs / a layer's)"
-        if head is not None
+        f"the last stage's output layer counted as {ms.head:.2f} layers of work (logits FLOPs / a layer's)"
+        if ms.head is not None
         else "the output layer's work is unknown (no model shape in the config): counted as 0 layers"
     )
+    return evidence
+
+
+def layout_advice(
+    info: dict[str, Any],
+    summary: dict[str, Any],
+    config: dict[str, Any],
+    rows: dict[str, list[dict[str, Any]]],
+    min_gain: float = MIN_GAIN,
+    min_steps: int = MIN_STEPS,
+) -> Advice | NoAdvice:
+    """Layout advice for one run (``info``: its ``runs`` row), or why there is none."""
+    ms = measure_run(info, summary, config, rows, min_steps)
+    if isinstance(ms, NoAdvice):
+        return ms
+    run, stages, step_s = ms.run, ms.stages, ms.step_s
+    layers = [s.layers for s in stages]
+
+    def no(reason: str) -> NoAdvice:
+        return NoAdvice("pipeline_layout", run, reason)
+
+    if sum(layers) < len(layers) + 1:
+        return no(f"{sum(layers)} layers over {len(layers)} stages: every stage needs >= 1, nothing can move")
+    m = ms.microbatches
+    proposed, expected, gain = propose_layout(stages, m, step_s, min_gain)
+    evidence = run_evidence(ms)
     if proposed == layers:
         best = balance_layers(
             sum(layers), [s.per_layer_s for s in stages], layers, [s.extra_layers for s in stages]

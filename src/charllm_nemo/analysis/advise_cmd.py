@@ -26,6 +26,7 @@ from charllm_nemo.analysis.advise import (
     layout_advice,
     mbs_advice,
 )
+from charllm_nemo.analysis.advise_placement import placement_advice
 
 SECTIONS = ("model", "parallel", "optim", "batch", "data", "telemetry", "launch", "extra")
 """Config sections whose differing keys the re-run command carries."""
@@ -137,8 +138,9 @@ def advise(
         run = by_key.get(info["run"])
         if run is None:  # a sweep gap (out of memory, failed): no figures
             continue
-        got = layout_advice(info, run.summary, run.config, rows, min_gain, min_steps)
-        (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
+        for advise_one in (layout_advice, placement_advice):
+            got = advise_one(info, run.summary, run.config, rows, min_gain, min_steps)
+            (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     for got in mbs_advice(rows, min_gain, tolerance):
         (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     if commands:
@@ -148,7 +150,8 @@ def advise(
                 report.problems.append(f"{a.run}: no config.yaml; apply {' '.join(a.overrides)} by hand")
                 continue
             try:
-                overrides, problem = rerun_overrides(run.config, a.overrides)
+                env = a.kind == "rank_placement"  # an environment setting, not an override
+                overrides, problem = rerun_overrides(run.config, [] if env else a.overrides)
             except ImportError as exc:  # hydra is the megatron extra's
                 report.problems.append(
                     f"{a.run}: no re-run command ({exc.name} is not installed: pip install -e "
@@ -156,6 +159,8 @@ def advise(
                 )
                 continue
             a.command = "charllm train " + " ".join(shlex.quote(o) for o in overrides)
+            if env:
+                a.command = f"{' '.join(a.overrides)} {a.command}"
             if problem:
                 report.problems.append(f"{a.run}: {problem}")
     return report
@@ -169,6 +174,12 @@ def render(report: AdviceReport) -> str:
         if a.kind == "pipeline_layout":
             lines.append(
                 f"[{a.run}] pipeline layout {a.current} -> {a.proposed}: expected step "
+                f"{a.measured_step_s * 1e3:.1f} -> {a.expected_step_s * 1e3:.1f} ms "  # type: ignore[operator]
+                f"({a.expected_gain * 100:.1f}% shorter)"
+            )
+        elif a.kind == "rank_placement":
+            lines.append(
+                f"[{a.run}] rank placement {a.current} -> {a.proposed}: expected step "
                 f"{a.measured_step_s * 1e3:.1f} -> {a.expected_step_s * 1e3:.1f} ms "  # type: ignore[operator]
                 f"({a.expected_gain * 100:.1f}% shorter)"
             )
