@@ -8,6 +8,8 @@ Subcommands:
   what was skipped, print the attribution of its windows.
 * ``charllm analyze PATH`` / ``charllm report PATH``: tables, figures and an HTML report for a
   run or a sweep directory (docs/analysis.md).
+* ``charllm advise PATH``: a pipeline layout and micro batch size from a run's or sweep's
+  measurements, with the ``charllm train`` overrides that apply them (docs/advisor.md).
 * ``charllm train ...``: Megatron-Core training driven by the Hydra recipes in conf/.
 * ``charllm sweep status DIR``: a sweep's configurations and their states (docs/sweeps.md).
 """
@@ -461,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.analysis.commands import add_commands
 
     add_commands(sub)  # analyze, report
+
+    from charllm_nemo.analysis.advise_cmd import add_command as add_advise
+
+    add_advise(sub)  # advise
 
     sw = sub.add_parser("sweep", help="sweeps run by `charllm train -m +sweep=<name>`")
     sw_sub = sw.add_subparsers(dest="sweep_command", required=True)

@@ -1,0 +1,110 @@
+"""Rank placement advice: which GPU takes which pipeline stage, the layout kept.
+
+A stage's time per unit of work (``Stage.per_layer_s``: forward + backward seconds per layer's
+FLOPs, the output layer counted) is taken as its GPU's speed; a stage's work is its layers plus
+its fixed work (``Stage.extra_layers``). Moving GPUs between stages moves their speed: the
+slowest GPU should take the least work. Applied, on one node, by reordering
+``CUDA_VISIBLE_DEVICES`` (rank r uses the r-th visible device). Limits: docs/advisor.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from charllm_nemo.analysis.advise import (
+    MIN_GAIN,
+    MIN_STEPS,
+    Advice,
+    NoAdvice,
+    measure_run,
+    pipeline_time_s,
+    run_evidence,
+)
+
+BRUTE_FORCE_STAGES = 8
+"""Up to this many stages every assignment is tried (8! = 40,320); above, the slowest GPU is
+matched with the least work (sorted), which is optimal for the largest stage time alone."""
+
+
+def best_assignment(work: list[float], speed_s: list[float], microbatches: int) -> tuple[list[int], float]:
+    """(``order``, pipeline time s): stage ``t`` gets the GPU now on stage ``order[t]``,
+    minimising :func:`pipeline_time_s` of ``work[t] x speed_s[order[t]]``; ties keep the
+    current placement (the identity is tried first)."""
+    p = len(work)
+    if p != len(speed_s) or p == 0:
+        raise ValueError(f"work={work} and speed_s={speed_s} must be non-empty and of one length")
+
+    def cost(order: tuple[int, ...] | list[int]) -> float:
+        return pipeline_time_s([work[t] * speed_s[order[t]] for t in range(p)], microbatches)
+
+    if p <= BRUTE_FORCE_STAGES:
+        best = min(itertools.permutations(range(p)), key=cost)  # identity first: kept on ties
+        return list(best), cost(best)
+    by_work = sorted(range(p), key=lambda t: work[t])
+    by_speed = sorted(range(p), key=lambda g: -speed_s[g])  # slowest GPU first
+    order = [0] * p
+    for t, g in zip(by_work, by_speed, strict=True):
+        order[t] = g
+    identity = list(range(p))
+    return (order, cost(order)) if cost(order) < cost(identity) else (identity, cost(identity))
+
+
+def placement_advice(
+    info: dict[str, Any],
+    summary: dict[str, Any],
+    config: dict[str, Any],
+    rows: dict[str, list[dict[str, Any]]],
+    min_gain: float = MIN_GAIN,
+    min_steps: int = MIN_STEPS,
+) -> Advice | NoAdvice:
+    """Placement advice for one run (one rank per stage, one node, distinct GPUs), or why not."""
+    ms = measure_run(info, summary, config, rows, min_steps, kind="rank_placement")
+    if isinstance(ms, NoAdvice):
+        return ms
+    run, stages = ms.run, ms.stages
+
+    def no(reason: str) -> NoAdvice:
+        return NoAdvice("rank_placement", run, reason)
+
+    if any(len(s.ranks) != 1 for s in stages):
+        return no("a stage has several ranks (TP or DP): moving one GPU alone does not move the stage")
+    gpus = [s.devices[0] if len(s.devices) == 1 else None for s in stages]
+    if any(g is None for g in gpus):
+        return no("the GPU of a stage is unknown (no device index in the ranks table)")
+    hosts = {str(g).rsplit(":GPU", 1)[0] for g in gpus}
+    indices = [str(g).rsplit(":GPU", 1)[1] for g in gpus]
+    if len(hosts) != 1:
+        return no(f"the stages run on {len(hosts)} hosts: CUDA_VISIBLE_DEVICES reorders GPUs within one node")
+    if len(set(indices)) != len(indices):
+        return no(f"the stages share GPU indices {indices} (CPU ranks, or one GPU shared): nothing to move")
+    work = [s.layers + s.extra_layers for s in stages]
+    speed = [s.per_layer_s for s in stages]
+    m = ms.microbatches
+    order, new_pipe = best_assignment(work, speed, m)
+    old_pipe = pipeline_time_s([s.busy_s for s in stages], m)
+    expected = max(ms.step_s - (old_pipe - new_pipe), new_pipe)
+    gain = 1.0 - expected / ms.step_s
+    if order == list(range(len(stages))) or gain < min_gain:
+        return no(
+            "the GPUs already sit on the best stages for their measured speed"
+            if order == list(range(len(stages)))
+            else f"the best placement would gain {gain * 100:.1f}% (< {min_gain * 100:.0f}%)"
+        )
+    visible = ",".join(indices[g] for g in order)
+    moves = [f"stage {t} <- {gpus[g]} (now on stage {g})" for t, g in enumerate(order) if g != t]
+    return Advice(
+        kind="rank_placement",
+        run=run,
+        current=[str(g) for g in gpus],
+        proposed=[str(gpus[g]) for g in order],
+        expected_gain=gain,
+        evidence=[*run_evidence(ms), "moves: " + "; ".join(moves)],
+        overrides=[f"CUDA_VISIBLE_DEVICES={visible}"],
+        measured_step_s=ms.step_s,
+        expected_step_s=expected,
+        placement=(
+            f"an environment setting, not a Hydra override: CUDA_VISIBLE_DEVICES={visible} charllm train "
+            "... (launcher=local on that node; rank r uses the r-th listed GPU)"
+        ),
+    )
