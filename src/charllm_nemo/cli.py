@@ -389,6 +389,12 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_wandb_dashboard(args: argparse.Namespace) -> int:
+    from charllm_nemo.sinks.dashboard import cmd_wandb_dashboard
+
+    return cmd_wandb_dashboard(args)
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from charllm_nemo.train.app import main as train_main
 
@@ -470,6 +476,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-slurm", action="store_true", help="only the files: do not ask SLURM about unfinished jobs"
     )
     st.set_defaults(func=cmd_sweep_status)
+
+    d = sub.add_parser(
+        "wandb-dashboard",
+        help="build the W&B workspace for charllm's keys (power, energy, temperature, clocks, throttle, "
+        "throughput, alerts) and save it, or print it with --dry-run",
+    )
+    d.add_argument("--entity", help="W&B entity (user or team) that owns the project; needed to save")
+    d.add_argument("--project", required=True, help="W&B project the runs are logged to (logger.project)")
+    d.add_argument("--name", help="workspace name (default: charllm telemetry[: sweep NAME | group G])")
+    only = d.add_mutually_exclusive_group()
+    only.add_argument(
+        "--sweep", help="only the runs of this sweep (tag sweep:NAME), grouped by configuration"
+    )
+    only.add_argument(
+        "--group", help="only the runs of this W&B group (logger.group), grouped by configuration"
+    )
+    d.add_argument(
+        "--group-by",
+        action="append",
+        metavar="CONFIG_KEY",
+        help="group runs by this config key (repeatable; default with --sweep/--group: model.name, "
+        "parallel.name, optim.name, batch.micro_batch_size)",
+    )
+    d.add_argument(
+        "--detail-rank", type=int, default=0, help="rank whose throttle reasons are stacked (default 0)"
+    )
+    d.add_argument("--max-runs", type=int, default=20, help="runs (or groups) drawn per panel (default 20)")
+    d.add_argument("--dry-run", action="store_true", help="do not save: print the specification (JSON)")
+    d.add_argument("--json", metavar="PATH", help="write the specification (JSON) to PATH")
+    d.set_defaults(func=_cmd_wandb_dashboard)
 
     sub.add_parser(
         "train", help="train with Megatron-Core (Hydra overrides follow: model=tiny_gpt ...)", add_help=False
