@@ -54,6 +54,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
         backend_options=options,
         overwrite=args.overwrite,
+        driver_buffers=not args.no_driver_buffers,
     )
     n_dev = len(session.backend.devices)
     session.start()
@@ -447,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=nonempty_path, required=True, help="run directory to write")
     t.add_argument(
         "--overwrite", action="store_true", help="replace a run already in --out (default: refuse)"
+    )
+    t.add_argument(
+        "--no-driver-buffers",
+        action="store_true",
+        help="do not store the driver's own sample buffers (NVML: buffered-*.parquet; docs/store.md)",
     )
     t.set_defaults(func=cmd_telemetry)
 
