@@ -238,7 +238,12 @@ def _print_run(
         print(printable(line, 1000))
     if "synthetic" in backends:
         print("NOTE: synthetic device: the figures below come from a model, not from hardware")
-    table = attribute_run(dataclasses.replace(run, windows=windows), kinds)
+    buffered = None
+    if any(f.buffered for f in files.ranks.values()):
+        from charllm_nemo.telemetry.buffered import load_buffered
+
+        buffered = load_buffered(path)
+    table = attribute_run(dataclasses.replace(run, windows=windows), kinds, buffered)
     if table.num_rows == 0:
         print("no windows to attribute")
         return 0
@@ -272,6 +277,7 @@ def window_table_lines(table: Any) -> list[str]:
         ("energy_method", "method", "{}"),
         ("power_avg_w", "avg W", "{:.1f}"),
         ("power_peak_w", "peak W", "{:.1f}"),
+        ("power_peak_buffered_w", "buf peak W", "{:.1f}"),
         ("temp_gpu_peak_c", "T max C", "{:.1f}"),
         ("clock_sm_avg_mhz", "SM MHz", "{:.0f}"),
         ("throttle_any_limiting_s", "thr ms", "{:.1f}"),

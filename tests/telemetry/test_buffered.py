@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from tests.fakes import nvml_stub
 
+from charllm_nemo.cli import main
 from charllm_nemo.telemetry.buffered import BufferedStore, load_buffered, next_seq, window_peaks
+from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.layout import scan_run
 from charllm_nemo.telemetry.reader import load_run
 
@@ -37,7 +39,9 @@ def _run(tmp_path: Path, sampler: str, *extra: str) -> Path:
 
 
 @pytest.mark.parametrize("sampler", ["process", "thread"])
-def test_the_driver_buffer_is_stored_as_its_own_timeline(tmp_path: Path, sampler: str) -> None:
+def test_the_driver_buffer_is_stored_as_its_own_timeline(
+    tmp_path: Path, sampler: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = _run(tmp_path, sampler)
     files = scan_run(out).ranks[0]
     assert len(files.buffered) >= 2  # one segment a flush (0.5 s)
@@ -56,9 +60,10 @@ def test_the_driver_buffer_is_stored_as_its_own_timeline(tmp_path: Path, sampler
     run = load_run(out)
     span = run.samples.column("t_mono_ns").to_numpy()
     # on the samples' clock: from the device's open (in process mode the telemetry process's,
-    # before its store's warm-up and first sample) to the last sample
+    # before its store's warm-up and first sample) to the last drain, at close, which follows
+    # the last polled sample by up to a flush
     assert run.manifests[0]["started_mono_ns"] - 0.5e9 <= t[0] <= span[0] + 0.1e9
-    assert t[-1] <= span[-1] + 0.1e9
+    assert span[-1] - 0.1e9 <= t[-1] <= span[-1] + 1e9
     assert len(t) >= 0.8 * (span[-1] - span[0]) / (PERIOD_US * 1000)
     assert set(w) == {300.0, 650.0} and 0.4 < np.mean(w == 650.0) < 0.6
     # each step's peak from the buffer
@@ -67,6 +72,17 @@ def test_the_driver_buffer_is_stored_as_its_own_timeline(tmp_path: Path, sampler
         t, w, steps.column("t_begin_mono_ns").to_numpy(), steps.column("t_end_mono_ns").to_numpy()
     )
     assert len(peaks) >= 3 and np.all(peaks == 650.0)
+    # the same through the run's attribution, and charllm inspect's column
+    joined = attribute_run(run, ("step",), table)
+    assert joined.column("power_peak_buffered_w").to_pylist() == peaks.tolist()
+    assert "power_peak_buffered_w" not in attribute_run(run, ("step",)).column_names
+    if sampler == "thread":
+        assert main(["inspect", str(out), "--kind", "step"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header = next(line for line in lines if "buf peak W" in line)
+        end = header.index("buf peak W") + len("buf peak W")  # numbers are right-aligned
+        rows = [line for line in lines[lines.index(header) + 1 :] if line.strip()]
+        assert rows and {r[:end].split()[-1] for r in rows} == {"650.0"}
     manifest = run.manifests[0]
     assert manifest["devices"][0]["extra"]["driver_buffers"]["metrics"] == [
         "power_w",
