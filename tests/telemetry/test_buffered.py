@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from tests.fakes import nvml_stub
 
@@ -112,13 +113,36 @@ class _Lost:
         raise DeviceLost("gone")
 
 
-def test_a_taken_over_store_numbers_on_and_a_lost_device_is_dropped(tmp_path: Path) -> None:
-    (tmp_path / "buffered-000000.parquet").write_bytes(b"x")
-    (tmp_path / "buffered-000004.parquet").write_bytes(b"x")
-    assert next_seq(tmp_path) == 5
+def test_a_lost_device_is_dropped(tmp_path: Path) -> None:
     store = BufferedStore(tmp_path, [_Lost()])
     assert store.flush() is None and store.devices == []
     assert store.counts()["devices"] == [] and store.counts()["polls"] == 1
+
+
+class _Replay:
+    """A device whose first drain returns ``batches`` (timestamps in us), later ones nothing."""
+
+    def __init__(self, index: int, batches: list[tuple[str, list[int], list[float]]]) -> None:
+        self.identity = type("I", (), {"index": index})()
+        self.batches = batches
+
+    def read_buffered(self) -> list[tuple[str, list[int], list[float]]]:
+        out, self.batches = self.batches, []
+        return out
+
+
+def test_a_store_taking_over_numbers_on_and_repeats_no_sample(tmp_path: Path) -> None:
+    first = BufferedStore(tmp_path, [_Replay(0, [("power_w", [1, 2, 3], [10.0, 20.0, 30.0])])])
+    assert first.flush() == tmp_path / "buffered-000000.parquet"
+    (tmp_path / "buffered-000003.parquet").write_bytes((tmp_path / "buffered-000000.parquet").read_bytes())
+    assert next_seq(tmp_path) == 4
+    # the training process's own handle, drained last at its open: its first drain repeats 2, 3
+    again = [("power_w", [2, 3, 4, 5], [20.0, 30.0, 40.0, 50.0]), ("clock_sm_mhz", [3], [1500.0])]
+    second = BufferedStore(tmp_path, [_Replay(0, again)])
+    assert second.flush() == tmp_path / "buffered-000004.parquet"
+    got = pq.read_table(tmp_path / "buffered-000004.parquet")
+    rows = sorted(zip(got.column("metric").to_pylist(), got.column("t_wall_ns").to_pylist(), strict=True))
+    assert rows == [("clock_sm_mhz", 3000), ("power_w", 4000), ("power_w", 5000)]
 
 
 def test_window_peaks_are_nan_without_a_sample() -> None:

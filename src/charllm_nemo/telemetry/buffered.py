@@ -75,6 +75,10 @@ class BufferedStore:
         self.dir = folder
         self.devices = buffered_devices(devices)
         self._seq = next_seq(folder) if folder.is_dir() else 0
+        # Taking over from another writer (the telemetry process died): this process's buffers
+        # were last drained at its own open, so their first drain repeats samples that writer
+        # stored. Keep only those after the newest it stored, per (device, metric).
+        self._after = _newest_stored(folder, self._seq - 1) if self._seq else {}
         self._lock = threading.Lock()
         self._parts: list[dict[str, np.ndarray[Any, Any]]] = []
         self.segments = 0
@@ -108,13 +112,20 @@ class BufferedStore:
                 continue
             for metric, ts_us, values in batches:
                 wall = np.asarray(ts_us, np.int64) * 1000
+                vals = np.asarray(values, np.float64)
+                after = self._after.get((idx, metric))
+                if after is not None:
+                    keep = wall > after
+                    wall, vals = wall[keep], vals[keep]
+                    if not len(wall):
+                        continue
                 self._parts.append(
                     {
                         "t_mono_ns": wall + offset,
                         "t_wall_ns": wall,
                         "device_index": np.full(len(wall), idx, np.int16),
                         "metric": np.full(len(wall), metric, object),
-                        "value": np.asarray(values, np.float64),
+                        "value": vals,
                     }
                 )
         dt = time.monotonic_ns() - t0
@@ -164,6 +175,29 @@ class BufferedStore:
             "devices": [d.identity.index for d in self.devices],
             **({"stopped": self.stopped} if self.stopped else {}),
         }
+
+
+def _newest_stored(folder: Path, seq: int) -> dict[tuple[int, str], int]:
+    """The newest ``t_wall_ns`` per (device, metric) in segment ``seq`` of ``folder`` (every
+    flush drains every buffer, so the last segment holds each one's newest); empty when it
+    cannot be read."""
+    from charllm_nemo.telemetry.layout import read_parquet
+
+    try:
+        t = read_parquet(folder / f"{KIND}-{seq:06d}.parquet", ["t_wall_ns", "device_index", "metric"])
+    except Exception as exc:
+        log.warning("%s: cannot be read to continue after it (%s); samples may repeat", folder, exc)
+        return {}
+    out: dict[tuple[int, str], int] = {}
+    for wall, idx, metric in zip(
+        t.column("t_wall_ns").to_pylist(),
+        t.column("device_index").to_pylist(),
+        t.column("metric").to_pylist(),
+        strict=True,
+    ):
+        key = (int(idx), str(metric))
+        out[key] = max(out.get(key, wall), wall)
+    return out
 
 
 def load_buffered(run_dir: str | Path, ranks: Sequence[int] | None = None) -> pa.Table:
