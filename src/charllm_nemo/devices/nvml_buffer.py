@@ -41,6 +41,10 @@ BUFFERED_METRICS: tuple[tuple[str, int, float], ...] = (
 MAX_DRAINS = 8
 """Calls per buffer and :meth:`DriverBuffers.read` at most (each returns up to a buffer's size)."""
 
+MIN_SLOTS = 512
+"""Samples our buffer for one drain call holds at least: asked with ``samples = NULL``, NVML says
+how many samples it would return now, which is the driver's ring size only once that is full."""
+
 
 class _Value(ctypes.Union):
     _fields_ = [
@@ -91,8 +95,10 @@ class DriverBuffers:
     """The driver sample buffers of one NVML device, drained by :meth:`read`.
 
     ``metrics``: the metrics served (those of :data:`BUFFERED_METRICS` whose buffer answered at
-    open); ``capacity``: samples each buffer holds, as the driver says. The first drain happens
-    at open and is discarded, so :meth:`read` returns only samples taken after open.
+    open); ``capacity``: samples each of the driver's buffers held at open, as it says (its ring
+    size once the ring is full; 0 right after the driver loads: then no drain is counted as
+    full). The first drain happens at open and is discarded, so :meth:`read` returns only
+    samples taken after open.
     """
 
     def __init__(self, nvml: Any, handle: Any, index: int) -> None:
@@ -127,11 +133,10 @@ class DriverBuffers:
             raise DeviceLost(f"NVML GPU {self.index}: {error_name(self._nvml, rc)}")
         if rc != NVML_SUCCESS:
             return error_name(self._nvml, rc)
-        if count.value == 0:
-            return "the driver's buffer holds no sample"
-        buf = (_Sample * count.value)()
-        self._plans.append((metric, ctypes.c_uint(kind), divisor, buf, count.value))
-        self.capacity[metric] = count.value
+        size = max(int(count.value), MIN_SLOTS)
+        buf = (_Sample * size)()
+        self._plans.append((metric, ctypes.c_uint(kind), divisor, buf, size))
+        self.capacity[metric] = int(count.value)
         self._last[metric] = 0
         for name in ("calls", "samples", "full", "errors"):
             getattr(self.health, name)[metric] = 0
@@ -192,8 +197,9 @@ class DriverBuffers:
                 values.append(getattr(s.sampleValue, attr) / divisor)
             if n:
                 self._last[metric] = int(buf[n - 1].timeStamp)
+            if 0 < self.capacity[metric] <= n:
+                h.full[metric] += 1  # the driver's whole ring was new: older samples may be lost
             if n < size:
                 break
-            h.full[metric] += 1  # the whole buffer was new: older samples may have been lost
         h.samples[metric] += len(ts)
         return ts, values
