@@ -150,3 +150,25 @@ def test_window_peaks_are_nan_without_a_sample() -> None:
     w = np.array([1.0, 5.0, 2.0])
     got = window_peaks(t, w, np.array([0, 15, 31]), np.array([10, 30, 40]))
     assert got[0] == 1.0 and got[1] == 5.0 and np.isnan(got[2])
+
+
+def test_a_failed_write_keeps_the_samples_for_the_next_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from charllm_nemo.telemetry import store as store_module
+
+    dev = _Replay(0, [("power_w", [1, 2], [10.0, 20.0])])
+    buffered = BufferedStore(tmp_path, [dev])
+    real = store_module.atomic_write_table
+
+    def fail_once(path: Path, table: object) -> None:
+        monkeypatch.setattr(store_module, "atomic_write_table", real)
+        raise OSError("EIO")
+
+    monkeypatch.setattr(store_module, "atomic_write_table", fail_once)
+    assert buffered.flush() is None and buffered.write_errors == 1
+    dev.batches = [("power_w", [3], [30.0])]
+    assert buffered.flush() == tmp_path / "buffered-000000.parquet"
+    got = pq.read_table(tmp_path / "buffered-000000.parquet")
+    assert got.column("t_wall_ns").to_pylist() == [1000, 2000, 3000]
+    assert buffered.counts()["rows"] == 3

@@ -87,6 +87,7 @@ class BufferedStore:
         self.poll_ns_total = 0
         self.poll_ns_max = 0
         self.stopped: str | None = None  # why nothing more is written (a full disk)
+        self.write_errors = 0
 
     def poll(self) -> None:
         """Take every device's new driver samples into memory."""
@@ -158,6 +159,11 @@ class BufferedStore:
                     "telemetry: the disk is full (%s); driver-buffered samples are no longer stored", exc
                 )
                 return None
+            except Exception:
+                self._parts = parts + self._parts  # kept for the next flush
+                self.write_errors += 1
+                log.exception("telemetry: writing %s failed; will retry at the next flush", path.name)
+                return None
             self._seq += 1
             self.segments += 1
             self.rows += table.num_rows
@@ -173,6 +179,7 @@ class BufferedStore:
             "poll_ns_mean": self.poll_ns_total / self.polls if self.polls else 0.0,
             "poll_ns_max": self.poll_ns_max,
             "devices": [d.identity.index for d in self.devices],
+            "write_errors": self.write_errors,
             **({"stopped": self.stopped} if self.stopped else {}),
         }
 
