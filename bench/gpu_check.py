@@ -10,7 +10,9 @@ Parts (each prints its figures; all of them go into DIR/gpu_check.json):
 2. load: sample idle (~10 s), under a bf16 matmul loop sized to saturate the GPU (~30 s),
    idle again (~10 s); average/peak power, temperature rise, clocks, throttle reasons seen,
    energy from the counter versus the integrated instant power, the achieved sampling rate and
-   the energy counter's observed update period.
+   the energy counter's observed update period. Then (bench/gpu_buffers.py) the driver's own
+   sample buffers: the cost of a drain, their rate and gaps in the load run, and their
+   agreement with the polled instant power.
 3. training: ``charllm train`` for tiny_gpt and a ~1B-parameter GPT with telemetry (CUDA-event
    windows on GPU) and without, ~20 steps each: tokens/s, TFLOP/s, MFU, energy per step, and
    the step-time ratio telemetry on / off.
@@ -411,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     report["inventory"] = inventory(reads=200 if args.quick else 1000)
     report["load"] = load_test(mode, out_dir, idle_s, load_s, args.hz)
+    from gpu_buffers import agreement, drain_cost, summary_lines  # bench/gpu_buffers.py
+
+    report["driver_buffers"] = {
+        "drain": drain_cost(drains=5 if args.quick else 20),
+        "agreement": agreement(out_dir / "load_run"),
+    }
+    for line in summary_lines(report["driver_buffers"]["drain"], report["driver_buffers"]["agreement"]):
+        log(line)
     if not args.skip_training:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)

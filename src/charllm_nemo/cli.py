@@ -56,6 +56,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
         backend_options=options,
         overwrite=args.overwrite,
+        driver_buffers=not args.no_driver_buffers,
     )
     n_dev = len(session.backend.devices)
     session.start()
@@ -239,7 +240,12 @@ def _print_run(
         print(printable(line, 1000))
     if "synthetic" in backends:
         print("NOTE: synthetic device: the figures below come from a model, not from hardware")
-    table = attribute_run(dataclasses.replace(run, windows=windows), kinds)
+    buffered = None
+    if any(f.buffered for f in files.ranks.values()):
+        from charllm_nemo.telemetry.buffered import load_buffered
+
+        buffered = load_buffered(path)
+    table = attribute_run(dataclasses.replace(run, windows=windows), kinds, buffered)
     if table.num_rows == 0:
         print("no windows to attribute")
         return 0
@@ -273,6 +279,7 @@ def window_table_lines(table: Any) -> list[str]:
         ("energy_method", "method", "{}"),
         ("power_avg_w", "avg W", "{:.1f}"),
         ("power_peak_w", "peak W", "{:.1f}"),
+        ("power_peak_buffered_w", "buf peak W", "{:.1f}"),
         ("temp_gpu_peak_c", "T max C", "{:.1f}"),
         ("clock_sm_avg_mhz", "SM MHz", "{:.0f}"),
         ("throttle_any_limiting_s", "thr ms", "{:.1f}"),
@@ -391,6 +398,12 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_wandb_dashboard(args: argparse.Namespace) -> int:
+    from charllm_nemo.sinks.dashboard import cmd_wandb_dashboard
+
+    return cmd_wandb_dashboard(args)
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from charllm_nemo.train.app import main as train_main
 
@@ -444,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--overwrite", action="store_true", help="replace a run already in --out (default: refuse)"
     )
+    t.add_argument(
+        "--no-driver-buffers",
+        action="store_true",
+        help="do not store the driver's own sample buffers (NVML: buffered-*.parquet; docs/store.md)",
+    )
     t.set_defaults(func=cmd_telemetry)
 
     i = sub.add_parser("inspect", help="load a run directory and print the attribution of its windows")
@@ -476,6 +494,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-slurm", action="store_true", help="only the files: do not ask SLURM about unfinished jobs"
     )
     st.set_defaults(func=cmd_sweep_status)
+
+    d = sub.add_parser(
+        "wandb-dashboard",
+        help="build the W&B workspace for charllm's keys (power, energy, temperature, clocks, throttle, "
+        "throughput, alerts) and save it, or print it with --dry-run",
+    )
+    d.add_argument("--entity", help="W&B entity (user or team) that owns the project; needed to save")
+    d.add_argument("--project", required=True, help="W&B project the runs are logged to (logger.project)")
+    d.add_argument("--name", help="workspace name (default: charllm telemetry[: sweep NAME | group G])")
+    only = d.add_mutually_exclusive_group()
+    only.add_argument(
+        "--sweep", help="only the runs of this sweep (tag sweep:NAME), grouped by configuration"
+    )
+    only.add_argument(
+        "--group", help="only the runs of this W&B group (logger.group), grouped by configuration"
+    )
+    d.add_argument(
+        "--group-by",
+        action="append",
+        metavar="CONFIG_KEY",
+        help="group runs by this config key (repeatable; default with --sweep/--group: model.name, "
+        "parallel.name, optim.name, batch.micro_batch_size)",
+    )
+    d.add_argument(
+        "--detail-rank", type=int, default=0, help="rank whose throttle reasons are stacked (default 0)"
+    )
+    d.add_argument("--max-runs", type=int, default=20, help="runs (or groups) drawn per panel (default 20)")
+    d.add_argument("--dry-run", action="store_true", help="do not save: print the specification (JSON)")
+    d.add_argument("--json", metavar="PATH", help="write the specification (JSON) to PATH")
+    d.set_defaults(func=_cmd_wandb_dashboard)
 
     sub.add_parser(
         "train", help="train with Megatron-Core (Hydra overrides follow: model=tiny_gpt ...)", add_help=False

@@ -45,6 +45,18 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
     # counter vs integrated instant power, both of the same square wave: within a few percent
     assert 0.95 < load["energy_ratio_counter_over_integral"] < 1.05
     assert report["load"]["energy_counter_update_ms_median"] == pytest.approx(50.0, rel=0.1)
+    # the driver buffers (bench/gpu_buffers.py): the stand-in samples every 20 ms, the same
+    # square wave as the polled instant power
+    buffers = report["driver_buffers"]
+    assert buffers["drain"]["supported"] and buffers["drain"]["drain_us_median"] > 0
+    power = buffers["agreement"]["metrics"]["power_w"]
+    assert (
+        power["interval_ms_median"] == pytest.approx(20.0) and power["gaps"] == 0 and power["duplicates"] == 0
+    )
+    agree = buffers["agreement"]["windows"]["load"]
+    assert agree["buffered_peak_w"] == 650.0 and agree["pairs"] > 10
+    # nearest in time within 20 ms of a 200 ms square wave: most pairs are on the same level
+    assert agree["abs_diff_w_median"] == 0.0
     tiny = report["training"]["tiny_gpt"]
     assert tiny["on"]["rc"] == 0 and tiny["off"]["rc"] == 0
     assert tiny["on"]["summary"]["energy_j_median"] > 0

@@ -67,6 +67,13 @@
  *       energy_update_ms N    publication period of the dynamic counter (default 50; 0 = always)
  *       power_square_mw N     instant power alternates: power_instant_mw for the first half
  *       power_period_ms N     of each period, N for the second half (-1 = off)
+ *       samples_period_us N   nvmlDeviceGetSamples: the driver's buffer takes a sample every N us
+ *                             of CLOCK_MONOTONIC since the device's t0 (default 20000; 0 = the
+ *                             call returns NOT_SUPPORTED). Total power is the instant power at
+ *                             that time (square wave included), in mW; SM clock and GPU
+ *                             utilization are clock_sm_mhz / util_gpu_pct; timestamps are wall-
+ *                             clock us, as the real driver's
+ *       samples_buffer N      samples the driver's buffer holds (default 100): older ones are gone
  *     Entry-point errors (VALUE = an error name, or OK to clear):
  *       fn:NAME ERR           the named function returns ERR (e.g. fn:nvmlDeviceGetCurrent
  *                             ClocksEventReasons FUNCTION_NOT_FOUND, as if it were missing)
@@ -183,6 +190,12 @@ typedef struct {
     unsigned int isC2cEnabled;
 } nvmlC2cModeInfo_v1_t;
 
+typedef struct {
+    unsigned long long timeStamp; /* CPU wall clock, us */
+    nvmlValue_t sampleValue;
+} nvmlSample_t;
+
+_Static_assert(sizeof(nvmlSample_t) == 16, "nvmlSample_t must be 16 bytes");
 _Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t must be 40 bytes");
 _Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t must be 40 bytes");
 _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t must be 68 bytes");
@@ -280,7 +293,8 @@ static const unsigned long long q_defaults[Q_COUNT] = {QUANTITIES(AS_DEFAULT)};
     X(nvmlDeviceGetPowerManagementLimitConstraints)   \
     X(nvmlDeviceGetArchitecture)                      \
     X(nvmlDeviceGetCudaComputeCapability)             \
-    X(nvmlDeviceGetC2cModeInfoV)
+    X(nvmlDeviceGetC2cModeInfoV)                      \
+    X(nvmlDeviceGetSamples)
 
 #define FN_ENUM(name) F_##name,
 enum { FUNCTIONS(FN_ENUM) F_COUNT };
@@ -331,6 +345,9 @@ typedef struct fake_device {
     long long energy_update_ms;
     long long square_mw;       /* -1 = off */
     long long square_period_ms;
+    long long samples_period_us; /* nvmlDeviceGetSamples: 0 = not supported */
+    long long samples_buffer;
+    long long samples_wall_offset_us; /* wall us = mono ns / 1000 + this, fixed at reset */
     long long t0;
     unsigned __int128 acc;
     long long acc_t;
@@ -385,6 +402,9 @@ static void device_defaults(fake_device *d, unsigned int index, long long now) {
     d->energy_update_ms = 50;
     d->square_mw = -1;
     d->square_period_ms = 100;
+    d->samples_period_us = 20000;
+    d->samples_buffer = 100;
+    d->samples_wall_offset_us = wall_us() - now / 1000;
     d->t0 = now;
     d->acc_t = now;
     d->last_grid = now;
@@ -724,6 +744,12 @@ static int apply_device(fake_device *d, const char *key, const char *value) {
     } else if (strcmp(key, "power_period_ms") == 0) {
         energy_settle(d);
         d->square_period_ms = v;
+    } else if (strcmp(key, "samples_period_us") == 0) {
+        if (v < 0) return -1;
+        d->samples_period_us = v;
+    } else if (strcmp(key, "samples_buffer") == 0) {
+        if (v < 1) return -1;
+        d->samples_buffer = v;
     } else return -1;
     return 0;
 }
@@ -1213,6 +1239,43 @@ EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(void *device, int *major,
     *major = (int)a;
     *minor = (int)b;
     return leave(NVML_SUCCESS);
+}
+
+/* The driver's sample buffer: a sample every samples_period_us since t0, the newest
+   samples_buffer of them kept. With samples NULL: *count = the buffer's size. Else the samples
+   newer than lastSeenTimeStamp (wall us), oldest first, at most *count; none: NOT_FOUND. */
+enum { SAMPLES_TOTAL_POWER = 0, SAMPLES_GPU_UTILIZATION = 1, SAMPLES_PROCESSOR_CLK = 5 };
+
+EXPORT nvmlReturn_t nvmlDeviceGetSamples(void *device, int type, unsigned long long lastSeenTimeStamp,
+                                         int *sampleValType, unsigned int *sampleCount, nvmlSample_t *samples) {
+    ENTER(nvmlDeviceGetSamples);
+    if (!sampleValType || !sampleCount) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    int q = type == SAMPLES_TOTAL_POWER ? Q_POWER_INSTANT
+            : type == SAMPLES_GPU_UTILIZATION ? Q_UTIL_GPU
+            : type == SAMPLES_PROCESSOR_CLK ? Q_CLOCK_SM : -1;
+    if (q < 0 || d->samples_period_us <= 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    if (d->q_err[q]) return leave(d->q_err[q]);
+    *sampleValType = VT_UINT;
+    if (!samples) {
+        *sampleCount = (unsigned int)d->samples_buffer;
+        return leave(NVML_SUCCESS);
+    }
+    long long now = mono_ns();
+    long long period = d->samples_period_us * 1000LL;
+    long long newest = now >= d->t0 ? (now - d->t0) / period : -1;
+    long long oldest = newest - d->samples_buffer + 1;
+    if (oldest < 0) oldest = 0;
+    unsigned int n = 0;
+    for (long long k = oldest; k <= newest && n < *sampleCount; k++) {
+        long long t = d->t0 + k * period;
+        unsigned long long ts = (unsigned long long)(t / 1000 + d->samples_wall_offset_us);
+        if (ts <= lastSeenTimeStamp) continue;
+        samples[n].timeStamp = ts;
+        samples[n].sampleValue.uiVal = (unsigned int)(q == Q_POWER_INSTANT ? power_instant_at(d, t) : d->q[q]);
+        n++;
+    }
+    *sampleCount = n;
+    return leave(n ? NVML_SUCCESS : 6 /* NVML_ERROR_NOT_FOUND */);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetC2cModeInfoV(void *device, nvmlC2cModeInfo_v1_t *info) {

@@ -93,6 +93,10 @@ def test_layout_tags_and_group_come_from_the_recipe():
     assert recipe_group(CONFIG) == "sweep-20260101-000000"
     assert recipe_group({**CONFIG, "extra": {"sweep": "paper_optim"}}) == "paper_optim"
     assert recipe_group({"telemetry": {"out_dir": "runs/20260101-000000"}}) is None
+    # a sweep recipe's job (docs/sweeps.md): <dir>/sweep=<name>/run=<key>/attempt=<n>
+    job = {"telemetry": {"out_dir": "runs/sweeps/sweep=cpu_microbatch/run=3f2a/attempt=2"}}
+    assert recipe_group(job) == "cpu_microbatch"
+    assert recipe_group({"telemetry": {"out_dir": "runs/x/run=3f2a/attempt=1"}}) is None
     tags = recipe_tags(CONFIG, {"world_size": 64, "backend": "nvml", "synthetic": False})
     assert tags == [
         "tp4-pp4-dp2-cp2-vpp5",

@@ -32,6 +32,7 @@ def _ok(tmp_path) -> TelemetryConfig:
         ("counter_hz", math.inf),  # accepted before: read the counters with every sample silently
         ("counter_hz", 0.0),
         ("counter_hz", -1.0),
+        ("driver_buffers", "yes"),
         ("cpu_peak_tflops", math.nan),  # accepted before: MFU nan on every step
         ("cpu_peak_tflops", math.inf),  # accepted before: MFU 0 on every step
         ("cpu_peak_tflops", 0.0),

@@ -37,6 +37,7 @@ from typing import Any
 
 from charllm_nemo.devices.base import ActivityInput, DeviceIdentity, UnsupportedLog
 from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
+from charllm_nemo.devices.nvml_buffer import Batch, DriverBuffers
 from charllm_nemo.devices.nvml_sources import (
     CLOCK_MEM,
     CLOCK_SM,
@@ -120,6 +121,7 @@ class NvmlDevice:
         "_nvml",
         "_supported",
         "_unsupported",
+        "buffers",
         "identity",
     )
 
@@ -130,6 +132,7 @@ class NvmlDevice:
         self._unsupported = unsupported
         self._closed = False
         sources = self._probe()
+        self.buffers = _open_buffers(nvml, handle, index)
         self.identity = self._identify(sources)
 
     # -- open time ------------------------------------------------------------------------
@@ -238,6 +241,12 @@ class NvmlDevice:
                 return None
 
         extra: dict[str, Any] = {"metric_sources": sources, "energy_counter_unit": "mJ"}
+        if self.buffers is not None:
+            extra["driver_buffers"] = {
+                "metrics": list(self.buffers.metrics),
+                "capacity": dict(self.buffers.capacity),
+                "unsupported": dict(self.buffers.unsupported),
+            }
         pci = ask("nvmlDeviceGetPciInfo_v3", h)
         if pci is not None:
             extra["pci_bus_id"] = str(pci.busId)
@@ -299,6 +308,17 @@ class NvmlDevice:
         self._read_plan(self._gauges, out)
         return tuple(out)
 
+    def read_buffered(self) -> list[Batch]:
+        """The driver's own samples taken since the last call (:mod:`.nvml_buffer`): one
+        ``(metric, wall-clock timestamps in us, values)`` per metric that has new ones, metrics
+        ``power_w`` (W), ``clock_sm_mhz`` (MHz), ``util_gpu_pct`` (%). Empty where the driver
+        serves none. Raises only DeviceLost. May be called from another thread than read()'s."""
+        if self._closed:
+            raise DeviceLost(f"NVML GPU {self._index}: the backend was closed")
+        if self.buffers is None:
+            return []
+        return self.buffers.read()
+
     def _read_plan(self, plan: _Plan, out: list[float | int | None]) -> None:
         fields, field_plan, call_plan = plan
         if fields is not None:
@@ -356,6 +376,17 @@ class NvmlDevice:
 
 
 _N_METRICS = len(METRICS)
+
+
+def _open_buffers(nvml: Any, handle: Any, index: int) -> DriverBuffers | None:
+    """The device's driver sample buffers, or None where it serves none (logged at INFO)."""
+    try:
+        buffers = DriverBuffers(nvml, handle, index)
+    except DeviceLost as exc:
+        raise BackendUnavailable(
+            f"NVML GPU {index} stopped answering while it was being opened ({exc}); check `nvidia-smi`"
+        ) from exc
+    return buffers if buffers.metrics else None
 
 
 # --- backend ----------------------------------------------------------------------------------

@@ -216,14 +216,21 @@ def recipe_tags(config: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[
 
 
 def recipe_group(config: Mapping[str, Any]) -> str | None:
-    """The sweep a job belongs to: ``config["extra"]["sweep"]`` if a recipe sets it, else the
-    ``sweep-<id>`` folder a Hydra multirun puts the job's run directory in, else None."""
+    """The sweep a job belongs to: ``config["extra"]["sweep"]`` if a recipe sets it, else
+    ``<name>`` of a sweep recipe's run directory ``.../sweep=<name>/run=<key>/attempt=<n>``
+    (docs/sweeps.md), else the ``sweep-<id>`` folder a plain Hydra multirun puts the job's run
+    directory in, else None."""
     explicit = _get(config, "extra", "sweep")
     if explicit:
         return str(explicit)
     out_dir = _get(config, "telemetry", "out_dir")
     if isinstance(out_dir, str) and out_dir:
-        parent = Path(out_dir).parent.name
+        path = Path(out_dir)
+        if path.name.startswith("attempt=") and path.parent.name.startswith("run="):
+            sweep = path.parent.parent.name
+            if sweep.startswith("sweep=") and len(sweep) > len("sweep="):
+                return sweep[len("sweep=") :]
+        parent = path.parent.name
         if parent.startswith("sweep-"):
             return parent
     return None

@@ -44,6 +44,9 @@ class TelemetryConfig:
     # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
     # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
     counter_hz: float | None = 10.0
+    # Also store the driver's own sample buffers where a device keeps them (NVML: power, SM
+    # clock, utilization at the driver's rate; buffered-NNNNNN.parquet; docs/store.md).
+    driver_buffers: bool = True
     # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
     # (no GIL shared with training; docs/telemetry.md), threads where none can start.
     sampler: str = "auto"  # auto | thread | process
@@ -122,6 +125,8 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
             f"telemetry.cpu_peak_tflops={p!r} must be a positive finite rate in TFLOP/s; e.g. "
             "telemetry.cpu_peak_tflops=1.5, or null for no MFU on CPU"
         )
+    if not isinstance(cfg.driver_buffers, bool):
+        problems.append(f"telemetry.driver_buffers={cfg.driver_buffers!r} must be true or false")
     if not isinstance(cfg.overwrite, bool):
         problems.append(f"telemetry.overwrite={cfg.overwrite!r} must be true or false")
     if not isinstance(cfg.required, bool):
@@ -334,6 +339,7 @@ def open_session(
         backend=cfg.backend,
         hz=cfg.hz,
         counter_hz=cfg.counter_hz,
+        driver_buffers=cfg.driver_buffers,
         sampler=cfg.sampler,
         nice=cfg.nice,
         collector_sched=cfg.collector_sched,

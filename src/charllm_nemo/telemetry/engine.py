@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from charllm_nemo.devices.base import Device
+from charllm_nemo.telemetry.buffered import BufferedStore
 from charllm_nemo.telemetry.sampler import Row, Sampler, SamplerHealth, rows_to_arrays, rows_to_table
 from charllm_nemo.telemetry.store import Flusher, RankStore, records_to_table
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
@@ -127,7 +128,9 @@ class ThreadEngine:
     """Sampling in a thread of this process, a flusher thread writing ``store``'s segments every
     ``flush_interval_s``, and live figures computed here from the last ``live_window_s`` seconds
     of rows (kept as the sampler's tuples: a live figure costs no Arrow round trip).
-    ``earlier_windows``: windows stored by an engine this one took over from (counted at close)."""
+    ``earlier_windows``: windows stored by an engine this one took over from (counted at close).
+    ``driver_buffers``: drain the devices' driver sample buffers at every flush into
+    ``buffered-NNNNNN.parquet`` (telemetry/buffered.py; devices without them: nothing)."""
 
     mode = "thread"
 
@@ -143,8 +146,12 @@ class ThreadEngine:
         figures_period_ns: int,
         counter_hz: float | None = None,
         earlier_windows: int = 0,
+        driver_buffers: bool = False,
     ) -> None:
         self.devices = list(devices)
+        self.buffered = BufferedStore(store.dir, self.devices) if driver_buffers else None
+        if self.buffered is not None and not self.buffered.devices:
+            self.buffered = None
         self.hz = hz
         self.source = source
         self.store = store
@@ -214,6 +221,8 @@ class ThreadEngine:
             # An error (not a full disk: the writer drops from then on) keeps it for the next try.
             self.store.write_segment(kind, table)
             self._pending.pop(0)
+        if self.buffered is not None:
+            self.buffered.flush()
 
     def live_rows(self, since_mono_ns: int = 0, before: int = 0) -> list[Row]:
         with self._recent_lock:
@@ -276,4 +285,6 @@ class ThreadEngine:
                 "where": "training process",
             },
         }
+        if self.buffered is not None:
+            extra["driver_buffers"] = self.buffered.counts()
         return {"extra": extra, "counts": None, "recorded": windows.total_recorded + self.earlier_windows}

@@ -58,7 +58,7 @@ TOP_FILES: dict[str, str] = {"config.yaml": "config", "steps.jsonl": "steps", "s
 
 _RANK_NAME = re.compile(r"^rank=(0|[1-9][0-9]{0,8})$")
 _RANK_LIKE = re.compile(r"^rank=")
-_SEGMENT_NAME = re.compile(r"^(samples|windows)-([0-9]{6}|[1-9][0-9]{6,17})\.parquet$")
+_SEGMENT_NAME = re.compile(r"^(samples|windows|buffered)-([0-9]{6}|[1-9][0-9]{6,17})\.parquet$")
 _TEMPORARY = re.compile(r"^\..*\.tmp$")
 RESERVE_NAME = ".manifest.json.reserve"
 """telemetry.store.RESERVE_NAME: the hidden file an open rank folder holds (a normal part of a
@@ -93,6 +93,8 @@ class RankFiles:
     manifest: Path | None
     samples: tuple[Path, ...]
     windows: tuple[Path, ...]
+    buffered: tuple[Path, ...] = ()
+    """``buffered-NNNNNN.parquet``: the driver-buffered timeline (telemetry/buffered.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ def _file_kind(st: os.stat_result | None) -> tuple[str, str] | None:
 
 def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
     manifest: Path | None = None
-    segments: dict[str, list[tuple[int, Path]]] = {"samples": [], "windows": []}
+    segments: dict[str, list[tuple[int, Path]]] = {"samples": [], "windows": [], "buffered": []}
     try:
         entries = sorted(os.listdir(folder))
     except OSError as exc:
@@ -156,7 +158,8 @@ def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
                 Ignored(
                     p,
                     "name",
-                    "not a store file name (manifest.json, samples-NNNNNN.parquet, windows-NNNNNN.parquet)",
+                    "not a store file name (manifest.json, samples-NNNNNN.parquet, windows-NNNNNN.parquet, "
+                    "buffered-NNNNNN.parquet)",
                 )
             )
             continue
@@ -174,6 +177,7 @@ def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
         manifest,
         tuple(p for _, p in sorted(segments["samples"])),
         tuple(p for _, p in sorted(segments["windows"])),
+        tuple(p for _, p in sorted(segments["buffered"])),
     )
 
 

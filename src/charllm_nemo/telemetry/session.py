@@ -146,7 +146,9 @@ class TelemetrySession:
     counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them
     apart (NVML: :data:`~charllm_nemo.telemetry.sample_loop.DEFAULT_COUNTER_HZ`; None = with
     every sample); the rows between hold null for them, and live figures wait for the next
-    counter read past a window's end.
+    counter read past a window's end. ``driver_buffers``: also store the driver's own sample
+    buffers where a device keeps them (NVML: power, SM clock, utilization;
+    ``buffered-NNNNNN.parquet``, telemetry/buffered.py); no cost where none does.
     """
 
     def __init__(
@@ -171,8 +173,10 @@ class TelemetrySession:
         rank_threads: int = 1,
         overwrite: bool = False,
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
+        driver_buffers: bool = True,
     ) -> None:
         self.hz = validate_hz(hz)
+        self._driver_buffers = bool(driver_buffers)
         every = counter_every(self.hz, counter_hz)  # a bad rate fails here, before anything opens
         nice = validate_nice(nice)
         validate_collector_sched(collector_sched)
@@ -233,6 +237,7 @@ class TelemetrySession:
                         "rank_dir": rank_dir(self.out_dir, rank),
                         "flush_interval_s": flush_interval_s,
                         "live_window_s": live_window_s,
+                        "driver_buffers": self._driver_buffers,
                     },
                     nice=nice,
                     collector_sched=policy,
@@ -270,6 +275,7 @@ class TelemetrySession:
             figures_period_ns=self.figures_period_ns,
             counter_hz=counter_hz,
             earlier_windows=earlier_windows,
+            driver_buffers=self._driver_buffers,
         )
 
     @property

@@ -147,7 +147,7 @@ def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"rank={rank}"
 
 
-RANK_FILE_PATTERNS = ("manifest.json", "samples-*.parquet", "windows-*.parquet")
+RANK_FILE_PATTERNS = ("manifest.json", "samples-*.parquet", "windows-*.parquet", "buffered-*.parquet")
 """The files a rank's folder holds (each also as ``.<name>.tmp`` while being written; and,
 while a run is open, :data:`RESERVE_NAME`)."""
 

@@ -206,7 +206,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
     config["figures_period_ns"] = figures_period_ns(health.hz, every)
     service: _Service | None = None
     if config.get("store") is not None:
-        service = _Service(block, config)
+        service = _Service(block, config, backend.devices)
         service.start()
     q[H_STATE] = RUNNING
     try:
@@ -229,6 +229,8 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
                 sleep(MAX_SLEEP_S)
     finally:
         publish()
+        if service is not None:
+            service.drain_buffers()  # the driver's samples up to now, while the devices are open
         try:
             backend.close()
         except Exception:
@@ -249,7 +251,7 @@ class _Service(threading.Thread):
     warming up the Parquet writer hold the GIL for long stretches (C module init does not
     switch), which would make the sampling loop miss its first ~0.3 s of deadlines."""
 
-    def __init__(self, block: Block, config: dict[str, Any]) -> None:
+    def __init__(self, block: Block, config: dict[str, Any], devices: Any = ()) -> None:
         super().__init__(name="charllm-collector", daemon=True)
         self.block = block
         self.store: dict[str, Any] = config["store"]
@@ -261,10 +263,15 @@ class _Service(threading.Thread):
         self.error: str | None = None
         block.q[H_SVC_STATE] = SVC_STARTING
         try:
+            from charllm_nemo.telemetry.buffered import BufferedStore
             from charllm_nemo.telemetry.process.collector import Collector
             from charllm_nemo.telemetry.store import warm_up_parquet_writer
 
             warm_up_parquet_writer()
+            buffered = None
+            if self.store.get("driver_buffers"):
+                buffered = BufferedStore(Path(self.store["rank_dir"]), devices)
+                buffered = buffered if buffered.devices else None
             self.collector = Collector(
                 block,
                 Path(self.store["rank_dir"]),
@@ -272,11 +279,18 @@ class _Service(threading.Thread):
                 period_ns=int(config["figures_period_ns"]),
                 flush_interval_s=float(self.store["flush_interval_s"]),
                 live_window_s=float(self.store["live_window_s"]),
+                buffered=buffered,
             )
         except Exception as exc:
             log.exception("telemetry store could not start; the training process will write what it can")
             self.error = f"store failed: {exc!r}"
             block.q[H_SVC_STATE] = SVC_FAILED
+
+    def drain_buffers(self) -> None:
+        """Take the driver buffers' samples now (before the backend closes); never raises."""
+        c = self.collector
+        if c is not None and c.buffered is not None:
+            c.buffered.poll()
 
     def nudge(self) -> None:
         """Wake the collector if it has work (the sampling loop calls this after every slot, once

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows, sample_columns
+from charllm_nemo.telemetry.buffered import BufferedStore
 from charllm_nemo.telemetry.process.mark_ring import (
     figure_columns,
     mask_figures,
@@ -136,6 +137,7 @@ class Collector:
     before a window, so that a counter's tick inside it is found as in the stored run).
     ``live_window_s``: how long samples stay in memory for figure requests. ``names``: the
     record codes' strings (None: read from the block as the training process publishes them).
+    ``buffered``: the devices' driver buffers, drained and written at every flush.
     """
 
     def __init__(
@@ -148,8 +150,10 @@ class Collector:
         flush_interval_s: float = 0.5,
         live_window_s: float = 120.0,
         names: list[str] | None = None,
+        buffered: BufferedStore | None = None,
     ) -> None:
         self.block = block
+        self.buffered = buffered
         q, lay = block.q, block.layout
         self.source = source
         self.period_ns = period_ns
@@ -421,6 +425,8 @@ class Collector:
                 self.publish()
             if not self._pending_records:  # else their ring slots stay theirs until stored
                 q[H_MARKS_FLUSHED] = self._mark_idx
+            if self.buffered is not None:  # the driver buffers, drained now: their own segments
+                self.buffered.flush()
             self.flushes += 1
         except Exception:
             # Kept for the next try (a full disk may clear); the rings still hold it too.
