@@ -27,6 +27,7 @@ from charllm_nemo.telemetry.placement import (
     resolve_sampler_mode,
 )
 from charllm_nemo.telemetry.process import ring as shm
+from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
@@ -330,6 +331,15 @@ def test_a_crashed_telemetry_process_is_reported_and_its_block_still_unlinked(tm
         assert s.health.stop_reason == "sampling process exited unexpectedly (exit code -9)"
         assert len(tel.live_rows()) > 10  # what it wrote before it died is still there
     assert not (SHM / name).exists() and s.shm_name is None
+
+
+def test_a_telemetry_process_needs_its_whole_store(tmp_path):
+    # There is no mode without a store (the rows go to the rank's segments, never back here).
+    with pytest.raises(ConfigError, match=r"store lacks \['flush_interval_s', 'live_window_s'\]"):
+        ProcessSampler("synthetic", [0], store={"rank_dir": tmp_path})
+    with pytest.raises(TypeError, match="store"):
+        ProcessSampler("synthetic", [0])  # type: ignore[call-arg]
+    assert not any(tmp_path.iterdir()) and not list(SHM.glob(f"charllm-sampler-{os.getpid()}-*"))
 
 
 def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_path, monkeypatch):
