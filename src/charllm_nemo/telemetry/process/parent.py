@@ -4,7 +4,8 @@ Why a process. A thread sampler shares the GIL with the training thread: each sa
 flush makes the training thread wait for the GIL, and when that thread runs Python the sampler
 waits up to the switch interval (5 ms), five periods at 1 kHz. bench/bench_sampler.py part b
 measures it (docs/benchmarks.md): with a core free the thread meets ~55 % of its deadlines at
-1 kHz where a process meets 99.6-99.9 %; bench/bench_train_telemetry.py measures what training
+1 kHz where the telemetry process meets 98.7-99.4 % (with its collector storing beside the
+sampling loop; 99.4-99.9 % without); bench/bench_train_telemetry.py measures what training
 pays. So a session samples, stores and computes its live figures in a **telemetry process**
 (telemetry/process/child.py), and the training process only writes window records into
 shared memory and reads figures back (``telemetry.sampler=auto`` or ``process``; ``thread``
