@@ -175,7 +175,8 @@ class Bench:
         seg = 0.5
         per_cond = 2.0 if self.quick else 5.0
         rounds = max(1, round(per_cond / seg))
-        # Next to the thread: the real ProcessSampler (the sampling loop of telemetry.sampler=auto).
+        # Next to the thread: a session's telemetry process (telemetry.sampler=auto: sampling loop
+        # and collector storing the segments).
         process = [[hz, cores, "process"] for hz in (100, 1000) for cores in ("free", "busy")]
         runs: list[tuple[str, list[list[Any]]]] = [("mix", process)]
         if not self.quick:
@@ -224,7 +225,8 @@ class Bench:
             if r.get("process_startup_s"):
                 st = r["process_startup_s"]
                 print(
-                    f"    ProcessSampler start-up (spawn + imports + NVML open, until it samples): "
+                    f"    telemetry process start-up (spawn + imports + collector warm-up + NVML open, "
+                    f"until it samples): "
                     f"median {1e3 * st[len(st) // 2]:.0f} ms, max {1e3 * st[-1]:.0f} ms over {len(st)} starts"
                 )
         print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,8 +328,8 @@ def make_workload(kind: str) -> tuple[Any, str]:
 
 def worker_deadlines(opts: dict[str, Any]) -> None:
     from charllm_nemo.devices.factory import open_backend
-    from charllm_nemo.telemetry.process.parent import ProcessSampler
     from charllm_nemo.telemetry.sampler import Sampler
+    from charllm_nemo.telemetry.session import TelemetrySession
 
     work, label = make_workload(opts["workload"])
     backend = open_backend("nvml")
@@ -353,24 +354,31 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
     while time.perf_counter() < t_end:  # warm up the workload (first BLAS / torch calls)
         work()
     old_switch = sys.getswitchinterval()
+    run_root = tempfile.mkdtemp(prefix="charllm-bench-deadlines-")
     try:
         for _ in range(opts["rounds"]):
             for (hz, busy, mode), key in zip(conds, keys, strict=True):
                 os.kill(spinner.pid, signal.SIGCONT if busy else signal.SIGSTOP)
-                s: Sampler | ProcessSampler
+                s: Any
+                session: TelemetrySession | None = None
                 if mode == "process":
-                    # The real ProcessSampler: its child opens the NVML backend itself (on the
-                    # stand-in: it inherits LD_LIBRARY_PATH and FAKE_NVML_SCRIPT). start() returns
-                    # once it samples, before this segment's clock starts.
-                    s = ProcessSampler("nvml", [0], hz=hz, source="nvml")
-                    s.start()
+                    # What a session samples with (telemetry.sampler=auto): its telemetry process
+                    # opens the NVML backend itself (on the stand-in: it inherits LD_LIBRARY_PATH
+                    # and FAKE_NVML_SCRIPT), and its collector thread stores the rank's segments
+                    # beside the sampling loop. start() returns once it samples, before this
+                    # segment's clock starts.
+                    session = TelemetrySession(
+                        Path(run_root) / f"seg-{len(startups)}", backend="nvml", hz=hz,
+                        sampler="process", handle_signals=False,
+                    ).start()  # fmt: skip
+                    s = session.sampler
                     startups.append(s.health.startup_ns / 1e9)
                 else:
                     if mode == "thread-switch200us":
                         sys.setswitchinterval(0.0002)
                     s = Sampler(devices, hz=hz, source="nvml")
                     s.start()
-                extra_pid = s.pid if isinstance(s, ProcessSampler) else None
+                extra_pid = s.pid if session is not None else None
                 busy0, steal0 = machine_busy_ns()
                 mine0 = ours_ns(extra_pid)
                 t0 = time.perf_counter()
@@ -381,8 +389,11 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
                 elapsed = time.perf_counter() - t0
                 busy1, steal1 = machine_busy_ns()
                 mine1 = ours_ns(extra_pid)
-                s.stop()
-                s.take_rows()
+                if session is not None:
+                    session.close()  # the telemetry process flushes its last segment and exits
+                else:
+                    s.stop()
+                    s.take_rows()
                 h = s.health.to_dict()
                 sys.setswitchinterval(old_switch)
                 segments[key].append(
@@ -403,6 +414,7 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
         spinner.kill()
         spinner.wait()
         backend.close()
+        shutil.rmtree(run_root, ignore_errors=True)
     out: dict[str, Any] = {}
     for key, segs in segments.items():
         out[key] = summarize_segments(segs)

@@ -70,36 +70,46 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_synthetic_rows_cross_the_ring_with_their_values_and_monotonic_timestamps():
+def _rows(table) -> list[dict]:
+    """A stored samples table as one dict per row (None where a metric is null)."""
+    cols = table.to_pydict()
+    return [dict(zip(cols, values, strict=True)) for values in zip(*cols.values(), strict=True)]
+
+
+def test_synthetic_rows_cross_the_ring_into_the_store_with_their_values_and_monotonic_timestamps(tmp_path):
     # Two modelled devices at full activity: capped at 700 W, 100 % busy; the model's nulls stay null.
-    s = ProcessSampler("synthetic", [0, 1], {"count": 2, "activity": 1.0}, hz=500)
     t_before = time.monotonic_ns()
-    s.start()
-    assert s.running and s.health.startup_ns < 1e9
-    time.sleep(0.3)
-    first = s.take_rows()
-    time.sleep(0.1)
-    s.stop()
+    with TelemetrySession(
+        tmp_path,
+        backend="synthetic",
+        devices=[0, 1],
+        hz=500,
+        sampler="process",
+        backend_options={"count": 2, "activity": 1.0},
+        handle_signals=False,
+    ) as tel:
+        assert tel.sampler_mode == "process" and tel.sampler.running
+        assert tel.sampler.health.startup_ns < 5e9  # with a store: numpy, pyarrow and a warm-up first
+        time.sleep(0.4)
     t_after = time.monotonic_ns()
-    rows = first + s.take_rows()
-    assert s.take_rows() == [] and not s.running
-    h = s.health
-    assert h.stop_reason == "stopped" and h.rows_lost == 0 and h.errors == 0
-    assert h.samples == len(rows) and 0.9 * 2 * 0.4 * 500 <= len(rows) <= 2 * 0.5 * 500
+    assert not tel.sampler.running
+    run = load_run(tmp_path)
+    h = run.manifests[0]["sampler"]
+    rows = _rows(run.samples)
+    assert h["stop_reason"] == "stopped" and h["rows_lost"] == 0 and h["errors"] == 0
+    # every row the telemetry process sampled is stored, none twice; 0.8: a loaded machine skips slots
+    assert h["samples"] == len(rows) and 0.8 * 2 * 0.4 * 500 <= len(rows) <= 2 * (t_after - t_before) / 2e6
     for dev in (0, 1):
-        mine = [r for r in rows if r[3] == dev]
-        t = np.array([r[0] for r in mine])
+        mine = [r for r in rows if r["device_index"] == dev]
+        t = np.array([r["t_mono_ns"] for r in mine])
         assert (np.diff(t) > 0).all() and t_before < t[0] and t[-1] < t_after  # one system-wide clock
-        assert abs(mine[-1][1] - time.time_ns()) < 5e9  # wall clock, for humans
-        assert all(r[2] > 0 for r in mine)  # read_ns
+        assert abs(mine[-1]["t_wall_ns"] - time.time_ns()) < 60e9  # wall clock, for humans
+        assert all(r["read_ns"] > 0 and r["source"] == "synthetic" for r in mine)
         for r in mine[5:]:
-            reading = r[4]
-            assert len(reading) == len(METRICS)
-            assert _value(reading, "power_instant_w") == 700.0
-            assert _value(reading, "util_gpu_pct") == 100.0
-            assert _value(reading, "power_memory_w") is None and _value(reading, "nvlink_tx_bytes") is None
-            assert isinstance(_value(reading, "pcie_tx_bytes"), int)
-        energy = [_value(r[4], "energy_mj") for r in mine]
+            assert r["power_instant_w"] == 700.0 and r["util_gpu_pct"] == 100.0
+            assert r["power_memory_w"] is None and r["nvlink_tx_bytes"] is None
+            assert isinstance(r["pcie_tx_bytes"], int)
+        energy = [r["energy_mj"] for r in mine]
         assert energy == sorted(energy) and energy[-1] > energy[0]
 
 
@@ -107,23 +117,28 @@ _NVML_CHILD = textwrap.dedent(
     """
     import json, sys, time
     from charllm_nemo.devices.factory import open_backend
-    from charllm_nemo.telemetry.process.parent import ProcessSampler
+    from charllm_nemo.telemetry.reader import load_run
+    from charllm_nemo.telemetry.schema import METRICS
+    from charllm_nemo.telemetry.session import TelemetrySession
 
+    out, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     expected = None
-    if sys.argv[1] == "values":
+    if mode == "values":
         backend = open_backend("nvml", [0])
         expected = backend.devices[0].read()
         backend.close()
-    s = ProcessSampler("nvml", [0], hz=200)
-    s.start()
-    time.sleep(float(sys.argv[2]))
-    rows = s.take_rows()
-    running = s.running
-    s.stop()
-    rows += s.take_rows()
+    with TelemetrySession(out, backend="nvml", hz=200, sampler="process", handle_signals=False) as tel:
+        assert tel.sampler_mode == "process"
+        time.sleep(seconds)
+        running = tel.sampler.running
+        with tel.windows.window("step", step=0):  # after a lost device too: the user's window
+            time.sleep(0.01)
+    run = load_run(out)
+    cols = run.samples.to_pydict()
+    readings = [[cols[m.name][i] for m in METRICS] for i in range(run.samples.num_rows)]
     print("RESULT " + json.dumps({
-        "expected": expected, "readings": [r[4] for r in rows], "t": [r[0] for r in rows],
-        "running": running, "health": s.health.to_dict(), "exit": s._proc.returncode,
+        "expected": expected, "readings": readings, "t": cols["t_mono_ns"], "running": running,
+        "manifest": run.manifests[0], "windows": run.windows.num_rows, "exit": tel.sampler._proc.returncode,
     }))
     """
 )
@@ -136,11 +151,11 @@ def _run_nvml_child(tmp_path: Path, script: list[str], mode: str, seconds: float
     except nvml_stub.StubUnavailable as exc:
         pytest.skip(str(exc))
     proc = subprocess.run(
-        [sys.executable, "-c", _NVML_CHILD, mode, str(seconds)],
+        [sys.executable, "-c", _NVML_CHILD, str(tmp_path / "run"), mode, str(seconds)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=90,
     )
     assert proc.returncode == 0, proc.stderr
     result: dict = json.loads(proc.stdout.split("RESULT ", 1)[1])
@@ -148,9 +163,10 @@ def _run_nvml_child(tmp_path: Path, script: list[str], mode: str, seconds: float
     return result
 
 
-def test_nvml_stand_in_rows_are_exact_including_64_bit_counters_above_2_53(tmp_path):
-    # The child opens the real NVML backend on the stand-in (it inherits LD_LIBRARY_PATH and
-    # FAKE_NVML_SCRIPT); every row must equal a direct read, to the last bit of the counters.
+def test_nvml_stand_in_rows_are_stored_exactly_including_64_bit_counters_above_2_53(tmp_path):
+    # The telemetry process opens the real NVML backend on the stand-in (it inherits
+    # LD_LIBRARY_PATH and FAKE_NVML_SCRIPT) and stores the rows; every stored row must equal a
+    # direct read, to the last bit of the counters (ring -> collector -> Parquet -> reader).
     big = 2**53 + 1  # 9007199254740993: a float64 would make it ...992
     r = _run_nvml_child(
         tmp_path,
@@ -164,11 +180,11 @@ def test_nvml_stand_in_rows_are_exact_including_64_bit_counters_above_2_53(tmp_p
         "values",
         0.3,
     )
-    readings, expected = r["readings"], r["expected"]
+    readings, expected, h = r["readings"], r["expected"], r["manifest"]["sampler"]
     assert len(readings) >= 30
     # The counters are read on every 20th slot (200 Hz, counter_hz 10) and at stop; the other rows
     # hold null for them and the same gauges.
-    assert r["health"]["counter_every"] == 20
+    assert h["counter_every"] == 20
     counters = {i for i, m in enumerate(METRICS) if m.cumulative}
     gauges_only = [None if i in counters else v for i, v in enumerate(expected)]
     whole = [reading for reading in readings if reading[METRIC_INDEX["energy_mj"]] is not None]
@@ -180,67 +196,82 @@ def test_nvml_stand_in_rows_are_exact_including_64_bit_counters_above_2_53(tmp_p
     assert _value(expected, "pcie_rx_bytes") == 2**62 + 7
     assert _value(expected, "temp_hbm_c") is None and _value(expected, "power_instant_w") == 251.234
     assert (np.diff(r["t"]) > 0).all()
-    assert r["health"]["samples"] == len(readings) and r["health"]["stop_reason"] == "stopped"
+    assert h["samples"] == len(readings) and h["stop_reason"] == "stopped" and h["rows_lost"] == 0
 
 
-def test_a_lost_device_stops_the_sampling_process_and_health_says_so(tmp_path):
+def test_a_lost_device_stops_sampling_the_store_goes_on_and_health_says_so(tmp_path):
     r = _run_nvml_child(tmp_path, ["0 lose_after_calls 250"], "lost", 0.6)
-    h = r["health"]
-    assert not r["running"] and r["exit"] == 0
+    h = r["manifest"]["sampler"]
+    # No sample after the loss, but the telemetry process keeps storing the user's windows.
+    assert r["running"] and r["exit"] == 0 and r["windows"] == 1
     assert h["devices_lost"] == 1 and h["stop_reason"] == "no devices left"
     assert 0 < h["samples"] == len(r["readings"]) < 40  # ~9 calls per read
-    assert "lost" in r["stderr"]  # the child's one log line reaches the job's stderr
+    assert "lost" in r["stderr"]  # the telemetry process's one log line reaches the job's stderr
 
 
-def test_a_reader_lapped_by_the_ring_counts_what_it_lost():
-    s = ProcessSampler("synthetic", [0], {"activity": 0.5}, hz=1000, capacity=64)
-    s.start()
-    time.sleep(0.3)  # ~300 rows into a 64-row ring
-    taken = s.take_rows()
-    assert 0 < len(taken) <= 64
-    assert s.health.rows_lost >= 150
-    time.sleep(0.02)
-    taken += s.take_rows()
-    s.stop()
-    taken += s.take_rows()
-    h = s.health
-    # every row the child wrote was either handed over or counted as lost, none twice
-    assert len(taken) + h.rows_lost == h.samples
-    t = np.array([r[0] for r in taken])
+def test_a_collector_lapped_by_the_sample_ring_counts_what_it_lost(tmp_path, monkeypatch):
+    # A 32-row ring at 1 kHz: the collector, woken at least every 0.1 s when nothing else wakes it
+    # (child.MAX_SLEEP_S), finds the sampling loop ~100 rows ahead of it each time.
+    from charllm_nemo.telemetry.process import parent
+
+    monkeypatch.setattr(parent, "MIN_CAPACITY", 32)
+    monkeypatch.setattr(parent, "RING_SECONDS", 0.0)
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=1000, sampler="process", backend_options={"activity": 0.5},
+        handle_signals=False,
+    ) as tel:  # fmt: skip
+        assert tel.sampler.capacity == 32
+        time.sleep(0.5)
+        assert 0 < len(tel.live_rows()) <= 32  # what the ring still holds
+    run = load_run(tmp_path)
+    h = run.manifests[0]["sampler"]
+    assert h["rows_lost"] >= 100
+    # every row the telemetry process sampled was either stored or counted as lost, none twice
+    assert run.samples.num_rows + h["rows_lost"] == h["samples"]
+    t = run.samples.column("t_mono_ns").to_numpy()
     assert (np.diff(t) > 0).all()
 
 
-def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks():
-    s = ProcessSampler("synthetic", [0], {"activity": "auto"}, hz=200)
-    s.start()
-    end = time.perf_counter() + 0.5
-    while time.perf_counter() < end:  # this process busy: the child sees it in /proc/<ppid>/stat
-        pass
-    t_busy = time.monotonic_ns()
-    time.sleep(0.5)
-    t_idle = time.monotonic_ns()
-    s.activity_publisher()(0.5)  # what the session has MarkActivity do when a mark changes the level
-    time.sleep(0.1)
-    s.stop()
-    rows = s.take_rows()
-    util = np.array([_value(r[4], "util_gpu_pct") for r in rows])
-    t = np.array([r[0] for r in rows])
-    busy = util[(t > t_busy - 300_000_000) & (t < t_busy)]
+def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks(tmp_path):
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, sampler="process", backend_options={"activity": "auto"},
+        handle_signals=False,
+    ) as tel:  # fmt: skip
+        end = time.perf_counter() + 0.8
+        while time.perf_counter() < end - 0.5:  # this process busy: the child sees it in /proc/<ppid>/stat
+            pass
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        while time.perf_counter() < end:
+            pass
+        share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)  # < 1 on a loaded machine
+        t_busy = time.monotonic_ns()
+        time.sleep(0.5)
+        t_idle = time.monotonic_ns()
+        with tel.windows.window("step", step=0), tel.windows.window("phase", "optimizer", step=0):
+            time.sleep(0.1)  # the optimizer's level: 0.5 (devices/synthetic.py), published to the child
+            t_opt = time.monotonic_ns()
+    rows = _rows(load_run(tmp_path).samples)
+    util = np.array([r["util_gpu_pct"] for r in rows])
+    t = np.array([r["t_mono_ns"] for r in rows])
+    busy = util[(t > t_busy - 400_000_000) & (t < t_busy)]
     idle = util[(t > t_idle - 200_000_000) & (t < t_idle)]
-    assert np.median(busy) > 40 and np.median(idle) < 20
-    assert util[-5:].tolist() == [50.0] * 5
+    # The model follows the CPU share this process got (a full core when the machine is quiet).
+    assert np.median(busy) > max(15.0, 50.0 * share) and np.median(idle) < 10
+    marked = util[(t > t_opt - 50_000_000) & (t < t_opt)]
+    assert len(marked) >= 3 and set(marked.tolist()) == {50.0}
 
 
-def test_the_sampling_process_exits_and_unlinks_its_block_when_the_parent_is_killed():
+def test_the_telemetry_process_exits_and_unlinks_its_block_when_the_parent_is_killed(tmp_path):
     code = (
-        "import time\n"
-        "from charllm_nemo.telemetry.process.parent import ProcessSampler\n"
-        "s = ProcessSampler('synthetic', [0], {'activity': 1.0}, hz=1000)\n"
-        "s.start()\n"
-        "print(s.pid, s.shm_name, s.running, flush=True)\n"
+        "import sys, time\n"
+        "from charllm_nemo.telemetry.session import TelemetrySession\n"
+        "tel = TelemetrySession(sys.argv[1], backend='synthetic', hz=1000, sampler='process',\n"
+        "                       handle_signals=False).start()\n"
+        "print(tel.sampler.pid, tel.sampler.shm_name, tel.sampler.running, flush=True)\n"
         "time.sleep(60)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "run"
+    parent = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         pid_s, name, running = parent.stdout.readline().split()
@@ -248,11 +279,12 @@ def test_the_sampling_process_exits_and_unlinks_its_block_when_the_parent_is_kil
         assert running == "True" and not _gone(child) and (SHM / name).exists()
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        assert _wait_until(lambda: _gone(child), 3.0), "the sampling process outlived its parent"
+        assert _wait_until(lambda: _gone(child), 5.0), "the telemetry process outlived its parent"
         assert _wait_until(lambda: not (SHM / name).exists(), 1.0), "shared memory left in /dev/shm"
     finally:
         if parent.poll() is None:
             parent.kill()
+    assert load_run(out).manifests[0]["status"] == "killed"  # it stored what it had, and said so
 
 
 def _dead_pid() -> int:
@@ -285,18 +317,29 @@ def test_blocks_of_runs_killed_whole_are_swept_and_every_other_block_is_kept():
             shm.unlink(name)
 
 
-def test_a_crashed_sampling_process_is_reported_and_its_block_still_unlinked():
-    s = ProcessSampler("synthetic", [0], {"activity": 1.0}, hz=500)
-    s.start()
-    time.sleep(0.1)
-    name, child = s.shm_name, s.pid
-    assert name is not None and child is not None
-    os.kill(child, signal.SIGKILL)
-    assert _wait_until(lambda: not s.running, 2.0)
-    assert s.health.stop_reason == "sampling process exited unexpectedly (exit code -9)"
-    assert len(s.take_rows()) > 10  # what it wrote before it died is still there
-    s.stop()
+def test_a_crashed_telemetry_process_is_reported_and_its_block_still_unlinked(tmp_path):
+    with TelemetrySession(
+        tmp_path, backend="synthetic", hz=500, sampler="process", backend_options={"activity": 1.0},
+        handle_signals=False,
+    ) as tel:  # fmt: skip
+        time.sleep(0.1)
+        s = tel.sampler
+        name, child = s.shm_name, s.pid
+        assert name is not None and child is not None
+        os.kill(child, signal.SIGKILL)
+        assert _wait_until(lambda: not s.running, 2.0)
+        assert s.health.stop_reason == "sampling process exited unexpectedly (exit code -9)"
+        assert len(tel.live_rows()) > 10  # what it wrote before it died is still there
     assert not (SHM / name).exists() and s.shm_name is None
+
+
+def test_a_telemetry_process_needs_its_whole_store(tmp_path):
+    # There is no mode without a store (the rows go to the rank's segments, never back here).
+    with pytest.raises(ConfigError, match=r"store lacks \['flush_interval_s', 'live_window_s'\]"):
+        ProcessSampler("synthetic", [0], store={"rank_dir": tmp_path})
+    with pytest.raises(TypeError, match="store"):
+        ProcessSampler("synthetic", [0])  # type: ignore[call-arg]
+    assert not any(tmp_path.iterdir()) and not list(SHM.glob(f"charllm-sampler-{os.getpid()}-*"))
 
 
 def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_path, monkeypatch):

@@ -1,0 +1,42 @@
+"""Drop-in telemetry for training frameworks, on the step-telemetry API (charllm_nemo.steps).
+
+The public API (what a user imports from here; docs/integrations.md says how to wire each):
+
+* :class:`PowerThermalCallback` (nemo.py): NeMo 2 / Lightning callback (needs lightning).
+* :class:`PowerThermalBridgeCallback` (bridge.py): Megatron-Bridge callback.
+* :class:`MegatronLMTelemetry`, :class:`StepBoundaryTimers` (megatron_lm.py): Megatron-LM
+  ``pretrain_gpt.py``-style loops, without patching Megatron-LM.
+* :class:`IntegrationOptions`, :func:`open_step_telemetry` (_common.py): the plain-value options
+  every integration takes (sampling rate in Hz, where to log) and the call that opens a rank's
+  :class:`~charllm_nemo.steps.StepTelemetry` from them.
+
+Imported lazily: ``import charllm_nemo.integrations`` imports none of lightning, torch, megatron
+or wandb; each name imports its module (and its framework) when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "PowerThermalCallback": "nemo",
+    "PowerThermalBridgeCallback": "bridge",
+    "MegatronLMTelemetry": "megatron_lm",
+    "StepBoundaryTimers": "megatron_lm",
+    "IntegrationOptions": "_common",
+    "open_step_telemetry": "_common",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -5,7 +5,7 @@ Backend object, a process that does not start): a Python thread shares the GIL w
 training thread, which can hold it for up to the interpreter's switch interval (5 ms).
 bench/bench_sampler.py (figures in docs/benchmarks.md) shows the thread meeting 100 % of its
 deadlines at 100 Hz with a core free, but only ~55 % at 1 kHz when the main thread runs Python,
-while the same loop in its own process meets 99.6-99.9 %
+while the same loop in the telemetry process meets 98.7-99.4 %
 (:mod:`charllm_nemo.telemetry.process.parent`). Both run the one deadline loop in
 :mod:`charllm_nemo.telemetry.sample_loop`.
 

@@ -4,16 +4,17 @@ Started by :class:`~charllm_nemo.telemetry.process.parent.ProcessSampler` as a f
 interpreter (``sys.executable -c``), it gets its configuration on stdin, attaches the shared
 block (telemetry/process/ring.py), opens the backend by name and runs the sampling loop
 (:func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`) on its main thread, writing rows
-into the sample ring. With a store configured (a telemetry session's process) a second thread
-runs a :class:`~charllm_nemo.telemetry.process.collector.Collector`: it takes the samples and the
+into the sample ring. A second thread runs a
+:class:`~charllm_nemo.telemetry.process.collector.Collector`: it takes the samples and the
 training process's window records, answers figure requests, and writes the Parquet segments.
 The collector sleeps until it has work: the sampling loop wakes it after a slot when the
 training process wrote records or the samples reached the time its figure requests can be
 answered (``Collector.has_work``), and its own timeout wakes it when a flush is due. An idle
-training process costs the collector one wake-up per flush, not one per tick. A bare sampler
-(no store) imports neither numpy nor pyarrow, and samples ~50-75
-ms after it is started; with a store, numpy, pyarrow and the Parquet writer's warm-up come first
-(a few hundred ms, before the first sample, so that they never stall the sampling loop).
+training process costs the collector one wake-up per flush, not one per tick. The sampling
+loop's own imports are light (no torch, numpy or pyarrow; ~50-75 ms from start to a first
+sample without the collector); numpy, pyarrow and the Parquet writer's warm-up for the collector
+come first (a few hundred ms, before the first sample, so that they never stall the sampling
+loop).
 
 The two threads share this process's GIL, not the training process's. The switch interval is
 set to :data:`SWITCH_INTERVAL_S` so that a collector busy in Python hands the GIL back to the
@@ -21,8 +22,8 @@ sampling loop within a fraction of a 1 kHz period.
 
 Lifetime: it stops when told (stop request + its stdin closed, which also wakes it from its
 sleep), when the training process dies (EOF on stdin, or ``os.getppid()`` changing: checked
-every slot) or, for a bare sampler, when no device is left (with a store, it keeps storing the
-training process's windows, without samples, until one of the other two). Whichever it is, the
+every slot); when no device is left it stops sampling but keeps storing the training
+process's windows, without samples, until one of the other two. Whichever it is, the
 collector takes everything left, answers every request and flushes. When the training process
 died, it also marks that rank's manifest ``killed`` (what was marked before the death is on
 disk: nothing is lost but the windows still open) and unlinks the block itself.
@@ -184,8 +185,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
 
     def should_stop() -> bool:
         publish()
-        if service is not None:
-            service.nudge()
+        service.nudge()
         if q[H_STOP] or stdin_readable[0]:
             if not q[H_STOP]:
                 parent_gone[0] = True  # EOF without a stop request: the parent died
@@ -204,10 +204,8 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
     # Counter slots (sample_loop): every n-th where a device reads its counters apart (NVML).
     every = effective_counter_every(backend.devices, int(config.get("counter_every", 1)))
     config["figures_period_ns"] = figures_period_ns(health.hz, every)
-    service: _Service | None = None
-    if config.get("store") is not None:
-        service = _Service(block, config, backend.devices)
-        service.start()
+    service = _Service(block, config, backend.devices)
+    service.start()
     q[H_STATE] = RUNNING
     try:
         run_sample_loop(
@@ -220,26 +218,23 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
             on_slot=functools.partial(q.__setitem__, H_SLOT_T),
             counter_every=every,
         )
-        if service is not None:
-            # No device left (lost; a backend that failed): the training goes on marking windows,
-            # and they are the user's. The collector keeps storing them (with no samples, which
-            # the attribution flags) until the stop, as thread mode's flusher does; ending here
-            # would leave every later window in the mark ring, never stored.
-            while not should_stop():
-                sleep(MAX_SLEEP_S)
+        # No device left (lost; a backend that failed): the training goes on marking windows,
+        # and they are the user's. The collector keeps storing them (with no samples, which
+        # the attribution flags) until the stop, as thread mode's flusher does; ending here
+        # would leave every later window in the mark ring, never stored.
+        while not should_stop():
+            sleep(MAX_SLEEP_S)
     finally:
         publish()
-        if service is not None:
-            service.drain_buffers()  # the driver's samples up to now, while the devices are open
+        service.drain_buffers()  # the driver's samples up to now, while the devices are open
         try:
             backend.close()
         except Exception:
             log.exception("backend close failed")
-        if service is not None:
-            service.finish(parent_gone[0], health)
+        service.finish(parent_gone[0], health)
     if writer.bad_values:
         log.error("%d metric value(s) did not fit their column and were recorded as null", writer.bad_values)
-    store_error = f" ({service.error})" if service is not None and service.error else ""
+    store_error = f" ({service.error})" if service.error else ""
     if parent_gone[0]:
         log.warning("the training process is gone: sampling stopped, everything taken was flushed")
         return STOPPED, "parent exited" + store_error

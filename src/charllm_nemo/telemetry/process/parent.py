@@ -4,17 +4,21 @@ Why a process. A thread sampler shares the GIL with the training thread: each sa
 flush makes the training thread wait for the GIL, and when that thread runs Python the sampler
 waits up to the switch interval (5 ms), five periods at 1 kHz. bench/bench_sampler.py part b
 measures it (docs/benchmarks.md): with a core free the thread meets ~55 % of its deadlines at
-1 kHz where a process meets 99.6-99.9 %; bench/bench_train_telemetry.py measures what training
+1 kHz where the telemetry process meets 98.7-99.4 % (with its collector storing beside the
+sampling loop; 99.4-99.9 % without); bench/bench_train_telemetry.py measures what training
 pays. So a session samples, stores and computes its live figures in a **telemetry process**
 (telemetry/process/child.py), and the training process only writes window records into
 shared memory and reads figures back (``telemetry.sampler=auto`` or ``process``; ``thread``
 keeps everything in the training process).
 
-:class:`ProcessSampler` has the interface of :class:`~charllm_nemo.telemetry.sampler.Sampler`
-(``start``, ``stop``, ``health``, ``take_rows`` ...). Without ``store`` it is a bare sampler:
-the training process takes the rows from the ring. With ``store`` (what a session passes) the
-telemetry process writes the segments itself, and this class adds the mark ring
-(:attr:`ProcessSampler.marks`, the WindowRecorder's sink), figure requests and the store's counts.
+:class:`ProcessSampler` is the process engine's handle (telemetry/process/engine.py): ``start``,
+``stop``, ``health`` as a :class:`~charllm_nemo.telemetry.sampler.Sampler` has them; the
+telemetry process writes the rank's segments itself (``store``), and this class adds the mark
+ring (:attr:`ProcessSampler.marks`, the WindowRecorder's sink), figure requests, the store's
+counts and a copy of what the sample ring holds for live figures (:meth:`ProcessSampler.peek_rows`).
+There is no mode without a store: the rows never come back to the training process but for
+live figures (a bare mode that handed them over was used only by tests and a benchmark, and was
+removed; docs/architecture.md).
 The shared block's layout and ordering rules are in telemetry/process/ring.py. CLOCK_MONOTONIC is
 system-wide, so the child's timestamps join with the parent's window marks as a thread's do.
 
@@ -22,8 +26,9 @@ Start: a fresh interpreter (``sys.executable -c ...``: fork + exec, never a bare
 unsafe once CUDA or torch threads exist). Not ``multiprocessing``'s spawn context: it re-imports
 the parent's ``__main__`` module in the child, and a training script's ``import torch`` would
 run there. The child imports the package's light modules and the backend's library before it
-samples (no torch, numpy or pyarrow); start-up until it samples (spawn + imports + backend open)
-is ~50 ms synthetic, ~75 ms NVML here (``ProcessSampler.startup`` has the parts).
+samples (no torch), then numpy, pyarrow and a warm-up of the Parquet writer for its collector
+(telemetry/process/child.py); ``ProcessSampler.startup`` has the parts of the start-up, until it
+samples (docs/benchmarks.md, part b, has the figures).
 
 Lifetime: see telemetry/process/child.py. The parent unlinks the block on ``stop()`` and at
 exit, also when the child crashed; a child whose parent died unlinks it itself. Only when both
@@ -94,7 +99,7 @@ FIGURE_SLOTS = 64  # figure requests answered and not yet read
 
 
 class ProcessSampler:
-    """Samples in a separate process at ``hz``; the interface of :class:`Sampler`.
+    """Samples and stores in a separate process at ``hz`` (the telemetry process).
 
     ``backend``, ``devices`` (host indices, None = all) and ``backend_options`` are what the
     child passes to :func:`~charllm_nemo.devices.factory.open_backend`; the options must be
@@ -102,9 +107,9 @@ class ProcessSampler:
     :meth:`activity_publisher` (the session hands it to the device's mark listener, which calls
     it whenever a window mark changes the level; ``auto`` = the training process's CPU use until
     the first mark) and ``cpu`` is the training process's CPU use. ``capacity``: ring rows
-    (default: 16 s at ``hz`` for every device, at least 4096). ``store``: ``rank_dir``,
-    ``flush_interval_s``, ``live_window_s``: the child writes that rank's segments and answers
-    figure requests (see the module doc). ``nice``: the child's nice value (:data:`DEFAULT_NICE`).
+    (default: 16 s at ``hz`` for every device, at least 4096). ``store`` (required): ``rank_dir``,
+    ``flush_interval_s`` (s), ``live_window_s`` (s): the child writes that rank's segments and
+    answers figure requests (see the module doc). ``nice``: the child's nice value (:data:`DEFAULT_NICE`).
     ``collector_sched``: ``idle`` or ``normal``, its collector thread's policy
     (:data:`DEFAULT_COLLECTOR_SCHED`; ``auto`` is resolved by :func:`resolve_collector_sched`).
     ``counter_hz``: as for :class:`~charllm_nemo.telemetry.sampler.Sampler`.
@@ -121,7 +126,7 @@ class ProcessSampler:
         source: str | None = None,
         *,
         capacity: int | None = None,
-        store: dict[str, Any] | None = None,
+        store: dict[str, Any],
         nice: int = DEFAULT_NICE,
         collector_sched: str = "normal",
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
@@ -140,19 +145,17 @@ class ProcessSampler:
         capacity = capacity or max(MIN_CAPACITY, math.ceil(RING_SECONDS * self.hz * max(1, n_dev)))
         if capacity < 2:
             raise ConfigError(f"ProcessSampler capacity={capacity} must be >= 2 rows")
-        self.store = (
-            None if store is None else {**store, "rank_dir": str(store["rank_dir"]), "source": self.source}
+        missing = {"rank_dir", "flush_interval_s", "live_window_s"} - set(store)
+        if missing:
+            raise ConfigError(f"ProcessSampler store lacks {sorted(missing)}; pass every one of them")
+        self.store = {**store, "rank_dir": str(store["rank_dir"]), "source": self.source}
+        self.layout = Layout(
+            capacity,
+            mark_capacity=MARK_CAPACITY,
+            fig_slots=FIGURE_SLOTS,
+            n_devices=max(1, n_dev),
+            n_fig_columns=len(mark_ring.figure_columns()),
         )
-        if self.store is None:
-            self.layout = Layout(capacity)
-        else:
-            self.layout = Layout(
-                capacity,
-                mark_capacity=MARK_CAPACITY,
-                fig_slots=FIGURE_SLOTS,
-                n_devices=max(1, n_dev),
-                n_fig_columns=len(mark_ring.figure_columns()),
-            )
         self.capacity = capacity
         plan = process_plan(backend, dict(backend_options or {}))
         self._options, self._shared_activity, self._observe_parent = (
@@ -174,13 +177,9 @@ class ProcessSampler:
         self.marks: MarkWriter | None = None
         # The record codes' strings (the session's WindowRecorder name table), for a salvage.
         self.names: list[str] | None = None
-        self._read_idx = 0
-        self._rows_lost = 0
         self._startup_ns = 0
         self._stopped = False
-        self._tail: list[Row] = []
         self._final: SamplerHealth | None = None
-        self._final_last_t = 0
         self._final_store: dict[str, Any] | None = None
         self._start_error: str | None = None
         self._owner_pid = 0
@@ -211,8 +210,7 @@ class ProcessSampler:
             self._stopped = True
             return
         self._block, self._name = block, name
-        if self.store is not None:
-            self.marks = MarkWriter(block)
+        self.marks = MarkWriter(block)
         config = {
             "shm_name": name,
             "layout": asdict(self.layout),
@@ -283,9 +281,9 @@ class ProcessSampler:
             )
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Stop the child (within ``timeout_s``, then SIGKILL; default 2 s, 30 s with a store:
-        it flushes last), keep what it left for :meth:`take_rows` / :meth:`store_counts`, and
-        unlink the block. Idempotent. A no-op in a process forked from the one that started it
+        """Stop the child (within ``timeout_s`` s, then SIGKILL; default 30 s: it flushes last),
+        keep its health and :meth:`store_counts`, salvage what it did not store, and unlink the
+        block. Idempotent. A no-op in a process forked from the one that started it
         (its atexit must not stop the parent's sampler)."""
         if self._owner_pid and os.getpid() != self._owner_pid:
             return
@@ -294,7 +292,7 @@ class ProcessSampler:
                 return
             self._stopped = True
         if timeout_s is None:
-            timeout_s = 2.0 if self.store is None else 30.0
+            timeout_s = 30.0
         proc, block = self._proc, self._block
         if block is not None:
             block.q[H_STOP] = 1
@@ -313,16 +311,13 @@ class ProcessSampler:
                     proc.wait(1.0)
         with self._lock:
             if self._block is not None:
-                if self.store is None:
-                    self._tail.extend(self._read(advance=True))
                 self._final = self._snapshot()
-                self._final_last_t = self._last_t_locked()
                 self._final_store = self._store_counts_locked()
                 q = self._block.q
                 # Records marked after the telemetry process's last take (it finished early) are
                 # the user's windows too: stored here, never dropped uncounted.
                 left = q[shm.H_MARK_WRITE] > q[shm.H_MARKS_FLUSHED]
-                if self.store is not None and (not self._final_store["done"] or left):
+                if not self._final_store["done"] or left:
                     self._salvage()
             self._release()
         atexit.unregister(self._atexit)
@@ -331,7 +326,7 @@ class ProcessSampler:
         """The telemetry process died or could not store: write what the rings still hold that
         it had not written (the last 16 s of samples at most, every window record not yet
         stored), from this process, numbering segments on from where it stopped."""
-        assert self._block is not None and self.store is not None and self._final_store is not None
+        assert self._block is not None and self._final_store is not None
         names = self.names
         if names is None:
             return
@@ -355,7 +350,7 @@ class ProcessSampler:
         )
 
     def _atexit(self) -> None:
-        self.stop(1.0 if self.store is None else 10.0)
+        self.stop(10.0)
 
     def _release(self) -> None:
         block, self._block = self._block, None
@@ -397,7 +392,7 @@ class ProcessSampler:
             raise RuntimeError("activity_publisher() before start() or after stop()")
         return functools.partial(block.d.__setitem__, D_ACTIVITY)
 
-    # -- live figures (store mode) ----------------------------------------------------------
+    # -- live figures -----------------------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:
         """The answer to figure request ``seq`` (see mark_ring.read_figures), or None."""
         block = self._block
@@ -408,7 +403,7 @@ class ProcessSampler:
         except ValueError:  # released by a concurrent stop()
             return None
 
-    # -- the store's counts (store mode) ------------------------------------------------------
+    # -- the store's counts -------------------------------------------------------------------
     def store_counts(self) -> dict[str, Any]:
         """The telemetry process's store as of now (after stop: as it left it): segments, rows,
         bytes, flushes, whether it finished (``done``) and what it could not do."""
@@ -419,7 +414,7 @@ class ProcessSampler:
 
     def _store_counts_locked(self) -> dict[str, Any]:
         block = self._block
-        if block is None or self.store is None:
+        if block is None:
             return {}
         q = block.q
         return {
@@ -454,33 +449,14 @@ class ProcessSampler:
             return bool(self._final_store and self._final_store.get("disk_full"))
         return bool(block.q[shm.H_DISK_FULL])
 
-    # -- data (bare mode) -------------------------------------------------------------------
-    def take_rows(self) -> list[Row]:
-        """Hand over the rows sampled since the last call (a bare sampler's owner calls this)."""
-        with self._lock:
-            if self._block is None:
-                rows, self._tail = self._tail, []
-                return rows
-            return self._read(advance=True)
-
+    # -- the sample ring, for live figures ---------------------------------------------------
     def peek_rows(self) -> list[Row]:
-        """A copy of the rows not yet taken (for live figures); the rows stay queued."""
+        """A copy of the rows the sample ring holds now (up to its capacity, the oldest first;
+        empty after stop); the telemetry process's collector takes them as before."""
         with self._lock:
             if self._block is None:
-                return list(self._tail)
-            return self._read(advance=False)
-
-    @property
-    def last_t_mono_ns(self) -> int:
-        """``t_mono_ns`` of the newest row the child has published (0 before the first)."""
-        with self._lock:
-            if self._block is None:
-                return self._final_last_t
-            return self._last_t_locked()
-
-    def _last_t_locked(self) -> int:
-        assert self._block is not None
-        return shm.newest_t(self._block)
+                return []
+            return self._read()
 
     @property
     def health(self) -> SamplerHealth:
@@ -491,7 +467,7 @@ class ProcessSampler:
             return self._snapshot()
 
     def _snapshot(self) -> SamplerHealth:
-        h = SamplerHealth(hz=self.hz, rows_lost=self._rows_lost, startup_ns=self._startup_ns)
+        h = SamplerHealth(hz=self.hz, startup_ns=self._startup_ns)
         block = self._block
         if block is None:
             h.stop_reason = self._start_error
@@ -501,8 +477,7 @@ class ProcessSampler:
             setattr(h, field, q[shm.H_HEALTH + i])
         h.counter_every = max(1, h.counter_every)  # 0 until the child's loop has begun
         h.nulls = [q[shm.H_NULLS0 + i] for i in range(len(h.nulls))]
-        if self.store is not None:
-            h.rows_lost += q[shm.H_ROWS_LOST]
+        h.rows_lost = q[shm.H_ROWS_LOST]  # rows the collector was lapped by, never stored
         state = q[H_STATE]
         if state in (STOPPED, FAILED):
             h.stop_reason = block.message()
@@ -513,20 +488,17 @@ class ProcessSampler:
             h.stop_reason = self._start_error
         return h
 
-    def _read(self, advance: bool) -> list[Row]:
-        """Rows between the read index and the write counter (called under the lock)."""
+    def _read(self) -> list[Row]:
+        """The rows in the ring now, oldest first (called under the lock)."""
         block = self._block
         assert block is not None
-        first, end, lost = shm.ring_span(block, self._read_idx)
+        first, end, _ = shm.ring_span(block, 0)
         rows, ok = shm.copy_rows(block, first, end)
         keep = shm.still_valid(block, first, len(rows))
         lapped = len(rows) - keep  # overwritten while copied: the oldest
         # Rows whose check word does not match are not visible whole yet (the newest, on a weakly
-        # ordered CPU): this read stops before the first, the next one takes it.
+        # ordered CPU): this read stops before the first, the next one will have it.
         whole = next((k for k in range(lapped, len(rows)) if not ok[k]), len(rows))
-        if advance:
-            self._rows_lost += lost + lapped
-            self._read_idx = first + whole
         return rows[lapped:whole]
 
 

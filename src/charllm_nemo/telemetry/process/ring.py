@@ -28,11 +28,10 @@ hand-over is a pthread mutex / condition variable, and POSIX (Base Definitions 4
 Synchronization") makes mutex lock and unlock synchronize memory. So a row's stores happen
 before the collector's loads of any counter that covers it, on x86-64 and aarch64 alike; the
 row order within one thread is program order. The training process reads the ring too (a
-session's ``live_rows``, a bare sampler's ``take_rows``: parent.py): there no lock orders
-anything, so each row carries a check word, written with it, that the reader recomputes from
-its copy (:func:`copy_rows`), taking a row only if they match, as mark_ring.py's module doc
-explains; ``last_t_mono_ns`` reads one word (the newest row's time: a stale value is an older
-time, which only makes its caller wait a little longer). The header's statistics (health, store counts)
+session's ``live_rows``: parent.py's ``peek_rows``): there no lock orders anything, so each row
+carries a check word, written with it, that the reader recomputes from its copy
+(:func:`copy_rows`), taking a row only if they match, as mark_ring.py's module doc explains.
+The header's statistics (health, store counts)
 are single aligned 8-byte words read by the other process as single values: CPython's
 memoryview reads and writes an int64 / float64 item with a fixed-size 8-byte memcpy, which
 compilers emit as one ``mov`` / ``ldr`` / ``str``, single-copy atomic for aligned 8-byte
@@ -130,7 +129,7 @@ NAMES_SIZE = 16 * 1024
 
 # H_STATE: the sampling loop.
 STARTING, RUNNING, STOPPED, FAILED = 0, 1, 2, 3
-# H_SVC_STATE: the store and figures service (0: the block has none: a bare sampler).
+# H_SVC_STATE: the store and figures service (0: not started yet).
 SVC_NONE, SVC_STARTING, SVC_RUNNING, SVC_DONE, SVC_FAILED = 0, 1, 2, 3, 4
 
 INT_COLUMNS: tuple[str, ...] = ("t_mono_ns", "t_wall_ns", "read_ns", "device_index", *INT_METRICS)
