@@ -10,7 +10,18 @@ import sys
 
 import pytest
 
-PACKAGES = ("analysis", "devices", "integrations", "metrics", "sinks", "steps", "sweep", "telemetry", "train")
+PACKAGES = (
+    "alerts",
+    "analysis",
+    "devices",
+    "integrations",
+    "metrics",
+    "sinks",
+    "steps",
+    "sweep",
+    "telemetry",
+    "train",
+)
 HEAVY = ("torch", "megatron", "lightning", "wandb", "hydra", "nemo", "duckdb", "matplotlib")
 
 # Names whose module needs an optional framework that may not be installed here.
