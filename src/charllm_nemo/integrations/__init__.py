@@ -16,8 +16,9 @@ or wandb; each name imports its module (and its framework) when first used.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from charllm_nemo._exports import lazy_attribute
 
 _WHERE = {
     "PowerThermalCallback": "nemo",
@@ -32,10 +33,7 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return lazy_attribute(__name__, _WHERE, name)
 
 
 def __dir__() -> list[str]:

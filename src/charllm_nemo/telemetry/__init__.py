@@ -23,8 +23,9 @@ imports its light modules from here before numpy or pyarrow).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from charllm_nemo._exports import lazy_attribute
 
 _WHERE = {
     "TelemetrySession": "session",
@@ -47,7 +48,4 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'charllm_nemo.telemetry' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"charllm_nemo.telemetry.{module}"), name)
+    return lazy_attribute(__name__, _WHERE, name)
