@@ -9,6 +9,13 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh test,megatron,sweep,analysis
 scripts/setup-nemo.sh
 export CHARLLM_REQUIRE_NEMO=1
+# Megatron-Bridge's wheel for tests/integrations/test_bridge.py, which reads its callbacks.py
+# (Bridge itself needs Python >= 3.12 and CUDA): fetched here, at set-up, never by a test.
+BRIDGE_VERSION=0.6.2  # = BRIDGE_VERSION in tests/integrations/test_bridge.py
+if ! ls .cache/megatron-bridge/megatron_bridge-"$BRIDGE_VERSION"-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download --no-deps --quiet --python-version 3.12 --only-binary=:all: \
+    "megatron-bridge==$BRIDGE_VERSION" -d .cache/megatron-bridge
+fi
 NEMO_TESTS=tests/integrations/test_nemo_callback.py
 . .venv/bin/activate
 

@@ -1,15 +1,14 @@
 """PowerThermalBridgeCallback by contract: Megatron-Bridge 0.6's own ``callbacks.py`` (from its
-wheel, fetched with ``pip download --no-deps`` into ``.cache/megatron-bridge``; nothing of it is
-stubbed, it imports only the standard library at run time) registers the callback and fires its
-events around megatron-core's real schedules driven as Bridge's ``train_step`` drives them
-(tests/integrations/_mcore_loops.py). Bridge itself cannot run here: it needs Python >= 3.12,
-megatron-core >= 0.18 and CUDA (bench/gpu_check.py runs its real ``pretrain`` on a GPU)."""
+wheel, which scripts/test.sh fetches with ``pip download --no-deps`` into
+``.cache/megatron-bridge``; nothing of it is stubbed, it imports only the standard library at
+run time) registers the callback and fires its events around megatron-core's real schedules
+driven as Bridge's ``train_step`` drives them (tests/integrations/_mcore_loops.py). Bridge itself
+cannot run here: it needs Python >= 3.12, megatron-core >= 0.18 and CUDA (bench/gpu_check.py
+runs its real ``pretrain`` on a GPU)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -26,30 +25,19 @@ CALLBACKS = "megatron/bridge/training/callbacks.py"
 
 
 def bridge_callbacks_py() -> Path:
-    """Bridge's callbacks.py from its wheel, downloaded once into the repository's .cache."""
+    """Bridge's callbacks.py, from its wheel in the repository's .cache (scripts/test.sh downloads
+    it at set-up: a test fetches nothing)."""
     cache = Path(os.environ.get("CHARLLM_CACHE", REPO / ".cache")) / "megatron-bridge"
     target = cache / BRIDGE_VERSION / CALLBACKS
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--quiet",
-        "--python-version",
-        "3.12",
-        "--only-binary=:all:",
-        f"megatron-bridge=={BRIDGE_VERSION}",
-        "-d",
-        str(cache),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     wheels = sorted(cache.glob(f"megatron_bridge-{BRIDGE_VERSION}-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        require_or_skip(f"pip download megatron-bridge=={BRIDGE_VERSION} failed: {proc.stderr[-500:]}")
+    if not wheels:
+        require_or_skip(
+            f"no megatron-bridge {BRIDGE_VERSION} wheel in {cache}; scripts/test.sh downloads it "
+            f"(pip download --no-deps --python-version 3.12 --only-binary=:all: "
+            f"megatron-bridge=={BRIDGE_VERSION} -d {cache})"
+        )
     with zipfile.ZipFile(wheels[-1]) as zf:
         zf.extract(CALLBACKS, cache / BRIDGE_VERSION)
     return target
