@@ -10,28 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
-from typing import Any
 
 from charllm_nemo.telemetry.windows import WindowRecorder
-from charllm_nemo.train import config as C
+from charllm_nemo.train.config_io import load_train_config
 from charllm_nemo.train.loop import run_rank
 
 
-def config_from_dict(d: dict[str, Any]) -> C.TrainConfig:
-    parts = {}
-    for f in fields(C.TrainConfig):
-        value = d.get(f.name)
-        if f.name == "extra" or value is None:
-            continue
-        sub_cls = type(getattr(C.TrainConfig(), f.name))
-        parts[f.name] = sub_cls(**value)
-    return C.TrainConfig(**parts)
-
-
 def main(config_path: str, out_path: str) -> None:
-    with open(config_path) as fh:
-        cfg = config_from_dict(json.load(fh))
+    cfg = load_train_config(config_path)  # as a launched rank reads its config (nested fields too)
     recorder = None if cfg.telemetry.enabled else WindowRecorder()
     result = run_rank(cfg, recorder=recorder)
     out = result.to_dict()
