@@ -127,6 +127,30 @@ def part_b(ranks: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def part_c(ranks: int, steps: int, gap_s: float) -> tuple[float, int]:
+    """µs per step that the alert observer costs the training thread over ``ranks`` ranks (its
+    ``on_step``: a queue put; the detector runs on the observer's thread), steps ``gap_s``
+    apart, and how many steps its thread dropped."""
+    from charllm_nemo.alerts import AlertsConfig, alert_observer
+    from charllm_nemo.steps.report import StepReport, apply_rank_figures, pack_rank_vector
+
+    obs = alert_observer(AlertsConfig(warmup_steps=0, console=False, file=False))
+    assert obs is not None
+    obs.on_rank_info([{"rank": r, "host": f"node{r // 8}", "power_limit_w": 700.0} for r in range(ranks)])
+    figures = {"duration_s": 0.1, "power_avg_w": 600.0, "temp_gpu_peak_c": 70.0, "clock_sm_avg_mhz": 1900}
+    rows = [pack_rank_vector(step_time_s=0.1, figures=figures, timing=(0.1, 0.03, 0.05, 0.01, 0, 0))] * ranks
+    times = []
+    for step in range(steps):
+        rep = StepReport(step=step, loss=1.0, step_time_s=0.1)
+        apply_rank_figures(rep, rows)
+        c0 = time.thread_time_ns()
+        obs.on_step(rep)
+        times.append((time.thread_time_ns() - c0) / 1e3)
+        time.sleep(gap_s)
+    obs.close("complete")
+    return statistics.median(times), obs.dropped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per arm")
@@ -147,7 +171,17 @@ def main() -> None:
     print("b. the detector alone (rank 0, per step, steady state: nothing fires)")
     for n, us in b.items():
         print(f"   {n:5d} ranks {us:9.1f} us   = {100 * us / 1e6:.3f} % of a 1 s step")
-    print("BENCH_JSON " + json.dumps({"a": a, "b": {str(k): v for k, v in b.items()}}))
+    c = {n: part_c(n, 100, 0.03) for n in args.ranks}
+    print(
+        "c. the alert observer's on_step on the training thread (the detector on its own thread), "
+        "steps 30 ms apart"
+    )
+    for n, (us, dropped) in c.items():
+        print(f"   {n:5d} ranks {us:9.1f} us   ({dropped} step(s) dropped by the alert thread)")
+    print(
+        "BENCH_JSON "
+        + json.dumps({"a": a, "b": {str(k): v for k, v in b.items()}, "c": {str(k): v for k, v in c.items()}})
+    )
 
 
 if __name__ == "__main__":

@@ -223,3 +223,31 @@ def test_sampler_health_deadlines_nulls_and_a_stop():
     unknown = StepReport(step=9, loss=1.0, step_time_s=0.1)
     apply_rank_figures(unknown, [pack_rank_vector(step_time_s=0.1, figures={"duration_s": 0.1})])
     assert det.check(unknown) == []  # not sent (alerts off on that rank): nothing to judge
+
+
+def test_the_training_thread_only_queues_and_a_thread_behind_drops_and_counts(monkeypatch):
+    import threading
+
+    from charllm_nemo.alerts import observer as observer_module
+
+    monkeypatch.setattr(observer_module, "QUEUE_STEPS", 2)
+    release, checked = threading.Event(), []
+    obs = alert_observer(AlertsConfig(), stream=io.StringIO())
+    assert obs is not None
+
+    def slow_check(report):  # the detector of a large job: far slower than a queue put
+        release.wait(10.0)
+        checked.append(report.step)
+        return []
+
+    obs.detector.check = slow_check  # type: ignore[method-assign]
+    reports = [_report(s, [(0.1, 0.03, 0.05, 0.01), (0.1, 0.03, 0.05, 0.01)]) for s in range(5)]
+    for rep in reports:
+        obs.on_step(rep)  # returns at once although no step has been checked
+    assert checked == []
+    # one report taken by the thread (waiting in check), two queued, the rest dropped and counted
+    assert obs.dropped >= 1 and len(checked) + obs.dropped <= 5
+    release.set()
+    obs.close("complete")
+    assert checked == sorted(checked) and len(checked) + obs.dropped == 5
+    assert obs._thread is not None and not obs._thread.is_alive()
