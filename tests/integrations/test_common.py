@@ -91,3 +91,23 @@ def test_alerts_reach_the_trainer_loggers_and_the_users_function(tmp_path: Path)
     st, _ = open_step_telemetry(off, Placement(), framework="test", sources={"step": "test"})
     st.finish("complete")
     assert not any(isinstance(o, AlertObserver) for o in st.observers) and not st.marker.sum_phases
+
+
+def test_an_alert_from_the_alert_thread_reaches_the_loggers_from_the_training_thread() -> None:
+    import threading
+
+    calls: list[tuple[dict[str, float], int, str]] = []
+    obs = LoggersObserver(lambda m, s: calls.append((m, s, threading.current_thread().name)))
+    alerting = threading.Thread(
+        target=obs.log_alert, args=({"kind": "throttle_onset", "step": 4, "rank": 2},), name="charllm-alerts"
+    )
+    alerting.start()
+    alerting.join()
+    assert calls == []  # not from the alert thread
+    obs.on_step(StepReport(step=5, loss=1.0, step_time_s=0.1))
+    me = threading.current_thread().name
+    assert calls[0] == ({"charllm/alerts/throttle_onset": 2.0}, 4, me)
+    assert calls[1][1] == 5 and calls[1][2] == me
+    obs.log_alert({"kind": "straggler", "step": 6, "rank": None})
+    obs.close("complete")  # what is left goes at close
+    assert calls[-1] == ({"charllm/alerts/straggler": -1.0}, 6, me)

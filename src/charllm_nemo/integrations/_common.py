@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,8 +101,10 @@ class LoggersObserver:
     def __init__(self, log_metrics: Callable[[dict[str, float], int], Any], prefix: str = "charllm/") -> None:
         self._log = log_metrics
         self._prefix = prefix
+        self._alerts: deque[Mapping[str, Any]] = deque()
 
     def on_step(self, report: Any) -> None:
+        self._log_alerts()
         row = report.to_dict()
         metrics = {
             f"{self._prefix}{k}": float(v)
@@ -112,17 +115,24 @@ class LoggersObserver:
             self._log(metrics, int(report.step))
 
     def close(self, status: str) -> None:
-        return None
+        self._log_alerts()
 
     def log_alert(self, alert: Mapping[str, Any]) -> None:
-        """An alert (charllm_nemo.alerts) to the framework's loggers as one scalar,
-        ``<prefix>alerts/<kind>`` = the rank (-1 for none), at the alert's step: with
-        ``log_to="trainer"`` the framework's W&B run gets the alert as a key."""
-        rank = alert.get("rank")
-        self._log(
-            {f"{self._prefix}alerts/{alert.get('kind')}": float(-1 if rank is None else rank)},
-            int(alert["step"]),
-        )
+        """An alert (charllm_nemo.alerts) for the framework's loggers: one scalar,
+        ``<prefix>alerts/<kind>`` = the rank (-1 for none), at the alert's step, so with
+        ``log_to="trainer"`` the framework's W&B run gets the alert as a key. Called on the alert
+        thread; logged from the training thread at the next step (a framework's loggers are
+        the training thread's)."""
+        self._alerts.append(alert)  # deque.append: safe across threads
+
+    def _log_alerts(self) -> None:
+        while self._alerts:
+            alert = self._alerts.popleft()
+            rank = alert.get("rank")
+            self._log(
+                {f"{self._prefix}alerts/{alert.get('kind')}": float(-1 if rank is None else rank)},
+                int(alert["step"]),
+            )
 
 
 def open_step_telemetry(
@@ -178,8 +188,8 @@ def open_step_telemetry(
         if on_alert is not None:
             hooks.append(on_alert)
         alerter = alert_observer(alerts_config or AlertsConfig(), run_dir=out_dir, sink=sink, hooks=hooks)
-        if alerter is not None:
-            obs.append(alerter)
+        if alerter is not None:  # first: closed first, its last queued alerts reach the others open
+            obs.insert(0, alerter)
     try:
         st = StepTelemetry(
             session,

@@ -493,8 +493,8 @@ def _step_telemetry(
         from charllm_nemo.alerts import alert_observer
 
         obs = alert_observer(cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink)
-        if obs is not None:
-            observers.append(obs)
+        if obs is not None:  # first: closed first, its last queued alerts reach the others open
+            observers.insert(0, obs)
     config = bundle.config
     return StepTelemetry(
         session,
