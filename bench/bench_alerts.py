@@ -32,23 +32,9 @@ import tempfile
 import time
 from typing import Any
 
+from bench_step_marks import replay_step  # one step's calls, as mcore's schedule makes them
+
 ARMS = ("off", "on")
-
-
-def replay_step(st: Any, timers: Any, step: int, n_micro: int) -> None:
-    """One step's calls, as Megatron-Core's schedule and the loop make them."""
-    st.begin_step(step)
-    for _ in range(n_micro):
-        for name in ("forward-compute", "backward-compute"):
-            t = timers(name, log_level=2)
-            t.start()
-            t.stop()
-    t = timers("all-grads-sync", log_level=2)
-    t.start()
-    t.stop()
-    with st.phase("optimizer"):
-        pass
-    st.end_step(loss=2.5, num_microbatches=n_micro)
 
 
 def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
