@@ -94,6 +94,7 @@ def test_the_sampler_health_travels_with_phase_times():
         sampler_mode, hz, counter_every, rank, local_rank, world_size = "process", 100.0, 1, 0, 0, 1
         windows = WindowRecorder()
 
+        @property  # as TelemetrySession's
         def health(self):
             h = SamplerHealth(hz=100.0, deadlines_missed=7)
             h.nulls[0] = 2

@@ -466,16 +466,20 @@ class StepTelemetry:
         return rows
 
     def _health(self) -> tuple[float, float, float] | None:
-        """The session's sampler health as HEALTH_FIELDS (a read of the shared block's counters
-        in process mode); None without a session, or where it cannot say."""
-        health = getattr(self.session, "health", None)
-        if health is None:
+        """The session's sampler health (its ``health`` property: a read of the shared block's
+        counters in process mode) as HEALTH_FIELDS; None without a session, or where it cannot say."""
+        if self.session is None:
             return None
         try:
-            h = health()
+            h = self.session.health
             stopped = 1.0 if (h.devices_lost or h.stop_reason) else 0.0
             return float(h.deadlines_missed), float(sum(h.nulls)), stopped
-        except Exception:  # health is a report, never a reason to fail a step
+        except Exception:  # health is a report, never a reason to fail a step; but say so once
+            if not getattr(self, "_health_failed", False):
+                self._health_failed = True
+                log.warning(
+                    "charllm: the sampler's health cannot be read; no sampler_health alerts", exc_info=True
+                )
             return None
 
     def _exchange_rank_info(self) -> None:
