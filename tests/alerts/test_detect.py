@@ -20,7 +20,16 @@ INFOS = [
 
 
 def _rank(
-    step_s=0.1, fwd=0.03, bwd=0.05, opt=0.01, temp=60.0, power=500.0, clock=1980.0, thermal_s=0.0, cap_s=0.0
+    step_s=0.1,
+    fwd=0.03,
+    bwd=0.05,
+    opt=0.01,
+    temp=60.0,
+    power=500.0,
+    clock=1980.0,
+    thermal_s=0.0,
+    cap_s=0.0,
+    pp_wait=0.0,
 ):
     figures = {
         "duration_s": step_s,
@@ -32,7 +41,7 @@ def _rank(
         "throttle_sw_thermal_s": thermal_s,
         "throttle_sw_power_cap_s": cap_s,
     }
-    return pack_rank_vector(step_time_s=step_s, figures=figures, timing=(step_s, fwd, bwd, opt, 0.0, 0.0))
+    return pack_rank_vector(step_time_s=step_s, figures=figures, timing=(step_s, fwd, bwd, opt, pp_wait, 0.0))
 
 
 def _report(step, ranks):
@@ -63,6 +72,12 @@ def test_throttle_onset_names_rank_host_gpu_reason_share_and_cost_then_its_end()
     assert a["compute_cost_vs_own"] == pytest.approx(0.5) and a["cost_vs_fastest"] == pytest.approx(0.5)
     assert a["fastest_rank"] == 0 and a["baseline_step_time_s"] == pytest.approx(0.1)
     assert a["clock_sm_avg_mhz"] == 1584.0 and a["temp_gpu_peak_c"] == 90.0
+    # the cost's baseline: the unthrottled rank doing the same work, said in the fields and text
+    assert a["baseline"] == "same_stage_peers" and a["cost"] == pytest.approx(0.5)
+    assert a["lost_s"] == pytest.approx(0.045) and a["cost_vs_clock"] == pytest.approx(1980 / 1584 - 1)
+    assert (
+        "+50% (45 ms lost) against its stage's 1 unthrottled rank(s)' median compute 0.090 s" in a["message"]
+    )
     assert "rank 1 (node0, GPU 1 GPU-1)" in a["message"] and "sw_thermal 80%" in a["message"]
     end = [a for a in alerts if a["kind"] == "throttle_end"]
     assert len(end) == 1 and end[0]["step"] == 7 and end[0]["throttled_steps"] == 2  # 2 steps below ends it
@@ -91,7 +106,10 @@ def test_a_straggler_is_flagged_after_n_steps_over_its_peers_median_with_its_tel
     assert s["metrics"]["compute_s"]["excess"] == pytest.approx(0.2)
     assert s["peers_clock_sm_avg_mhz"] == 1980.0 and s["clock_sm_avg_mhz"] == 1650.0
     assert s["throttle_shares"] == {"sw_thermal": pytest.approx(0.5)}
-    assert "sw_thermal 50%" in s["message"] and "1650 MHz vs peers' 1980" in s["message"]
+    assert s["compared_with"] == "same_stage_peers" and s["peers"] == [0, 1, 3] and s["pp_stage"] is None
+    # what it lost to the clock: its compute at 1650 MHz against the same work at 1980 MHz
+    assert s["lost_to"] == "sw_thermal" and s["lost_s"] == pytest.approx(0.108 * (1 - 1650 / 1980))
+    assert "lost 18 ms to sw_thermal (50% of the step; clock 1650 MHz vs 1980 MHz" in s["message"]
 
 
 def test_no_straggler_below_the_threshold_the_floor_or_in_warm_up():

@@ -1,15 +1,19 @@
 """What rank 0 watches for in each step's report: plain logic over numbers (docs/alerts.md).
 
 :class:`AlertDetector` takes each :class:`~charllm_nemo.steps.report.StepReport` (every rank's
-figures and its own timing of the step) and the ranks' static facts (host, GPU index and UUID,
-power limit; exchanged once), and returns the step's alerts as flat dicts: throttle onset and
-end, stragglers, thermal imbalance on a node, power over the limit. Rate-limited here, so every
-way an alert is delivered sees the same ones. No I/O, no torch, no W&B.
+figures and its own timing of the step), the ranks' static facts (host, GPU index and UUID,
+power limit; exchanged once) and, where the run has a pipeline, its
+:class:`~charllm_nemo.alerts.stages.StageLayout` (each rank's stage, each stage's work), and
+returns the step's alerts as flat dicts: throttle onset and end, stragglers, thermal imbalance
+on a node, power over the limit, sampler health. A rank's time is compared only with the ranks
+that do the same work (its pipeline stage's); a rank alone in its stage is a straggler only on
+evidence beyond timing (throttle reasons its peers lack, a clock below the unthrottled ranks',
+busy while the other stages wait). Rate-limited here, so every way an alert is delivered sees
+the same ones. No I/O, no torch, no W&B.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from collections import deque
@@ -18,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charllm_nemo.alerts.config import AlertsConfig
+from charllm_nemo.alerts.evidence import StepView, median_without
+from charllm_nemo.alerts.evidence import finite as _f
+from charllm_nemo.alerts.stages import StageLayout
 
 ALERT_KINDS: tuple[str, ...] = (
     "throttle_onset",
@@ -30,46 +37,23 @@ ALERT_KINDS: tuple[str, ...] = (
 """Every ``kind`` an alert may have (docs/alerts.md)."""
 
 STRAGGLER_METRICS: tuple[str, ...] = ("step_time_s", "compute_s", "forward_s", "backward_s", "optimizer_s")
-"""The times a straggler is judged on: its step, its compute (forward + backward + optimizer)
-and each of those phases. Pipeline and gradient-sync waits are not: a long wait marks a rank
-that waits for a straggler, not the straggler."""
+"""The times a straggler is judged on against its peers: its step, its compute (forward +
+backward + optimizer) and each of those phases. Pipeline and gradient-sync waits are not: a long
+wait marks a rank that waits for a straggler, not the straggler."""
 
+MIN_OWN_BASELINE = 2
+"""Unthrottled steps after the warm-up a rank needs before its own steps are a baseline."""
 
-def _f(v: Any) -> float | None:
-    """``v`` when it is a finite number, else None. The figures arrive as floats (NaN for
-    unknown): ``v - v == 0`` holds for exactly the finite ones, the fast path."""
-    if type(v) is float:
-        return v if v - v == 0 else None
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def _median_without(ordered: list[float], v: float) -> float | None:
-    """The median of ``ordered`` (sorted) with one occurrence of ``v`` (one of its items) left
-    out: the rank's peers' median in O(log n) (bisect), not a new list per rank."""
-    m = len(ordered) - 1
-    if m <= 0:
-        return None
-    i = bisect.bisect_left(ordered, v)
-
-    def at(k: int) -> float:  # position k of the list without position i
-        return ordered[k] if k < i else ordered[k + 1]
-
-    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
-
-
-def _compute_s(t: Mapping[str, float]) -> float | None:
-    parts = [v for k in ("forward_s", "backward_s", "optimizer_s") if (v := _f(t.get(k))) is not None]
-    return math.fsum(parts) if parts else None
+BASELINES: tuple[str, ...] = ("same_stage_peers", "own_unthrottled_steps", "unthrottled_clock")
+"""What a throttle's cost is measured against, in the order tried (docs/alerts.md)."""
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.0f}%"
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:.0f} ms" if s >= 0.01 else f"{1e3 * s:.1f} ms"
 
 
 @dataclass
@@ -88,11 +72,15 @@ class AlertDetector:
     """Turns step reports into alerts (module doc); one per run, on rank 0.
 
     ``check(report)`` returns the step's alerts (dicts: docs/alerts.md has every field);
-    ``set_rank_info(infos)`` gives the ranks' static facts (index = rank). ``suppressed``
-    counts the alerts the rate limit held back."""
+    ``set_rank_info(infos)`` gives the ranks' static facts (index = rank; a ``pp_stage`` there
+    is each rank's stage where ``stages`` is not given). ``stages``: the run's pipeline layout
+    (None: no pipeline, or one whose stages are not known: then, once the ranks report pipeline
+    waits, no rank is compared with another by time alone). ``suppressed`` counts the alerts the
+    rate limit held back."""
 
-    def __init__(self, cfg: AlertsConfig) -> None:
+    def __init__(self, cfg: AlertsConfig, stages: StageLayout | None = None) -> None:
         self.cfg = cfg
+        self.stages = stages
         self.infos: list[Mapping[str, Any]] = []
         self._episodes: dict[int, _Episode] = {}
         self._baseline: dict[int, deque[tuple[float, float | None]]] = {}
@@ -102,6 +90,8 @@ class AlertDetector:
         self.raised = 0
         self._health_seen: dict[int, tuple[float, float, float]] = {}
         self._reason_keys = [(r, f"throttle_{r}_s") for r in cfg.throttle_reasons]
+        self._alerting = frozenset(cfg.throttle_reasons)
+        self._clock_seen: dict[Any, tuple[int, float]] = {}  # device model -> (step, unthrottled clock)
 
     def set_rank_info(self, infos: Sequence[Mapping[str, Any]]) -> None:
         self.infos = list(infos)
@@ -112,14 +102,26 @@ class AlertDetector:
         timing: list[dict[str, float]] = report.per_rank_timing
         if not figs:
             return []
-        step = int(report.step)
-        compute: list[float | None] = [_compute_s(t) for t in timing] if timing else [None] * len(figs)
+        n = len(figs)
+        v = StepView.build(
+            int(report.step),
+            figs,
+            timing,
+            [self._stage(r) for r in range(n)],
+            [self._info(r).get("gpu_name") for r in range(n)],
+            self._reason_keys,
+            self.cfg.throttle_min_share,
+            self.stages,
+        )
+        for device, clocks in v._clocks.items():
+            if clocks:
+                self._clock_seen[device] = (v.step, statistics.median(clocks))
         alerts: list[dict[str, Any]] = []
-        alerts += self._throttle(step, figs, timing, compute)
-        alerts += self._stragglers(step, figs, timing, compute)
-        alerts += self._thermal(step, figs)
-        alerts += self._power(step, figs)
-        alerts += self._sampler(step, getattr(report, "per_rank_health", []))
+        alerts += self._throttle(v, figs, timing)
+        alerts += self._stragglers(v, figs, timing)
+        alerts += self._thermal(v.step, figs)
+        alerts += self._power(v.step, figs)
+        alerts += self._sampler(v.step, getattr(report, "per_rank_health", []))
         if len(alerts) > self.cfg.max_per_step:
             self.suppressed += len(alerts) - self.cfg.max_per_step
             alerts = alerts[: self.cfg.max_per_step]
@@ -134,14 +136,30 @@ class AlertDetector:
         self._last[(kind, key)] = step
         return True
 
+    def _info(self, rank: int) -> Mapping[str, Any]:
+        return self.infos[rank] if rank < len(self.infos) else {}
+
+    def _stage(self, rank: int) -> int | None:
+        if self.stages is not None:
+            return self.stages.stage(rank)
+        s = self._info(rank).get("pp_stage")
+        return s if isinstance(s, int) and not isinstance(s, bool) else None
+
+    def _num_stages(self) -> int | None:
+        if self.stages is not None:
+            return self.stages.stages
+        known = [s for r in range(len(self.infos)) if (s := self._stage(r)) is not None]
+        return max(known) + 1 if known else None
+
     def _who(self, rank: int) -> dict[str, Any]:
-        info = self.infos[rank] if rank < len(self.infos) else {}
+        info = self._info(rank)
         return {
             "rank": rank,
             "host": info.get("host"),
             "local_rank": info.get("local_rank"),
             "gpu_index": info.get("gpu_index"),
             "gpu_uuid": info.get("gpu_uuid"),
+            "pp_stage": self._stage(rank),
         }
 
     def _where(self, rank: int) -> str:
@@ -149,7 +167,11 @@ class AlertDetector:
         gpu = "GPU ?" if w["gpu_index"] is None else f"GPU {w['gpu_index']}"
         if w["gpu_uuid"]:
             gpu += f" {w['gpu_uuid']}"
-        return f"rank {rank} ({w['host'] or 'host ?'}, {gpu})"
+        stages = self._num_stages()
+        stage = (
+            f", stage {w['pp_stage']} of {stages}" if w["pp_stage"] is not None and (stages or 1) > 1 else ""
+        )
+        return f"rank {rank} ({w['host'] or 'host ?'}, {gpu}{stage})"
 
     def _telemetry(self, f: Mapping[str, float]) -> dict[str, Any]:
         return {
@@ -159,45 +181,55 @@ class AlertDetector:
             "clock_sm_min_mhz": _f(f.get("clock_sm_min_mhz")),
         }
 
-    def _shares(self, f: Mapping[str, float], duration: float | None) -> dict[str, float]:
-        """Share of the step under each alerting reason that was on at all."""
-        if not duration or duration <= 0:
-            return {}
-        out = {}
-        for r, key in self._reason_keys:
-            s = f.get(key)
-            if s is not None and s > 0:  # NaN compares False
-                out[r] = min(1.0, s / duration)
-        return out
+    def _clock_baseline(self, rank: int, v: StepView) -> tuple[float | None, str | None]:
+        """The device's unthrottled clock for ``rank`` (MHz) and where it comes from: the other
+        ranks of its device model without an alerting reason this step, else the last step
+        that had some."""
+        c = v.unthrottled_clock(rank)
+        if c is not None:
+            return c, "the unthrottled ranks' median clock this step"
+        seen = self._clock_seen.get(v.device[rank])
+        if seen is not None and seen[0] < v.step:
+            return seen[1], f"the unthrottled ranks' median clock at step {seen[0]}"
+        return None, None
+
+    def _loss(self, rank: int, v: StepView) -> dict[str, Any] | None:
+        """What ``rank`` lost to a lower clock this step: its compute at its clock against the
+        same work at the unthrottled clock (compute-bound work scales with the clock)."""
+        comp, c = v.compute[rank], v.clock[rank]
+        base, source = self._clock_baseline(rank, v)
+        if comp is None or c is None or c <= 0 or not base:
+            return None
+        return {
+            "baseline_clock_mhz": base,
+            "clock_baseline": source,
+            "clock_excess": base / c - 1,
+            "lost_s": max(0.0, comp * (1 - c / base)),
+            "reasons_beyond_peers": v.reasons_beyond_others(rank, self.cfg.throttle_min_share),
+        }
 
     # -- throttle --------------------------------------------------------------------------
     def _throttle(
-        self,
-        step: int,
-        figs: list[dict[str, float]],
-        timing: list[dict[str, float]],
-        compute: list[float | None],
+        self, v: StepView, figs: list[dict[str, float]], timing: list[dict[str, float]]
     ) -> list[dict[str, Any]]:
         cfg = self.cfg
         out: list[dict[str, Any]] = []
-        known = sorted((c, r) for r, c in enumerate(compute) if c is not None)
         for rank, f in enumerate(figs):
-            fastest = next((k for k in known if k[1] != rank), None)  # the fastest other rank
             t = timing[rank] if timing else {}
             step_s = _f(t.get("step_time_s")) or _f(f.get("duration_s"))
-            shares = self._shares(f, _f(f.get("duration_s")) or step_s)
+            shares = {r: s for r, s in v.shares[rank].items() if r in self._alerting}
             share = max(shares.values(), default=0.0)
-            on = share >= cfg.throttle_min_share
+            on = v.throttled[rank]
             ep = self._episodes.get(rank)
             base = self._baseline.setdefault(rank, deque(maxlen=cfg.baseline_steps))
             if ep is None and not on:
-                if step_s is not None:
-                    base.append((step_s, compute[rank]))
+                if step_s is not None and v.step >= cfg.warmup_steps:  # warm-up steps are no baseline
+                    base.append((step_s, v.compute[rank]))
                 continue
             if ep is None:
-                ep = self._episodes[rank] = _Episode(step, self._allow("throttle_onset", rank, step))
+                ep = self._episodes[rank] = _Episode(v.step, self._allow("throttle_onset", rank, v.step))
                 if ep.announced:
-                    out.append(self._onset(step, rank, f, shares, share, step_s, compute, fastest, base))
+                    out.append(self._onset(v, rank, f, shares, share, step_s, base))
             if on:
                 ep.steps += 1
                 ep.below = 0
@@ -208,35 +240,55 @@ class AlertDetector:
             if ep.below >= cfg.throttle_end_steps:
                 del self._episodes[rank]
                 if ep.announced:
-                    out.append(self._end(step, rank, ep))
+                    out.append(self._end(v.step, rank, ep))
         return out
 
     def _onset(
         self,
-        step: int,
+        v: StepView,
         rank: int,
         f: Mapping[str, float],
         shares: dict[str, float],
         share: float,
         step_s: float | None,
-        compute: list[float | None],
-        fastest: tuple[float, int] | None,
         base: deque[tuple[float, float | None]],
     ) -> dict[str, Any]:
-        base_step = statistics.median(b[0] for b in base) if base else None
+        step, comp = v.step, v.compute[rank]
+        own = len(base) >= MIN_OWN_BASELINE
+        base_step = statistics.median(b[0] for b in base) if own else None
         base_comp_vals = [b[1] for b in base if b[1] is not None]
-        base_comp = statistics.median(base_comp_vals) if base_comp_vals else None
-        comp = compute[rank]
+        base_comp = statistics.median(base_comp_vals) if own and base_comp_vals else None
         cost_own = step_s / base_step - 1 if step_s and base_step else None
         comp_own = comp / base_comp - 1 if comp is not None and base_comp else None
+        same = [(c, p) for p in v.peers(rank) if (c := v.compute[p]) is not None]
+        fastest = min(same, default=None)  # the fastest rank doing the same work
         vs_fastest = comp / fastest[0] - 1 if comp is not None and fastest and fastest[0] > 0 else None
+        cool = [c for c, p in same if not v.throttled[p]]
+        loss = self._loss(rank, v)
+        baseline = ref = cost = lost = None
+        if comp is not None and cool and statistics.median(cool) > 0:
+            baseline, ref = "same_stage_peers", statistics.median(cool)
+            said = f"its stage's {len(cool)} unthrottled rank(s)' median compute {ref:.3f} s"
+        elif comp is not None and base_comp:
+            baseline, ref = "own_unthrottled_steps", base_comp
+            said = f"its own median compute {ref:.3f} s over {len(base)} unthrottled steps"
+        elif comp is not None and loss is not None:
+            baseline = "unthrottled_clock"
+            cost, lost = loss["clock_excess"], loss["lost_s"]
+            said = (
+                f"its clock {v.clock[rank]:.0f} MHz against {loss['baseline_clock_mhz']:.0f} MHz, "
+                f"{loss['clock_baseline']}"
+            )
+        else:
+            said = "no unthrottled baseline yet (no unthrottled peer, own step or clock)"
+        if ref is not None and comp is not None:
+            cost, lost = comp / ref - 1, comp - ref
         reasons = sorted(shares, key=lambda r: -shares[r])
         text = ", ".join(f"{r} {100 * shares[r]:.0f}%" for r in reasons)
+        cost_text = "" if cost is None or lost is None else f" {_pct(cost)} ({_ms(max(0.0, lost))} lost)"
         message = (
-            f"{self._where(rank)} throttled at step {step}: {text} of the step; "
-            f"step {step_s or math.nan:.3f} s "
-            f"({_pct(cost_own)} vs its recent unthrottled steps), compute {_pct(comp_own)} vs its own, "
-            f"{_pct(vs_fastest)} vs the fastest rank" + ("" if fastest is None else f" (rank {fastest[1]})")
+            f"{self._where(rank)} throttled at step {step}: {text} of the step; compute "
+            f"{comp or math.nan:.3f} s{cost_text} against {said}"
         )
         return {
             "kind": "throttle_onset",
@@ -246,6 +298,13 @@ class AlertDetector:
             "reasons": reasons,
             "reason_shares": {r: shares[r] for r in reasons},
             "share": share,
+            "baseline": baseline,
+            "baseline_s": ref,
+            "cost": cost,
+            "lost_s": lost,
+            "baseline_clock_mhz": None if loss is None else loss["baseline_clock_mhz"],
+            "clock_baseline": None if loss is None else loss["clock_baseline"],
+            "cost_vs_clock": None if loss is None else loss["clock_excess"],
             "step_time_s": step_s,
             "baseline_step_time_s": base_step,
             "cost_vs_own": cost_own,
@@ -278,77 +337,158 @@ class AlertDetector:
 
     # -- stragglers ------------------------------------------------------------------------
     def _stragglers(
-        self,
-        step: int,
-        figs: list[dict[str, float]],
-        timing: list[dict[str, float]],
-        compute: list[float | None],
+        self, v: StepView, figs: list[dict[str, float]], timing: list[dict[str, float]]
     ) -> list[dict[str, Any]]:
+        """Ranks with peers (the same stage) are judged on time against them; a rank alone in
+        its stage on evidence (:meth:`_evidence`)."""
         cfg = self.cfg
         n = len(figs)
-        if n < 2 or not timing or step < cfg.warmup_steps:
+        if n < 2 or not timing or v.step < cfg.warmup_steps:
             return []
         values: dict[str, list[float | None]] = {
-            m: (compute if m == "compute_s" else [_f(t.get(m)) for t in timing]) for m in STRAGGLER_METRICS
+            m: (v.compute if m == "compute_s" else [_f(t.get(m)) for t in timing]) for m in STRAGGLER_METRICS
         }
-        known = {m: sorted(v for v in vs if v is not None) for m, vs in values.items()}
+        known: dict[tuple[Any, str], list[float]] = {}
+        for g, ranks in v.members.items():
+            if len(ranks) > 1:
+                for m, vs in values.items():
+                    known[(g, m)] = sorted(x for r in ranks if (x := vs[r]) is not None)
         thr, floor = 1 + cfg.straggler_threshold, cfg.straggler_min_s
         out: list[dict[str, Any]] = []
         for rank in range(n):
             over: dict[str, dict[str, float]] = {}
-            for m, vs in values.items():
-                v = vs[rank]
-                if v is None:
-                    continue
-                med = _median_without(known[m], v)  # the peers': the others' values
-                if med is None or med <= 0:
-                    continue
-                if v > med * thr and v - med >= floor:
-                    over[m] = {"value_s": v, "peers_median_s": med, "excess": v / med - 1}
-            count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if over else 0
-            if count == cfg.straggler_steps and self._allow("straggler", rank, step):
-                out.append(self._straggler(step, rank, figs, over))
+            evidence = None
+            g = v.group[rank]
+            if len(v.members[g]) > 1:
+                for m, vs in values.items():
+                    x = vs[rank]
+                    med = None if x is None else median_without(known[(g, m)], x)  # the peers'
+                    if x is None or med is None or med <= 0:
+                        continue
+                    if x > med * thr and x - med >= floor:
+                        over[m] = {"value_s": x, "peers_median_s": med, "excess": x / med - 1}
+            else:
+                evidence = self._evidence(rank, v)
+            hit = bool(over) or evidence is not None
+            count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
+            if count == cfg.straggler_steps and self._allow("straggler", rank, v.step):
+                out.append(self._straggler(v, rank, figs, over, evidence))
         return out
+
+    def _evidence(self, rank: int, v: StepView) -> dict[str, Any] | None:
+        """A rank alone in its stage straggles when all hold: a limiting reason its peers lack
+        (by ``throttle_min_share`` of the step), a clock that makes its compute exceed the
+        unthrottled clock's by ``straggler_threshold`` and ``straggler_min_s``, and it is busy
+        while the other stages wait (its pipeline wait at most theirs)."""
+        loss = self._loss(rank, v)
+        cfg = self.cfg
+        if loss is None or not loss["reasons_beyond_peers"]:
+            return None
+        if loss["clock_excess"] < cfg.straggler_threshold or loss["lost_s"] < cfg.straggler_min_s:
+            return None
+        wait, others = v.wait[rank], v.others_wait(rank)
+        if wait is not None and others is not None and wait > others:
+            return None  # the others do not wait for it: throttled (its own alert), not straggling
+        return {**loss, "pp_wait_s": wait, "peers_pp_wait_s": others}
 
     @staticmethod
     def _median(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
 
     def _straggler(
-        self, step: int, rank: int, figs: list[dict[str, float]], over: dict[str, dict[str, float]]
+        self,
+        v: StepView,
+        rank: int,
+        figs: list[dict[str, float]],
+        over: dict[str, dict[str, float]],
+        evidence: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        worst = max(over, key=lambda m: over[m]["excess"])
         f = figs[rank]
         tel = self._telemetry(f)
-        peers = [figs[i] for i in range(len(figs)) if i != rank]
-        peer_clock = self._median([v for p in peers if (v := _f(p.get("clock_sm_avg_mhz"))) is not None])
-        peer_temp = self._median([v for p in peers if (v := _f(p.get("temp_gpu_peak_c"))) is not None])
-        peer_power = self._median([v for p in peers if (v := _f(p.get("power_avg_w"))) is not None])
-        shares = self._shares(f, _f(f.get("duration_s")))
+        peers = v.peers(rank) if over else [r for r in range(len(figs)) if r != rank]
+        pf = [figs[p] for p in peers]
+        peer_clock = self._median([x for p in pf if (x := _f(p.get("clock_sm_avg_mhz"))) is not None])
+        peer_temp = self._median([x for p in pf if (x := _f(p.get("temp_gpu_peak_c"))) is not None])
+        peer_power = self._median([x for p in pf if (x := _f(p.get("power_avg_w"))) is not None])
+        shares = v.shares[rank]
+        loss = evidence or self._loss(rank, v)
+        beyond = {} if loss is None else loss["reasons_beyond_peers"]
+        lost_to = max(beyond, key=lambda r: beyond[r]) if beyond else None
+        lost = None if loss is None else loss["lost_s"]
         why = []
-        if shares:
+        if lost_to is not None and lost and loss is not None:
+            why.append(
+                f"lost {_ms(lost)} to {lost_to} ({100 * beyond[lost_to]:.0f}% of the step; clock "
+                f"{tel['clock_sm_avg_mhz']:.0f} MHz vs {loss['baseline_clock_mhz']:.0f} MHz, "
+                f"{loss['clock_baseline']})"
+            )
+        elif shares:
             why.append("throttled: " + ", ".join(f"{r} {100 * s:.0f}%" for r, s in shares.items()))
-        if tel["clock_sm_avg_mhz"] is not None and peer_clock:
-            why.append(f"clock {tel['clock_sm_avg_mhz']:.0f} MHz vs peers' {peer_clock:.0f}")
         if tel["temp_gpu_peak_c"] is not None and peer_temp is not None:
             why.append(f"{tel['temp_gpu_peak_c']:.0f} C vs peers' {peer_temp:.0f}")
-        w = over[worst]
-        message = (
-            f"{self._where(rank)} straggles at step {step}: {worst} {w['value_s']:.4f} s, "
-            f"{100 * w['excess']:+.0f}% over its peers' median {w['peers_median_s']:.4f} s for "
-            f"{self.cfg.straggler_steps} steps" + (f"; {'; '.join(why)}" if why else "")
+        excess_work = v.excess_vs_work(rank)
+        steps = self.cfg.straggler_steps
+        if over:
+            worst = max(over, key=lambda m: over[m]["excess"])
+            w = over[worst]
+            what = (
+                "its stage's peers'"
+                if v.stage[rank] is not None and (self._num_stages() or 1) > 1
+                else "its peers'"
+            )
+            head = (
+                f"{worst} {w['value_s']:.4f} s, {100 * w['excess']:+.0f}% over {what} median "
+                f"{w['peers_median_s']:.4f} s for {steps} steps"
+            )
+            compared, metric, value, med, excess = (
+                "same_stage_peers",
+                worst,
+                w["value_s"],
+                w["peers_median_s"],
+                w["excess"],
+            )
+        else:
+            assert evidence is not None
+            comp = v.compute[rank] or 0.0
+            waits = evidence["peers_pp_wait_s"]
+            head = (
+                f"busy {comp:.4f} s a step computing while the other stages wait"
+                + ("" if waits is None else f" {waits:.4f} s (median)")
+                + f", for {steps} steps"
+            )
+            if excess_work is not None:
+                head += f"; {100 * excess_work:+.0f}% over the other stages per unit of the layout's work"
+            compared, metric, value, med, excess = (
+                "unthrottled_clock",
+                "compute_s",
+                comp,
+                None,
+                evidence["clock_excess"],
+            )
+        message = f"{self._where(rank)} straggles at step {v.step}: {head}" + (
+            f"; {'; '.join(why)}" if why else ""
         )
         return {
             "kind": "straggler",
             "severity": "warning",
-            "step": step,
+            "step": v.step,
             **self._who(rank),
-            "metric": worst,
-            "value_s": w["value_s"],
-            "peers_median_s": w["peers_median_s"],
-            "excess": w["excess"],
+            "compared_with": compared,
+            "peers": peers,
+            "metric": metric,
+            "value_s": value,
+            "peers_median_s": med,
+            "excess": excess,
             "metrics": over,
-            "steps": self.cfg.straggler_steps,
+            "steps": steps,
+            "lost_s": lost,
+            "lost_to": lost_to,
+            "reasons_beyond_peers": beyond,
+            "baseline_clock_mhz": None if loss is None else loss["baseline_clock_mhz"],
+            "clock_baseline": None if loss is None else loss["clock_baseline"],
+            "pp_wait_s": v.wait[rank],
+            "peers_pp_wait_s": v.others_wait(rank),
+            "excess_vs_work": excess_work,
             **tel,
             "throttle_shares": shares,
             "peers_clock_sm_avg_mhz": peer_clock,

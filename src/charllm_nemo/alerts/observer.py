@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from charllm_nemo.alerts.config import AlertsConfig, alerts_problems
 from charllm_nemo.alerts.detect import AlertDetector
+from charllm_nemo.alerts.stages import StageLayout
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.steps.observers import StepsFile
 
@@ -57,7 +58,8 @@ class AlertObserver:
     created at the first alert). ``sink``: the run's W&B ``AsyncSink`` (its ``log_alert`` is a
     queue put; None: no W&B). ``hooks``: functions called with each alert's dict (after
     ``cfg.hook``); one that raises is logged once and dropped. ``stream``: the console (default
-    stderr). :attr:`alerts` keeps every alert raised.
+    stderr). ``stages``: the run's pipeline layout (which ranks do the same work; None: no
+    pipeline, or not known). :attr:`alerts` keeps every alert raised.
 
     Detection and delivery run on the thread ``charllm-alerts``, started at the first call: the
     detector's cost grows with the ranks (measured ~17 us a rank a step on a loaded 2-core VM:
@@ -74,9 +76,10 @@ class AlertObserver:
         sink: Any = None,
         hooks: Sequence[AlertHook] = (),
         stream: TextIO | None = None,
+        stages: StageLayout | None = None,
     ) -> None:
         self.cfg = cfg
-        self.detector = AlertDetector(cfg)
+        self.detector = AlertDetector(cfg, stages)
         self.path = None if run_dir is None or not cfg.file else Path(run_dir) / ALERTS_FILE
         self._file: StepsFile | None = None
         self.sink = sink if cfg.wandb else None
@@ -178,13 +181,15 @@ def alert_observer(
     sink: Any = None,
     hooks: Sequence[AlertHook] = (),
     stream: TextIO | None = None,
+    stages: StageLayout | None = None,
 ) -> AlertObserver | None:
     """The alert observer for rank 0, or None when ``cfg`` is None or disabled (then pass
-    ``phase_times=False, rank_info=False`` to StepTelemetry: alerts off cost nothing). Raises
+    ``phase_times=False, rank_info=False`` to StepTelemetry: alerts off cost nothing).
+    ``stages``: the run's :class:`StageLayout` where it has a pipeline. Raises
     ConfigError listing every problem of ``cfg``."""
     if cfg is None or not cfg.enabled:
         return None
     problems = alerts_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
-    return AlertObserver(cfg, run_dir=run_dir, sink=sink, hooks=hooks, stream=stream)
+    return AlertObserver(cfg, run_dir=run_dir, sink=sink, hooks=hooks, stream=stream, stages=stages)

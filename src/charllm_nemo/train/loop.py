@@ -314,6 +314,26 @@ def _gather_memory(cfg: TrainConfig, layout: Any, dist: DistInfo, torch: Any, de
     return memory_report(measure, [(_known(p), _known(n), stage, _known(a)) for p, n, stage, a in rows])
 
 
+def _stage_layout(cfg: TrainConfig, dist: DistInfo, layout: Any) -> Any:
+    """The alerts' StageLayout (docs/alerts.md, "Pipelines"): each rank's stage in
+    megatron-core's default rank order (the one init_distributed uses) and each stage's work,
+    its layers plus, on the last, the logits in layers' FLOPs; None without a pipeline."""
+    if dist.pp_size <= 1:
+        return None
+    from charllm_nemo.alerts import StageLayout
+    from charllm_nemo.metrics import flops
+
+    logits = 0.0
+    try:  # the work is context for the alerts, never a reason to fail
+        shape = flops.ModelShape.from_model_config(cfg.model)
+        per_step = flops.model_flops_per_step(shape, 1)
+        layer = (per_step.total - per_step.logits) / shape.num_layers
+        logits = per_step.logits / layer if layer > 0 else 0.0
+    except Exception:
+        log.debug("no FLOPs for the stages' work", exc_info=True)
+    return StageLayout.megatron(dist.world_size, dist.pp_size, list(layout.layers_per_stage), logits)
+
+
 def _known(value: int) -> int | None:
     return None if value < 0 else value
 
@@ -492,7 +512,8 @@ def _step_telemetry(
     if alerts_on and dist.rank == 0:
         from charllm_nemo.alerts import alert_observer
 
-        obs = alert_observer(cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink)
+        stages = _stage_layout(cfg, dist, layout)
+        obs = alert_observer(cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink, stages=stages)
         if obs is not None:  # first: closed first, its last queued alerts reach the others open
             observers.insert(0, obs)
     config = bundle.config
