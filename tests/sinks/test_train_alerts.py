@@ -82,3 +82,63 @@ def test_a_hot_pipeline_stage_in_pp4(tmp_path, wandb_env):
     out = tmp_path / "run"
     proc = _train(out, 4, "pp4", ["batch.global_batch_size=4"], wandb_env)
     _check(out, proc)
+
+
+# -- pipelines (issue #32): like with like --------------------------------------------------------
+PIPE_STEPS = 8
+UNEVEN = {2: (4, "[3,1]"), 4: (5, "[2,1,1,1]")}  # (model.num_layers, layers per stage): stage 0 heavy
+HOT = {
+    # poorly cooled: over its 87 C limit within a few steps (sw_thermal, clock -20 %)
+    "cooling": ["++telemetry.synthetic.devices.0.cooling=0.3", "++telemetry.synthetic.devices.0.tau_s=0.3"],
+    # throttled from the very first step: no unthrottled step of its own to compare with
+    "from_the_first_step": [
+        f"++telemetry.synthetic.devices.0.throttle=[{{steps:[0,{PIPE_STEPS}],reasons:[sw_thermal],"
+        "clock_factor:0.6}]"
+    ],
+}
+
+
+def _pipeline(out, nproc, extra=()):
+    """One pure-pipeline run on CPU (no W&B: the lightest real run), its alerts."""
+    layers, layout = UNEVEN[nproc]
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", f"model.num_layers={layers}",
+           f"parallel=pp{nproc}", f"parallel.pipeline_layout={layout}", f"nproc={nproc}",
+           "telemetry=synthetic", f"telemetry.out_dir={out}", f"batch.train_steps={PIPE_STEPS}",
+           "batch.global_batch_size=4",
+           *extra]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    path = out / "alerts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_an_uneven_pipeline_without_a_hot_device_has_no_straggler_in_5_runs(tmp_path, nproc):
+    for run in range(5):
+        alerts = _pipeline(tmp_path / f"run{run}", nproc)
+        assert not [a["message"] for a in alerts if a["kind"] == "straggler"], f"run {run}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("hot", sorted(HOT))
+def test_a_hot_device_in_a_pipeline_is_named_with_its_stage_reason_and_cost(tmp_path, nproc, hot):
+    alerts = _pipeline(tmp_path / "run", nproc, HOT[hot])
+    where = f"rank 0 ({socket.gethostname()}, GPU 0 SYNTHETIC-0000, stage 0 of {nproc})"
+    onset = [a for a in alerts if a["kind"] == "throttle_onset" and a["rank"] == 0]
+    assert onset, alerts
+    a = onset[0]
+    assert a["pp_stage"] == 0 and "sw_thermal" in a["reasons"] and a["message"].startswith(where)
+    # its cost against a baseline that exists, and which one is said: alone in its stage, with no
+    # unthrottled step of its own in the warm-up, the unthrottled ranks' clock
+    assert a["baseline"] == "unthrottled_clock" and a["cost"] > 0.15 and a["lost_s"] > 0
+    assert "against the unthrottled clock" in a["message"]
+    if hot == "from_the_first_step":
+        assert a["step"] == 0 and a["cost_vs_own"] is None
+    stragglers = [s for s in alerts if s["kind"] == "straggler"]
+    assert [s["rank"] for s in stragglers] == [0], alerts  # the hot one, and no other
+    s = stragglers[0]
+    assert s["pp_stage"] == 0 and s["compared_with"] == "unthrottled_clock" and s["lost_to"] == "sw_thermal"
+    assert s["lost_s"] > 0 and s["clock_sm_avg_mhz"] < s["baseline_clock_mhz"]
+    assert s["message"].startswith(where) and " to sw_thermal (" in s["message"]
