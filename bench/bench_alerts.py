@@ -15,7 +15,8 @@ interleaved in rounds so that machine noise hits both alike:
   sampler's health read) and the ranks' facts exchanged once.
 
 One rank: the report holds one rank's figures. Part b times the detector alone over reports
-of N ranks (steady state: no alert fires, every check runs), the part that grows with the job.
+of N ranks (steady state: no alert fires, every check runs), the part that grows with the job,
+without a pipeline, with 8 stages given, and with a pipeline whose stages are not given.
 
 Printed: median training-thread CPU (``time.thread_time_ns``) per step of each arm, the
 difference, and the ratio on/off; part b: µs per step for N ranks. The last line is
@@ -83,12 +84,20 @@ def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     return {arm: statistics.median(cpu[arm][1:]) for arm in ARMS} | {"steps_per_arm": len(cpu["on"])}
 
 
-def part_b(ranks: int, steps: int) -> float:
+PIPELINES = ("none", "pp8", "pp_unknown")
+"""Part b's layouts: no pipeline (every rank a peer of every other); 8 stages given by a
+StageLayout (each rank compared within its stage); a pipeline whose stages are not given (every
+rank judged alone, on evidence: the most work per rank)."""
+
+
+def part_b(ranks: int, steps: int, pipeline: str = "none") -> float:
     """µs per step of AlertDetector.check over ``ranks`` ranks (steady state, nothing fires)."""
-    from charllm_nemo.alerts import AlertDetector, AlertsConfig
+    from charllm_nemo.alerts import AlertDetector, AlertsConfig, StageLayout
     from charllm_nemo.steps.report import StepReport, apply_rank_figures, pack_rank_vector
 
-    det = AlertDetector(AlertsConfig(warmup_steps=0))
+    stages = StageLayout.megatron(ranks, 8) if pipeline == "pp8" else None
+    wait = 0.0 if pipeline == "none" else 0.01
+    det = AlertDetector(AlertsConfig(warmup_steps=0), stages)
     det.set_rank_info([{"rank": r, "host": f"node{r // 8}", "power_limit_w": 700.0} for r in range(ranks)])
     rows = []
     for r in range(ranks):
@@ -100,7 +109,9 @@ def part_b(ranks: int, steps: int) -> float:
             "clock_sm_avg_mhz": 1900,
         }
         rows.append(
-            pack_rank_vector(step_time_s=0.1, figures=figures, timing=(0.1, 0.03 * wobble, 0.05, 0.01, 0, 0))
+            pack_rank_vector(
+                step_time_s=0.1, figures=figures, timing=(0.1, 0.03 * wobble, 0.05, 0.01, wait, 0)
+            )
         )
     times = []
     for step in range(steps):
@@ -153,10 +164,12 @@ def main() -> None:
     ratio = a["on"] / a["off"]
     print(f"   alerts off {a['off']:7.1f} us   alerts on {a['on']:7.1f} us   difference {diff:+6.1f} us")
     print(f"   ratio on/off {ratio:.3f}; the difference is {100 * diff / 1e5:.3f} % of a 100 ms step")
-    b = {n: part_b(n, 200) for n in args.ranks}
-    print("b. the detector alone (rank 0, per step, steady state: nothing fires)")
-    for n, us in b.items():
-        print(f"   {n:5d} ranks {us:9.1f} us   = {100 * us / 1e6:.3f} % of a 1 s step")
+    b = {p: {n: part_b(n, 200, p) for n in args.ranks} for p in PIPELINES}
+    print("b. the detector alone (rank 0, per step, steady state: nothing fires), us per step")
+    print("   " + " ".join(f"{p:>12}" for p in ("ranks", *PIPELINES)) + "   ratio pp_unknown/none")
+    for n in args.ranks:
+        row = " ".join(f"{b[p][n]:12.1f}" for p in PIPELINES)
+        print(f"   {n:12d} {row}   {b['pp_unknown'][n] / b['none'][n]:.2f}")
     c = {n: part_c(n, 100, 0.03) for n in args.ranks}
     print(
         "c. the alert observer's on_step on the training thread (the detector on its own thread), "
@@ -166,7 +179,13 @@ def main() -> None:
         print(f"   {n:5d} ranks {us:9.1f} us   ({dropped} step(s) dropped by the alert thread)")
     print(
         "BENCH_JSON "
-        + json.dumps({"a": a, "b": {str(k): v for k, v in b.items()}, "c": {str(k): v for k, v in c.items()}})
+        + json.dumps(
+            {
+                "a": a,
+                "b": {p: {str(k): v for k, v in b[p].items()} for p in PIPELINES},
+                "c": {str(k): v for k, v in c.items()},
+            }
+        )
     )
 
 

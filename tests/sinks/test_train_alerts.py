@@ -55,7 +55,8 @@ def _check(out, proc, rank=1):
     assert s["clock_sm_avg_mhz"] < s["peers_clock_sm_avg_mhz"]  # the telemetry says why
     # the console (rank 0's stderr)
     console = proc.stderr
-    assert f"charllm ALERT [throttle_onset] rank {rank} ({host}, GPU 0 SYNTHETIC-0000)" in console
+    # (in a pipeline the stage follows the device: "..., GPU 0 SYNTHETIC-0000, stage 1 of 4)")
+    assert f"charllm ALERT [throttle_onset] rank {rank} ({host}, GPU 0 SYNTHETIC-0000" in console
     assert f"charllm ALERT [straggler] rank {rank} ({host}" in console
     # the offline W&B run: wandb.alert records and the alerts/* keys
     wb = read_run(find_wandb_file(out / "wandb"), wait_s=10)

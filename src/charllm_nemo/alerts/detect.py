@@ -276,8 +276,8 @@ class AlertDetector:
             baseline = "unthrottled_clock"
             cost, lost = loss["clock_excess"], loss["lost_s"]
             said = (
-                f"the unthrottled clock (its {v.clock[rank]:.0f} MHz vs {loss['baseline_clock_mhz']:.0f} MHz, "
-                f"{loss['clock_baseline']})"
+                f"the unthrottled clock (its {v.clock[rank]:.0f} MHz vs "
+                f"{loss['baseline_clock_mhz']:.0f} MHz, {loss['clock_baseline']})"
             )
         else:
             said = "no unthrottled baseline yet (no unthrottled peer, own step or clock)"
