@@ -113,7 +113,7 @@ class AlertDetector:
             self.cfg.throttle_min_share,
             self.stages,
         )
-        for device, clocks in v._clocks.items():
+        for device, clocks in v.clocks_unthrottled.items():
             if clocks:
                 self._clock_seen[device] = (v.step, statistics.median(clocks))
         alerts: list[dict[str, Any]] = []

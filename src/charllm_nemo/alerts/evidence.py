@@ -76,7 +76,7 @@ class StepView:
     wait: list[float | None]
     device: list[Any]  # the device model (name) of each rank: clocks compare within one
     members: dict[Hashable, list[int]] = field(default_factory=dict)
-    _clocks: dict[Any, list[float]] = field(default_factory=dict)  # unthrottled, per device model
+    clocks_unthrottled: dict[Any, list[float]] = field(default_factory=dict)  # sorted, per device model
     _reasons: dict[str, list[float]] = field(default_factory=dict)
     _waits: list[float] = field(default_factory=list)
     _norm: list[float] = field(default_factory=list)
@@ -123,8 +123,8 @@ class StepView:
             v.members.setdefault(g, []).append(r)
         for r, c in enumerate(clock):
             if c is not None and not throttled[r]:
-                v._clocks.setdefault(device[r], []).append(c)
-        for lst in v._clocks.values():
+                v.clocks_unthrottled.setdefault(device[r], []).append(c)
+        for lst in v.clocks_unthrottled.values():
             lst.sort()
         for reason, _ in ALL_REASON_KEYS:
             v._reasons[reason] = sorted(s.get(reason, 0.0) for s in shares)
@@ -146,7 +146,7 @@ class StepView:
     def unthrottled_clock(self, rank: int) -> float | None:
         """The median average SM clock of the other ranks with the same device model and no
         alerting throttle reason this step, MHz (None: there are none)."""
-        ordered = self._clocks.get(self.device[rank], [])
+        ordered = self.clocks_unthrottled.get(self.device[rank], [])
         return median_without(ordered, None if self.throttled[rank] else self.clock[rank])
 
     def reasons_beyond_others(self, rank: int, min_share: float) -> dict[str, float]:
