@@ -131,3 +131,11 @@ def test_the_stage_layout():
         StageLayout.megatron(4, 3)
     with pytest.raises(ConfigError, match="one positive number per stage"):
         StageLayout((0, 1), (1.0,))
+
+
+def test_the_ranks_facts_may_carry_their_stage():
+    det = AlertDetector(CFG)  # no layout given: each rank's facts say its stage
+    det.set_rank_info([{**INFOS[r], "pp_stage": r // 2} for r in range(4)])
+    assert _alerts(det, [[HEAVY, HEAVY, LIGHT, LIGHT]] * 10) == []
+    (a,) = _alerts(det, [[HEAVY, HOT_HEAVY, LIGHT, LIGHT]], "throttle_onset")
+    assert a["pp_stage"] == 0 and a["baseline"] == "same_stage_peers" and "stage 0 of 2" in a["message"]
