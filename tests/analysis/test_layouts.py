@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze
+from charllm_nemo.analysis.figures_run import broken_at_gaps
 from tests.analysis.helpers import phased_run
 
 
@@ -83,3 +85,19 @@ def test_bubble_energy_is_never_negative(tmp_path: Path) -> None:
     phased_run(tmp_path / "run2", DP2, clocks=[2000.0, 2000.0])
     rows = _rows(analyze(tmp_path / "run2").tables["phase_energy"], run="run2")
     assert rows[0]["bubble_j"] == pytest.approx(3 * 80.0) and rows[0]["phases_over_step_j"] == 0.0
+
+
+def test_the_timeline_breaks_at_a_sampling_gap_and_nowhere_else() -> None:
+    # Samples every 10 ms with none in (0.5 s, 1.5 s): one NaN point mid-gap, at 1.0 s; the
+    # 20 ms step of a single missed deadline is drawn as a line.
+    t = np.arange(0, 2_000_000_001, 10_000_000, dtype=np.int64)
+    t = np.delete(t[(t <= 500_000_000) | (t >= 1_500_000_000)], 10)
+    p = np.arange(t.size, dtype=np.float64)
+    tb, (pb,) = broken_at_gaps(t, p)
+    assert tb.size == t.size + 1
+    (nan,) = np.flatnonzero(np.isnan(pb))
+    assert tb[nan] == 1_000_000_000.0
+    assert np.array_equal(pb[~np.isnan(pb)], p) and np.all(np.diff(tb) > 0)
+    # Evenly sampled: nothing inserted.
+    tb, (pb,) = broken_at_gaps(t[:40], p[:40])
+    assert tb.size == 40 and not np.isnan(pb).any()
