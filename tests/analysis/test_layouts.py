@@ -35,16 +35,29 @@ def test_a_hot_rank_without_data_parallel_peers_shows_by_its_clock(tmp_path: Pat
     assert rows[0]["slowdown_vs_fastest"] == pytest.approx(0.0)
 
 
-def test_a_hot_data_parallel_rank_shows_by_its_compute_time(tmp_path: Path) -> None:
-    # Rank 1's forward and backward take 1.63x its replica's; its clock is 10 % lower: the time
-    # against its peer is the larger measure, +63 %.
+def test_a_hot_data_parallel_rank_shows_by_its_clock_and_its_compute_time(tmp_path: Path) -> None:
+    # Rank 1's forward and backward take 1.63x its replica's and its clock is 10 % lower: both
+    # measures are there; the clock is the baseline (it names the slow rank in every layout).
     phased_run(tmp_path / "run", DP2, clocks=[2000.0, 1800.0], busy_scale=[1.0, 1.63])
     rows = _rows(analyze(tmp_path / "run").tables["throttle_slowdown"])
     assert rows[1]["slowdown_vs_dp_peers"] == pytest.approx(0.63)
     assert rows[1]["slowdown_vs_fastest_clock"] == pytest.approx(2000 / 1800 - 1)
+    assert rows[1]["slowdown_vs_fastest"] == pytest.approx(2000 / 1800 - 1)
+    assert rows[1]["slowdown_baseline"] == "fastest_device_clock"
+    assert rows[0]["slowdown_vs_fastest"] == pytest.approx(0.0)
+
+
+def test_without_clock_readings_the_data_parallel_replicas_are_the_baseline(tmp_path: Path) -> None:
+    phased_run(tmp_path / "run", DP2, clocks=[float("nan")] * 2, busy_scale=[1.0, 1.63])
+    rows = _rows(analyze(tmp_path / "run").tables["throttle_slowdown"])
+    assert rows[1]["slowdown_vs_fastest_clock"] is None
     assert rows[1]["slowdown_vs_fastest"] == pytest.approx(0.63)
     assert rows[1]["slowdown_baseline"] == "dp_peers_compute_time"
     assert rows[0]["slowdown_vs_fastest"] == pytest.approx(0.0)
+    # A pipeline stage alone and no clock: no baseline, said so.
+    phased_run(tmp_path / "pp", PP2, clocks=[float("nan")] * 2, busy_scale=[1.0, 1.63])
+    rows = _rows(analyze(tmp_path / "pp").tables["throttle_slowdown"], run="pp")
+    assert rows[1]["slowdown_baseline"] == "none" and rows[1]["slowdown_vs_fastest"] == 0.0
 
 
 def test_an_even_pipeline_without_a_hot_device_has_no_slowdown(tmp_path: Path) -> None:

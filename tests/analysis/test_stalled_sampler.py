@@ -80,6 +80,10 @@ def test_a_stalled_sampler_is_flagged_everywhere(tmp_path: Path, capsys: pytest.
     (dev,) = a.tables["ranks"].to_pylist()
     assert dev["coverage"] < 1.0 and dev["gap_max_s"] >= hit["gap_max_s"] - 1e-9
 
+    # analyze on the command line: the data-quality line
+    assert main(["analyze", str(run_dir), "--out", str(tmp_path / "an0")]) == 0
+    assert "measured step(s) with a sampling gap" in capsys.readouterr().out
+
     # the report: the caveat counts the gap, the table is on the page
     html = tmp_path / "report.html"
     assert main(["report", str(run_dir), "--out", str(tmp_path / "an"), "--html", str(html)]) == 0

@@ -71,11 +71,12 @@ def _throttle_sql() -> str:
         f"sum(throttle_{name}_s) / sum(duration_s) AS throttle_{name}_share" for name, _ in THROTTLE_REASONS
     )
     # Two measures of what a rank's device speed cost it (docs/analysis.md, Throttle-to-slowdown):
-    # its compute time against its data-parallel peers' (same pipeline stage and tensor rank: ranks
-    # that do the same work), and the clock its compute ran at against the fastest device's
-    # compute clock in the run. A pipeline-only run has no such peers, and in tensor and expert
-    # parallel layouts the peers wait for the slow rank inside the same phase, so time cannot
-    # show it there: the clock can.
+    # the clock its compute ran at against the fastest device's compute clock in the run, and its
+    # compute time against its data-parallel replicas' (same pipeline stage and tensor rank). The
+    # clock is the one that exists in every layout and names the slow rank: a pipeline-only run
+    # has no replicas, and a collective inside a phase (tensor and expert parallel, a gradient
+    # reduce overlapped with the backward) makes the *waiting* rank's phase the longer one. The
+    # time is the fallback for devices without clock readings.
     return f"""
 WITH steps AS (
     SELECT run, rank, any_value(pp_stage) AS pp_stage, any_value(tp_rank) AS tp_rank,
@@ -106,12 +107,10 @@ WITH steps AS (
     FROM joined
 )
 SELECT * EXCLUDE (dp_peers, peers_busy_min_s),
-       greatest(coalesce(slowdown_vs_dp_peers, 0), coalesce(slowdown_vs_fastest_clock, 0))
-           AS slowdown_vs_fastest,
-       CASE WHEN slowdown_vs_dp_peers IS NULL AND slowdown_vs_fastest_clock IS NULL THEN 'none'
-            WHEN coalesce(slowdown_vs_dp_peers, -1) >= coalesce(slowdown_vs_fastest_clock, -1)
-                THEN 'dp_peers_compute_time'
-            ELSE 'fastest_device_clock' END AS slowdown_baseline
+       coalesce(slowdown_vs_fastest_clock, slowdown_vs_dp_peers, 0) AS slowdown_vs_fastest,
+       CASE WHEN slowdown_vs_fastest_clock IS NOT NULL THEN 'fastest_device_clock'
+            WHEN slowdown_vs_dp_peers IS NOT NULL THEN 'dp_peers_compute_time'
+            ELSE 'none' END AS slowdown_baseline
 FROM measures ORDER BY run, rank
 """
 
