@@ -1,6 +1,6 @@
 """Issue #32's done check for throttle-to-slowdown: a real `charllm train` on CPU gloo ranks with
 rank 1's synthetic device poorly cooled (hot from the first steps), then `analyze`: the hot rank's
-slowdown is above 0 in pipeline, tensor and data parallel layouts, against a named baseline, and
+slowdown is above 0 in pipeline, tensor, data and expert parallel layouts, against a named baseline, and
 the cool rank's is below it."""
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ pytest.importorskip("megatron.core")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2", "tp2", "dp2"])
-def test_the_hot_rank_is_slowed_in_every_layout(tmp_path: Path, layout: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "model"), [("pp2", "tiny_gpt"), ("tp2", "tiny_gpt"), ("dp2", "tiny_gpt"), ("ep2", "tiny_moe")]
+)
+def test_the_hot_rank_is_slowed_in_every_layout(tmp_path: Path, layout: str, model: str) -> None:
     out = tmp_path / layout
-    cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry=synthetic",
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", f"model={model}", "telemetry=synthetic",
            f"telemetry.out_dir={out}", "batch.train_steps=10", "nproc=2", f"parallel={layout}",
            "batch.global_batch_size=8", "++telemetry.synthetic.devices.1.cooling=0.3",
            "++telemetry.synthetic.devices.1.tau_s=1.0"]  # fmt: skip
@@ -31,5 +33,5 @@ def test_the_hot_rank_is_slowed_in_every_layout(tmp_path: Path, layout: str) -> 
     assert hot["slowdown_vs_fastest"] > 0.05, hot
     assert hot["slowdown_baseline"] == "fastest_device_clock"
     assert cool["slowdown_vs_fastest"] < hot["slowdown_vs_fastest"]
-    if layout != "dp2":  # no data-parallel replica to compare time with
+    if layout in ("pp2", "tp2"):  # no data-parallel replica to compare time with
         assert hot["slowdown_vs_dp_peers"] is None
