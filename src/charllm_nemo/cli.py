@@ -249,9 +249,34 @@ def _print_run(
     if table.num_rows == 0:
         print("no windows to attribute")
         return 0
+    gaps = sampling_gap_line(table)
+    if gaps:
+        print(gaps)
     for line in window_table_lines(table):
         print(line)
     return 0
+
+
+def sampling_gap_line(table: Any) -> str | None:
+    """One line naming the windows with a sampling gap (``coverage`` < 1: no sample for more than
+    2 sample periods, docs/attribution.md) and the longest gap; None when there is none."""
+    if "coverage" not in table.column_names:
+        return None
+    cov = table.column("coverage").to_pylist()
+    gap = table.column("gap_max_s").to_pylist()
+    hit = [i for i, c in enumerate(cov) if c is not None and c == c and c < 1.0]
+    if not hit:
+        return None
+    kinds = table.column("kind").to_pylist()
+    steps = sorted({table.column("step")[i].as_py() for i in hit if kinds[i] == "step"})
+    ranks = sorted({table.column("rank")[i].as_py() for i in hit})
+    worst = max(gap[i] for i in hit if gap[i] is not None)
+    shown = ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")
+    return (
+        f"SAMPLING GAP: {len(hit)} window(s) with coverage below 100 % (marked '!'), longest "
+        f"{worst * 1e3:.0f} ms without a sample; steps {shown or '-'} on rank(s) "
+        f"{', '.join(map(str, ranks[:12]))}: their figures are drawn across the gap"
+    )
 
 
 NAME_WIDTH = 24
@@ -284,12 +309,14 @@ def window_table_lines(table: Any) -> list[str]:
         ("clock_sm_avg_mhz", "SM MHz", "{:.0f}"),
         ("throttle_any_limiting_s", "thr ms", "{:.1f}"),
         ("n_samples", "n", "{}"),
+        ("coverage", "cov %", "{:.0f}"),
+        ("gap_max_s", "gap ms", "{:.0f}"),
     ]
     present = [c for c in cols if c[0] in table.column_names]
     if "device_index" in table.column_names and len(set(table.column("device_index").to_pylist())) <= 1:
         present = [c for c in present if c[0] != "device_index"]
     data = {c[0]: table.column(c[0]).to_pylist() for c in present}
-    scale = {"duration_s": 1e3, "throttle_any_limiting_s": 1e3}
+    scale = {"duration_s": 1e3, "throttle_any_limiting_s": 1e3, "coverage": 100.0, "gap_max_s": 1e3}
     text_cols = {"kind", "name", "energy_method"}
     cells: dict[str, list[str]] = {}
     for name, _, fmt in present:
@@ -301,6 +328,9 @@ def window_table_lines(table: Any) -> list[str]:
             if name in scale:
                 v = v * scale[name]
             text = printable(fmt.format(v), 1000)
+            if name == "coverage" and v < 100.0:
+                # a sampling gap (docs/attribution.md, Coverage); never rounds up to a clean 100
+                text = f"{min(v, 99.0):.0f}!"
             if name == "name" and len(text) > NAME_WIDTH:
                 text = text[: NAME_WIDTH - 1] + "~"
             column.append(text)

@@ -62,3 +62,74 @@ def constant_run(
         m.update(manifest or {})
         write_rank(run, r, samples, windows, m)
     write_summary(run, {"status": "complete", "model": "toy", "world_size": ranks})
+
+
+def phased_run(
+    run: Path,
+    layout: list[dict[str, int]],
+    clocks: list[float],
+    busy_scale: list[float] | None = None,
+    hole: tuple[int, float, float] | None = None,
+    steps: int = 4,
+    overlap_s: float = 0.0,
+) -> None:
+    """Ranks with a forward [b, b + 0.3 s] and backward [b + 0.3, b + 0.7 s] phase in each step
+    [b, b + 0.9 s], b = 0.5 + k s, sampled every 10 ms over [0, steps + 1] s at 400 W.
+
+    ``layout``: per rank its ``pp_stage``, ``tp_rank``, ``dp_rank``. ``clocks``: each rank's SM
+    clock (MHz, constant). ``busy_scale``: each rank's phase lengths times this (the step window
+    stays). ``hole``: (rank, from_s, to_s): that rank has no sample strictly inside. ``overlap_s``:
+    a ``grad-sync`` phase [b + 0.7 - overlap_s, b + 0.9 s] that overlaps the backward by that much."""
+    n = int((steps + 1) * HZ) + 1
+    t_all = (np.arange(n) * 10 * MS).astype(np.int64)
+    for r, lay in enumerate(layout):
+        t = t_all
+        if hole is not None and hole[0] == r:
+            t = t[(t <= hole[1] * 1e9) | (t >= hole[2] * 1e9)]
+        k = t.size
+        samples = {
+            "t_mono_ns": t,
+            "power_instant_w": np.full(k, 400.0),
+            "temp_gpu_c": np.full(k, 50.0),
+            "clock_sm_mhz": np.full(k, clocks[r]),
+            "power_limit_w": np.full(k, 700.0),
+            "throttle_reasons": np.zeros(k, np.int64),
+        }
+        scale = busy_scale[r] if busy_scale else 1.0
+        begin: list[int] = []
+        end: list[int] = []
+        kind: list[str] = []
+        name: list[str] = []
+        step: list[int] = []
+        for s in range(steps):
+            b = (500 + 1000 * s) * MS
+            f, bw = int(300 * MS * scale), int(400 * MS * scale)
+            rows = [("step", "step", b, b + 900 * MS), ("phase", "forward", b, b + f),
+                    ("phase", "backward", b + f, b + f + bw)]  # fmt: skip
+            if overlap_s:
+                rows.append(("phase", "grad-sync", b + f + bw - int(overlap_s * 1e9), b + 900 * MS))
+            for kd, nm, t0, t1 in rows:
+                kind.append(kd)
+                name.append(nm)
+                step.append(s)
+                begin.append(t0)
+                end.append(t1)
+        m = len(kind)
+        windows = {
+            "window_id": np.arange(m, dtype=np.int64),
+            "kind": kind,
+            "name": name,
+            "step": np.array(step, np.int64),
+            "microbatch": np.full(m, -1, np.int64),
+            "t_begin_mono_ns": np.array(begin, np.int64),
+            "t_end_mono_ns": np.array(end, np.int64),
+            "pp_stage": np.full(m, lay["pp_stage"], np.int64),
+            "tp_rank": np.full(m, lay["tp_rank"], np.int64),
+            "dp_rank": np.full(m, lay["dp_rank"], np.int64),
+        }
+        man = {"world_size": len(layout), "host": "node0",
+               "config": {"model": {"name": "toy", "seq_length": 16},
+                          "batch": {"global_batch_size": 8, "micro_batch_size": 1},
+                          "parallel": {"tp": 1, "pp": 1, "cp": 1, "ep": 1}}}  # fmt: skip
+        write_rank(run, r, samples, windows, man)
+    write_summary(run, {"status": "complete", "model": "toy", "world_size": len(layout)})

@@ -112,8 +112,10 @@ def test_window_shorter_than_sampling_period_is_interpolated_and_flagged() -> No
     w = one(samples, S // 4, 35 * S // 100)
     assert w["interpolated"]
     assert w["n_samples"] == 0
-    assert w["coverage"] == 0.0
-    assert w["sample_gap_max_s"] == 1.0
+    # One stretch of 1 s with a 1 s period: not a gap (<= 2 periods), so the window is covered;
+    # the longest interval without a sample inside it is the whole 0.1 s window.
+    assert w["coverage"] == 1.0
+    assert w["gap_max_s"] == pytest.approx(0.1)
     assert w["energy_method"] == "power_trapezoid"
     assert w["energy_j"] == pytest.approx(160.0 * 0.1, rel=1e-12)
     assert w["power_avg_w"] == pytest.approx(160.0, rel=1e-12)
@@ -255,7 +257,7 @@ def test_empty_samples_give_nan_figures_and_method_none() -> None:
     assert w["energy_method"] == "none" and w["n_samples"] == 0 and not w["interpolated"]
     assert w["duration_s"] == 1.0
     for name, value in w.items():
-        if name not in ("duration_s", "n_samples", "coverage", "interpolated", "energy_method"):
+        if name not in ("duration_s", "n_samples", "coverage", "gap_max_s", "interpolated", "energy_method"):
             assert np.isnan(value), name
 
 
@@ -431,13 +433,64 @@ def test_null_metrics_are_ignored_per_metric() -> None:
 
 def test_coverage_columns() -> None:
     # Samples every 100 ms from 0 to 2 s, with one missing at 1.0 s; the window [0.5, 1.5) holds
-    # the samples 0.5 .. 1.4 s but not 1.0: 9 samples spanning 0.9 s of 1 s, largest gap 0.2 s.
+    # the samples 0.5 .. 1.4 s but not 1.0: 9 samples, largest gap 0.2 s = 2 periods, which is
+    # not yet a sampling gap (it must be longer than 2 periods), so the window is fully covered.
     t = np.delete(np.arange(0, 21) * (100 * MS), 10)
     w = one({"t_mono_ns": t}, S // 2, 3 * S // 2)
     assert w["n_samples"] == 9
-    assert w["coverage"] == pytest.approx(0.9)
-    assert w["sample_gap_max_s"] == pytest.approx(0.2)
+    assert w["coverage"] == pytest.approx(1.0)
+    assert w["gap_max_s"] == pytest.approx(0.2)
     assert not w["interpolated"]
+
+
+def _holed(hole_begin_ns: int, hole_end_ns: int, end_ns: int = 2 * S) -> np.ndarray:
+    """Samples every 10 ms over [0, end], none strictly inside (hole_begin, hole_end)."""
+    t = np.arange(0, end_ns + 1, 10 * MS)
+    return t[(t <= hole_begin_ns) | (t >= hole_end_ns)]
+
+
+def test_a_one_second_hole_in_a_two_second_window_is_half_covered() -> None:
+    # Samples every 10 ms, none from 0.5 s to 1.5 s: the 2 s window has 1 s covered (coverage 0.5)
+    # and its longest interval without a sample is the 1 s hole.
+    w = one({"t_mono_ns": _holed(S // 2, 3 * S // 2)}, 0, 2 * S)
+    assert w["coverage"] == pytest.approx(0.5)
+    assert w["gap_max_s"] == pytest.approx(1.0)
+    # A window inside the hole is not covered at all; one before it entirely.
+    inner = one({"t_mono_ns": _holed(S // 2, 3 * S // 2)}, 600 * MS, 700 * MS)
+    assert inner["coverage"] == 0.0 and inner["gap_max_s"] == pytest.approx(0.1)
+    before = one({"t_mono_ns": _holed(S // 2, 3 * S // 2)}, 0, S // 2)
+    assert before["coverage"] == pytest.approx(1.0) and before["gap_max_s"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("hole_ms", [20, 30, 250, 1000])
+def test_coverage_counts_only_stretches_longer_than_two_periods(hole_ms: int) -> None:
+    # A hole of exactly 2 periods (20 ms) is still sampling; 3 periods and more are gaps, and the
+    # window [0, 2 s) loses exactly the hole's length.
+    t = _holed(S // 2, S // 2 + hole_ms * MS)
+    w = one({"t_mono_ns": t}, 0, 2 * S)
+    lost = 0.0 if hole_ms <= 20 else hole_ms / 1000
+    assert w["coverage"] == pytest.approx(1.0 - lost / 2.0)
+    assert w["gap_max_s"] == pytest.approx(hole_ms / 1000)
+
+
+def test_coverage_at_the_edges_and_with_a_given_period() -> None:
+    # The hole straddles the window's begin: only its part inside the window is lost.
+    t = _holed(S // 2, 3 * S // 2)
+    w = one({"t_mono_ns": t}, S, 2 * S)
+    assert w["coverage"] == pytest.approx(0.5)
+    assert w["gap_max_s"] == pytest.approx(0.5)
+    # After the last sample the stretch runs to the window's end: 0.3 s past a 10 ms sampler is a gap.
+    t = np.arange(0, S + 1, 10 * MS)
+    w = one({"t_mono_ns": t}, S // 2, 13 * S // 10)
+    assert w["coverage"] == pytest.approx(0.5 / 0.8)
+    assert w["gap_max_s"] == pytest.approx(0.3)
+    # Told the sampler runs every 200 ms, the same 10 ms samples with a 250 ms hole have no gap.
+    t = _holed(S // 2, 3 * S // 4)
+    w = attribute_windows({"t_mono_ns": t}, [(0, 2 * S)], sample_period_s=0.2)
+    assert w["coverage"][0] == pytest.approx(1.0)
+    # No samples at all: nothing covered; the longest interval without a sample is the window.
+    w = one({"t_mono_ns": np.zeros(0, np.int64)}, 0, S)
+    assert w["coverage"] == 0.0 and w["gap_max_s"] == pytest.approx(1.0)
 
 
 def test_every_output_column_is_documented() -> None:

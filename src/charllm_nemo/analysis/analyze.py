@@ -33,8 +33,9 @@ from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 
 KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
-    "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "measured",
-    "t_begin_mono_ns", "duration_s", "energy_j", "power_avg_w", "power_peak_w", "temp_gpu_peak_c",
+    "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "tp_rank",
+    "measured", "t_begin_mono_ns", "duration_s", "coverage", "gap_max_s", "energy_j", "power_avg_w",
+    "power_peak_w", "temp_gpu_peak_c",
     "clock_sm_avg_mhz", "time_above_limit_s", "largest_rise_100ms_w", "throttle_any_limiting_s",
     *(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS),
 )  # fmt: skip
@@ -42,7 +43,7 @@ KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
 
 TABLES = (
     "runs", "ranks", "platforms", "excursions", "thermal", "thermal_steps",
-    "throttle_slowdown", "phase_energy",
+    "throttle_slowdown", "phase_energy", "sampling_ranks", "sampling_steps",
 )  # fmt: skip
 """The summary tables, in the order reports show them (``windows`` is written alongside)."""
 

@@ -60,8 +60,26 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
             f"{_fmt(r.get('samples_per_s'))} samples/s, {_fmt(r.get('energy_j'))} J over "
             f"{r.get('measured_steps')} steps, {_fmt(eff)} samples/(s*MJ), {_fmt(tpj)} tokens/J"
         )
+    gaps = data_quality_line(tables)
+    if gaps:
+        print(f"  {gaps}")
     for p in problems:
         print(f"  problem: {p}")
+
+
+def data_quality_line(tables: dict[str, Any]) -> str | None:
+    """The findings' data-quality line: measured steps with a sampling gap (docs/analysis.md,
+    sampling tables), or None when every step was sampled throughout."""
+    if "sampling_steps" not in tables or tables["sampling_steps"].num_rows == 0:
+        return None
+    steps = tables["sampling_steps"].to_pylist()
+    ranks = [r for r in tables["sampling_ranks"].to_pylist() if r.get("flagged")]
+    worst = max(s["gap_max_s"] for s in steps)
+    return (
+        f"data quality: {len(steps)} measured step(s) with a sampling gap (no sample for more than 2 "
+        f"sample periods, longest {worst:.3g} s) on {len(ranks)} rank(s); their figures are drawn "
+        "across the gap: see sampling_steps and sampling_ranks"
+    )
 
 
 def _fmt(v: Any) -> str:

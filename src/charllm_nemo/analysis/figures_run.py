@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from charllm_nemo.analysis.figures_sweep import save
 from charllm_nemo.analysis.load import Run, iter_rank_arrays
 from charllm_nemo.telemetry.schema import INT_NULL
+from charllm_nemo.telemetry.timelines import GAP_PERIODS, sample_period_ns
 
 MAX_TIMELINE_RANKS = 8
 """Ranks drawn in one timeline (one row each); the rest are in the tables."""
@@ -56,13 +57,19 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
             & (s["t_mono_ns"] <= t_hi + pad)
             & (s["device_index"] == s["device_index"][0])
         )
-        t = (s["t_mono_ns"][keep] - origin) / 1e9
-        ax.plot(t, s["power_instant_w"][keep], color="tab:red", linewidth=1, label="power (W)")
+        t, (power, temp, clock) = broken_at_gaps(
+            s["t_mono_ns"][keep] - origin,
+            s["power_instant_w"][keep],
+            s["temp_gpu_c"][keep],
+            s["clock_sm_mhz"][keep],
+        )
+        t = t / 1e9
+        ax.plot(t, power, color="tab:red", linewidth=1, label="power (W)")
         ax.set_ylabel(f"rank {ra.rank}\npower (W)", color="tab:red")
         twin = ax.twinx()
-        twin.plot(t, s["temp_gpu_c"][keep], color="tab:orange", linewidth=1, label="GPU temp (°C)")
+        twin.plot(t, temp, color="tab:orange", linewidth=1, label="GPU temp (°C)")
         twin.set_ylabel("°C / MHz/20", fontsize=8)
-        twin.plot(t, s["clock_sm_mhz"][keep] / 20.0, color="tab:blue", linewidth=1, label="SM clock (MHz/20)")
+        twin.plot(t, clock / 20.0, color="tab:blue", linewidth=1, label="SM clock (MHz/20)")
         for k, i in enumerate(np.flatnonzero(is_step & sel_w)):
             b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
             ax.axvspan(b, e, color="grey", alpha=0.12 if k % 2 else 0.25, linewidth=0)
@@ -78,6 +85,24 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
     fig.suptitle(run.key, y=1.05, fontsize=10)
     fig.tight_layout()
     return save(fig, stem)
+
+
+def broken_at_gaps(
+    t_ns: np.ndarray[Any, Any], *ys: np.ndarray[Any, Any]
+) -> tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]]]:
+    """Sorted sample times and values with a NaN point inserted inside every sampling gap (a step
+    longer than GAP_PERIODS median steps, docs/attribution.md *Coverage*), so that a line plot
+    breaks there instead of drawing a straight line across time nobody sampled. Times come back
+    as float64 ns (the NaN point sits mid-gap), values as float64."""
+    order = np.argsort(t_ns, kind="stable")
+    t = np.asarray(t_ns, dtype=np.int64)[order]
+    values = [np.asarray(y, dtype=np.float64)[order] for y in ys]
+    period = sample_period_ns(t)
+    if not np.isfinite(period) or period <= 0:
+        return t.astype(np.float64), values
+    at = np.flatnonzero(np.diff(t) > GAP_PERIODS * period) + 1
+    mid = (t[at - 1] + t[at]) / 2.0
+    return np.insert(t.astype(np.float64), at, mid), [np.insert(v, at, np.nan) for v in values]
 
 
 def excursions_figure(windows: pa.Table, runs: pa.Table, stem: Path) -> list[Path]:

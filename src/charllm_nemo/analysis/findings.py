@@ -70,9 +70,17 @@ def _throttle_sql() -> str:
     shares = ",\n       ".join(
         f"sum(throttle_{name}_s) / sum(duration_s) AS throttle_{name}_share" for name, _ in THROTTLE_REASONS
     )
+    # Two measures of what a rank's device speed cost it (docs/analysis.md, Throttle-to-slowdown):
+    # the clock its compute ran at against the fastest device's compute clock in the run, and its
+    # compute time against its data-parallel replicas' (same pipeline stage and tensor rank). The
+    # clock is the one that exists in every layout and names the slow rank: a pipeline-only run
+    # has no replicas, and a collective inside a phase (tensor and expert parallel, a gradient
+    # reduce overlapped with the backward) makes the *waiting* rank's phase the longer one. The
+    # time is the fallback for devices without clock readings.
     return f"""
 WITH steps AS (
-    SELECT run, rank, any_value(pp_stage) AS pp_stage, sum(duration_s) AS step_s,
+    SELECT run, rank, any_value(pp_stage) AS pp_stage, any_value(tp_rank) AS tp_rank,
+       sum(duration_s) AS step_s,
        {shares},
        sum(throttle_any_limiting_s) / sum(duration_s) AS throttle_any_limiting_share
     FROM w WHERE kind = 'step' AND measured GROUP BY run, rank
@@ -81,13 +89,52 @@ WITH steps AS (
         SELECT run, rank, step, sum(duration_s) AS busy_s FROM w
         WHERE kind = 'phase' AND name IN ('forward', 'backward') AND measured
         GROUP BY run, rank, step) GROUP BY run, rank
+), clock AS (
+    SELECT run, rank, sum(clock_sm_avg_mhz * duration_s) / sum(duration_s) AS compute_clock_mhz
+    FROM w WHERE kind = 'phase' AND name IN ('forward', 'backward') AND measured
+        AND clock_sm_avg_mhz > 0 AND duration_s > 0
+    GROUP BY run, rank
+), joined AS (
+    SELECT s.*, b.busy_median_s, c.compute_clock_mhz,
+       count(b.busy_median_s) OVER (PARTITION BY s.run, s.pp_stage, s.tp_rank) AS dp_peers,
+       min(b.busy_median_s) OVER (PARTITION BY s.run, s.pp_stage, s.tp_rank) AS peers_busy_min_s,
+       max(c.compute_clock_mhz) OVER (PARTITION BY s.run) AS fastest_clock_mhz
+    FROM steps s LEFT JOIN busy b USING (run, rank) LEFT JOIN clock c USING (run, rank)
+), measures AS (
+    SELECT *,
+       CASE WHEN dp_peers >= 2 THEN busy_median_s / peers_busy_min_s - 1 END AS slowdown_vs_dp_peers,
+       fastest_clock_mhz / compute_clock_mhz - 1 AS slowdown_vs_fastest_clock
+    FROM joined
 )
-SELECT s.*, b.busy_median_s,
-       b.busy_median_s / min(b.busy_median_s) OVER (PARTITION BY s.run, s.pp_stage) - 1 AS slowdown_vs_fastest
-FROM steps s LEFT JOIN busy b USING (run, rank) ORDER BY s.run, s.rank
+SELECT * EXCLUDE (dp_peers, peers_busy_min_s),
+       coalesce(slowdown_vs_fastest_clock, slowdown_vs_dp_peers, 0) AS slowdown_vs_fastest,
+       CASE WHEN slowdown_vs_fastest_clock IS NOT NULL THEN 'fastest_device_clock'
+            WHEN slowdown_vs_dp_peers IS NOT NULL THEN 'dp_peers_compute_time'
+            ELSE 'none' END AS slowdown_baseline
+FROM measures ORDER BY run, rank
 """
 
 
+SAMPLING_RANKS_SQL = """
+SELECT run, rank, count(*) AS steps,
+       count(*) FILTER (WHERE coverage < 1) AS steps_with_gaps,
+       min(coverage) AS coverage_min, max(gap_max_s) AS gap_max_s,
+       count(*) FILTER (WHERE coverage < 1) > 0 AS flagged
+FROM w WHERE kind = 'step' AND measured GROUP BY run, rank ORDER BY run, rank
+"""
+
+SAMPLING_STEPS_SQL = """
+SELECT run, step, min(coverage) AS coverage, max(gap_max_s) AS gap_max_s,
+       count(DISTINCT rank) AS ranks_with_gaps, string_agg(DISTINCT CAST(rank AS VARCHAR), ' ') AS ranks
+FROM w WHERE kind = 'step' AND measured AND coverage < 1 GROUP BY run, step ORDER BY run, step
+"""
+"""Steps with a sampling gap (docs/attribution.md, Coverage): only the flagged ones, one row each."""
+
+
+# bubble_j is clamped per step at 0 (docs/analysis.md, Per-phase energy): the phases' energies can
+# add up to more than their step's, from phase windows that overlap (a gradient sync overlapped
+# with the backward pass) and from the step's energy coming from the hardware counter while the
+# short phases' come from the power trapezoid; phases_over_step_j shows what was clamped.
 PHASE_SQL = """
 WITH phases AS (
     SELECT run, rank, step,
@@ -107,12 +154,14 @@ WITH phases AS (
 )
 SELECT run, rank, sum(step_j) AS step_j, sum(forward_j) AS forward_j, sum(backward_j) AS backward_j,
        sum(optimizer_j) AS optimizer_j, sum(communication_j) AS communication_j,
-       sum(step_j - forward_j - backward_j - optimizer_j - communication_j) AS bubble_j,
+       sum(greatest(step_j - phases_j, 0)) AS bubble_j,
+       sum(greatest(phases_j - step_j, 0)) AS phases_over_step_j,
        sum(forward_j) / sum(step_j) AS forward_share, sum(backward_j) / sum(step_j) AS backward_share,
        sum(optimizer_j) / sum(step_j) AS optimizer_share,
        sum(communication_j) / sum(step_j) AS communication_share,
-       sum(step_j - forward_j - backward_j - optimizer_j - communication_j) / sum(step_j) AS bubble_share
-FROM split GROUP BY run, rank ORDER BY run, rank
+       sum(greatest(step_j - phases_j, 0)) / sum(step_j) AS bubble_share
+FROM (SELECT *, forward_j + backward_j + optimizer_j + communication_j AS phases_j FROM split)
+GROUP BY run, rank ORDER BY run, rank
 """
 
 
@@ -125,5 +174,7 @@ def findings(con: duckdb.DuckDBPyConnection) -> dict[str, pa.Table]:
     con.register("thermal_steps", out["thermal_steps"])
     out["thermal"] = con.sql(THERMAL_RUN_SQL).to_arrow_table()
     out["throttle_slowdown"] = con.sql(_throttle_sql()).to_arrow_table()
+    out["sampling_ranks"] = con.sql(SAMPLING_RANKS_SQL).to_arrow_table()
+    out["sampling_steps"] = con.sql(SAMPLING_STEPS_SQL).to_arrow_table()
     out["phase_energy"] = con.sql(PHASE_SQL).to_arrow_table()
     return out

@@ -18,6 +18,7 @@ from charllm_nemo.analysis.metrics import (
 )
 from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
+from charllm_nemo.telemetry.timelines import _coverage, sample_period_ns
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
@@ -70,6 +71,13 @@ def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> 
     p = s.get("power_instant_w", np.full(t.size, np.nan))
     row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
     row["n_samples"] = float(t.size)
+    # Over the device's own span: the share of it sampled without a gap and its longest gap
+    # (docs/attribution.md, Coverage), so a stalled sampler shows in the per-rank table.
+    if t.size >= 2:
+        cov, gap = _coverage(t, t[:1], t[-1:], sample_period_ns(t))
+        row["coverage"], row["gap_max_s"] = float(cov[0]), float(gap[0])
+    else:
+        row["coverage"], row["gap_max_s"] = float("nan"), float("nan")
     row["power_avg_w"] = time_weighted_mean(t, p)
     row["power_peak_w"] = float(np.nanmax(p)) if np.isfinite(p).any() else float("nan")
     for name in ("temp_gpu_c", "temp_hbm_c"):

@@ -84,11 +84,16 @@ def caveats(analysis: Analysis) -> list[str]:
     if full is not None and full.exists():
         import pyarrow.parquet as pq
 
-        interp = pq.read_table(full, columns=["interpolated", "coverage"])
+        interp = pq.read_table(full, columns=["interpolated", "coverage", "gap_max_s"])
         k = int(pc.sum(interp["interpolated"]).as_py() or 0)
-        low = int(pc.sum(pc.less(interp["coverage"], 0.5)).as_py() or 0)
+        gapped = pc.less(interp["coverage"], 1.0)
+        low = int(pc.sum(gapped).as_py() or 0)
+        worst = pc.max(pc.filter(interp["gap_max_s"], gapped)).as_py() if low else None
         out.append(
-            f"Flagged windows: {k} interpolated (fewer than 2 samples inside), {low} with coverage below 0.5."
+            f"Flagged windows: {k} interpolated (fewer than 2 samples inside), {low} with a sampling gap "
+            f"(coverage below 1: no sample for more than 2 sample periods"
+            + (f", longest {worst:.3g} s" if worst is not None else "")
+            + "; tables sampling_ranks and sampling_steps)."
         )
     failed = [r["run"] for r in runs if not r.get("measured_steps")]
     if failed:

@@ -45,15 +45,16 @@ from charllm_nemo.telemetry.timelines import (
     _as_int64,
     _counted_mean_power,
     _counter_energy,
+    _coverage,
     _delta,
     _held,
     _int_timeline,
-    _range_reduce,
     _Series,
     counter_delta,
     energy_from_counter,
     held_time,
     integrate_power,
+    sample_period_ns,
 )
 
 __all__ = [
@@ -88,9 +89,9 @@ _TRAFFIC_COUNTERS: tuple[str, ...] = ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_
 ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("duration_s", "s", "t_end - t_begin; NaN for an invalid (open or reversed) window"),
     ("n_samples", "count", "samples with t_begin <= t_mono_ns < t_end"),
-    ("coverage", "fraction", "(last - first sample inside) / duration; 0 with fewer than 2 inside"),
+    ("coverage", "fraction", "share of the window's time in stretches between samples <= 2 periods"),
     ("interpolated", "bool", "fewer than 2 samples inside: the figures come from the neighbours"),
-    ("sample_gap_max_s", "s", "largest gap between consecutive samples whose interval meets the window"),
+    ("gap_max_s", "s", "longest interval inside the window without a sample (edges included)"),
     ("energy_j", "J", "energy over the window, by energy_method"),
     ("energy_method", "-", "counter | power_trapezoid | power_avg_trapezoid | none | invalid"),
     ("power_avg_w", "W", "energy_j / duration_s (mean power consistent with energy_j)"),
@@ -253,6 +254,7 @@ def attribute_windows(
     *,
     min_counter_ticks: int = MIN_COUNTER_TICKS,
     figures: Collection[str] | None = None,
+    sample_period_s: float | None = None,
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Per-window figures for one device: every column of :data:`ATTRIBUTION_COLUMNS`, or only
     those named in ``figures`` (the groups nobody asked for are not computed: a training loop
@@ -268,6 +270,8 @@ def attribute_windows(
     figures and ``energy_method == "invalid"``. ``min_counter_ticks``: energy comes from the
     hardware counter only for windows holding at least that many counter ticks (see
     :data:`MIN_COUNTER_TICKS`); shorter ones use the instant-power timeline.
+    ``sample_period_s``: the sampling period that ``coverage`` judges gaps by (a stretch longer
+    than 2 periods is uncovered); None: the median step of these samples.
     """
     wanted = check_figures(figures)
 
@@ -292,29 +296,18 @@ def attribute_windows(
         c = _as_int64(cols[name]) if name in cols else np.full(t.size, INT_NULL, dtype=np.int64)
         return _int_timeline(t, c)
 
-    if want("n_samples", "coverage", "interpolated", "sample_gap_max_s"):
+    if want("n_samples", "coverage", "interpolated", "gap_max_s"):
         # Coverage, over all samples whatever their metrics hold.
         lo = np.searchsorted(t, t0, side="left")
         hi = np.searchsorted(t, t1, side="left")
         n_in = (hi - lo).astype(np.int64)
-        coverage = np.zeros(m)
-        many = n_in >= 2
-        if many.any():
-            spanned = (t[hi[many] - 1] - t[lo[many]]).astype(np.float64) / NS_PER_S
-            coverage[many] = spanned / dur_s[many]
-        gap_max = np.full(m, np.nan)
-        if t.size >= 2:
-            glo = np.maximum(np.searchsorted(t, t0, side="right") - 1, 0)
-            ghi = np.minimum(hi, t.size - 1)
-            touch = ghi > glo
-            if touch.any():
-                gaps = np.diff(t).astype(np.float64) / NS_PER_S
-                gap_max[touch] = _range_reduce(np.maximum, gaps, glo[touch], ghi[touch])
+        period = sample_period_ns(t) if sample_period_s is None else sample_period_s * NS_PER_S
+        coverage, gap_max = _coverage(t, t0, t1, period)
         bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
         out["n_samples"] = np.where(valid, n_in, 0)
         out["coverage"] = np.where(valid, coverage, np.nan)
         out["interpolated"] = valid & bracketed & (n_in < 2)
-        out["sample_gap_max_s"] = np.where(valid, gap_max, np.nan)
+        out["gap_max_s"] = np.where(valid, gap_max, np.nan)
 
     instant = floats("power_instant_w")
     if want(*_ENERGY_FIGURES):

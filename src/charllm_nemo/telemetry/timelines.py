@@ -402,3 +402,79 @@ def held_time(t_ns: Any, flags: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
     t = _checked_times(t_ns)
     t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
     return _held(t, np.asarray(flags, dtype=bool), t0, t1)
+
+
+GAP_PERIODS: Final = 2
+"""A stretch between consecutive samples longer than this many sample periods is a sampling gap."""
+
+
+def sample_period_ns(t: IntArray) -> float:
+    """The sampling period of one device's sorted sample times: the median step (NaN with fewer
+    than 2 samples). The median, not the mean: a stalled sampler's few long steps would inflate
+    a mean and hide the very gaps it measures."""
+    if t.size < 2:
+        return float("nan")
+    return float(np.median(np.diff(t)))
+
+
+def _coverage(t: IntArray, t0: IntArray, t1: IntArray, period_ns: float) -> tuple[FloatArray, FloatArray]:
+    """Per window [t0, t1): the share of its time covered by samples and its longest stretch
+    without a sample (s), docs/attribution.md *Coverage*.
+
+    A stretch is the time between two consecutive samples; one longer than GAP_PERIODS periods is
+    uncovered. Before the first and after the last sample the stretch runs to the window's edge.
+    With fewer than 2 samples (no period) nothing is covered."""
+    m = t0.size
+    dur = (t1 - t0).astype(np.float64)
+    n = t.size
+    gap_max = dur.copy()
+    if n == 0 or not np.isfinite(period_ns):
+        cov = np.zeros(m)
+        if n:
+            i0 = np.searchsorted(t, t0, side="right")
+            i1 = np.searchsorted(t, t1, side="left")
+            inside = i1 > i0
+            gap_max[inside] = np.maximum(t[i0[inside]] - t0[inside], t1[inside] - t[i1[inside] - 1])
+        return cov, gap_max / NS_PER_S
+    limit = GAP_PERIODS * period_ns
+    g = np.diff(t).astype(np.float64)
+    ok = g <= limit
+    csum = np.concatenate(([0.0], np.cumsum(np.where(ok, g, 0.0))))
+    i0 = np.searchsorted(t, t0, side="right")  # first sample after t0
+    i1 = np.searchsorted(t, t1, side="left")  # first sample at-or-after t1
+    inside = i1 > i0
+    covered = np.zeros(m)
+
+    def stretch_ok(k: IndexArray, open_len: FloatArray) -> BoolArray:
+        """Is the stretch that begins at sample k-1 and ends at sample k short enough (k == 0 or
+        k == n: open, measured by open_len)?"""
+        inner = (k > 0) & (k < n)
+        res = open_len <= limit
+        res[inner] = ok[k[inner] - 1]
+        return res
+
+    a, b = i0[inside], i1[inside] - 1  # first and last sample inside
+    left = (t[a] - t0[inside]).astype(np.float64)
+    right = (t1[inside] - t[b]).astype(np.float64)
+    covered[inside] = (
+        (csum[b] - csum[a])
+        + np.where(stretch_ok(a, left), left, 0.0)
+        + np.where(stretch_ok(b + 1, right), right, 0.0)
+    )
+    if inside.any():
+        gaps_inner = np.zeros(a.size)
+        many = b > a
+        if many.any():
+            gaps_inner[many] = _range_reduce(np.maximum, g, a[many], b[many])
+        gap_max[inside] = np.maximum(np.maximum(left, right), gaps_inner)
+    # No sample inside: the window lies in one stretch, from the sample before t0 (if any) to the
+    # sample at-or-after t1 (if any); an open stretch is measured to the window's far edge.
+    k = i0[~inside]
+    s0, s1 = t0[~inside], t1[~inside]
+    before = np.where(k > 0, s1 - t[np.maximum(k - 1, 0)], np.inf)
+    after = np.where(k < n, t[np.minimum(k, n - 1)] - s0, np.inf)
+    open_len = np.minimum(before, after).astype(np.float64)
+    cov = np.zeros(m)
+    cov[~inside] = stretch_ok(k, open_len)  # all or nothing (a zero-length window too)
+    cov[inside] = np.clip(covered[inside] / dur[inside], 0.0, 1.0)  # dur > 0: a sample is inside
+    return cov, gap_max / NS_PER_S
