@@ -39,6 +39,7 @@ from charllm_nemo.telemetry.process.mark_ring import (
     write_figures,
 )
 from charllm_nemo.telemetry.process.ring import (
+    D_EXPORT_RATES,
     FLOAT_COLUMNS,
     H_BYTES,
     H_DISK_FULL,
@@ -199,6 +200,7 @@ class Collector:
         self.flush_ns_max = q[H_FLUSH_NS_MAX]
         self.figures_served = q[H_FIGURES_SERVED]
         self.rows_lost = q[H_ROWS_LOST]
+        self.exporter: Any = None  # telemetry.export: fed the new samples and records every tick
 
     def close(self) -> None:
         """Drop the views into the block (the block cannot be closed while they exist)."""
@@ -466,9 +468,16 @@ class Collector:
     def tick(self) -> None:
         """Take, answer, and flush when due. Never raises."""
         try:
+            n_samples, n_records = len(self._pending_samples), len(self._pending_records)
             self.take_samples()
             self.take_marks()
             self.serve()
+            if self.exporter is not None:  # telemetry/export/: what this tick took
+                d = self.block.d
+                rates = (d[D_EXPORT_RATES], d[D_EXPORT_RATES + 1], d[D_EXPORT_RATES + 2])
+                self.exporter.update(
+                    self, self._pending_samples[n_samples:], self._pending_records[n_records:], rates
+                )
         except Exception:
             log.exception("telemetry collector tick failed")
         # Records free their ring slots only once stored (so that a salvage finds them): flush
