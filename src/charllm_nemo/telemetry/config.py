@@ -220,6 +220,7 @@ def export_options(cfg: TelemetryConfig, placement: Placement) -> dict[str, Any]
         "local_rank": placement.local_rank,
         "run": Path(str(cfg.out_dir)).name,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "parallel": {k: int(v) for k, v in placement.labels.items() if k in MEGATRON_LABELS},
     }
 
 

@@ -88,6 +88,7 @@ class Exporter:
             labels,
             str(options.get("host_label") or socket.gethostname()),
         )
+        self.state.set_parallel(dict(options.get("parallel") or {}))  # the step windows may update them
         self.period_ns = max(1, int(period_ns))
         self.interval_ns = int(float(options.get("interval_s", 5.0)) * 1e9)
         self._pending: list[tuple[int, int, int]] = []  # step, t_begin, t_end
