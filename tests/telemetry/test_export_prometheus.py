@@ -27,9 +27,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from charllm_nemo.telemetry.join import attribute_run  # noqa: E402
-from charllm_nemo.telemetry.reader import load_run  # noqa: E402
-from tests.train.test_cpu_training import run_ranks, tiny_cfg  # noqa: E402
+from tests.train.test_cpu_training import run_ranks, tiny_cfg
+
+from charllm_nemo.telemetry.join import attribute_run
+from charllm_nemo.telemetry.reader import load_run
 
 PROMETHEUS = shutil.which("prometheus")
 if PROMETHEUS is None:
