@@ -113,9 +113,10 @@ class Exporter:
         samples: Sequence[Mapping[str, np.ndarray[Any, Any]]],
         records: Sequence[np.ndarray[Any, Any]],
         rates: tuple[float, float, float] = (0.0, 0.0, 0.0),
+        final: bool = False,
     ) -> None:
-        """Take this tick's new samples and records; compute the steps the samples have passed.
-        Never raises (logged once per kind of failure would be noise: logged each time, rare)."""
+        """Take this tick's new samples and records; compute the steps the samples have passed
+        (``final``: every step left, the samples end here). Never raises: a failure is logged."""
         t0 = time.thread_time_ns()
         rates = rates_nan_to_zero(rates)
         try:
@@ -123,7 +124,7 @@ class Exporter:
                 self.state.take_samples(chunk)
             for recs in records:
                 self._take_records(recs)
-            due = [p for p in self._pending if p[2] + 2 * self.period_ns <= collector._last_t]
+            due = [p for p in self._pending if final or p[2] + 2 * self.period_ns <= collector._last_t]
             if due:
                 self._pending = [p for p in self._pending if p not in due]
                 answers = collector.figures_of_windows([(p[1], p[2]) for p in due], STEP_FIGURES)

@@ -472,12 +472,7 @@ class Collector:
             self.take_samples()
             self.take_marks()
             self.serve()
-            if self.exporter is not None:  # telemetry/export/: what this tick took
-                d = self.block.d
-                rates = (d[D_EXPORT_RATES], d[D_EXPORT_RATES + 1], d[D_EXPORT_RATES + 2])
-                self.exporter.update(
-                    self, self._pending_samples[n_samples:], self._pending_records[n_records:], rates
-                )
+            self._export(n_samples, n_records)
         except Exception:
             log.exception("telemetry collector tick failed")
         # Records free their ring slots only once stored (so that a salvage finds them): flush
@@ -487,11 +482,21 @@ class Collector:
             self._next_flush = time.monotonic_ns() + self.flush_interval_ns
             self.flush()
 
+    def _export(self, n_samples: int, n_records: int, final: bool = False) -> None:
+        """Hand the live exporter (telemetry/export/) what was taken since those counts."""
+        if self.exporter is not None:
+            d = self.block.d
+            rates = (d[D_EXPORT_RATES], d[D_EXPORT_RATES + 1], d[D_EXPORT_RATES + 2])
+            new = self._pending_samples[n_samples:], self._pending_records[n_records:]
+            self.exporter.update(self, *new, rates, final=final)
+
     def finish(self) -> None:
         """Take everything left, answer every request, flush."""
+        n_samples, n_records = len(self._pending_samples), len(self._pending_records)
         self.take_samples()
         self.take_marks()
         self.serve(final=True)
+        self._export(n_samples, n_records, final=True)
         self.flush()
 
 

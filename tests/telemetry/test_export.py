@@ -1,0 +1,297 @@
+"""Live export (telemetry/export/): the exposition text, the values it holds, the textfile
+write, the options, the Grafana dashboard's queries, and one rank's endpoint end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from charllm_nemo.devices.contract import INT_NULL, THROTTLE_BITS
+from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.config import Placement, TelemetryConfig, open_session, validate_telemetry
+from charllm_nemo.telemetry.export import metric_names
+from charllm_nemo.telemetry.export.exporter import write_textfile
+from charllm_nemo.telemetry.export.names import ALL_FAMILIES, DEVICE_FAMILIES
+from charllm_nemo.telemetry.export.state import ExportState, label_text
+from charllm_nemo.telemetry.join import attribute_run
+from charllm_nemo.telemetry.reader import load_run
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(?:[A-Za-z_][A-Za-z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
+
+
+def _state() -> ExportState:
+    return ExportState([(0, "GPU-abc", "H100")], {"run": "r", "dl_rank": 3, "slurm_job_id": None}, "node-1")
+
+
+def _chunk(t: list[int], **cols: list[float]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {
+        "t_mono_ns": np.array(t, np.int64),
+        "device_index": np.zeros(len(t), np.int16),
+    }
+    for name, values in cols.items():
+        kind = np.int64 if name in ("energy_mj", "throttle_reasons", "mem_used_bytes") else np.float64
+        out[name] = np.array(values, kind)
+    out.setdefault("throttle_reasons", np.full(len(t), INT_NULL, np.int64))
+    return out
+
+
+def _parse(text: str) -> dict[str, list[tuple[str, float]]]:
+    """name -> [(labels text, value)], checking every line's syntax and that each series follows
+    its family's HELP and TYPE."""
+    typed: set[str] = set()
+    out: dict[str, list[tuple[str, float]]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line[7:].split(" ")
+            assert kind in ("gauge", "counter")
+            typed.add(name)
+            continue
+        if line.startswith("# HELP "):
+            continue
+        m = LINE.match(line)
+        assert m, line
+        assert m.group(1) in typed, line
+        out.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
+    return out
+
+
+def test_render_keeps_dcgm_names_and_labels_and_skips_missing_values() -> None:
+    st = _state()
+    st.set_parallel({"pp_stage": 1, "tp_rank": 0})
+    st.take_samples(
+        _chunk([0, 10], power_avg_w=[100.0, math.nan], energy_mj=[5000, INT_NULL], temp_gpu_c=[40.0, 41.0])
+    )
+    series = _parse(st.render().decode())
+    # The newest non-null value of each column; a column never seen has no series at all.
+    assert series["DCGM_FI_DEV_POWER_USAGE"][0][1] == 100.0
+    assert series["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"][0][1] == 5000  # a counter, no _total
+    assert series["DCGM_FI_DEV_GPU_TEMP"][0][1] == 41.0
+    assert "DCGM_FI_DEV_MEMORY_TEMP" not in series and "charllm_step" not in series
+    labels = series["DCGM_FI_DEV_POWER_USAGE"][0][0]
+    assert labels == (
+        '{gpu="0",UUID="GPU-abc",modelName="H100",Hostname="node-1",run="r",dl_rank="3",pp_stage="1",tp_rank="0"}'
+    )
+    assert set(series) <= metric_names()
+
+
+def test_label_values_are_escaped() -> None:
+    assert label_text({"a": 'x"y\\z\nw', "b": None, "c": ""}) == '{a="x\\"y\\\\z\\nw"}'
+
+
+def test_throttle_time_is_held_until_the_next_mask_across_chunks() -> None:
+    st = _state()
+    cap, therm = THROTTLE_BITS["sw_power_cap"], THROTTLE_BITS["hw_thermal"]
+    st.take_samples(_chunk([0, 10, 30], throttle_reasons=[cap, cap | therm, 0]))
+    st.take_samples(_chunk([45, 50], throttle_reasons=[INT_NULL, therm]))
+    st.take_samples(_chunk([70], throttle_reasons=[0]))
+    held = st.throttle_ns[0]
+    assert held["sw_power_cap"] == 10 + 20  # 0-10 and 10-30
+    assert held["hw_thermal"] == 20 + 20  # 10-30 and 50-70; the null at 45 holds nothing
+    assert held["idle"] == 0
+    series = _parse(st.render().decode())
+    assert series["DCGM_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP_NS"][0][1] == 30
+    assert series["DCGM_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN_NS"][0][1] == 40
+
+
+def test_step_figures_throughput_and_mfu() -> None:
+    st = _state()
+    fig = {"energy_j": 50.0, "power_avg_w": 100.0, "throttle_any_limiting_s": 0.125}
+    st.take_step(7, 0.5, {0: fig}, (4096.0, 2e12, 1e13))
+    st.take_step(8, 0.5, {0: fig}, (0.0, 0.0, 0.0))  # rates unknown: no throughput, no MFU
+    s = _parse(st.render().decode())
+    assert s["charllm_step"][0][1] == 8
+    assert s["charllm_step_throttle_share"][0][1] == 0.25
+    assert s["charllm_steps_total"][0][1] == 2 and s["charllm_energy_joules_total"][0][1] == 100.0
+    assert "charllm_step_mfu" not in s and "charllm_step_tokens_per_second" not in s
+    st.take_step(9, 0.5, {0: fig}, (4096.0, 2e12, 1e13))
+    s = _parse(st.render().decode())
+    assert s["charllm_step_tokens_per_second"][0][1] == 8192.0
+    assert s["charllm_step_mfu"][0][1] == pytest.approx(0.4)  # 2e12 / 0.5 s / 1e13
+    # The step is a gauge, never a label.
+    assert all("step" not in labels for values in s.values() for labels, _ in values)
+
+
+def test_every_family_is_named_once_and_device_sources_exist() -> None:
+    from charllm_nemo.devices.contract import METRIC_NAMES
+
+    names = [f.name for f in ALL_FAMILIES]
+    assert len(names) == len(set(names))
+    assert {f.source for f in DEVICE_FAMILIES} <= set(METRIC_NAMES)
+    assert not any(n.startswith("DCGM") and n.endswith("_total") for n in names)
+
+
+def test_textfile_is_replaced_atomically_and_never_written_through_a_link(tmp_path: Path) -> None:
+    target = tmp_path / "charllm-rank0.prom"
+    write_textfile(target, b"a 1\n")
+    write_textfile(target, b"a 2\n")
+    assert target.read_bytes() == b"a 2\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["charllm-rank0.prom"]
+    # A link planted at the temporary's name: the open fails, the link's target is untouched.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / f".charllm-rank0.prom.{os.getpid()}.tmp").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        write_textfile(target, b"a 3\n")
+    assert victim.read_bytes() == b"keep" and target.read_bytes() == b"a 2\n"
+    # A link at the file's own name is replaced by the file, not written through.
+    (tmp_path / f".charllm-rank0.prom.{os.getpid()}.tmp").unlink()
+    target.unlink()
+    target.symlink_to(victim)
+    write_textfile(target, b"a 4\n")
+    assert not target.is_symlink() and target.read_bytes() == b"a 4\n" and victim.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"export": "otlp"}, "telemetry.export='otlp' is not valid; use one of [off, prometheus, textfile]"),
+        ({"export": "prometheus", "export_port": 0}, "telemetry.export_port=0 is not a TCP port"),
+        ({"export": "textfile"}, "telemetry.export=textfile needs telemetry.export_textfile_dir"),
+        ({"export": "prometheus", "export_interval_s": -1.0}, "telemetry.export_interval_s=-1.0 must be"),
+    ],
+)
+def test_bad_export_options_name_the_field(tmp_path: Path, changes: dict, message: str) -> None:
+    cfg = TelemetryConfig(out_dir=str(tmp_path / "run"), **changes)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_telemetry(cfg)
+
+
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "and",
+    "or",
+    "unless",
+}
+
+
+def dashboard_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers that are not a function or an
+    aggregation (followed by '('), a label inside {...} or by (...), a range, or a keyword."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        rest = expr[m.end() :].lstrip()
+        if rest.startswith("(") or m.group(0) in PROMQL_WORDS or re.fullmatch(r"\d.*|e\d+", m.group(0)):
+            continue
+        names.add(m.group(0))
+    return names
+
+
+def test_dashboard_queries_name_only_metrics_the_exporter_emits() -> None:
+    dash = json.loads((ROOT / "grafana" / "charllm-dashboard.json").read_text())
+    assert dash["panels"]
+    seen: set[str] = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = dashboard_metrics(target["expr"])
+            assert names, (panel["title"], target["expr"])
+            assert names <= metric_names(), (panel["title"], names - metric_names())
+            seen |= names
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.match(r"label_values\((\w+),", var["definition"])
+            assert m and m.group(1) in metric_names()
+    assert {"DCGM_FI_DEV_POWER_USAGE", "charllm_step_energy_joules", "charllm_step_mfu"} <= seen
+
+
+def test_the_query_parser_finds_what_it_must() -> None:
+    assert dashboard_metrics('sum by (pp_stage) (rate(x_total{run=~"$run"}[1m])) / 1e9') == {"x_total"}
+    assert dashboard_metrics("a + on (gpu) b") == {"a", "b"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(url: str) -> dict[str, list[tuple[str, float]]]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return _parse(r.read().decode())
+
+
+def _steps(session, n: int) -> None:
+    for step in range(n):
+        t0 = time.monotonic_ns()
+        time.sleep(0.05)
+        session.windows.record("step", None, t0, time.monotonic_ns(), step=step)
+
+
+def test_one_rank_endpoint_serves_its_step_figures_as_stored(tmp_path: Path) -> None:
+    port = _free_port()
+    cfg = TelemetryConfig(
+        backend="synthetic",
+        sampler="process",
+        out_dir=str(tmp_path / "run"),
+        export="prometheus",
+        export_port=port,
+    )
+    session = open_session(cfg, Placement(0, 0, 1, 1, {"pp_stage": 0}))
+    try:
+        session.publish_step_rates(1000.0, 1e12, 1e14)
+        _steps(session, 6)
+        deadline = time.monotonic() + 30
+        s: dict[str, list[tuple[str, float]]] = {}
+        while time.monotonic() < deadline:
+            s = _metrics(f"http://127.0.0.1:{port}/metrics")
+            if s.get("charllm_step", [("", -1)])[0][1] == 5:
+                break
+            time.sleep(0.1)
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+    finally:
+        session.close()
+    assert s["charllm_step"][0][1] == 5 and s["charllm_steps_total"][0][1] == 6
+    assert 'pp_stage="0"' in s["DCGM_FI_DEV_POWER_USAGE"][0][0]
+    table = attribute_run(load_run(tmp_path / "run"), kinds=("step",))
+    energy = dict(zip(table.column("step").to_pylist(), table.column("energy_j").to_pylist(), strict=True))
+    assert s["charllm_step_energy_joules"][0][1] == pytest.approx(energy[5], rel=0.01)
+    assert s["charllm_energy_joules_total"][0][1] == pytest.approx(sum(energy.values()), rel=0.01)
+    duration = s["charllm_step_time_seconds"][0][1]
+    assert s["charllm_step_tokens_per_second"][0][1] == pytest.approx(1000.0 / duration)
+    assert s["charllm_step_mfu"][0][1] == pytest.approx(1e12 / duration / 1e14)
+
+
+def test_textfile_mode_writes_the_rank_file(tmp_path: Path) -> None:
+    folder = tmp_path / "textfile"
+    folder.mkdir()
+    cfg = TelemetryConfig(
+        backend="synthetic",
+        sampler="process",
+        out_dir=str(tmp_path / "run"),
+        export="textfile",
+        export_textfile_dir=str(folder),
+        export_interval_s=0.2,
+    )
+    session = open_session(cfg, Placement(2, 0, 3, 1))
+    try:
+        _steps(session, 3)
+    finally:
+        session.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["charllm-rank2.prom"]
+    s = _parse((folder / "charllm-rank2.prom").read_text())
+    assert 'dl_rank="2"' in s["DCGM_FI_DEV_POWER_USAGE"][0][0]
+    assert s["charllm_steps_total"][0][1] == 3  # the close writes the last figures
