@@ -42,6 +42,8 @@ _KIND, _STEP = RECORD_FIELDS.index("kind"), RECORD_FIELDS.index("step")
 _T0, _T1 = RECORD_FIELDS.index("t_begin_mono_ns"), RECORD_FIELDS.index("t_end_mono_ns")
 _LABEL0 = RECORD_FIELDS.index(WINDOW_LABELS[0])
 _STEP_CODE = 0  # "step" is the first seeded name of every NameTable (telemetry/windows.py)
+MAX_HOLD_NS = 250_000_000  # = collector.MAX_HOLD_NS: the longest a request waits for its batch
+MAX_SERVED = 1024
 PARALLEL_LABELS: tuple[str, ...] = tuple(x for x in WINDOW_LABELS if x != "vpp_chunk")
 
 
@@ -92,6 +94,7 @@ class Exporter:
         self.period_ns = max(1, int(period_ns))
         self.interval_ns = int(float(options.get("interval_s", 5.0)) * 1e9)
         self._pending: list[tuple[int, int, int]] = []  # step, t_begin, t_end
+        self._served: dict[tuple[int, int], list[tuple[int, list[float]]]] = {}  # (t0, t1) -> answer
         self._next_write = 0
         self.server: ThreadingHTTPServer | None = None
         self.address: tuple[str, int] | None = None
@@ -124,20 +127,39 @@ class Exporter:
                 self.state.take_samples(chunk)
             for recs in records:
                 self._take_records(recs)
-            due = [p for p in self._pending if final or p[2] + 2 * self.period_ns <= collector._last_t]
-            if due:
-                self._pending = [p for p in self._pending if p not in due]
-                answers = collector.figures_of_windows([(p[1], p[2]) for p in due], STEP_FIGURES)
+            # A step the training loop asked figures for (collector.serve) takes that answer; one
+            # nobody asked for is computed once the samples are past it by the longest a request
+            # waits for its batch, all such steps in one call.
+            last, wait = collector._last_t, max(2 * self.period_ns, MAX_HOLD_NS + self.period_ns)
+            served = [p for p in self._pending if (p[1], p[2]) in self._served]
+            due = [p for p in self._pending if final or p[2] + wait <= last]
+            due = [p for p in due if (p[1], p[2]) not in self._served]
+            if served or due:
+                done = {*served, *due}
+                self._pending = [p for p in self._pending if p not in done]
+                answers = [self._served.pop((p[1], p[2])) for p in served]
+                if due:
+                    answers += collector.figures_of_windows([(p[1], p[2]) for p in due], STEP_FIGURES)
                 cols = collector.columns
-                for (step, b, e), per_device in zip(due, answers, strict=True):
+                for (step, b, e), per_device in zip([*served, *due], answers, strict=True):
                     figs = {idx: dict(zip(cols, values, strict=True)) for idx, values in per_device}
                     self.state.take_step(step, (e - b) / 1e9, figs, rates)
+            if len(self._served) > MAX_SERVED:  # answers to windows that were not steps
+                for key in list(self._served)[: len(self._served) - MAX_SERVED]:
+                    del self._served[key]
             if self.textfile is not None and time.monotonic_ns() >= self._next_write:
                 self._next_write = time.monotonic_ns() + self.interval_ns
                 self.write()
         except Exception:
             log.exception("live export update failed")
         self.state.update_s += (time.thread_time_ns() - t0) / 1e9
+
+    def served(
+        self, t0: int, t1: int, per_device: list[tuple[int, list[float]]], figures: Sequence[str] | None
+    ) -> None:
+        """The collector answered a figure request: keep it if it holds the step figures."""
+        if figures is None or all(f in figures for f in STEP_FIGURES):
+            self._served[(t0, t1)] = per_device
 
     def _take_records(self, recs: np.ndarray[Any, Any]) -> None:
         steps = recs[(recs[:, 0] == RECORD_WINDOW) & (recs[:, _KIND] == _STEP_CODE)]

@@ -112,11 +112,15 @@ class ExportState:
                 a = cols.get(fam.source)
                 if a is None:
                     continue
-                a = a[rows]
-                ok = ~np.isnan(a) if a.dtype.kind == "f" else a != INT_NULL
-                hit = np.flatnonzero(ok)
-                if hit.size:
-                    newest[fam.source] = a[hit[-1]].item()
+                a = a if single else a[rows]
+                v = a[-1].item()  # the newest row holds it but for counters read apart (NVML)
+                if (v != v) if a.dtype.kind == "f" else v == INT_NULL:
+                    ok = ~np.isnan(a) if a.dtype.kind == "f" else a != INT_NULL
+                    hit = np.flatnonzero(ok)
+                    if not hit.size:
+                        continue
+                    v = a[hit[-1]].item()
+                newest[fam.source] = v
             held = self._held(idx, cols["t_mono_ns"][rows], cols["throttle_reasons"][rows])
             with self._lock:
                 self.latest[idx].update(newest)
@@ -137,8 +141,12 @@ class ExportState:
         self._last_mask[idx] = (int(t[-1]), int(mask[-1]))
         if t.size < 2:
             return {}
-        dt = np.diff(t)
         held_mask = mask[:-1]
+        first = int(held_mask[0])
+        if (held_mask == first).all():  # the common case: one mask throughout
+            span = int(t[-1] - t[0])
+            return {name: span for name, bit in THROTTLE_BITS.items() if first & bit}
+        dt = np.diff(t)
         return {name: int(dt[(held_mask & bit) != 0].sum()) for name, bit in THROTTLE_BITS.items()}
 
     def take_step(

@@ -379,10 +379,13 @@ class Collector:
                 by_mask.setdefault(r[3], []).append(r)
             for mask, group in by_mask.items():  # one mask in a training loop's requests
                 try:
-                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], mask_figures(mask))
+                    wanted = mask_figures(mask)
+                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], wanted)
                     for (seq, t0, t1, _mask, _batch), per_device in zip(group, answers, strict=True):
                         write_figures(self.block, seq, t0, t1, per_device)
                         self.figures_served += 1
+                        if self.exporter is not None:  # a step's figures, not computed twice
+                            self.exporter.served(t0, t1, per_device, wanted)
                 except Exception:
                     log.exception("live figures of %d window(s) from t=%d failed", len(group), group[0][1])
         self._serve_at = self._serve_time()
