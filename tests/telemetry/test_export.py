@@ -295,3 +295,62 @@ def test_textfile_mode_writes_the_rank_file(tmp_path: Path) -> None:
     s = _parse((folder / "charllm-rank2.prom").read_text())
     assert 'dl_rank="2"' in s["DCGM_FI_DEV_POWER_USAGE"][0][0]
     assert s["charllm_steps_total"][0][1] == 3  # the close writes the last figures
+
+
+class _FakeCollector:
+    """What Exporter.update reads of a collector: the newest sample time, the figure columns,
+    and figures_of_windows (counted)."""
+
+    def __init__(self) -> None:
+        from charllm_nemo.telemetry.process.mark_ring import figure_columns
+
+        self.columns = figure_columns()
+        self._last_t = 0
+        self.calls: list[list[tuple[int, int]]] = []
+
+    def figures_of_windows(self, windows, figures):
+        self.calls.append(list(windows))
+        return [[(0, [1.0 if c == "energy_j" else 0.0 for c in self.columns])] for _ in windows]
+
+
+def _step_record(step: int, t0: int, t1: int) -> np.ndarray:
+    from charllm_nemo.telemetry.windows import NULL, RECORD_FIELDS, RECORD_LEN
+
+    rec = np.full(RECORD_LEN, NULL, np.int64)
+    rec[0] = 0  # RECORD_WINDOW
+    rec[RECORD_FIELDS.index("kind")] = 0  # "step"
+    rec[RECORD_FIELDS.index("step")] = step
+    rec[RECORD_FIELDS.index("t_begin_mono_ns")] = t0
+    rec[RECORD_FIELDS.index("t_end_mono_ns")] = t1
+    rec[RECORD_FIELDS.index("pp_stage")] = 2
+    return rec.reshape(1, -1)
+
+
+class _Device:
+    def __init__(self) -> None:
+        from charllm_nemo.devices.base import DeviceIdentity
+
+        self.identity = DeviceIdentity(0, "H100", "nvidia", "nvml", uuid="GPU-x")
+
+
+def test_served_steps_reuse_the_answer_and_the_others_are_computed_in_one_call(tmp_path: Path) -> None:
+    from charllm_nemo.telemetry.export.exporter import MAX_HOLD_NS, Exporter
+
+    options = {"mode": "textfile", "textfile_dir": str(tmp_path), "interval_s": 3600, "rank": 0}
+    ex = Exporter(options, [_Device()], period_ns=10_000_000)
+    col = _FakeCollector()
+    columns = col.columns
+    answer = [(0, [7.0 if c == "energy_j" else 0.0 for c in columns])]
+    ex.update(col, [], [_step_record(0, 0, 100), _step_record(1, 100, 200), _step_record(2, 200, 300)])
+    ex.served(0, 100, answer, None)  # step 0 was asked for, with every figure
+    ex.served(100, 200, answer, ("energy_j",))  # step 1's request lacks the step figures: not used
+    col._last_t = 250
+    ex.update(col, [], [])
+    assert col.calls == [] and ex.state.steps == 1 and ex.state.step[0]["energy_j"] == 7.0
+    assert ex.state.parallel == {"pp_stage": 2}
+    col._last_t = 300 + MAX_HOLD_NS + 10_000_000  # past both unserved steps' longest wait
+    ex.update(col, [], [])
+    assert col.calls == [[(100, 200), (200, 300)]] and ex.state.steps == 3
+    assert ex.state.step[0]["step"] == 2.0 and ex.state.energy_total_j[0] == 7.0 + 1.0 + 1.0
+    ex.close()
+    assert (tmp_path / "charllm-rank0.prom").exists()
