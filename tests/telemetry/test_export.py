@@ -334,7 +334,7 @@ class _Device:
 
 
 def test_served_steps_reuse_the_answer_and_the_others_are_computed_in_one_call(tmp_path: Path) -> None:
-    from charllm_nemo.telemetry.export.exporter import MAX_HOLD_NS, Exporter
+    from charllm_nemo.telemetry.export.exporter import BATCH_NS, MAX_HOLD_NS, Exporter
 
     options = {"mode": "textfile", "textfile_dir": str(tmp_path), "interval_s": 3600, "rank": 0}
     ex = Exporter(options, [_Device()], period_ns=10_000_000)
@@ -349,6 +349,9 @@ def test_served_steps_reuse_the_answer_and_the_others_are_computed_in_one_call(t
     assert col.calls == [] and ex.state.steps == 1 and ex.state.step[0]["energy_j"] == 7.0
     assert ex.state.parallel == {"pp_stage": 2}
     col._last_t = 300 + MAX_HOLD_NS + 10_000_000  # past both unserved steps' longest wait
+    ex.update(col, [], [])
+    assert col.calls == []  # not yet: waits to batch more
+    col._last_t = 200 + MAX_HOLD_NS + 10_000_000 + BATCH_NS  # the oldest unserved one is BATCH_NS late
     ex.update(col, [], [])
     assert col.calls == [[(100, 200), (200, 300)]] and ex.state.steps == 3
     assert ex.state.step[0]["step"] == 2.0 and ex.state.energy_total_j[0] == 7.0 + 1.0 + 1.0

@@ -44,6 +44,7 @@ _LABEL0 = RECORD_FIELDS.index(WINDOW_LABELS[0])
 _STEP_CODE = 0  # "step" is the first seeded name of every NameTable (telemetry/windows.py)
 MAX_HOLD_NS = 250_000_000  # = collector.MAX_HOLD_NS: the longest a request waits for its batch
 MAX_SERVED = 1024
+BATCH_NS = 500_000_000  # steps nobody asked figures for: computed together, at most this late
 PARALLEL_LABELS: tuple[str, ...] = tuple(x for x in WINDOW_LABELS if x != "vpp_chunk")
 
 
@@ -129,10 +130,14 @@ class Exporter:
                 self._take_records(recs)
             # A step the training loop asked figures for (collector.serve) takes that answer; one
             # nobody asked for is computed once the samples are past it by the longest a request
-            # waits for its batch, all such steps in one call.
+            # waits for its batch (and BATCH_NS more, to batch them), all such steps in one call.
             last, wait = collector._last_t, max(2 * self.period_ns, MAX_HOLD_NS + self.period_ns)
             served = [p for p in self._pending if (p[1], p[2]) in self._served]
-            due = [p for p in self._pending if final or p[2] + wait <= last]
+            # a call costs about the same for one window as for ten: wait until the oldest is
+            # BATCH_NS overdue, then take every step due
+            oldest = min((p[2] for p in self._pending if (p[1], p[2]) not in self._served), default=None)
+            batch_due = final or (oldest is not None and oldest + wait + BATCH_NS <= last)
+            due = [p for p in self._pending if final or (batch_due and p[2] + wait <= last)]
             due = [p for p in due if (p[1], p[2]) not in self._served]
             if served or due:
                 done = {*served, *due}
