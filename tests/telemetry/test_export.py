@@ -357,3 +357,27 @@ def test_served_steps_reuse_the_answer_and_the_others_are_computed_in_one_call(t
     assert ex.state.step[0]["step"] == 2.0 and ex.state.energy_total_j[0] == 7.0 + 1.0 + 1.0
     ex.close()
     assert (tmp_path / "charllm-rank0.prom").exists()
+
+
+def test_step_telemetry_publishes_the_rates_once_at_setup() -> None:
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from charllm_nemo.steps import StepTelemetry
+    from charllm_nemo.steps.rates import StepRates
+    from charllm_nemo.telemetry.windows import WindowRecorder
+
+    calls: list[tuple[float, float, float]] = []
+    session = SimpleNamespace(
+        windows=WindowRecorder(),
+        hz=100.0,
+        counter_every=1,
+        sampler_mode="process",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        publish_step_rates=lambda *a: calls.append(a),
+    )
+    rates = StepRates(8e12, global_batch_size=16, seq_length=512, world_size=4, peak_tflops_per_gpu=100.0)
+    StepTelemetry(session, Placement(0, 0, 1, 1), rates=rates)
+    assert calls == [(16 * 512, 2e12, 100e12)]
