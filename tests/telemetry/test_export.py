@@ -155,7 +155,14 @@ def test_textfile_is_replaced_atomically_and_never_written_through_a_link(tmp_pa
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"export": "otlp"}, "telemetry.export='otlp' is not valid; use one of [off, prometheus, textfile]"),
+        (
+            {"export": "statsd"},
+            "telemetry.export='statsd' is not valid; use one of [off, prometheus, textfile, otlp]",
+        ),
+        (
+            {"export": "otlp", "export_otlp_endpoint": "127.0.0.1:4318"},
+            "telemetry.export_otlp_endpoint='127.0.0.1:4318' is not",
+        ),
         ({"export": "prometheus", "export_port": 0}, "telemetry.export_port=0 is not a TCP port"),
         ({"export": "textfile"}, "telemetry.export=textfile needs telemetry.export_textfile_dir"),
         ({"export": "prometheus", "export_interval_s": -1.0}, "telemetry.export_interval_s=-1.0 must be"),
@@ -381,3 +388,56 @@ def test_step_telemetry_publishes_the_rates_once_at_setup() -> None:
     rates = StepRates(8e12, global_batch_size=16, seq_length=512, world_size=4, peak_tflops_per_gpu=100.0)
     StepTelemetry(session, Placement(0, 0, 1, 1), rates=rates)
     assert calls == [(16 * 512, 2e12, 100e12)]
+
+
+def test_otlp_mode_pushes_the_same_series_with_the_rank_on_the_resource(tmp_path: Path) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            assert self.path == "/v1/metrics" and self.headers["Content-Type"] == "application/json"
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    import threading
+
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = TelemetryConfig(
+            backend="synthetic",
+            sampler="process",
+            out_dir=str(tmp_path / "run"),
+            export="otlp",
+            export_otlp_endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/metrics",
+            export_interval_s=0.2,
+        )
+        session = open_session(cfg, Placement(1, 1, 2, 2, {"pp_stage": 1}))
+        try:
+            _steps(session, 3)
+            time.sleep(0.5)
+        finally:
+            session.close()  # pushes once more
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(bodies) >= 2
+    last = bodies[-1]["resourceMetrics"][0]
+    res = {a["key"]: a["value"] for a in last["resource"]["attributes"]}
+    assert res["dl.rank"] == {"intValue": "1"} and res["service.name"] == {"stringValue": "charllm-nemo"}
+    metrics = {m["name"]: m for m in last["scopeMetrics"][0]["metrics"]}
+    assert set(metrics) <= metric_names()
+    energy = metrics["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"]["sum"]
+    assert energy["isMonotonic"] is True and energy["aggregationTemporality"] == 2
+    step = metrics["charllm_step"]["gauge"]["dataPoints"][0]
+    assert step["asDouble"] == 2.0
+    attrs = {a["key"]: a["value"] for a in step["attributes"]}
+    assert attrs["gpu"] == {"intValue": "0"} and attrs["pp_stage"] == {"intValue": "1"}

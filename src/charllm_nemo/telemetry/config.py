@@ -72,7 +72,8 @@ class TelemetryConfig:
     export_host: str = "127.0.0.1"  # 0.0.0.0 (or the node's address) for a Prometheus elsewhere
     export_port: int = 9410  # rank with local rank L serves export_port + L
     export_textfile_dir: str | None = None  # textfile: node_exporter's --collector.textfile.directory
-    export_interval_s: float = 5.0  # textfile: how often the file is rewritten
+    export_interval_s: float = 5.0  # textfile / otlp: how often the file is rewritten / pushed
+    export_otlp_endpoint: str = "http://127.0.0.1:4318/v1/metrics"  # otlp: the collector's OTLP/HTTP URL
 
 
 def _is_number(value: Any) -> bool:
@@ -191,6 +192,11 @@ def _export_problems(cfg: TelemetryConfig) -> list[str]:
     i = cfg.export_interval_s
     if not _is_number(i) or not math.isfinite(i) or i <= 0:
         problems.append(f"telemetry.export_interval_s={i!r} must be a positive number of seconds, e.g. 5")
+    if cfg.export == "otlp" and not str(cfg.export_otlp_endpoint).startswith(("http://", "https://")):
+        problems.append(
+            f"telemetry.export_otlp_endpoint={cfg.export_otlp_endpoint!r} is not an http(s) URL; give the "
+            "collector's OTLP/HTTP metrics URL, e.g. http://127.0.0.1:4318/v1/metrics"
+        )
     if cfg.export == "textfile":
         folder = cfg.export_textfile_dir
         if not folder or not str(folder).strip():
@@ -216,6 +222,7 @@ def export_options(cfg: TelemetryConfig, placement: Placement) -> dict[str, Any]
         "port": cfg.export_port,
         "textfile_dir": cfg.export_textfile_dir,
         "interval_s": cfg.export_interval_s,
+        "otlp_endpoint": cfg.export_otlp_endpoint,
         "rank": placement.rank,
         "local_rank": placement.local_rank,
         "run": Path(str(cfg.out_dir)).name,

@@ -100,12 +100,18 @@ class Exporter:
         self.server: ThreadingHTTPServer | None = None
         self.address: tuple[str, int] | None = None
         self.textfile: Path | None = None
-        if self.mode == "prometheus":
+        self.otlp: Any = None
+        if self.mode == "otlp":
+            from charllm_nemo.telemetry.export.otlp import OtlpPusher
+
+            endpoint = str(options["otlp_endpoint"])
+            self.otlp = OtlpPusher(self.state, endpoint, float(options.get("interval_s", 5.0)))
+        elif self.mode == "prometheus":
             port = int(options["port"]) + int(options.get("local_rank") or 0)
             self.server = _server(str(options.get("host", "127.0.0.1")), port, self.state)
             self.address = self.server.server_address[:2]  # type: ignore[assignment]
             threading.Thread(target=self.server.serve_forever, name="charllm-export", daemon=True).start()
-        else:
+        elif self.mode == "textfile":
             self.textfile = (
                 Path(str(options["textfile_dir"])) / f"charllm-rank{int(options.get('rank') or 0)}.prom"
             )
@@ -185,6 +191,8 @@ class Exporter:
     def close(self) -> None:
         """The last values out (textfile), the endpoint closed."""
         self.write()
+        if self.otlp is not None:
+            self.otlp.close()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

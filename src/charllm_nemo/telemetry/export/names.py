@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from charllm_nemo.devices.contract import THROTTLE_BITS
 
-EXPORT_MODES: tuple[str, ...] = ("off", "prometheus", "textfile")
-"""``telemetry.export``: off, an HTTP endpoint per rank, or node_exporter's textfile directory."""
+EXPORT_MODES: tuple[str, ...] = ("off", "prometheus", "textfile", "otlp")
+"""``telemetry.export``: off, an HTTP endpoint per rank, node_exporter's textfile directory, or
+a push to an OpenTelemetry collector (OTLP/HTTP JSON)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,39 @@ class ExportState:
                     self.energy_total_j[idx] += energy
 
     # -- rendering (any thread) ------------------------------------------------------------
+    def points(self) -> list[tuple[Family, int | None, float]]:
+        """Every series as (family, device index or None for a rank series, value), a snapshot
+        (the OTLP push's input; :meth:`render` writes the same series as text)."""
+        out: list[tuple[Family, int | None, float]] = []
+        with self._lock:
+            for fam in DEVICE_FAMILIES:
+                for i in self.devices:
+                    v = self.latest[i].get(fam.source)
+                    if v is not None and v == v:
+                        out.append((fam, i, float(v) * fam.scale))
+            for fam in THROTTLE_FAMILIES:
+                out.extend((fam, i, float(self.throttle_ns[i][fam.source])) for i in self.devices)
+            for fam in STEP_FAMILIES:
+                for i in self.devices:
+                    if fam.source == "steps":
+                        v = float(self.steps)
+                    elif fam.source == "energy_total_j":
+                        v = self.energy_total_j[i] if self.steps else math.nan
+                    else:
+                        v = self.step[i].get(fam.source, math.nan)
+                    if v == v:
+                        out.append((fam, i, float(v)))
+            out.extend(
+                (fam, None, float(self.scrapes if fam.source == "scrapes" else self.update_s))
+                for fam in EXPORTER_FAMILIES
+            )
+        return out
+
+    def device_attributes(self, idx: int) -> dict[str, Any]:
+        """A device's labels beyond the rank's (gpu, UUID, modelName, the parallel ranks)."""
+        uuid, name = self._identity.get(idx, (None, None))
+        return {"gpu": idx, "UUID": uuid, "modelName": name, **self.parallel}
+
     def render(self, count_scrape: bool = True) -> bytes:
         """Every series in the text exposition format."""
         out: list[str] = []
