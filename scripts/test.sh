@@ -29,6 +29,15 @@ fi
 export CHARLLM_REQUIRE_BROWSER=1
 # ----------------------------------------------------------------------------------------------
 
+# --- A Prometheus server for tests/telemetry/test_export_prometheus.py (docs/export.md) ---------
+# Debian's prometheus, installed once; the test starts it on 127.0.0.1 itself and fails, not skips.
+if ! command -v prometheus >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+export CHARLLM_REQUIRE_PROMETHEUS=1
+
 ruff check src tests bench scripts
 ruff format --check src tests bench scripts
 mypy

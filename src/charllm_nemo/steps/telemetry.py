@@ -206,6 +206,11 @@ class StepTelemetry:
             self.rates = self._rates(
                 model, global_batch_size, seq_length, attention_flops, peak_tflops_per_gpu, precision
             )
+        r = self.rates
+        publish = getattr(session, "publish_step_rates", None)
+        if r is not None and publish is not None:  # the live exporter's constants, once (docs/export.md)
+            peak = (r.peak_tflops_per_gpu or 0.0) * 1e12
+            publish(r.global_batch_size * r.seq_length, r.model_flops_per_step / max(1, r.world_size), peak)
         # How soon after a step's end its figures can be ready: a sampling period, or a counter
         # period where the backend reads its counters apart (telemetry.counter_hz).
         hz = float(getattr(session, "hz", 100.0))

@@ -66,6 +66,14 @@ class TelemetryConfig:
     # windows, and whether they slow the training thread (devices/synthetic_config.py,
     # docs/devices.md). Read only where the backend is synthetic (named, or auto's fallback).
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # Live export (docs/export.md), from the telemetry process: off | prometheus (an endpoint per
+    # rank on export_host:export_port + local rank) | textfile (node_exporter's textfile folder).
+    export: str = "off"
+    export_host: str = "127.0.0.1"  # 0.0.0.0 (or the node's address) for a Prometheus elsewhere
+    export_port: int = 9410  # rank with local rank L serves export_port + L
+    export_textfile_dir: str | None = None  # textfile: node_exporter's --collector.textfile.directory
+    export_interval_s: float = 5.0  # textfile / otlp: how often the file is rewritten / pushed
+    export_otlp_endpoint: str = "http://127.0.0.1:4318/v1/metrics"  # otlp: the collector's OTLP/HTTP URL
 
 
 def _is_number(value: Any) -> bool:
@@ -152,6 +160,7 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
             "e.g. telemetry.profile_steps=[5,6]"
         )
     problems.extend(synthetic_problems(cfg.synthetic))
+    problems.extend(_export_problems(cfg))
     if not str(cfg.out_dir).strip():
         problems.append(
             "telemetry.out_dir is empty; give a run directory, e.g. telemetry.out_dir=runs/my-run"
@@ -161,6 +170,65 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
         if problem:
             problems.append(problem)
     return problems
+
+
+def _export_problems(cfg: TelemetryConfig) -> list[str]:
+    """telemetry.export and its settings (docs/export.md)."""
+    from charllm_nemo.telemetry.export.names import EXPORT_MODES
+
+    problems: list[str] = []
+    if cfg.export not in EXPORT_MODES:
+        return [f"telemetry.export={cfg.export!r} is not valid; use one of {_choices(EXPORT_MODES)}"]
+    port = cfg.export_port
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        problems.append(
+            f"telemetry.export_port={port!r} is not a TCP port; give one in [1, 65535], e.g. 9410"
+        )
+    if not isinstance(cfg.export_host, str) or not cfg.export_host.strip():
+        problems.append(
+            f"telemetry.export_host={cfg.export_host!r} must be an address to listen on, e.g. 127.0.0.1 "
+            "or 0.0.0.0"
+        )
+    i = cfg.export_interval_s
+    if not _is_number(i) or not math.isfinite(i) or i <= 0:
+        problems.append(f"telemetry.export_interval_s={i!r} must be a positive number of seconds, e.g. 5")
+    if cfg.export == "otlp" and not str(cfg.export_otlp_endpoint).startswith(("http://", "https://")):
+        problems.append(
+            f"telemetry.export_otlp_endpoint={cfg.export_otlp_endpoint!r} is not an http(s) URL; give the "
+            "collector's OTLP/HTTP metrics URL, e.g. http://127.0.0.1:4318/v1/metrics"
+        )
+    if cfg.export == "textfile":
+        folder = cfg.export_textfile_dir
+        if not folder or not str(folder).strip():
+            problems.append(
+                "telemetry.export=textfile needs telemetry.export_textfile_dir: node_exporter's "
+                "--collector.textfile.directory, e.g. /var/lib/prometheus/node-exporter"
+            )
+        elif not Path(str(folder)).is_dir() or Path(str(folder)).is_symlink():
+            problems.append(
+                f"telemetry.export_textfile_dir={folder!r} is not a directory (a link is not followed); "
+                "give node_exporter's textfile directory"
+            )
+    return problems
+
+
+def export_options(cfg: TelemetryConfig, placement: Placement) -> dict[str, Any] | None:
+    """What the telemetry process's exporter needs (None when telemetry.export=off)."""
+    if cfg.export == "off":
+        return None
+    return {
+        "mode": cfg.export,
+        "host": cfg.export_host,
+        "port": cfg.export_port,
+        "textfile_dir": cfg.export_textfile_dir,
+        "interval_s": cfg.export_interval_s,
+        "otlp_endpoint": cfg.export_otlp_endpoint,
+        "rank": placement.rank,
+        "local_rank": placement.local_rank,
+        "run": Path(str(cfg.out_dir)).name,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "parallel": {k: int(v) for k, v in placement.labels.items() if k in MEGATRON_LABELS},
+    }
 
 
 def validate_telemetry(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> None:
@@ -350,6 +418,7 @@ def open_session(
         local_rank=placement.local_rank,
         world_size=placement.world_size,
         config=config,
+        export=export_options(cfg, placement),
         **session_options,
     )
     known = {k: v for k, v in placement.labels.items() if k in MEGATRON_LABELS or k == "vpp_chunk"}

@@ -174,6 +174,7 @@ class TelemetrySession:
         overwrite: bool = False,
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
         driver_buffers: bool = True,
+        export: dict[str, Any] | None = None,
     ) -> None:
         self.hz = validate_hz(hz)
         self._driver_buffers = bool(driver_buffers)
@@ -238,6 +239,7 @@ class TelemetrySession:
                         "flush_interval_s": flush_interval_s,
                         "live_window_s": live_window_s,
                         "driver_buffers": self._driver_buffers,
+                        "export": export,  # telemetry.export (telemetry/export/): the process's
                     },
                     nice=nice,
                     collector_sched=policy,
@@ -251,6 +253,12 @@ class TelemetrySession:
                 mode = "thread"
                 self.collector_sched = None  # no telemetry process, no collector thread
         self.sampler_mode = mode
+        if export and mode != "process":
+            log.warning(
+                "telemetry.export=%s runs in the telemetry process; this rank samples in a thread, so "
+                "nothing is exported (use telemetry.sampler=auto or process)",
+                export.get("mode"),
+            )
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
         self.engine: Engine = (
             ProcessEngine(process, activity) if process is not None else self._thread_engine(counter_hz)
@@ -514,6 +522,15 @@ class TelemetrySession:
         those (thread mode: the last ``live_window_s``; process mode: what the shared ring still
         holds, up to 16 s)."""
         return self.engine.live_rows(since_mono_ns, before)
+
+    def publish_step_rates(self, tokens_per_step: float, flops_per_step: float, peak_flops: float) -> None:
+        """Hand the live exporter (``telemetry.export``) its constants once: tokens per step, model
+        FLOPs per step per device and the peak FLOP/s of a device (0 = unknown). Its throughput
+        and MFU series come from these and each step's duration, in the telemetry process; in
+        thread mode there is no exporter and this does nothing."""
+        publish = getattr(self.engine.sampler, "publish_rates", None)
+        if publish is not None:
+            publish(tokens_per_step, flops_per_step, peak_flops)
 
     def request_figures(
         self,

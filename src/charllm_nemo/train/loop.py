@@ -101,7 +101,9 @@ def _open_session(cfg: TrainConfig, dist: DistInfo, local_ranks: int, rank_threa
 
     # No overwrite here: telemetry.overwrite's removing was done before any rank could write
     # (train/app.py check_run_dir), so a rank folder holding files now is another job's.
-    placement = Placement(dist.rank, dist.local_rank, dist.world_size, max(local_ranks, 1))
+    # The parallel ranks from the start: the live exporter's series carry them from the first scrape.
+    labels = {k: v for k, v in dist.labels().items() if v is not None}
+    placement = Placement(dist.rank, dist.local_rank, dist.world_size, max(local_ranks, 1), labels)
     return open_session(
         replace(cfg.telemetry, overwrite=False),
         placement,

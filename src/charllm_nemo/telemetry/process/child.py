@@ -276,6 +276,10 @@ class _Service(threading.Thread):
                 live_window_s=float(self.store["live_window_s"]),
                 buffered=buffered,
             )
+            if self.store.get("export"):  # telemetry.export (telemetry/export/); never stops the store
+                self.collector.exporter = _exporter(
+                    self.store["export"], devices, config["figures_period_ns"]
+                )
         except Exception as exc:
             log.exception("telemetry store could not start; the training process will write what it can")
             self.error = f"store failed: {exc!r}"
@@ -340,7 +344,22 @@ class _Service(threading.Thread):
             self.error = f"store failed: {exc!r}"
             self.block.q[H_SVC_STATE] = SVC_FAILED
         finally:
+            if c.exporter is not None:
+                c.exporter.close()
             c.close()
+
+
+def _exporter(options: dict[str, Any], devices: Any, period_ns: int) -> Any:
+    """The live exporter, or None (said once) when it cannot start: a port in use, a bad folder."""
+    try:
+        from charllm_nemo.telemetry.export.exporter import Exporter
+
+        return Exporter(options, devices, period_ns)
+    except Exception as exc:
+        log.error(
+            "telemetry.export=%s could not start (%s); training and the store go on", options.get("mode"), exc
+        )
+        return None
 
 
 def _become_sched_idle() -> None:

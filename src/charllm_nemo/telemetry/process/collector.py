@@ -39,6 +39,7 @@ from charllm_nemo.telemetry.process.mark_ring import (
     write_figures,
 )
 from charllm_nemo.telemetry.process.ring import (
+    D_EXPORT_RATES,
     FLOAT_COLUMNS,
     H_BYTES,
     H_DISK_FULL,
@@ -199,6 +200,7 @@ class Collector:
         self.flush_ns_max = q[H_FLUSH_NS_MAX]
         self.figures_served = q[H_FIGURES_SERVED]
         self.rows_lost = q[H_ROWS_LOST]
+        self.exporter: Any = None  # telemetry.export: fed the new samples and records every tick
 
     def close(self) -> None:
         """Drop the views into the block (the block cannot be closed while they exist)."""
@@ -377,10 +379,13 @@ class Collector:
                 by_mask.setdefault(r[3], []).append(r)
             for mask, group in by_mask.items():  # one mask in a training loop's requests
                 try:
-                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], mask_figures(mask))
+                    wanted = mask_figures(mask)
+                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], wanted)
                     for (seq, t0, t1, _mask, _batch), per_device in zip(group, answers, strict=True):
                         write_figures(self.block, seq, t0, t1, per_device)
                         self.figures_served += 1
+                        if self.exporter is not None:  # a step's figures, not computed twice
+                            self.exporter.served(t0, t1, per_device, wanted)
                 except Exception:
                     log.exception("live figures of %d window(s) from t=%d failed", len(group), group[0][1])
         self._serve_at = self._serve_time()
@@ -466,9 +471,11 @@ class Collector:
     def tick(self) -> None:
         """Take, answer, and flush when due. Never raises."""
         try:
+            n_samples, n_records = len(self._pending_samples), len(self._pending_records)
             self.take_samples()
             self.take_marks()
             self.serve()
+            self._export(n_samples, n_records)
         except Exception:
             log.exception("telemetry collector tick failed")
         # Records free their ring slots only once stored (so that a salvage finds them): flush
@@ -478,11 +485,21 @@ class Collector:
             self._next_flush = time.monotonic_ns() + self.flush_interval_ns
             self.flush()
 
+    def _export(self, n_samples: int, n_records: int, final: bool = False) -> None:
+        """Hand the live exporter (telemetry/export/) what was taken since those counts."""
+        if self.exporter is not None:
+            d = self.block.d
+            rates = (d[D_EXPORT_RATES], d[D_EXPORT_RATES + 1], d[D_EXPORT_RATES + 2])
+            new = self._pending_samples[n_samples:], self._pending_records[n_records:]
+            self.exporter.update(self, *new, rates, final=final)
+
     def finish(self) -> None:
         """Take everything left, answer every request, flush."""
+        n_samples, n_records = len(self._pending_samples), len(self._pending_records)
         self.take_samples()
         self.take_marks()
         self.serve(final=True)
+        self._export(n_samples, n_records, final=True)
         self.flush()
 
 

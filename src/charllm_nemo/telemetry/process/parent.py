@@ -66,6 +66,7 @@ from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.process.mark_ring import MarkWriter
 from charllm_nemo.telemetry.process.ring import (
     D_ACTIVITY,
+    D_EXPORT_RATES,
     FAILED,
     H_STATE,
     H_STOP,
@@ -391,6 +392,17 @@ class ProcessSampler:
         if block is None:
             raise RuntimeError("activity_publisher() before start() or after stop()")
         return functools.partial(block.d.__setitem__, D_ACTIVITY)
+
+    def publish_rates(self, tokens_per_step: float, flops_per_step: float, peak_flops: float) -> None:
+        """The live exporter's constants (ring.D_EXPORT_RATES), written once; no-op when stopped."""
+        with self._lock:
+            if self._block is not None:
+                d = self._block.d
+                d[D_EXPORT_RATES], d[D_EXPORT_RATES + 1], d[D_EXPORT_RATES + 2] = (
+                    float(tokens_per_step),
+                    float(flops_per_step),
+                    float(peak_flops),
+                )
 
     # -- live figures -----------------------------------------------------------------------
     def read_figures(self, seq: int) -> tuple[int, int, list[tuple[int, list[float]]]] | None:

@@ -85,6 +85,8 @@ HEALTH_FIELDS = (
     "counter_every",
 )
 D_ACTIVITY = 40  # float64: the synthetic activity level the training process's marks set
+D_EXPORT_RATES = 41  # .. 43, float64: tokens per step, FLOPs per step per device, peak FLOP/s per
+# device, published once by the training process for the live exporter (0: unknown)
 # The mark ring and the names (written by the training process).
 H_MARK_WRITE = 48  # records written
 H_MARKS_DROPPED = 49  # records the training process dropped because the ring was full
