@@ -28,6 +28,7 @@ API's (charllm_nemo.steps); this class only says where things begin and end.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,6 +128,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._in_step = False
         self._optimizer_phase: Any = None
         self._timers_patched: list[tuple[Any, Any]] = []
+        self._summary: _SummaryRows | None = None
 
     # -- open ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -150,6 +152,10 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         model, gbs, seq = _shape_of(trainer, pl_module, self.options.attention_flops)
         self.sources = dict(SOURCES_MEGATRON if megatron else SOURCES_LIGHTNING)
         observers: list[Any] = []
+        self._summary = None
+        if trainer.global_rank == 0:
+            self._summary = _SummaryRows(trainer, pl_module, placement, device, megatron)
+            observers.append(self._summary)
         if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
             observers.append(LoggersObserver(_log_to_loggers(trainer), self.options.key_prefix))
         self.telemetry, self.run_dir = open_step_telemetry(
@@ -202,7 +208,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             self._optimizer_phase.__exit__(None, None, None)
             self._optimizer_phase = None
         self._in_step = False
-        st.end_step(loss=loss_of(outputs), num_microbatches=_num_microbatches())
+        st.end_step(
+            loss=loss_of(outputs), num_microbatches=_num_microbatches(), grad_norm=_logged_grad_norm(trainer)
+        )
 
     # -- close -----------------------------------------------------------------------------
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -222,7 +230,12 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._optimizer_phase = None
         self._in_step = False
         if st is not None:
-            st.finish(status)
+            try:
+                st.finish(status)
+            finally:
+                summary, self._summary = self._summary, None
+                if summary is not None and self.run_dir is not None:
+                    summary.write(self.run_dir, status)
 
 
 def _megatron_configs(trainer: Any, pl_module: Any) -> list[Any]:
@@ -295,3 +308,81 @@ def _log_to_loggers(trainer: Any) -> Any:
             logger.log_metrics(metrics, step=step)
 
     return log_metrics
+
+
+def _logged_grad_norm(trainer: Any) -> float | None:
+    """This step's gradient norm as NeMo logged it: MegatronStrategy.optimizer_step logs
+    megatron-core's ``grad_norm`` (the optimizer's returned norm) with ``self.log('grad_norm')``,
+    so it sits in Lightning's result collection by ``on_train_batch_end``. Read from the step's
+    cached value directly (``trainer.callback_metrics`` would recompute every logged metric
+    each step); None where nothing logged it (a plain Lightning run, a skipped step)."""
+    results = getattr(trainer, "_results", None)
+    if results is None:
+        return None
+    try:
+        for key, metric in results.items():
+            if key.endswith(".grad_norm"):
+                value = getattr(metric, "_forward_cache", None)
+                return None if value is None else float(value)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        value = trainer.callback_metrics.get("grad_norm")  # another Lightning's internals
+        return None if value is None else float(value)
+    return None
+
+
+class _SummaryRows:
+    """Rank 0's step reports, kept for ``summary.json`` (what ``charllm train`` writes when
+    training ends, docs/store.md; medians by train/report.py's :func:`run_summary`, the atomic
+    write by train/disk_full.py's :func:`write_summary`). An observer: the training thread only
+    appends the report; rows are made at the end."""
+
+    def __init__(self, trainer: Any, pl_module: Any, placement: Any, device: str, megatron: bool) -> None:
+        import time
+
+        self._t0 = time.monotonic()
+        self.reports: list[Any] = []
+        self.meta: dict[str, Any] = {
+            "model": type(pl_module).__name__,
+            "layout": {"world_size": int(placement.world_size), **dict(placement.labels)},
+            "world_size": int(placement.world_size),
+            "device": device,
+            "telemetry": True,
+        }
+        try:
+            self.meta["num_parameters"] = int(sum(p.numel() for p in pl_module.parameters()))
+        except Exception:  # a figure, never a reason to fail
+            log.debug("no parameter count", exc_info=True)
+        if megatron and (n := _num_microbatches()) is not None:
+            self.meta["num_microbatches"] = n
+
+    def on_step(self, report: Any) -> None:
+        # a shallow copy without every rank's vector (world_size x figures a step): the rows
+        # of summary.json are made at the end, not on the training thread
+        kept = copy.copy(report)
+        kept.rank_vectors = None
+        self.reports.append(kept)
+
+    def close(self, status: str) -> None:
+        pass  # written by the callback after the session closed (its status is final then)
+
+    def write(self, run_dir: str, status: str) -> None:
+        import time
+        from pathlib import Path
+
+        from charllm_nemo.train.disk_full import write_summary
+        from charllm_nemo.train.report import SUMMARY_FILE, run_summary
+
+        rows = [r.to_dict() for r in self.reports]
+        world = self.meta["world_size"]
+        data = {
+            "status": status,
+            **self.meta,
+            "wall_s": time.monotonic() - self._t0,
+            **run_summary(rows, world_size=world),
+            "per_step": rows,
+        }
+        try:
+            if write_summary(Path(run_dir) / SUMMARY_FILE, data) == "compact":
+                log.error("charllm: the disk is full: summary.json written without its per-step rows")
+        except OSError as exc:  # a full disk: one line, never hide why training stopped
+            log.error("charllm: could not write summary.json in %s: %s", run_dir, exc.strerror or exc)
