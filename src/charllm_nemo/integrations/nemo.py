@@ -35,10 +35,10 @@ from typing import Any
 
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
-    LoggersObserver,
     loss_of,
     open_step_telemetry,
 )
+from charllm_nemo.integrations._logger_thread import ThreadedLoggersObserver
 
 try:
     from lightning.pytorch import Callback
@@ -129,6 +129,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._optimizer_phase: Any = None
         self._timers_patched: list[tuple[Any, Any]] = []
         self._summary: _SummaryRows | None = None
+        self._loggers: ThreadedLoggersObserver | None = None
 
     # -- open ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -156,8 +157,11 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         if trainer.global_rank == 0:
             self._summary = _SummaryRows(trainer, pl_module, placement, device, megatron)
             observers.append(self._summary)
+        self._loggers = None
         if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
-            observers.append(LoggersObserver(_log_to_loggers(trainer), self.options.key_prefix))
+            # the training thread only queues each report (integrations/_logger_thread.py)
+            self._loggers = ThreadedLoggersObserver(list(trainer.loggers), self.options.key_prefix)
+            observers.append(self._loggers)
         self.telemetry, self.run_dir = open_step_telemetry(
             self.options,
             placement,
@@ -211,6 +215,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         st.end_step(
             loss=loss_of(outputs), num_microbatches=_num_microbatches(), grad_norm=_logged_grad_norm(trainer)
         )
+        loggers = self._loggers
+        if loggers is not None and loggers.handed_over and trainer.global_step % _log_every(trainer) == 0:
+            loggers.flush()  # where Lightning logs its own metrics
 
     # -- close -----------------------------------------------------------------------------
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -229,6 +236,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._timers_patched = []
         self._optimizer_phase = None
         self._in_step = False
+        self._loggers = None  # closed (its last reports logged) by st.finish
         if st is not None:
             try:
                 st.finish(status)
@@ -302,12 +310,12 @@ def _shape_of(trainer: Any, pl_module: Any, attention: str) -> tuple[Any, int | 
     return shape, (int(gbs) if gbs else None), (int(seq) if seq else None)
 
 
-def _log_to_loggers(trainer: Any) -> Any:
-    def log_metrics(metrics: dict[str, float], step: int) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-    return log_metrics
+def _log_every(trainer: Any) -> int:
+    """Lightning's ``log_every_n_steps`` (at least 1)."""
+    try:
+        return max(1, int(trainer.log_every_n_steps))
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 def _logged_grad_norm(trainer: Any) -> float | None:
