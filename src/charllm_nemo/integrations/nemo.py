@@ -38,7 +38,7 @@ from charllm_nemo.integrations._common import (
     loss_of,
     open_step_telemetry,
 )
-from charllm_nemo.integrations._logger_thread import ThreadedLoggersObserver
+from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
 try:
     from lightning.pytorch import Callback
@@ -159,7 +159,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             observers.append(self._summary)
         self._loggers = None
         if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
-            # the training thread only queues each report (integrations/_logger_thread.py)
+            # run on the observer thread (integrations/_observer_thread.py)
             self._loggers = ThreadedLoggersObserver(list(trainer.loggers), self.options.key_prefix)
             observers.append(self._loggers)
         self.telemetry, self.run_dir = open_step_telemetry(
@@ -176,6 +176,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             observers=observers,
             on_alert=self.on_alert,
         )
+        _observers_off_thread(self.telemetry)
         for config in configs:
             inner = getattr(config, "timers", None)
             config.timers = self.telemetry.timers(inner=inner)
@@ -394,3 +395,15 @@ class _SummaryRows:
                 log.error("charllm: the disk is full: summary.json written without its per-step rows")
         except OSError as exc:  # a full disk: one line, never hide why training stopped
             log.error("charllm: could not write summary.json in %s: %s", run_dir, exc.strerror or exc)
+
+
+def _observers_off_thread(st: Any) -> None:
+    """Rank 0's ``steps.jsonl`` and trainer's-loggers observers onto one :class:`ObserverThread`
+    (their write and scalars off the training thread; integrations/_observer_thread.py), after
+    the others (the alert observer stays first: closed first, its last alerts reach the loggers
+    open)."""
+    from charllm_nemo.steps import StepsFileObserver
+
+    moved = [o for o in st.observers if isinstance(o, (StepsFileObserver, ThreadedLoggersObserver))]
+    if moved:
+        st.observers = [o for o in st.observers if all(o is not m for m in moved)] + [ObserverThread(moved)]

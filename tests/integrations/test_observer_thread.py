@@ -1,6 +1,6 @@
-"""ThreadedLoggersObserver: the training thread queues step reports; TensorBoard gets them from
-the logging thread, any other logger from the training thread at flush / close; order kept,
-nothing lost, a stuck logger bounded."""
+"""ObserverThread + ThreadedLoggersObserver: the training thread queues step reports;
+TensorBoard gets them from the observer thread, any other logger from the training thread at
+flush / close; order kept, nothing lost, a stuck logger bounded."""
 
 from __future__ import annotations
 
@@ -36,16 +36,17 @@ def test_tensorboard_from_the_thread_others_at_flush_in_order(tmp_path: Path) ->
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from charllm_nemo.integrations._logger_thread import ThreadedLoggersObserver
+    from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
     tb = TensorBoardLogger(save_dir=str(tmp_path), name="tb")
     other = Recording()
-    obs = ThreadedLoggersObserver([tb, other], "charllm/")
-    assert obs.direct == [tb] and obs.handed_over == [other]
+    loggers = ThreadedLoggersObserver([tb, other], "charllm/")
+    assert loggers.direct == [tb] and loggers.handed_over == [other]
+    obs = ObserverThread([loggers])
     for step in range(5):
         obs.on_step(_report(step))
     assert other.calls == []  # never called from on_step: only where the training thread hands over
-    obs.log_alert({"kind": "straggler", "rank": 3, "step": 4})
+    loggers.log_alert({"kind": "straggler", "rank": 3, "step": 4})
     for step in range(5, 8):
         obs.on_step(_report(step))
     obs.close("complete")
@@ -66,7 +67,7 @@ def test_tensorboard_from_the_thread_others_at_flush_in_order(tmp_path: Path) ->
 
 def test_a_stuck_logger_drops_beyond_the_bound_and_close_waits_for_the_rest() -> None:
     require("lightning.pytorch")
-    from charllm_nemo.integrations._logger_thread import ThreadedLoggersObserver
+    from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
     release = threading.Event()
     seen: list[int] = []
@@ -76,8 +77,9 @@ def test_a_stuck_logger_drops_beyond_the_bound_and_close_waits_for_the_rest() ->
             release.wait(30)
             seen.append(int(step or 0))
 
-    obs = ThreadedLoggersObserver([], "charllm/", max_queued=3)
-    obs.direct = [Stuck()]
+    loggers = ThreadedLoggersObserver([], "charllm/")
+    loggers.direct = [Stuck()]
+    obs = ObserverThread([loggers], max_queued=3)
     for step in range(10):
         obs.on_step(_report(step))
     # the thread holds at most one report; the queue at most 3; the rest are counted as dropped
