@@ -76,6 +76,10 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)`` when given.
     """
 
+    # rank 0's, set at on_train_start: summary.json's rows, the trainer's loggers' observer
+    _summary: _SummaryRows | None = None
+    _loggers: ThreadedLoggersObserver | None = None
+
     def __init__(
         self,
         hz: float = 100.0,
@@ -128,8 +132,6 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._in_step = False
         self._optimizer_phase: Any = None
         self._timers_patched: list[tuple[Any, Any]] = []
-        self._summary: _SummaryRows | None = None
-        self._loggers: ThreadedLoggersObserver | None = None
 
     # -- open ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
