@@ -342,3 +342,29 @@ def test_an_exception_in_training_closes_the_telemetry_as_failed(tmp_path: Path)
     assert result["status"] == "failed" and result["closed"]
     steps = [s for k, _n, s, _m in result["windows"] if k == "step"]
     assert sorted(steps)[:3] == [0, 1, 2]
+
+
+def test_grad_norm_is_read_fresh_each_step_and_a_stale_one_is_none() -> None:
+    # Lightning keeps a logged value across steps: a step whose norm NeMo did not log anew
+    # (the optimizer returned none) must not repeat the last one
+    require("lightning.pytorch")
+    import torch
+
+    from charllm_nemo.integrations.nemo import _LoggedGradNorm
+
+    class Metric:
+        def __init__(self, v: float) -> None:
+            self._forward_cache = torch.tensor(v)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self._results: dict[str, Any] = {}
+
+    read = _LoggedGradNorm()
+    t = Trainer()
+    assert read(t) is None  # nothing logged it (a plain Lightning module)
+    t._results = {"training_step.reduced_train_loss": Metric(5.0), "optimizer_step.grad_norm": Metric(1.5)}
+    assert read(t) == pytest.approx(1.5)
+    assert read(t) is None  # the same cached value next step: not logged anew
+    t._results["optimizer_step.grad_norm"]._forward_cache = torch.tensor(0.75)
+    assert read(t) == pytest.approx(0.75)

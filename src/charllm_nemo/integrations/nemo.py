@@ -79,6 +79,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     # rank 0's, set at on_train_start: summary.json's rows, the trainer's loggers' observer
     _summary: _SummaryRows | None = None
     _loggers: ThreadedLoggersObserver | None = None
+    _grad_norm: _LoggedGradNorm | None = None
 
     def __init__(
         self,
@@ -179,6 +180,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             on_alert=self.on_alert,
         )
         _observers_off_thread(self.telemetry)
+        self._grad_norm = _LoggedGradNorm()
         for config in configs:
             inner = getattr(config, "timers", None)
             config.timers = self.telemetry.timers(inner=inner)
@@ -216,7 +218,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             self._optimizer_phase = None
         self._in_step = False
         st.end_step(
-            loss=loss_of(outputs), num_microbatches=_num_microbatches(), grad_norm=_logged_grad_norm(trainer)
+            loss=loss_of(outputs),
+            num_microbatches=_num_microbatches(),
+            grad_norm=_norm(self._grad_norm, trainer),
         )
         loggers = self._loggers
         if loggers is not None and loggers.handed_over and trainer.global_step % _log_every(trainer) == 0:
@@ -321,24 +325,37 @@ def _log_every(trainer: Any) -> int:
         return 1
 
 
-def _logged_grad_norm(trainer: Any) -> float | None:
-    """This step's gradient norm as NeMo logged it: MegatronStrategy.optimizer_step logs
+def _norm(reader: _LoggedGradNorm | None, trainer: Any) -> float | None:
+    return None if reader is None else reader(trainer)
+
+
+class _LoggedGradNorm:
+    """Each step's gradient norm as NeMo logged it: MegatronStrategy.optimizer_step logs
     megatron-core's ``grad_norm`` (the optimizer's returned norm) with ``self.log('grad_norm')``,
     so it sits in Lightning's result collection by ``on_train_batch_end``. Read from the step's
     cached value directly (``trainer.callback_metrics`` would recompute every logged metric
-    each step); None where nothing logged it (a plain Lightning run, a skipped step)."""
-    results = getattr(trainer, "_results", None)
-    if results is None:
-        return None
-    try:
-        for key, metric in results.items():
-            if key.endswith(".grad_norm"):
-                value = getattr(metric, "_forward_cache", None)
-                return None if value is None else float(value)
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        value = trainer.callback_metrics.get("grad_norm")  # another Lightning's internals
-        return None if value is None else float(value)
-    return None
+    each step). Lightning keeps that value across steps: one not logged anew this step (NeMo
+    logs none when the optimizer returns no norm) is the same object as last step's and gives
+    None, as does a run where nothing logs it (a plain Lightning module)."""
+
+    def __init__(self) -> None:
+        self._last: Any = None  # the tensor read last step (held, so that its id is not reused)
+
+    def __call__(self, trainer: Any) -> float | None:
+        results = getattr(trainer, "_results", None)
+        if results is None:
+            return None
+        try:
+            value = next(
+                (getattr(m, "_forward_cache", None) for k, m in results.items() if k.endswith(".grad_norm")),
+                None,
+            )
+            if value is None or value is self._last:
+                return None
+            self._last = value
+            return float(value)
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            return None  # another Lightning's internals: no norm rather than a wrong one
 
 
 class _SummaryRows:
