@@ -1,25 +1,38 @@
-"""What PowerThermalCallback costs a NeMo 2 training step, on the training thread.
+"""What PowerThermalCallback costs NeMo 2.7.3's own recipe, with the recipe's own logger.
 
-One ``nl.Trainer`` + ``MegatronStrategy`` run of a tiny ``llm.GPTModel`` (CPU by default, the
-test support of tests/integrations/nemo_cpu.py; ``--device cuda`` on a GPU). The callback is on
-for some steps and off for others, finely interleaved (ABBA blocks of one step), in one process:
-ON = its hooks, the timers adapter in ``model.config.timers`` (NeMo's Timers inside it) and the
-API's begin/end step; OFF = NeMo's own Timers and no hook work. The telemetry session (its
-sampler in the background) is open in both arms, so the difference is the training-thread
-cost. A step is timed from the first callback's ``on_train_batch_start`` to the last one's
-``on_train_batch_end``.
+``llm.llama3_8b.pretrain_recipe()`` shrunk to a tiny model on CPU (2 layers, hidden 64, seq 64,
+byte tokenizer, MockDataModule global batch 4 / micro 1; tests/integrations/nemo_cpu.py's CPU
+support), its log kept (NeMoLogger with the recipe's TensorBoardLogger, ``log_every_n_steps``
+10, its TimingCallback) minus checkpointing, built with ``fdl.build(recipe)`` and run as the
+recipe's ``llm.pretrain``. Two parts:
 
-    .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400
+a. **training thread** (one process, the callback ON and OFF in ABBA blocks of one step; the
+   telemetry session open in both arms): wall and CPU time (``time.thread_time``) inside the
+   callback's step hooks (begin_step, optimizer phase, end_step, the loggers' queue put), the
+   whole step's ON/OFF ratio, and the paired ABBA differences.
+b. **whole step** (``--pairs K``): K pairs of processes, one with the callback (its telemetry
+   process included), one without, alternating which goes first; each pair's ratio of median
+   steps, their geometric mean and a bootstrap interval over pairs.
 
-Prints the median step time of each arm, their ratio with a bootstrap 95 % interval, and the
-median of the paired differences (ms a step).
+    .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400 --pairs 4
+    .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400 --stop-child   # a. with the
+        # telemetry process stopped in the OFF steps: its CPU counted in the ON arm only
+    .venv-nemo/bin/python bench/bench_nemo_callback.py --device cuda --steps 200  # GPU (gpu_check)
+
+Every figure is printed with its spread; on a shared machine absolute times move with the load
+(printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,53 +47,61 @@ def is_on(step: int) -> bool:
     return step % 4 in (0, 3)
 
 
-def build_callbacks(out_dir: str, warmup: int) -> tuple[list[Any], dict[str, list[float]]]:
+def tiny_recipe(tmp: str, steps: int, global_batch: int, seq: int, device: str = "cpu") -> Any:
+    """NeMo's llama3_8b pretrain recipe, shrunk (its log and TimingCallback kept): the tiny CPU
+    model, or with ``device="cuda"`` a 4-layer, hidden-512 GPT on one GPU."""
+    import nemo_run as run
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from tests.integrations import nemo_cpu
+
+    recipe = llm.llama3_8b.pretrain_recipe(
+        name="tiny", dir=os.path.join(tmp, "nemo"), num_nodes=1, num_gpus_per_node=1
+    )
+    if device == "cuda":
+        model_config = run.Config(
+            llm.GPTConfig,
+            num_layers=4,
+            hidden_size=512,
+            ffn_hidden_size=2048,
+            num_attention_heads=8,
+            seq_length=seq,
+            vocab_size=nemo_cpu.VOCAB,
+            make_vocab_size_divisible_by=128,
+            share_embeddings_and_output_weights=False,
+        )
+    else:
+        model_config = run.Config(nemo_cpu.tiny_gpt_config, seq_length=seq)
+    recipe.model = run.Config(llm.GPTModel, config=model_config, tokenizer=run.Config(nemo_cpu.ByteTokenizer))
+    recipe.optim = run.Config(nemo_cpu.cpu_optimizer)
+    recipe.data = run.Config(
+        nemo_cpu.MaskedMockDataModule, seq_length=seq, micro_batch_size=1, global_batch_size=global_batch
+    )
+    recipe.trainer.accelerator = "cpu" if device == "cpu" else "gpu"
+    recipe.trainer.devices = 1
+    recipe.trainer.max_steps = steps
+    recipe.trainer.limit_val_batches = 0
+    recipe.trainer.val_check_interval = steps + 1
+    recipe.trainer.enable_checkpointing = False  # (dist_checkpointing syncs CUDA)
+    if device == "cpu":
+        recipe.trainer.strategy = run.Config(nemo_cpu.cpu_strategy)
+    else:
+        recipe.trainer.strategy = run.Config(nl.MegatronStrategy, ckpt_async_save=False)
+    recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
+    recipe.log.ckpt = None
+    recipe.log.log_dir = os.path.join(tmp, "nemo")
+    recipe.resume = None
+    return recipe
+
+
+def clocks(times: dict[str, list[float]], warmup: int, arm: Any) -> tuple[Any, Any]:
+    """First and last callbacks: a step from the first one's on_train_batch_start to the last
+    one's on_train_batch_end, into ``times[arm(step)]``."""
     import lightning.pytorch as pl
 
-    from charllm_nemo.integrations.nemo import PowerThermalCallback
-
-    times: dict[str, list[float]] = {"on": [], "off": [], "hooks": []}
-    clock = time.perf_counter
-
-    class Interleaved(PowerThermalCallback):  # type: ignore[misc]
-        """The callback, doing its per-step work only on the ON steps; the time spent inside its
-        step hooks (begin_step, the optimizer phase, end_step) is summed per step."""
-
-        hook_s = 0.0
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            on = is_on(trainer.global_step)
-            for config, inner in self._timers_patched:
-                config.timers = self._adapters[id(config)] if on else inner
-            if on:
-                t = clock()
-                super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-                self.hook_s = clock() - t
-
-        def on_before_optimizer_step(self, *a: Any) -> None:
-            t = clock()
-            super().on_before_optimizer_step(*a)
-            self.hook_s += clock() - t
-
-        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
-            t = clock()
-            on = self._in_step
-            super().on_train_batch_end(trainer, *a)
-            if on and trainer.global_step - 1 >= warmup:
-                times["hooks"].append(self.hook_s + clock() - t)
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            super().on_train_start(trainer, pl_module)
-            self._adapters = {id(c): c.timers for c, _inner in self._timers_patched}
-            self._adapters_kept = dict(self._adapters)
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self._telemetry_kept = self.telemetry  # measured after fit, then finished
-            self.telemetry = None
-            for config, inner in self._timers_patched:
-                config.timers = inner
-
     class StartClock(pl.Callback):  # type: ignore[misc]
+        t0 = 0.0
+
         def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
             self.t0 = time.perf_counter()
 
@@ -89,36 +110,177 @@ def build_callbacks(out_dir: str, warmup: int) -> tuple[list[Any], dict[str, lis
             dt = time.perf_counter() - start.t0
             step = trainer.global_step - 1  # global_step counts the step just done
             if step >= warmup:
-                times["on" if is_on(step) else "off"].append(dt)
+                times[arm(step)].append(dt)
 
     start = StartClock()
-    cb = Interleaved(
-        backend="synthetic" if os.environ.get("CHARLLM_BENCH_SYNTHETIC", "1") == "1" else "auto",
-        out_dir=out_dir,
-        hz=100,
-        steps_file=True,
+    return start, EndClock()
+
+
+def interleaved_callback(
+    out_dir: str,
+    warmup: int,
+    log_to: str,
+    times: dict[str, list[float]],
+    profile: Any = None,
+    stop_child: bool = False,
+) -> Any:
+    from charllm_nemo.integrations.nemo import PowerThermalCallback
+
+    on_prof = profile.enable if profile is not None else (lambda: None)
+    off_prof = profile.disable if profile is not None else (lambda: None)
+
+    clock, cpu = time.perf_counter, time.thread_time
+
+    class Interleaved(PowerThermalCallback):  # type: ignore[misc]
+        """The callback, doing its per-step work only on the ON steps; wall and CPU time inside
+        its step hooks summed per step."""
+
+        wall = busy = 0.0
+
+        child: int | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            on = is_on(trainer.global_step)
+            if self.child is not None:  # the telemetry process runs in the ON steps only
+                os.kill(self.child, signal.SIGCONT if on else signal.SIGSTOP)
+            for config, inner in self._timers_patched:
+                config.timers = self._adapters[id(config)] if on else inner
+            if on:
+                t, c = clock(), cpu()
+                on_prof()
+                super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+                off_prof()
+                self.wall, self.busy = clock() - t, cpu() - c
+
+        def on_before_optimizer_step(self, *a: Any) -> None:
+            t, c = clock(), cpu()
+            on_prof()
+            super().on_before_optimizer_step(*a)
+            off_prof()
+            self.wall += clock() - t
+            self.busy += cpu() - c
+
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            t, c = clock(), cpu()
+            on = self._in_step
+            on_prof()
+            super().on_train_batch_end(trainer, *a)
+            off_prof()
+            if on and trainer.global_step - 1 >= warmup:
+                times["hooks"].append(self.wall + clock() - t)
+                times["hooks_cpu"].append(self.busy + cpu() - c)
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            super().on_train_start(trainer, pl_module)
+            self._adapters = {id(c): c.timers for c, _inner in self._timers_patched}
+            if stop_child:
+                self.child = self.telemetry.session.engine.pid
+                self.telemetry.max_figure_wait_s = 0.0  # a stopped process answers late: never wait
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.child is not None:
+                os.kill(self.child, signal.SIGCONT)
+            super().on_train_end(trainer, pl_module)
+
+    return Interleaved(backend="synthetic", out_dir=out_dir, hz=100, log_to=log_to)
+
+
+def run_recipe(args: argparse.Namespace, tmp: str, extra: list[Any]) -> None:
+    import fiddle as fdl
+
+    recipe = tiny_recipe(tmp, args.steps, args.global_batch, args.seq, args.device)
+    task = fdl.build(recipe)  # functools.partial(llm.pretrain, model=..., trainer=..., log=...)
+    task.keywords["trainer"].callbacks.extend(extra)
+    task()
+
+
+def setup(tmp: str, device: str = "cpu") -> None:
+    sys.path.insert(0, str(REPO))
+    from tests.integrations import nemo_cpu
+
+    if device == "cpu":
+        nemo_cpu.enable(os.path.join(tmp, "nemorun"))
+    else:
+        os.environ["NEMORUN_HOME"] = os.path.join(tmp, "nemorun")
+        nemo_cpu.drop_removed_optimizer_kwargs()  # NeMo 2.7.3 + megatron-core 0.16, GPU too
+
+
+def part_a(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="bench-nemo-")
+    setup(tmp, args.device)
+    times: dict[str, list[float]] = {"on": [], "off": [], "hooks": [], "hooks_cpu": []}
+    profile = None
+    if args.profile:
+        import cProfile
+
+        profile = cProfile.Profile()
+    cb = interleaved_callback(
+        os.path.join(tmp, "run"), args.warmup, args.log_to, times, profile, args.stop_child
     )
-    return [start, cb, EndClock()], times
+    start, end = clocks(times, args.warmup, lambda s: "on" if is_on(s) else "off")
+    run_recipe(args, tmp, [start, cb, end])
+    if profile is not None:
+        import pstats
+
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+    on, off = times["on"], times["off"]
+    blocks = zip(on[0::2], off[0::2], off[1::2], on[1::2], strict=False)
+    pairs = [(a1 + a2 - b1 - b2) / 2 for a1, b1, b2, a2 in blocks]
+    return {
+        "on": on,
+        "off": off,
+        "pairs": pairs,
+        "hooks": times["hooks"],
+        "hooks_cpu": times["hooks_cpu"],
+        "load": os.getloadavg()[0],
+    }
 
 
-def timer_call_cost(cb: Any, n: int = 20000) -> float:
-    """Seconds per ``timers("forward-compute").start(); .stop()`` through the adapter wrapping
-    NeMo's Timers, inside an open step (the calls megatron-core makes per microbatch)."""
-    adapter = next(iter(cb._adapters_kept.values()))
-    st = cb._telemetry_kept
-    st.begin_step(10**6)
-    t = time.perf_counter()
-    for _ in range(n):
-        adapter("forward-compute", log_level=2).start()
-        adapter("forward-compute").stop()
-    dt = (time.perf_counter() - t) / n
-    st.end_step()
-    return dt
+def part_b_child(args: argparse.Namespace) -> None:
+    """One process of a pair: the recipe with the callback (``--arm on``) or without."""
+    tmp = tempfile.mkdtemp(prefix="bench-nemo-")
+    setup(tmp, args.device)
+    times: dict[str, list[float]] = {"step": []}
+    start, end = clocks(times, args.warmup, lambda s: "step")
+    extra: list[Any] = [start]
+    if args.arm == "on":
+        from charllm_nemo.integrations.nemo import PowerThermalCallback
+
+        extra.append(PowerThermalCallback(backend="synthetic", out_dir=os.path.join(tmp, "run"), hz=100))
+    extra.append(end)
+    run_recipe(args, tmp, extra)
+    Path(args.json).write_text(json.dumps({"step": times["step"], "load": os.getloadavg()[0]}))
+
+
+def part_b(args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """(ratio, median ON, median OFF) per pair."""
+    out = []
+    tmp = tempfile.mkdtemp(prefix="bench-nemo-pairs-")
+    for i in range(args.pairs):
+        medians = {}
+        for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            path = os.path.join(tmp, f"{i}-{arm}.json")
+            cmd = [sys.executable, __file__, "--arm", arm, "--json", path]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--global-batch", str(args.global_batch), "--seq", str(args.seq), "--device", args.device]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+            medians[arm] = statistics.median(json.loads(Path(path).read_text())["step"])
+        out.append((medians["on"] / medians["off"], medians["on"], medians["off"]))
+        print(
+            f"  pair {i}: ON {medians['on'] * 1e3:.2f} ms, OFF {medians['off'] * 1e3:.2f} ms, "
+            f"ratio {out[-1][0]:.4f}",
+            flush=True,
+        )
+    return out
+
+
+def bootstrap(values: list[float], stat: Any, n: int = 4000) -> tuple[float, float]:
+    rng = random.Random(0)
+    got = sorted(stat([values[rng.randrange(len(values))] for _ in values]) for _ in range(n))
+    return got[int(0.025 * n)], got[int(0.975 * n)]
 
 
 def bootstrap_ratio(on: list[float], off: list[float], n: int = 2000) -> tuple[float, float]:
-    import random
-
     rng = random.Random(0)
     ratios = []
     for _ in range(n):
@@ -129,97 +291,74 @@ def bootstrap_ratio(on: list[float], off: list[float], n: int = 2000) -> tuple[f
     return ratios[int(0.025 * n)], ratios[int(0.975 * n)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--global-batch", type=int, default=2)
-    args = ap.parse_args()
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
-    sys.path.insert(0, str(REPO))
-    tmp = tempfile.mkdtemp(prefix="bench-nemo-")
-    from tests.integrations import nemo_cpu
 
-    if args.device == "cpu":
-        nemo_cpu.enable(os.path.join(tmp, "nemorun"))
-    else:
-        os.environ["NEMORUN_HOME"] = os.path.join(tmp, "nemorun")
-        nemo_cpu.drop_removed_optimizer_kwargs()  # NeMo 2.7.3 + megatron-core 0.16, GPU too
-    import torch
-    from nemo import lightning as nl
-    from nemo.collections import llm
-
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # one core for the step, one left for the sampler
-        config = nemo_cpu.tiny_gpt_config()
-        strategy = nemo_cpu.cpu_strategy()
-        optim = nemo_cpu.cpu_optimizer()
-        plugins = nl.MegatronMixedPrecision(precision="32")
-    else:
-        config = llm.GPTConfig(
-            num_layers=4,
-            hidden_size=512,
-            ffn_hidden_size=2048,
-            num_attention_heads=8,
-            seq_length=512,
-            vocab_size=nemo_cpu.VOCAB,
-            make_vocab_size_divisible_by=128,
-            share_embeddings_and_output_weights=False,
+def report_a(args: argparse.Namespace, a: dict[str, Any]) -> None:
+    on, off, pairs = a["on"], a["off"], a["pairs"]
+    print(
+        f"a. llama3_8b recipe shrunk (CPU, global batch {args.global_batch}, seq {args.seq}), log_to="
+        f"{args.log_to!r} with the recipe's TensorBoard logger; {len(on)} ON / {len(off)} OFF steps after "
+        f"{args.warmup} warm-up, ABBA in one process"
+        + ("; the telemetry process stopped in the OFF steps" if args.stop_child else "")
+        + f"; load average {a['load']:.1f} on {os.cpu_count()} CPUs"
+    )
+    for key, what in (("hooks", "wall"), ("hooks_cpu", "training-thread CPU")):
+        xs = sorted(a[key])
+        lo, hi = bootstrap(xs, statistics.median)
+        print(
+            f"inside the callback's step hooks, {what}: median {statistics.median(xs) * 1e3:.3f} ms "
+            f"[{lo * 1e3:.3f}, {hi * 1e3:.3f}] a step, mean {statistics.fmean(xs) * 1e3:.3f} ms, "
+            f"p90 {xs[int(0.9 * len(xs))] * 1e3:.3f} ms"
         )
-        strategy = nl.MegatronStrategy(ckpt_async_save=False)
-        optim = nemo_cpu.cpu_optimizer()
-        plugins = nl.MegatronMixedPrecision(precision="32")
-    callbacks, times = build_callbacks(os.path.join(tmp, "run"), args.warmup)
-    model = llm.GPTModel(config, optim=optim, tokenizer=nemo_cpu.ByteTokenizer())
-    data = nemo_cpu.MaskedMockDataModule(
-        seq_length=config.seq_length, micro_batch_size=1, global_batch_size=args.global_batch
-    )
-    trainer = nl.Trainer(
-        accelerator="cpu" if args.device == "cpu" else "gpu",
-        devices=1,
-        max_steps=args.steps,
-        strategy=strategy,
-        plugins=plugins,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-    )
-    trainer.fit(model, data)
-    cb = callbacks[1]
-    cost = timer_call_cost(cb)
-    cb._telemetry_kept.finish("complete")
-
-    on, off = times["on"], times["off"]
     med_on, med_off = statistics.median(on), statistics.median(off)
     lo, hi = bootstrap_ratio(on, off)
-    # paired differences: each ABBA block gives (A1 + A2 - B1 - B2) / 2
-    blocks = zip(on[0::2], off[0::2], off[1::2], on[1::2], strict=False)
-    pairs = [(a1 + a2 - b1 - b2) / 2 for a1, b1, b2, a2 in blocks]
-    print(
-        f"NeMo {args.device} tiny GPT, global batch {args.global_batch}, {len(on)} ON / {len(off)} OFF steps "
-        f"after {args.warmup} warm-up, ABBA-interleaved in one process"
-    )
     print(f"median step: ON {med_on * 1e3:.2f} ms, OFF {med_off * 1e3:.2f} ms")
     print(f"ratio ON/OFF (medians) {med_on / med_off:.4f}  bootstrap 95% [{lo:.4f}, {hi:.4f}]")
+    lo, hi = bootstrap(pairs, statistics.median)
     print(
-        f"cost per step: median of ABBA block differences {statistics.median(pairs) * 1e3:+.3f} ms "
-        f"(mean {statistics.fmean(pairs) * 1e3:+.3f} ms, {len(pairs)} blocks)"
+        f"cost per step: ABBA block differences, median {statistics.median(pairs) * 1e3:+.3f} ms "
+        f"[{lo * 1e3:+.3f}, {hi * 1e3:+.3f}], {len(pairs)} blocks"
     )
-    hooks = sorted(times["hooks"])
-    print(
-        f"inside the callback's step hooks (begin_step, optimizer phase, end_step): median "
-        f"{statistics.median(hooks) * 1e3:.3f} ms a step, p90 {hooks[int(0.9 * len(hooks))] * 1e3:.3f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--log-to", default="trainer", choices=["trainer", "none"])
+    ap.add_argument("--pairs", type=int, default=0, help="part b: process pairs (0: part a only)")
+    ap.add_argument("--profile", action="store_true", help="part a: cProfile the step hooks")
+    ap.add_argument(
+        "--stop-child",
+        action="store_true",
+        help="part a: SIGSTOP the telemetry process in the OFF steps (its CPU in the ON arm only)",
     )
-    pairs_per_step = 2 * args.global_batch + 3  # forward + backward per microbatch; the grad syncs
-    print(
-        f"timers adapter: {cost * 1e6:.2f} us per start+stop pair over NeMo's Timers "
-        f"({pairs_per_step} pairs a step here: ~{cost * pairs_per_step * 1e3:.3f} ms)"
-    )
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    ap.add_argument("--skip-a", action="store_true", help="part b only")
+    ap.add_argument("--arm", choices=["on", "off"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        part_b_child(args)
+        return
+    if not args.skip_a:
+        report_a(args, part_a(args))
+    if args.pairs:
+        print(
+            f"b. whole step, {args.pairs} process pairs (callback with its telemetry process / none), "
+            f"{args.steps} steps each"
+        )
+        rows = part_b(args)
+        ratios = [r for r, _a, _b in rows]
+        lo, hi = bootstrap(ratios, geomean)
+        print(
+            f"ratio ON/OFF over process pairs: geometric mean {geomean(ratios):.4f} [{lo:.4f}, {hi:.4f}]; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
 
 
 if __name__ == "__main__":

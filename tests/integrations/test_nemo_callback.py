@@ -166,6 +166,83 @@ def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
     _assert_step_figures(result, steps=2)
 
 
+RECIPE_TINY = """
+import nemo_run as run
+from nemo import lightning as nl
+from nemo.collections import llm
+out = os.path.join(os.getcwd(), "run")
+recipe = llm.llama3_8b.pretrain_recipe(name="tiny", dir=os.path.join(os.getcwd(), "nemo"),
+                                       num_nodes=1, num_gpus_per_node=1)
+recipe.model = run.Config(llm.GPTModel, config=run.Config(nemo_cpu.tiny_gpt_config),
+                          tokenizer=run.Config(nemo_cpu.ByteTokenizer))
+recipe.optim = run.Config(nemo_cpu.cpu_optimizer)
+recipe.data = run.Config(nemo_cpu.MaskedMockDataModule, seq_length=32, micro_batch_size=1,
+                         global_batch_size=2)
+recipe.trainer.accelerator = "cpu"
+recipe.trainer.devices = 1
+recipe.trainer.limit_val_batches = 0
+recipe.trainer.enable_checkpointing = False
+recipe.trainer.val_check_interval = 10
+recipe.trainer.strategy = run.Config(nemo_cpu.cpu_strategy)
+recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
+recipe.resume = None
+"""
+
+
+def test_recipe_run_reports_nemos_grad_norm_and_writes_summary_json_for_inspect(tmp_path: Path) -> None:
+    # the recipe's own TensorBoard logger on (NeMoLogger's default for pretrain recipes)
+    result = _run_child(
+        tmp_path,
+        RECIPE_TINY
+        + textwrap.dedent(
+            """
+        recipe.trainer.max_steps = 3
+        recipe.trainer.log_every_n_steps = 2
+        recipe.log = run.Config(nl.NeMoLogger, log_dir=os.path.join(os.getcwd(), "nemo"),
+                                tensorboard=run.Config(__import__("lightning.pytorch.loggers",
+                                    fromlist=["TensorBoardLogger"]).TensorBoardLogger,
+                                    save_dir=os.path.join(os.getcwd(), "tb"), name="tiny"))
+        recipe.trainer.callbacks = [run.Config(PowerThermalCallback, hz=200, backend="synthetic",
+                                               out_dir=out, sampler="thread")]
+        run.run(recipe, direct=True)
+        import contextlib, glob, io
+        from charllm_nemo import cli
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli.main(["inspect", out])
+        res = summary(out)
+        res["summary"] = json.load(open(os.path.join(out, "summary.json")))
+        res["inspect"] = buf.getvalue()
+        res["inspect_rc"] = rc
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        tags = set()
+        for f in glob.glob(os.path.join(os.getcwd(), "**", "events.out.tfevents.*"), recursive=True):
+            acc = EventAccumulator(f)
+            acc.Reload()
+            tags |= set(acc.Tags()["scalars"])
+        res["tb_tags"] = sorted(tags)
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """
+        ),
+    )
+    _assert_step_figures(result, steps=3)
+    # item 5: NeMo's MegatronStrategy logs megatron-core's grad norm; every step carries it
+    norms = [r["grad_norm"] for r in result["steps"]]
+    assert all(n is not None and n > 0 for n in norms), norms
+    # item 6: summary.json as charllm train writes it, and inspect reads it
+    s = result["summary"]
+    assert s["status"] == "complete" and s["steps"] == 3 and s["world_size"] == 1
+    assert [r["step"] for r in s["per_step"]] == [0, 1, 2]
+    assert [r["grad_norm"] for r in s["per_step"]] == norms
+    assert s["step_time_s_median"] > 0 and s["energy_j_median"] > 0
+    assert s["num_parameters"] > 0 and s["num_microbatches"] == 2
+    assert "no summary.json" not in result["inspect"]
+    assert "training: complete after 3 step(s)" in result["inspect"], result["inspect"]
+    # the figures reached the recipe's TensorBoard logger (logged off the training thread)
+    for key in ("charllm/energy_j", "charllm/grad_norm", "charllm/step_time_s"):
+        assert key in result["tb_tags"], result["tb_tags"]
+
+
 def test_tiny_mixtral_moe(tmp_path: Path) -> None:
     result = _run_child(
         tmp_path,
@@ -265,3 +342,29 @@ def test_an_exception_in_training_closes_the_telemetry_as_failed(tmp_path: Path)
     assert result["status"] == "failed" and result["closed"]
     steps = [s for k, _n, s, _m in result["windows"] if k == "step"]
     assert sorted(steps)[:3] == [0, 1, 2]
+
+
+def test_grad_norm_is_read_fresh_each_step_and_a_stale_one_is_none() -> None:
+    # Lightning keeps a logged value across steps: a step whose norm NeMo did not log anew
+    # (the optimizer returned none) must not repeat the last one
+    require("lightning.pytorch")
+    import torch
+
+    from charllm_nemo.integrations.nemo import _LoggedGradNorm
+
+    class Metric:
+        def __init__(self, v: float) -> None:
+            self._forward_cache = torch.tensor(v)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self._results: dict[str, Any] = {}
+
+    read = _LoggedGradNorm()
+    t = Trainer()
+    assert read(t) is None  # nothing logged it (a plain Lightning module)
+    t._results = {"training_step.reduced_train_loss": Metric(5.0), "optimizer_step.grad_norm": Metric(1.5)}
+    assert read(t) == pytest.approx(1.5)
+    assert read(t) is None  # the same cached value next step: not logged anew
+    t._results["optimizer_step.grad_norm"]._forward_cache = torch.tensor(0.75)
+    assert read(t) == pytest.approx(0.75)

@@ -28,16 +28,17 @@ API's (charllm_nemo.steps); this class only says where things begin and end.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
-    LoggersObserver,
     loss_of,
     open_step_telemetry,
 )
+from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
 try:
     from lightning.pytorch import Callback
@@ -74,6 +75,11 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     per-rank Parquet store are written in the run directory either way. ``alerts`` (default on):
     live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)`` when given.
     """
+
+    # rank 0's, set at on_train_start: summary.json's rows, the trainer's loggers' observer
+    _summary: _SummaryRows | None = None
+    _loggers: ThreadedLoggersObserver | None = None
+    _grad_norm: _LoggedGradNorm | None = None
 
     def __init__(
         self,
@@ -150,8 +156,15 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         model, gbs, seq = _shape_of(trainer, pl_module, self.options.attention_flops)
         self.sources = dict(SOURCES_MEGATRON if megatron else SOURCES_LIGHTNING)
         observers: list[Any] = []
+        self._summary = None
+        if trainer.global_rank == 0:
+            self._summary = _SummaryRows(trainer, pl_module, placement, device, megatron)
+            observers.append(self._summary)
+        self._loggers = None
         if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
-            observers.append(LoggersObserver(_log_to_loggers(trainer), self.options.key_prefix))
+            # run on the observer thread (integrations/_observer_thread.py)
+            self._loggers = ThreadedLoggersObserver(list(trainer.loggers), self.options.key_prefix)
+            observers.append(self._loggers)
         self.telemetry, self.run_dir = open_step_telemetry(
             self.options,
             placement,
@@ -166,6 +179,8 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             observers=observers,
             on_alert=self.on_alert,
         )
+        _observers_off_thread(self.telemetry)
+        self._grad_norm = _LoggedGradNorm()
         for config in configs:
             inner = getattr(config, "timers", None)
             config.timers = self.telemetry.timers(inner=inner)
@@ -202,7 +217,14 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             self._optimizer_phase.__exit__(None, None, None)
             self._optimizer_phase = None
         self._in_step = False
-        st.end_step(loss=loss_of(outputs), num_microbatches=_num_microbatches())
+        st.end_step(
+            loss=loss_of(outputs),
+            num_microbatches=_num_microbatches(),
+            grad_norm=_norm(self._grad_norm, trainer),
+        )
+        loggers = self._loggers
+        if loggers is not None and loggers.handed_over and trainer.global_step % _log_every(trainer) == 0:
+            loggers.flush()  # where Lightning logs its own metrics
 
     # -- close -----------------------------------------------------------------------------
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -221,8 +243,14 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._timers_patched = []
         self._optimizer_phase = None
         self._in_step = False
+        self._loggers = None  # closed (its last reports logged) by st.finish
         if st is not None:
-            st.finish(status)
+            try:
+                st.finish(status)
+            finally:
+                summary, self._summary = self._summary, None
+                if summary is not None and self.run_dir is not None:
+                    summary.write(self.run_dir, status)
 
 
 def _megatron_configs(trainer: Any, pl_module: Any) -> list[Any]:
@@ -289,9 +317,112 @@ def _shape_of(trainer: Any, pl_module: Any, attention: str) -> tuple[Any, int | 
     return shape, (int(gbs) if gbs else None), (int(seq) if seq else None)
 
 
-def _log_to_loggers(trainer: Any) -> Any:
-    def log_metrics(metrics: dict[str, float], step: int) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+def _log_every(trainer: Any) -> int:
+    """Lightning's ``log_every_n_steps`` (at least 1)."""
+    try:
+        return max(1, int(trainer.log_every_n_steps))
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
-    return log_metrics
+
+def _norm(reader: _LoggedGradNorm | None, trainer: Any) -> float | None:
+    return None if reader is None else reader(trainer)
+
+
+class _LoggedGradNorm:
+    """Each step's gradient norm as NeMo logged it: MegatronStrategy.optimizer_step logs
+    megatron-core's ``grad_norm`` (the optimizer's returned norm) with ``self.log('grad_norm')``,
+    so it sits in Lightning's result collection by ``on_train_batch_end``. Read from the step's
+    cached value directly (``trainer.callback_metrics`` would recompute every logged metric
+    each step). Lightning keeps that value across steps: one not logged anew this step (NeMo
+    logs none when the optimizer returns no norm) is the same object as last step's and gives
+    None, as does a run where nothing logs it (a plain Lightning module)."""
+
+    def __init__(self) -> None:
+        self._last: Any = None  # the tensor read last step (held, so that its id is not reused)
+
+    def __call__(self, trainer: Any) -> float | None:
+        results = getattr(trainer, "_results", None)
+        if results is None:
+            return None
+        try:
+            value = next(
+                (getattr(m, "_forward_cache", None) for k, m in results.items() if k.endswith(".grad_norm")),
+                None,
+            )
+            if value is None or value is self._last:
+                return None
+            self._last = value
+            return float(value)
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            return None  # another Lightning's internals: no norm rather than a wrong one
+
+
+class _SummaryRows:
+    """Rank 0's step reports, kept for ``summary.json`` (what ``charllm train`` writes when
+    training ends, docs/store.md; medians by train/report.py's :func:`run_summary`, the atomic
+    write by train/disk_full.py's :func:`write_summary`). An observer: the training thread only
+    appends the report; rows are made at the end."""
+
+    def __init__(self, trainer: Any, pl_module: Any, placement: Any, device: str, megatron: bool) -> None:
+        import time
+
+        self._t0 = time.monotonic()
+        self.reports: list[Any] = []
+        self.meta: dict[str, Any] = {
+            "model": type(pl_module).__name__,
+            "layout": {"world_size": int(placement.world_size), **dict(placement.labels)},
+            "world_size": int(placement.world_size),
+            "device": device,
+            "telemetry": True,
+        }
+        try:
+            self.meta["num_parameters"] = int(sum(p.numel() for p in pl_module.parameters()))
+        except Exception:  # a figure, never a reason to fail
+            log.debug("no parameter count", exc_info=True)
+        if megatron and (n := _num_microbatches()) is not None:
+            self.meta["num_microbatches"] = n
+
+    def on_step(self, report: Any) -> None:
+        # a shallow copy without every rank's vector (world_size x figures a step): the rows
+        # of summary.json are made at the end, not on the training thread
+        kept = copy.copy(report)
+        kept.rank_vectors = None
+        self.reports.append(kept)
+
+    def close(self, status: str) -> None:
+        pass  # written by the callback after the session closed (its status is final then)
+
+    def write(self, run_dir: str, status: str) -> None:
+        import time
+        from pathlib import Path
+
+        from charllm_nemo.train.disk_full import write_summary
+        from charllm_nemo.train.report import SUMMARY_FILE, run_summary
+
+        rows = [r.to_dict() for r in self.reports]
+        world = self.meta["world_size"]
+        data = {
+            "status": status,
+            **self.meta,
+            "wall_s": time.monotonic() - self._t0,
+            **run_summary(rows, world_size=world),
+            "per_step": rows,
+        }
+        try:
+            if write_summary(Path(run_dir) / SUMMARY_FILE, data) == "compact":
+                log.error("charllm: the disk is full: summary.json written without its per-step rows")
+        except OSError as exc:  # a full disk: one line, never hide why training stopped
+            log.error("charllm: could not write summary.json in %s: %s", run_dir, exc.strerror or exc)
+
+
+def _observers_off_thread(st: Any) -> None:
+    """Rank 0's ``steps.jsonl`` and trainer's-loggers observers onto one :class:`ObserverThread`
+    (their write and scalars off the training thread; integrations/_observer_thread.py), after
+    the others (the alert observer stays first: closed first, its last alerts reach the loggers
+    open)."""
+    from charllm_nemo.steps import StepsFileObserver
+
+    moved = [o for o in st.observers if isinstance(o, (StepsFileObserver, ThreadedLoggersObserver))]
+    if moved:
+        st.observers = [o for o in st.observers if all(o is not m for m in moved)] + [ObserverThread(moved)]
