@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from charllm_nemo.analysis.commands import add_commands
 
-    add_commands(sub)  # analyze, report
+    add_commands(sub)  # analyze, report, compare
 
     from charllm_nemo.analysis.advise_cmd import add_command as add_advise
 

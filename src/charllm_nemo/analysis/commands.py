@@ -86,8 +86,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``charllm compare`` (numpy and pyarrow are imported only when it runs)."""
+    from charllm_nemo.analysis.compare import cmd_compare as run
+
+    return run(args)
+
+
 def add_commands(sub: Any) -> None:
-    """Add ``analyze`` and ``report`` to the ``charllm`` sub-command parser."""
+    """Add ``analyze``, ``report`` and ``compare`` to the ``charllm`` sub-command parser."""
     a = sub.add_parser("analyze", help="tables (Parquet, CSV) and figures for a run or a sweep directory")
     a.add_argument("path", help="a run directory or a tree of them (a sweep)")
     a.add_argument("--out", help="where to write (default: PATH/analysis)")
@@ -104,3 +111,12 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--out", help="where tables and figures go (default: PATH/analysis)")
     r.add_argument("--html", help="the page to write (default: OUT/report.html)")
     r.set_defaults(func=cmd_report)
+    c = sub.add_parser(
+        "compare",
+        help="runs or sweep configurations against the first: differences with bootstrap intervals",
+    )
+    c.add_argument(
+        "paths", nargs="+", metavar="PATH", help="run directories or sweep configurations; the first is the baseline"
+    )
+    c.add_argument("--format", choices=["text", "json"], default="text", help="json: the comparison as JSON")
+    c.set_defaults(func=cmd_compare)
