@@ -93,8 +93,36 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_energy(args: argparse.Namespace) -> int:
+    """``charllm energy``: each run's energy report (uncertainty, optional carbon, MLPerf rules)."""
+    if not _imports_ok():
+        return 2
+    from charllm_nemo.analysis.analyze import analyze
+    from charllm_nemo.analysis.energy import GridIntensity, energy_reports, read_grid_csv, render
+    from charllm_nemo.errors import ConfigError
+
+    try:
+        grid = None
+        if args.grid_csv:
+            grid = read_grid_csv(Path(args.grid_csv))
+        elif args.grid_g_per_kwh is not None:
+            grid = GridIntensity(((0.0, args.grid_g_per_kwh),))
+        reports = energy_reports(analyze(args.path), grid=grid, pue=args.pue)
+    except ConfigError as exc:
+        print(f"charllm energy: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        json.dump(reports, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print(render(reports))
+    return 0
+
+
 def add_commands(sub: Any) -> None:
-    """Add ``analyze``, ``report`` and ``compare`` to the ``charllm`` sub-command parser."""
+    """Add ``analyze``, ``report``, ``compare`` and ``energy`` to the ``charllm`` sub-command parser."""
+    from charllm_nemo.cli import finite_number
+
     a = sub.add_parser("analyze", help="tables (Parquet, CSV) and figures for a run or a sweep directory")
     a.add_argument("path", help="a run directory or a tree of them (a sweep)")
     a.add_argument("--out", help="where to write (default: PATH/analysis)")
@@ -116,7 +144,26 @@ def add_commands(sub: Any) -> None:
         help="runs or sweep configurations against the first: differences with bootstrap intervals",
     )
     c.add_argument(
-        "paths", nargs="+", metavar="PATH", help="run directories or sweep configurations; the first is the baseline"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="run directories or sweep configurations; the first is the baseline",
     )
     c.add_argument("--format", choices=["text", "json"], default="text", help="json: the comparison as JSON")
     c.set_defaults(func=cmd_compare)
+    e = sub.add_parser(
+        "energy", help="energy to train with its uncertainty, optional carbon, MLPerf power rules"
+    )
+    e.add_argument("path", help="a run directory or a tree of them (a sweep)")
+    grid = e.add_mutually_exclusive_group()
+    grid.add_argument(
+        "--grid-g-per-kwh",
+        type=finite_number(0.0, inclusive=True),
+        help="grid carbon intensity, g CO2e per kWh",
+    )
+    grid.add_argument("--grid-csv", help="grid carbon intensity over time: a CSV of time,g_per_kwh")
+    e.add_argument(
+        "--pue", type=finite_number(1.0, inclusive=True), default=1.0, help="power usage effectiveness (>= 1)"
+    )
+    e.add_argument("--format", choices=["text", "json"], default="text", help="json: the reports as JSON")
+    e.set_defaults(func=cmd_energy)

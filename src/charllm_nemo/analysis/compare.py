@@ -250,7 +250,9 @@ def render(result: dict[str, Any]) -> str:
     """The comparison as console text (every string from a run directory escaped)."""
     lines = [f"baseline: {printable(result['baseline'])}"]
     for cmp in result["comparisons"]:
-        lines.append(f"{printable(cmp['label'])} against the baseline ({int(result['confidence'] * 100)} % intervals):")
+        lines.append(
+            f"{printable(cmp['label'])} against the baseline ({int(result['confidence'] * 100)} % intervals):"
+        )
         for row in cmp["figures"]:
             d = row["difference"]
             iv = row["interval"]
@@ -283,4 +285,3 @@ def cmd_compare(args: Any) -> int:
     else:
         print(render(result))
     return 0
-
