@@ -486,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_advise(sub)  # advise
 
+    from charllm_nemo.analysis.calibrate import add_command as add_calibrate
+
+    add_calibrate(sub)  # calibrate-energy
+
     sw = sub.add_parser("sweep", help="sweeps run by `charllm train -m +sweep=<name>`")
     sw_sub = sw.add_subparsers(dest="sweep_command", required=True)
     st = sw_sub.add_parser("status", help="print a sweep's configurations and their states as a table")
