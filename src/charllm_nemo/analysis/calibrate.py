@@ -122,7 +122,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
         print(
             f"{printable(cal.platform)}: {cal.runs} runs; {cal.s_per_flop * 1e12:.4g} s per TFLOP per rank "
-            f"+ {cal.step_overhead_s:.4g} s a step; power {cal.idle_w:.4g} W idle to {cal.busy_w:.4g} W busy, "
+            f"+ {cal.step_overhead_s:.4g} s a step; "
+            f"power {cal.idle_w:.4g} W idle to {cal.busy_w:.4g} W busy, "
             f"peak x{cal.peak_ratio:.3g}; {err}"
         )
     if args.write:
