@@ -44,7 +44,8 @@ def test_differing_configurations_get_distinct_labels_and_repeats_aggregate() ->
 
 def test_an_oom_gap_from_a_layout_preset_takes_its_model_and_place() -> None:
     # '+layout=tiny_gpt_pp2' names the model and parallelism only through conf/layout/.
-    gap = gap_row("cpu_parallelism", "sweep=cpu_parallelism/run=x", "out_of_memory", {"layout": "tiny_gpt_pp2"}, [])
+    over = {"layout": "tiny_gpt_pp2"}
+    gap = gap_row("cpu_parallelism", "sweep=cpu_parallelism/run=x", "out_of_memory", over, [])
     assert gap["model"] == "tiny_gpt" and gap["pp"] == 2 and gap["dp"] == 1
     assert gap["layout"] == "PP2-DP1" and gap["micro_batch_size"] == 1
     rows = [
