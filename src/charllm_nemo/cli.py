@@ -384,7 +384,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from charllm_nemo.telemetry.layout import scan_run
 
     def count(path: Path) -> int:
-        return sum(len(rf.samples) + len(rf.windows) + len(rf.buffered) for rf in scan_run(path).ranks.values())
+        return sum(
+            len(rf.samples) + len(rf.windows) + len(rf.buffered) for rf in scan_run(path).ranks.values()
+        )
 
     try:
         before = count(Path(args.run_dir))
