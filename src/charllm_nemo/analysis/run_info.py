@@ -84,6 +84,8 @@ def run_info(run: Run) -> dict[str, Any]:
         "micro_batch_size": _get(cfg, "batch", "micro_batch_size"),
         "seq_length": _get(cfg, "model", "seq_length"),
         "optim": _text(_get(cfg, "optim", "name")),
+        "job_id": _text(_get(first, "env", "SLURM_JOB_ID")),
+        "hosts": ",".join(sorted(str(h) for h in hosts)) or None,
         "layers_per_stage": _stages_text(layout.get("layers_per_stage")),
         "status": status,
         "mfu": summ.get("mfu_median"),
