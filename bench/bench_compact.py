@@ -56,9 +56,8 @@ def read_times(run: Path, folder: Path, repeats: int) -> tuple[float, float]:
         n = load_rank(run, 0).samples.num_rows
         loads.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        duckdb.sql(
-            f"SELECT device_index, avg(power_instant_w) FROM read_parquet('{folder}/samples-*.parquet') GROUP BY 1"
-        ).fetchall()
+        files = f"read_parquet('{folder}/samples-*.parquet')"
+        duckdb.sql(f"SELECT device_index, avg(power_instant_w) FROM {files} GROUP BY 1").fetchall()
         ducks.append(time.perf_counter() - t0)
     assert n > 0
     return statistics.median(loads), statistics.median(ducks)
@@ -92,8 +91,8 @@ def main() -> None:
         after = len(list(folder.glob("samples-*.parquet")))
         load_after, duck_after = read_times(run, folder, args.repeats)
         rows = load_rank(run, 0).samples.num_rows
-        print(f"b. close: {files} segments ({rows:,} rows, {args.minutes:g} min at {args.hz:g} Hz) -> {after} "
-              f"file(s) in {close_s:.2f} s")  # fmt: skip
+        print(f"b. close: {files} segments ({rows:,} rows, {args.minutes:g} min at {args.hz:g} Hz) "
+              f"-> {after} file(s) in {close_s:.2f} s")  # fmt: skip
         print(f"c. read, median of {args.repeats}: load_rank {load_before:.3f} s -> {load_after:.3f} s "
               f"(x{load_before / load_after:.1f}); DuckDB {duck_before:.3f} s -> {duck_after:.3f} s "
               f"(x{duck_before / duck_after:.1f})")  # fmt: skip
