@@ -34,6 +34,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from charllm_nemo.analysis.analyze import analyze, to_jsonable, write_tables
 
     out = _out_dir(args)
+    if args.engine == "spark":
+        return _analyze_on_spark(args, out)
     analysis = analyze(args.path, out / "windows.parquet")
     written = write_tables(analysis, out, True if args.windows_csv else None)
     if not args.no_figures:
@@ -46,6 +48,32 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 0
     _print_summary(analysis.tables, analysis.problems)
     print(f"wrote {len(written)} files to {out}")
+    return 0
+
+
+def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
+    """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
+    (analysis/spark.py), written as Parquet and CSV into ``out``."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+
+    try:
+        session = spark_session(args.spark_master)
+    except ImportError as exc:
+        print(f"charllm analyze: {exc}", file=sys.stderr)
+        return 2
+    tables = spark_tables(session, args.path)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("ranks", "nodes", "runs"):
+        table = to_arrow(getattr(tables, name))
+        pq.write_table(table, out / f"{name}.parquet")
+        pacsv.write_csv(table, out / f"{name}.csv")
+        print(f"{name}: {table.num_rows} row(s)")
+    for p in tables.problems:
+        print(f"  problem: {p}")
+    print(f"wrote 6 files to {out} (engine: spark)")
     return 0
 
 
@@ -128,6 +156,13 @@ def add_commands(sub: Any) -> None:
     a.add_argument("--out", help="where to write (default: PATH/analysis)")
     a.add_argument("--format", choices=["text", "json"], default="text", help="json: print the tables")
     a.add_argument("--no-figures", action="store_true", help="tables only")
+    a.add_argument(
+        "--engine",
+        choices=["local", "spark"],
+        default="local",
+        help="spark: the ranks, nodes and runs tables on Apache Spark (docs/analysis.md, 'Engines')",
+    )
+    a.add_argument("--spark-master", help="with --engine spark: local[2], spark://host:7077, yarn, ...")
     a.add_argument(
         "--windows-csv",
         action="store_true",
