@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
         report["training"] = training(mode, out_dir, steps, env, timeout_s=args.train_timeout)
+        from gpu_energy_estimate import energy_estimate  # bench/gpu_energy_estimate.py
+
+        report["energy_estimate"] = energy_estimate(mode, out_dir, env, _train, log, args.train_timeout)
     if not args.skip_integrations:
         from gpu_integrations import integrations  # bench/gpu_integrations.py
 

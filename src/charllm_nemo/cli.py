@@ -406,6 +406,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return _print_run(Path(args.run_dir), kinds, args.steps, args.rank)
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Compact every rank folder of a run (telemetry/compact.py); prints files before and after."""
+    from charllm_nemo.errors import StoreError
+    from charllm_nemo.telemetry.compact import compact_run
+    from charllm_nemo.telemetry.filecheck import printable
+    from charllm_nemo.telemetry.layout import scan_run
+
+    def count(path: Path) -> int:
+        return sum(
+            len(rf.samples) + len(rf.windows) + len(rf.buffered) for rf in scan_run(path).ranks.values()
+        )
+
+    try:
+        before = count(Path(args.run_dir))
+        problems: list[str] = []
+        done = compact_run(args.run_dir, problems)
+        after = count(Path(args.run_dir))
+    except StoreError as exc:
+        print(f"charllm compact: {printable(exc, limit=400)}", file=sys.stderr)
+        return 2
+    rows = sum(c.rows for cs in done.values() for c in cs)
+    print(f"{len(done)} rank(s): {before} segment file(s) -> {after}; {rows:,} rows rewritten")
+    for line in problems:
+        print(f"  problem: {printable(line)}")
+    return 0
+
+
 def cmd_sweep_status(args: argparse.Namespace) -> int:
     from charllm_nemo.sweep.manifest import find_sweeps, load_manifest
     from charllm_nemo.sweep.status import refresh, status_lines
@@ -510,11 +537,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from charllm_nemo.analysis.commands import add_commands
 
-    add_commands(sub)  # analyze, report
+    add_commands(sub)  # analyze, report, compare
 
     from charllm_nemo.analysis.advise_cmd import add_command as add_advise
 
     add_advise(sub)  # advise
+
+    from charllm_nemo.analysis.calibrate import add_command as add_calibrate
+
+    add_calibrate(sub)  # calibrate-energy
+
+    cp = sub.add_parser("compact", help="merge a run's segments into a few large Parquet files, crash-safely")
+    cp.add_argument("run_dir", help="the run directory (rank=N folders inside)")
+    cp.set_defaults(func=cmd_compact)
 
     sw = sub.add_parser("sweep", help="sweeps run by `charllm train -m +sweep=<name>`")
     sw_sub = sw.add_subparsers(dest="sweep_command", required=True)

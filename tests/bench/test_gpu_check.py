@@ -57,6 +57,9 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
     assert agree["buffered_peak_w"] == 650.0 and agree["pairs"] > 10
     # nearest in time within 20 ms of a 200 ms square wave: most pairs are on the same level
     assert agree["abs_diff_w_median"] == 0.0
+    # the energy model fitted on three short runs of the stand-in (bench/gpu_energy_estimate.py)
+    ((_platform, fit),) = report["energy_estimate"]["fitted"].items()
+    assert fit["runs"] == 3 and fit["held_out_error_median"] is not None and fit["s_per_flop"] > 0
     tiny = report["training"]["tiny_gpt"]
     assert tiny["on"]["rc"] == 0 and tiny["off"]["rc"] == 0
     assert tiny["on"]["summary"]["energy_j_median"] > 0

@@ -28,7 +28,7 @@ from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_run
 from charllm_nemo.analysis.rank_tables import RankTables, reduce_rank
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
-from charllm_nemo.analysis.run_summary import platform_table, run_table
+from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 
@@ -42,7 +42,7 @@ KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
 """Window columns held in memory for the findings (the full table goes to disk rank by rank)."""
 
 TABLES = (
-    "runs", "ranks", "platforms", "excursions", "thermal", "thermal_steps",
+    "runs", "ranks", "nodes", "platforms", "excursions", "thermal", "thermal_steps",
     "throttle_slowdown", "phase_energy", "sampling_ranks", "sampling_steps",
 )  # fmt: skip
 """The summary tables, in the order reports show them (``windows`` is written alongside)."""
@@ -137,7 +137,7 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
                     continue
                 n_ranks += 1
                 consts = {"run": run.key}
-                devices.append(_with(_arrow(rt.devices), **consts, rank=str(rank)))
+                devices.append(_with(_arrow(rt.devices), **consts, rank=str(rank), host=hosts.get(rank, "?")))
                 if rt.span:
                     spans.append(_with(_arrow(rt.span), **consts))
                 if rt.windows:
@@ -189,7 +189,12 @@ def _tables(
     sp = pa.concat_tables(spans) if spans else _EMPTY_SPANS
     con.register("spans", sp)
     runs = run_table(con, infos)
-    tables = {"runs": runs, "ranks": dev, "platforms": platform_table(con, runs)}
+    tables = {
+        "runs": runs,
+        "ranks": dev,
+        "nodes": node_table(con, dev),
+        "platforms": platform_table(con, runs),
+    }
     if kept:
         con.register("w", pa.concat_tables(kept))
         con.register("info", runs)

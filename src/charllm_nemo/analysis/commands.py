@@ -34,6 +34,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from charllm_nemo.analysis.analyze import analyze, to_jsonable, write_tables
 
     out = _out_dir(args)
+    if args.engine == "spark":
+        return _analyze_on_spark(args, out)
     analysis = analyze(args.path, out / "windows.parquet")
     written = write_tables(analysis, out, True if args.windows_csv else None)
     if not args.no_figures:
@@ -46,6 +48,32 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 0
     _print_summary(analysis.tables, analysis.problems)
     print(f"wrote {len(written)} files to {out}")
+    return 0
+
+
+def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
+    """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
+    (analysis/spark.py), written as Parquet and CSV into ``out``."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+
+    try:
+        session = spark_session(args.spark_master)
+    except ImportError as exc:
+        print(f"charllm analyze: {exc}", file=sys.stderr)
+        return 2
+    tables = spark_tables(session, args.path)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("ranks", "nodes", "runs"):
+        table = to_arrow(getattr(tables, name))
+        pq.write_table(table, out / f"{name}.parquet")
+        pacsv.write_csv(table, out / f"{name}.csv")
+        print(f"{name}: {table.num_rows} row(s)")
+    for p in tables.problems:
+        print(f"  problem: {p}")
+    print(f"wrote 6 files to {out} (engine: spark)")
     return 0
 
 
@@ -104,13 +132,55 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``charllm compare`` (numpy and pyarrow are imported only when it runs)."""
+    from charllm_nemo.analysis.compare import cmd_compare as run
+
+    return run(args)
+
+
+def cmd_energy(args: argparse.Namespace) -> int:
+    """``charllm energy``: each run's energy report (uncertainty, optional carbon, MLPerf rules)."""
+    if not _imports_ok():
+        return 2
+    from charllm_nemo.analysis.analyze import analyze
+    from charllm_nemo.analysis.energy import GridIntensity, energy_reports, read_grid_csv, render
+    from charllm_nemo.errors import ConfigError
+
+    try:
+        grid = None
+        if args.grid_csv:
+            grid = read_grid_csv(Path(args.grid_csv))
+        elif args.grid_g_per_kwh is not None:
+            grid = GridIntensity(((0.0, args.grid_g_per_kwh),))
+        reports = energy_reports(analyze(args.path), grid=grid, pue=args.pue)
+    except ConfigError as exc:
+        print(f"charllm energy: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        json.dump(reports, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print(render(reports))
+    return 0
+
+
 def add_commands(sub: Any) -> None:
-    """Add ``analyze`` and ``report`` to the ``charllm`` sub-command parser."""
+    """Add ``analyze``, ``report``, ``compare`` and ``energy`` to the ``charllm`` sub-command parser."""
+    from charllm_nemo.cli import finite_number
+
     a = sub.add_parser("analyze", help="tables (Parquet, CSV) and figures for a run or a sweep directory")
     a.add_argument("path", help="a run directory or a tree of them (a sweep)")
     a.add_argument("--out", help="where to write (default: PATH/analysis)")
     a.add_argument("--format", choices=["text", "json"], default="text", help="json: print the tables")
     a.add_argument("--no-figures", action="store_true", help="tables only")
+    a.add_argument(
+        "--engine",
+        choices=["local", "spark"],
+        default="local",
+        help="spark: the ranks, nodes and runs tables on Apache Spark (docs/analysis.md, 'Engines')",
+    )
+    a.add_argument("--spark-master", help="with --engine spark: local[2], spark://host:7077, yarn, ...")
     a.add_argument(
         "--windows-csv",
         action="store_true",
@@ -122,3 +192,31 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--out", help="where tables and figures go (default: PATH/analysis)")
     r.add_argument("--html", help="the page to write (default: OUT/report.html)")
     r.set_defaults(func=cmd_report)
+    c = sub.add_parser(
+        "compare",
+        help="runs or sweep configurations against the first: differences with bootstrap intervals",
+    )
+    c.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="run directories or sweep configurations; the first is the baseline",
+    )
+    c.add_argument("--format", choices=["text", "json"], default="text", help="json: the comparison as JSON")
+    c.set_defaults(func=cmd_compare)
+    e = sub.add_parser(
+        "energy", help="energy to train with its uncertainty, optional carbon, MLPerf power rules"
+    )
+    e.add_argument("path", help="a run directory or a tree of them (a sweep)")
+    grid = e.add_mutually_exclusive_group()
+    grid.add_argument(
+        "--grid-g-per-kwh",
+        type=finite_number(0.0, inclusive=True),
+        help="grid carbon intensity, g CO2e per kWh",
+    )
+    grid.add_argument("--grid-csv", help="grid carbon intensity over time: a CSV of time,g_per_kwh")
+    e.add_argument(
+        "--pue", type=finite_number(1.0, inclusive=True), default=1.0, help="power usage effectiveness (>= 1)"
+    )
+    e.add_argument("--format", choices=["text", "json"], default="text", help="json: the reports as JSON")
+    e.set_defaults(func=cmd_energy)

@@ -6,6 +6,7 @@ Each function takes the analysis tables (Arrow) and a path stem, saves ``<stem>.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,39 @@ matplotlib.use("Agg")  # files only, never a window (also on a machine without a
 import matplotlib.pyplot as plt
 import numpy as np
 import pyarrow as pa
-from matplotlib.colors import LogNorm
+from matplotlib.colors import LogNorm, Normalize
 
-PANELS = (
-    ("GPU temp (°C)", "temp_gpu_avg_c", "temp_gpu_peak_c"),
-    ("GPU power (W)", "power_avg_w", "power_peak_w"),
-    ("SM clock (MHz)", "clock_sm_avg_mhz", None),
+PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("throughput (tokens/s)", (("tokens_per_s", "tokens/s"),)),
+    ("energy per token (J)", (("energy_per_token_j", "energy per token"),)),
+    ("efficiency (samples/(s·MJ))", (("efficiency_samples_per_s_per_mj", "efficiency"),)),
+    ("GPU power (W)", (("power_avg_w", "average"), ("power_peak_w", "peak"))),
+    ("GPU temperature (°C)", (("temp_gpu_avg_c", "average"), ("temp_gpu_peak_c", "peak"))),
+    ("SM clock (MHz)", (("clock_sm_avg_mhz", "average"),)),
 )
+"""The configuration figure's panels (Figure 4's quantities, plus throughput and energy of their
+own): a label and its series (column, legend name)."""
+
+SERIES_COLOURS = {"average": "tab:blue", "peak": "tab:red"}
 EFFICIENCY = "efficiency_samples_per_s_per_mj"
+
+IDENTITY = (
+    "model", "device", "layout", "tp", "pp", "vpp", "cp", "ep", "dp", "fsdp", "world_size",
+    "micro_batch_size", "global_batch_size", "seq_length", "optim", "layers_per_stage",
+)  # fmt: skip
+"""What makes a configuration: runs equal in all of these are repeats of one (aggregated)."""
+
+LABEL_FIELDS: tuple[tuple[str, str], ...] = (
+    ("layers_per_stage", "{}"),
+    ("micro_batch_size", "mb{}"),
+    ("global_batch_size", "gb{}"),
+    ("seq_length", "seq{}"),
+    ("optim", "{}"),
+    ("world_size", "{}x"),
+    ("device", "{}"),
+)
+"""Beyond the layout, what a configuration's label shows when its model's configurations differ
+in it (``+layout=`` presets of one parallelism with [4,4] and [7,1] stages differ in the first)."""
 
 
 def save(fig: Any, stem: Path) -> list[Path]:
@@ -45,135 +71,223 @@ def _gap_label(row: dict[str, Any]) -> str:
     return "OOM" if "out_of_memory" in status else (status or "no data").upper()[:12]
 
 
-def _order(rows: list[dict[str, Any]], by_microbatch: bool) -> list[dict[str, Any]]:
-    def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        second = r.get("micro_batch_size") or 0 if by_microbatch else (r.get("layout") or "")
-        return (str(r.get("model")), second, str(r.get("platform")), r["run"])
-
-    return sorted(rows, key=key)
+def _sortable(v: Any) -> tuple[int, Any]:
+    return (0, v) if isinstance(v, (int, float)) else (1, str(v))
 
 
-def _label(r: dict[str, Any], with_mb: bool) -> str:
-    """``layout / mb<size> / <GPUs>x``, leaving out what the run does not say."""
-    parts = [str(r.get("layout") or r["run"])]
-    if with_mb and r.get("micro_batch_size") is not None:
-        parts.append(f"mb{r['micro_batch_size']}")
-    if r.get("world_size") is not None:
-        parts.append(f"{r['world_size']}x")
-    return "\n".join(parts)
+@dataclass
+class Config:
+    """One configuration: its identity, its runs that have figures (repeats) and, when none
+    has, the state that left it without (``OOM``, ``FAILED``, ...)."""
+
+    key: tuple[Any, ...]
+    fields: dict[str, Any]
+    runs: list[dict[str, Any]]
+    gap: str | None
+
+    def values(self, col: str) -> list[float]:
+        return [float(v) for r in self.runs if (v := r.get(col)) is not None and np.isfinite(v)]
+
+
+def configurations(rows: list[dict[str, Any]], by_microbatch: bool) -> list[Config]:
+    """Runs grouped into configurations (:data:`IDENTITY`), ordered by model, then by
+    parallelism (pipeline, tensor, data, expert degrees; layers per stage), or by micro batch
+    size first when ``by_microbatch``. A gap (a configuration that never ran) takes its place."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in IDENTITY), []).append(r)
+    out = []
+    for key, members in groups.items():
+        ran = [r for r in members if _ran(r)]
+        out.append(
+            Config(key, dict(zip(IDENTITY, key, strict=True)), ran, None if ran else _gap_label(members[0]))
+        )
+
+    def order(c: Config) -> tuple[Any, ...]:
+        f = c.fields
+        par = tuple(
+            _sortable(f.get(k)) for k in ("pp", "tp", "dp", "ep", "cp", "vpp", "layers_per_stage", "optim")
+        )
+        mb = (_sortable(f.get("micro_batch_size")),)
+        rest = (
+            _sortable(f.get("global_batch_size")),
+            _sortable(f.get("world_size")),
+            _sortable(f.get("device")),
+        )
+        return (str(f.get("model")), *(mb + par if by_microbatch else par + mb), *rest)
+
+    return sorted(out, key=order)
+
+
+def config_labels(configs: list[Config]) -> list[str]:
+    """One label a configuration: the layout, then each :data:`LABEL_FIELDS` field in which its
+    model's configurations differ, then ``n=<repeats>`` when there are several."""
+    varies: dict[str, set[str]] = {}
+    for c in configs:
+        model = str(c.fields.get("model"))
+        for name, _ in LABEL_FIELDS:
+            values = {str(d.fields.get(name)) for d in configs if str(d.fields.get("model")) == model}
+            if len(values) > 1:
+                varies.setdefault(model, set()).add(name)
+    labels = []
+    for c in configs:
+        parts = [str(c.fields.get("layout") or "?")]
+        for name, fmt in LABEL_FIELDS:
+            if name in varies.get(str(c.fields.get("model")), set()):
+                v = c.fields.get(name)
+                parts.append("-" if v is None else fmt.format(v))
+        if len(c.runs) > 1:
+            parts.append(f"n={len(c.runs)}")
+        labels.append("\n".join(parts))
+    return labels
 
 
 def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[Path]:
-    """One x position per run (grouped by model, separators between models); three stacked
-    panels (GPU temperature avg/peak, power avg/peak, SM clock avg) with the efficiency metric
-    on a twin axis; runs without figures (out of memory, failed) drawn as marked grey gaps.
-    ``normalise``: every series divided by its model's largest value (Figures 8, 13), with the
-    configurations ordered by micro batch size when a model's runs differ in it."""
+    """One group of bars per configuration (grouped by model, separators between models), one
+    panel per quantity of :data:`PANELS`; repeats of a configuration as the median bar with a
+    min-max whisker; configurations without figures (out of memory, failed) as hatched gaps in
+    their place. ``normalise``: every series divided by its model's largest median (Figures 8,
+    13), configurations ordered by micro batch size when a model's runs differ in it."""
     rows = runs.to_pylist()
     if not rows:
         return []
     by_mb = normalise and len({r.get("micro_batch_size") for r in rows}) > 1
-    rows = _order(rows, by_mb)
-    n = len(rows)
+    configs = configurations(rows, by_mb)
+    n = len(configs)
     x = np.arange(n)
-    models = [str(r.get("model")) for r in rows]
-
-    def series(col: str | None) -> np.ndarray[Any, Any]:
-        if col is None:
-            return np.full(n, np.nan)
-        v = np.array([r.get(col) if _ran(r) and r.get(col) is not None else np.nan for r in rows], float)
-        if normalise:
-            for m in set(models):
-                sel = np.array([mm == m for mm in models])
-                top = np.nanmax(v[sel]) if np.isfinite(v[sel]).any() else np.nan
-                v[sel] = v[sel] / top if top and np.isfinite(top) else np.nan
-        return v
-
-    fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.9 * n + 3), 7.5), sharex=True)
-    eff = series(EFFICIENCY)
-    for ax, (label, avg_col, peak_col) in zip(axes, PANELS, strict=True):
-        ax.plot(x, series(avg_col), "o-", color="tab:blue", label="average")
-        if peak_col:
-            ax.plot(x, series(peak_col), "s-", color="tab:red", label="peak")
-        ax.set_ylabel(label + (" (norm.)" if normalise else ""), color="tab:blue")
-        ax.grid(True, linestyle="--", alpha=0.5)
-        twin = ax.twinx()
-        twin.plot(x, eff, "x--", color="tab:green", label="efficiency")
-        twin.set_ylabel("samples/(s·MJ)" + (" (norm.)" if normalise else ""), color="tab:green")
-        for i, r in enumerate(rows):
-            if not _ran(r):
-                ax.axvspan(i - 0.5, i + 0.5, color="lightgrey", alpha=0.6, hatch="//")
-                ax.text(i, 0.5, _gap_label(r), transform=ax.get_xaxis_transform(), ha="center", va="center",
-                        rotation=90, fontsize=9)  # fmt: skip
+    models = [str(c.fields.get("model")) for c in configs]
+    fig, axes = plt.subplots(
+        len(PANELS), 1, figsize=(max(6.0, 0.9 * n + 3), 2.0 * len(PANELS) + 1.2), sharex=True
+    )
+    for ax, (label, series) in zip(axes, PANELS, strict=True):
+        width = 0.8 / len(series)
+        for j, (col, name) in enumerate(series):
+            med = np.array([np.median(v) if (v := c.values(col)) else np.nan for c in configs])
+            lo = np.array([min(v) if (v := c.values(col)) else np.nan for c in configs])
+            hi = np.array([max(v) if (v := c.values(col)) else np.nan for c in configs])
+            if normalise:
+                for m in set(models):
+                    sel = np.array([mm == m for mm in models])
+                    top = np.nanmax(med[sel]) if np.isfinite(med[sel]).any() else np.nan
+                    scale = top if top and np.isfinite(top) else np.nan
+                    med[sel], lo[sel], hi[sel] = med[sel] / scale, lo[sel] / scale, hi[sel] / scale
+            pos = x + (j - (len(series) - 1) / 2) * width
+            colour = SERIES_COLOURS.get(name, "tab:green" if col == EFFICIENCY else "tab:purple")
+            err = np.vstack((med - lo, hi - med))
+            ax.bar(pos, med, width * 0.95, color=colour, label=name, yerr=np.where(np.isfinite(err), err, 0),
+                   capsize=3, error_kw={"elinewidth": 1})  # fmt: skip
+        ax.set_ylabel(label + (" (norm.)" if normalise else ""), fontsize=8)
+        ax.grid(True, axis="y", linestyle="--", alpha=0.5)
+        if len(series) > 1:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), borderaxespad=0.2)
+        for i, c in enumerate(configs):
+            if c.gap:
+                ax.axvspan(i - 0.45, i + 0.45, color="lightgrey", alpha=0.6, hatch="//")
+                ax.text(i, 0.5, c.gap, transform=ax.get_xaxis_transform(), ha="center", va="center",
+                        rotation=90, fontsize=8)  # fmt: skip
         for i in range(1, n):
             if models[i] != models[i - 1]:
                 ax.axvline(i - 0.5, color="black", linewidth=1)
     for m in dict.fromkeys(models):
         idx = [i for i, mm in enumerate(models) if mm == m]
         axes[0].text(np.mean(idx), 1.04, m, transform=axes[0].get_xaxis_transform(), ha="center", va="bottom")
-    handles = axes[0].get_lines()[:2] + axes[0].figure.axes[-1].get_lines()[:1]
-    fig.legend(
-        handles, [h.get_label() for h in handles], loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.03)
-    )
-    labels = [_label(r, with_mb=by_mb or not normalise) for r in rows]
     axes[-1].set_xticks(x)
-    axes[-1].set_xticklabels(labels, fontsize=8)
+    axes[-1].set_xticklabels(config_labels(configs), fontsize=7)
     axes[-1].set_xlim(-0.5, n - 0.5)
-    axes[-1].set_xlabel("configuration (micro batch size)" if by_mb else "configuration")
+    axes[-1].set_xlabel(
+        "configuration (ordered by micro batch size); bars: median of repeats, whiskers: min-max"
+        if by_mb
+        else "configuration; bars: median of repeats, whiskers: min-max"
+    )
     fig.tight_layout()
     return save(fig, stem)
 
 
-HEAT_METRICS = (
-    ("PCIe bytes (tx+rx)", ("pcie_tx_bytes", "pcie_rx_bytes"), True),
-    ("NVLink bytes (tx+rx)", ("nvlink_tx_bytes", "nvlink_rx_bytes"), True),
-    ("GPU temp avg (°C)", ("temp_gpu_avg_c",), False),
-    ("GPU temp peak (°C)", ("temp_gpu_peak_c",), False),
+HEAT_METRICS: tuple[tuple[str, str, tuple[str, ...], bool, float], ...] = (
+    ("GPU power avg", "W", ("power_avg_w",), False, 50.0),
+    ("GPU temp avg", "°C", ("temp_gpu_avg_c",), False, 10.0),
+    ("GPU temp peak", "°C", ("temp_gpu_peak_c",), False, 10.0),
+    ("PCIe traffic (tx+rx)", "B/s", ("pcie_tx_bytes", "pcie_rx_bytes"), True, 0.0),
+    ("NVLink traffic (tx+rx)", "B/s", ("nvlink_tx_bytes", "nvlink_rx_bytes"), True, 0.0),
 )
+"""Heatmap panels: name, unit, the ``ranks`` columns summed, a log scale (traffic, as a rate:
+bytes over the device's sampled time), and the smallest colour span (a 0.2 °C spread drawn on
+a 10 °C span reads as the near-equal it is, not as black against yellow)."""
+
+
+def colour_range(values: np.ndarray[Any, Any], min_span: float) -> tuple[float, float]:
+    """The colour scale's (low, high): the data's range, widened about its middle to at least
+    ``min_span``."""
+    lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
+    if hi - lo < min_span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
+    return lo, hi
 
 
 def heatmaps_figure(
     ranks: pa.Table, runs: pa.Table, windows_hosts: dict[tuple[str, int], str], stem: Path
 ) -> list[Path]:
-    """Configurations (rows) x GPUs (columns) heatmaps of traffic (log colour scale) and GPU
-    temperature, one panel per metric that was measured; vertical lines separate nodes (from the
-    ranks' hosts, in rank order)."""
+    """Configurations (rows) x GPUs (columns) heatmaps, one panel per measured quantity of
+    :data:`HEAT_METRICS` (power, temperatures, traffic rates), each on its own colour scale whose
+    range is stated in the panel's title; white lines separate nodes (from the ranks' hosts, in
+    rank order)."""
     rows = ranks.to_pylist()
     if not rows:
         return []
-    run_keys = [r["run"] for r in _order(runs.to_pylist(), False) if any(x["run"] == r["run"] for x in rows)]
+    measured = {r["run"] for r in rows}
+    run_keys = [c.runs[0]["run"] for c in configurations(runs.to_pylist(), False) if c.runs]
+    run_keys += [r["run"] for r in runs.to_pylist() if r["run"] in measured and r["run"] not in run_keys]
+    run_keys = [k for k in run_keys if k in measured]
     n_gpu = max(int(r["rank"]) for r in rows) + 1
     panels = []
-    for label, cols, log in HEAT_METRICS:
+    for label, unit, cols, log, span in HEAT_METRICS:
         grid = np.full((len(run_keys), n_gpu), np.nan)
         for r in rows:
+            if r["run"] not in run_keys:
+                continue
             vals = [v for v in (r.get(c) for c in cols) if v is not None and v == v]  # v != v: NaN
-            if vals:  # a direction the device does not count is left out, not taken as 0
-                grid[run_keys.index(r["run"]), int(r["rank"])] = float(sum(vals))
+            if not vals:  # a direction the device does not count is left out, not taken as 0
+                continue
+            value = float(sum(vals))
+            if unit == "B/s":
+                dur = r.get("duration_s")
+                value = value / dur if dur else np.nan
+            grid[run_keys.index(r["run"]), int(r["rank"])] = value
         if np.isfinite(grid).any():
-            panels.append((label, grid, log))
+            panels.append((label, unit, grid, log, span))
     if not panels:
         return []
     width = max(6.0, 0.35 * n_gpu + 4)
-    height = 1.2 + len(panels) * (0.5 * len(run_keys) + 0.8)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, height), squeeze=False)
-    for ax, (label, grid, log) in zip(axes[:, 0], panels, strict=True):
-        pos = grid[np.isfinite(grid) & (grid > 0)]
-        norm = LogNorm(vmin=max(pos.min(), 1.0), vmax=max(pos.max(), 10.0)) if log and pos.size else None
+    height = 1.2 + len(panels) * (0.5 * len(run_keys) + 1.0)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, height), squeeze=False, layout="constrained")
+    for ax, (label, unit, grid, log, span) in zip(axes[:, 0], panels, strict=True):
+        finite = grid[np.isfinite(grid)]
+        pos = finite[finite > 0]
+        if log:
+            hi = max(float(pos.max()), 10.0) if pos.size else 10.0
+            lo = max(min(float(pos.min()), hi / 10), 1.0) if pos.size else 1.0  # a decade at least
+            norm: Any = LogNorm(vmin=lo, vmax=hi)
+        else:
+            lo, hi = colour_range(finite, span)
+            norm = Normalize(vmin=lo, vmax=hi)
         cmap = "viridis" if log else "inferno"
         im = ax.imshow(
             np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest"
         )
-        fig.colorbar(im, ax=ax, label=label)
+        cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
+        cbar.set_label(unit, fontsize=8)
+        cbar.ax.tick_params(labelsize=7)
         ax.set_yticks(range(len(run_keys)))
         ax.set_yticklabels(run_keys, fontsize=7)
-        ax.set_xlabel("GPU (rank)")
+        ax.set_xlabel("GPU (rank)", fontsize=8)
         ax.set_xticks(range(n_gpu))
         for i, run in enumerate(run_keys):
             for g in range(1, n_gpu):
                 a, b = windows_hosts.get((run, g - 1)), windows_hosts.get((run, g))
                 if a is not None and b is not None and a != b:
                     ax.plot([g - 0.5, g - 0.5], [i - 0.5, i + 0.5], color="white", linewidth=2)
-        ax.set_title(label, fontsize=10)
-    fig.tight_layout()
+        data = f"data {np.nanmin(finite):.4g}-{np.nanmax(finite):.4g} {unit}"
+        scale = f"scale {lo:.4g}-{hi:.4g}{' (log)' if log else ''}"
+        ax.set_title(f"{label} ({unit}): {data}; {scale}", fontsize=9)
     return save(fig, stem)

@@ -58,6 +58,21 @@ def counter_increase(values: IntArray) -> tuple[float, int]:
     return float(d[~down].sum()), int(down.sum())
 
 
+def counter_update_period_s(t_ns: IntArray, values: IntArray) -> float:
+    """How often a cumulative counter moves (s): the median time between the samples at which
+    its value changed. NVML's energy counter moves every ~20-100 ms whatever the sampling rate
+    (an H200: 100 ms), so an energy over a span is uncertain by up to one period at each end.
+    NaN with fewer than two changes."""
+    known = values >= 0
+    c, t = values[known], t_ns[known]
+    if c.size < 3:
+        return float("nan")
+    changed = t[1:][np.diff(c) != 0]
+    if changed.size < 2:
+        return float("nan")
+    return float(np.median(np.diff(changed))) / NS_PER_S
+
+
 def held_share(t_ns: IntArray, flags: np.ndarray[Any, Any]) -> FloatArray:
     """Share of the timeline (0..1) each flag was set, sample-and-hold (a sample's flags hold
     until the next sample). ``flags`` is (n,) or (n, k); the last sample's flags hold no time.

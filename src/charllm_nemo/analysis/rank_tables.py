@@ -11,6 +11,7 @@ import numpy as np
 from charllm_nemo.analysis.load import RankArrays, Run, load_rank_arrays
 from charllm_nemo.analysis.metrics import (
     counter_increase,
+    counter_update_period_s,
     held_share,
     largest_rise,
     time_weighted_mean,
@@ -86,8 +87,10 @@ def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> 
         row[f"{base}_avg_c"] = time_weighted_mean(t, x)
         row[f"{base}_peak_c"] = float(np.nanmax(x)) if np.isfinite(x).any() else float("nan")
     row["clock_sm_avg_mhz"] = time_weighted_mean(t, s.get("clock_sm_mhz", np.full(t.size, np.nan)))
-    counter, resets = counter_increase(s.get("energy_mj", np.full(t.size, INT_NULL, np.int64)))
+    energy_mj = s.get("energy_mj", np.full(t.size, INT_NULL, np.int64))
+    counter, resets = counter_increase(energy_mj)
     row["energy_counter_j"] = counter / 1e3
+    row["energy_counter_period_s"] = counter_update_period_s(t, energy_mj)
     row["energy_counter_resets"] = float(resets)
     row["energy_trapezoid_j"] = trapezoid_energy_j(t, p)
     den = row["energy_trapezoid_j"]

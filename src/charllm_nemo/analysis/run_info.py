@@ -7,11 +7,12 @@ sampling rate, status). Nothing is taken from a sweep's matrix: a run directory 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from charllm_nemo.analysis.load import Run
-from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
+from charllm_nemo.telemetry.layout import SIZE_CAPS, read_bounded, read_json
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -82,6 +83,10 @@ def run_info(run: Run) -> dict[str, Any]:
         "global_batch_size": _get(cfg, "batch", "global_batch_size"),
         "micro_batch_size": _get(cfg, "batch", "micro_batch_size"),
         "seq_length": _get(cfg, "model", "seq_length"),
+        "optim": _text(_get(cfg, "optim", "name")),
+        "job_id": _text(_get(first, "env", "SLURM_JOB_ID")),
+        "hosts": ",".join(sorted(str(h) for h in hosts)) or None,
+        "layers_per_stage": _stages_text(layout.get("layers_per_stage")),
         "status": status,
         "mfu": summ.get("mfu_median"),
         "model_tflops_per_gpu": summ.get("model_tflops_per_gpu_median"),
@@ -117,16 +122,88 @@ def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]
             run_dir = sweep_dir / f"run={e.get('key')}"
             if any(run_dir == a or run_dir in a.parents for a in analysed):
                 continue
+            fixed = data.get("fixed_overrides") if isinstance(data.get("fixed_overrides"), list) else []
             over = {str(o).split("=", 1)[0].lstrip("+"): str(o).split("=", 1)[1]
-                    for o in e.get("overrides") or [] if "=" in str(o)}  # fmt: skip
-            rows.append({
-                "run": f"{sweep_dir.name}/run={e.get('key')}", "sweep": sweep_dir.name.split("=", 1)[1],
-                "model": over.get("model"),
-                "layout": over.get("layout") or over.get("parallel") or str(e.get("key")),
-                "status": str(e["state"]), "micro_batch_size": _int(over.get("batch.micro_batch_size")),
-            })  # fmt: skip
+                    for o in [*fixed, *(e.get("overrides") or [])] if "=" in str(o)}  # fmt: skip
+            rows.append(gap_row(sweep_dir.name.split("=", 1)[1], f"{sweep_dir.name}/run={e.get('key')}",
+                                str(e["state"]), over, problems))  # fmt: skip
     return rows
 
 
 def _int(text: str | None) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
+
+
+def _text(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _stages_text(v: Any) -> str | None:
+    """``[7, 1]`` as ``[7,1]`` (layers per pipeline stage); None unless a list of ints."""
+    if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return None
+
+
+def _preset(group: str, name: str | None, problems: list[str]) -> dict[str, Any]:
+    """A conf/ preset (``conf/<group>/<name>.yaml``) as a mapping, read through the hardened
+    reader; {} when absent or unreadable. A layout or sweep preset's ``defaults`` list
+    (``override /model: tiny_gpt``) becomes ``{"model": "tiny_gpt", ...}`` entries too."""
+    if not name or not all(c.isalnum() or c in "_-." for c in name) or name.startswith("."):
+        return {}
+    conf = Path(os.environ.get("CHARLLM_CONF_DIR") or Path(__file__).resolve().parents[1] / "conf")
+    path = conf / group / f"{name}.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        import yaml  # type: ignore[import-untyped]
+
+        data = yaml.safe_load(read_bounded(path, SIZE_CAPS["config"]))
+    except Exception:  # a preset we cannot read gives no fields; the gap keeps its key
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    for item in data.get("defaults") or []:
+        if isinstance(item, dict):
+            for k, v in item.items():
+                key = str(k).replace("override", "").strip().lstrip("/")
+                if key in ("model", "parallel", "optim") and isinstance(v, str):
+                    data.setdefault(key, v)
+    return data
+
+
+def gap_row(sweep: str, run: str, state: str, over: dict[str, str], problems: list[str]) -> dict[str, Any]:
+    """The ``runs`` row of a configuration that never ran: its model, layout and batch from its
+    overrides, else from the presets they name (``+layout=`` -> conf/layout, the sweep's own
+    conf/sweep preset), so the gap is drawn in place among its model's configurations."""
+    layout_preset = _preset("layout", over.get("layout"), problems)
+    sweep_preset = _preset("sweep", sweep, problems)
+    model = over.get("model") or layout_preset.get("model") or sweep_preset.get("model")
+    parallel_name = over.get("parallel") or layout_preset.get("parallel") or sweep_preset.get("parallel")
+    par = _preset("parallel", parallel_name if isinstance(parallel_name, str) else None, problems)
+    par.update(
+        {k.split(".", 1)[1]: _int(v) for k, v in over.items() if k.startswith("parallel.") and _int(v)}
+    )
+    fields = {
+        k: par.get(k) if isinstance(par.get(k), int) else None for k in ("tp", "pp", "vpp", "cp", "ep", "dp")
+    }
+    world = _int(over.get("nproc")) or sweep_preset.get("nproc")
+    if fields["dp"] is None and isinstance(world, int) and par:
+        denom = (fields["tp"] or 1) * (fields["pp"] or 1) * (fields["cp"] or 1)
+        fields["dp"] = world // denom if world % denom == 0 else None
+    batch: dict[str, Any] = sweep_preset["batch"] if isinstance(sweep_preset.get("batch"), dict) else {}
+    mb = _int(over.get("batch.micro_batch_size"))
+    return {
+        "run": run,
+        "sweep": sweep,
+        "model": model if isinstance(model, str) else None,
+        "layout": layout_label({**fields, "fsdp": bool(par.get("fsdp"))})
+        if par
+        else (over.get("layout") or run),
+        **fields,
+        "micro_batch_size": mb if mb is not None else batch.get("micro_batch_size"),
+        "global_batch_size": _int(over.get("batch.global_batch_size")) or batch.get("global_batch_size"),
+        "optim": over.get("optim"),
+        "world_size": world if isinstance(world, int) else None,
+        "status": state,
+    }

@@ -60,6 +60,30 @@ ORDER BY model, layout, platform
 """
 
 
+NODE_SQL = """
+SELECT run, host,
+       count(DISTINCT rank) AS ranks, count(*) AS devices,
+       sum(power_avg_w) AS power_avg_w, max(power_peak_w) AS device_power_peak_w,
+       sum(coalesce(energy_counter_j, energy_trapezoid_j)) AS energy_j,
+       avg(temp_gpu_avg_c) AS temp_gpu_avg_c, max(temp_gpu_peak_c) AS temp_gpu_peak_c,
+       max(temp_gpu_peak_c) - min(temp_gpu_peak_c) AS temp_gpu_peak_spread_c,
+       avg(clock_sm_avg_mhz) AS clock_sm_avg_mhz, min(clock_sm_avg_mhz) AS clock_sm_avg_min_mhz
+FROM devices GROUP BY run, host ORDER BY run, host
+"""
+
+
+def node_table(con: duckdb.DuckDBPyConnection, devices: pa.Table) -> pa.Table:
+    """One row per run and host (node): ranks and devices there, the node's summed average power
+    and energy (the counter's, else integrated power), its hottest device and the spread of peak
+    temperatures across its devices, average and slowest SM clocks. Needs ``devices`` registered
+    (the ``ranks`` table, which carries each rank's host)."""
+    needed = {"host", "power_avg_w", "power_peak_w", "energy_counter_j", "energy_trapezoid_j",
+              "temp_gpu_avg_c", "temp_gpu_peak_c", "clock_sm_avg_mhz"}  # fmt: skip
+    if not needed <= set(devices.column_names):
+        return pa.table({"run": pa.array([], pa.string()), "host": pa.array([], pa.string())})
+    return con.sql(NODE_SQL).to_arrow_table()
+
+
 def run_table(con: duckdb.DuckDBPyConnection, info: list[dict[str, Any]]) -> pa.Table:
     """One row per run. Needs the connection's ``spans`` and ``devices`` tables registered."""
     keys = list(dict.fromkeys(k for row in info for k in row))  # rows may lack keys (gaps)

@@ -58,7 +58,10 @@ TOP_FILES: dict[str, str] = {"config.yaml": "config", "steps.jsonl": "steps", "s
 
 _RANK_NAME = re.compile(r"^rank=(0|[1-9][0-9]{0,8})$")
 _RANK_LIKE = re.compile(r"^rank=")
-_SEGMENT_NAME = re.compile(r"^(samples|windows|buffered)-([0-9]{6}|[1-9][0-9]{6,17})\.parquet$")
+_NUMBER = r"([0-9]{6}|[1-9][0-9]{6,17})"
+_SEGMENT_NAME = re.compile(rf"^(samples|windows|buffered)-{_NUMBER}(?:-{_NUMBER})?\.parquet$")
+"""A segment (``samples-000012.parquet``) or a compacted file of segments ``first..last``
+(``samples-000000-000119.parquet``, telemetry/compact.py)."""
 _TEMPORARY = re.compile(r"^\..*\.tmp$")
 RESERVE_NAME = ".manifest.json.reserve"
 """telemetry.store.RESERVE_NAME: the hidden file an open rank folder holds (a normal part of a
@@ -72,7 +75,8 @@ class UnsafeFileError(StoreError):
 @dataclass(frozen=True, slots=True)
 class Ignored:
     """An entry of the run directory that no reader uses, and why (``kind``: ``temporary``,
-    ``symlink``, ``not a regular file``, ``not a directory``, ``name``, ``unreadable``)."""
+    ``symlink``, ``not a regular file``, ``not a directory``, ``name``, ``unreadable``,
+    ``superseded``: a segment whose rows a compacted file holds)."""
 
     path: Path
     kind: str
@@ -115,7 +119,7 @@ class RunFiles:
 
     def problems(self) -> list[str]:
         """One line per ignored entry worth telling a person (temporaries are normal)."""
-        return [i.message() for i in self.ignored if i.kind != "temporary"]
+        return [i.message() for i in self.ignored if i.kind not in ("temporary", "superseded")]
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -138,7 +142,7 @@ def _file_kind(st: os.stat_result | None) -> tuple[str, str] | None:
 
 def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
     manifest: Path | None = None
-    segments: dict[str, list[tuple[int, Path]]] = {"samples": [], "windows": [], "buffered": []}
+    segments: dict[str, list[tuple[int, int, Path]]] = {"samples": [], "windows": [], "buffered": []}
     try:
         entries = sorted(os.listdir(folder))
     except OSError as exc:
@@ -170,15 +174,34 @@ def _scan_rank(folder: Path, rank: int, ignored: list[Ignored]) -> RankFiles:
         if m is None:
             manifest = p
         else:
-            segments[m.group(1)].append((int(m.group(2)), p))
+            first = int(m.group(2))
+            segments[m.group(1)].append((first, int(m.group(3)) if m.group(3) else first, p))
     return RankFiles(
         rank,
         folder,
         manifest,
-        tuple(p for _, p in sorted(segments["samples"])),
-        tuple(p for _, p in sorted(segments["windows"])),
-        tuple(p for _, p in sorted(segments["buffered"])),
+        _uncovered(segments["samples"], ignored),
+        _uncovered(segments["windows"], ignored),
+        _uncovered(segments["buffered"], ignored),
     )
+
+
+def _uncovered(found: list[tuple[int, int, Path]], ignored: list[Ignored]) -> tuple[Path, ...]:
+    """The files to read, in order: every segment and compacted file whose numbers no wider
+    compacted file covers. A covered one is what an interrupted compaction (telemetry/compact.py)
+    had not yet removed: its rows are in the wider file, so reading both would count them twice;
+    it is listed as ``superseded``."""
+    keep: list[tuple[int, int, Path]] = []
+    # Widest first at each start, so a file is kept only when nothing kept already covers it.
+    for first, last, p in sorted(found, key=lambda f: (f[0], -f[1])):
+        cover = next((k for k in keep if k[0] <= first and last <= k[1]), None)
+        if cover is not None:
+            ignored.append(
+                Ignored(p, "superseded", f"its rows are in {cover[2].name} (an interrupted compaction)")
+            )
+            continue
+        keep.append((first, last, p))
+    return tuple(p for _, _, p in keep)
 
 
 def scan_run(path: str | os.PathLike[str]) -> RunFiles:

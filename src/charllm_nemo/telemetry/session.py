@@ -260,6 +260,8 @@ class TelemetrySession:
                 export.get("mode"),
             )
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
+        self.compact_at_close = True
+        """At close, the rank folder's segments become a few large files (telemetry/compact.py)."""
         self.engine: Engine = (
             ProcessEngine(process, activity) if process is not None else self._thread_engine(counter_hz)
         )
@@ -398,6 +400,7 @@ class TelemetrySession:
         ended = self.engine.close(self.windows, open_records)
         if self.disk_full and status != "terminated":
             status = self._final_status = DISK_FULL
+        self.store.compact_at_close = self.compact_at_close
         self.store.close(
             status,
             {

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from charllm_nemo.errors import DiskFull, StoreError
+from charllm_nemo.telemetry.compact import LIVE_EVERY, compact_files, compact_rank
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
 from charllm_nemo.telemetry.windows import (
     NULL,
@@ -212,6 +213,11 @@ class SegmentWriter:
         self.disk_full: str | None = None
         """Why this writer stopped writing (the first ENOSPC / EDQUOT), or None."""
         self._lock = threading.Lock()
+        self._compacted = dict(self._seq)  # per kind: the first segment number not compacted yet
+        self.compact_every: int | None = LIVE_EVERY
+        """Compact every this many closed segments of a kind as the run goes (telemetry/compact.py;
+        None: never). Samples and windows only: driver-buffer segments are read back by a writer
+        that takes over, and are compacted at close."""
 
     @classmethod
     def continuing(cls, folder: Path, counts: dict[str, Any]) -> SegmentWriter:
@@ -247,7 +253,29 @@ class SegmentWriter:
             self._seq[kind] = seq + 1
             self.rows_written[kind] += table.num_rows
             self.bytes_written += path.stat().st_size
+            self._compact_closed(kind)
         return path
+
+    def _compact_closed(self, kind: str) -> None:
+        """Every :attr:`compact_every` segments of ``kind``, merge them into one file. Measured
+        (bench/bench_compact.py): well under a second of the store's process a minute; a failure
+        (a full disk) leaves the segments as they are and stops live compaction."""
+        every = self.compact_every
+        first, nxt = self._compacted.get(kind, 0), self._seq[kind]
+        if every is None or kind == "buffered" or nxt - first < every:
+            return
+        paths = [self.dir / f"{kind}-{n:06d}.parquet" for n in range(first, nxt)]
+        try:
+            compact_files(self.dir, kind, [p for p in paths if p.exists()])
+        except Exception as exc:  # never a reason to lose a segment or stop storing
+            self.compact_every = None
+            log.warning(
+                "telemetry: live compaction stopped (%s: %s); segments are kept as written",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._compacted[kind] = nxt
 
     def _stop_writing(self, why: str) -> None:
         self.disk_full = why
@@ -335,6 +363,9 @@ class RankStore:
         overwrite: bool = False,
     ) -> None:
         self.dir = rank_dir(run_dir, rank)
+        self.compact_at_close = False
+        """Compact the folder's segments into a few files once the final manifest is written
+        (telemetry/compact.py; the session turns it on); a full disk skips it."""
         check_writable(self.dir)
         clear_rank_folder(self.dir, overwrite=overwrite)
         self.manifest: dict[str, Any] = {
@@ -385,6 +416,13 @@ class RankStore:
         finish_manifest(self.manifest, status, counts if counts is not None else self.segments.counts())
         (self.dir / RESERVE_NAME).unlink(missing_ok=True)  # the run is closed: room for others
         self.write_manifest()
+        if status != DISK_FULL and self.compact_at_close:  # compaction needs room for a copy
+            try:
+                compact_rank(self.dir)
+            except Exception as exc:  # the segments stay readable as they are
+                log.warning(
+                    "telemetry: compaction at close failed (%s: %s); segments kept", type(exc).__name__, exc
+                )
 
 
 class Flusher:

@@ -122,6 +122,9 @@ class LaunchConfig:
     # step ids (every node agrees; jobs sharing a node differ); MASTER_PORT in the environment wins.
     master_port: int | None = None
     dry_run: bool = False  # validate and print the plan (layout, FLOPs, memory per rank); start nothing
+    # The accelerator the dry run's energy estimate assumes: a platform of the fitted table
+    # (metrics/energy_calibration.json, e.g. "NVIDIA H200"); None: the synthetic device on CPU.
+    platform: str | None = None
 
 
 @dataclass

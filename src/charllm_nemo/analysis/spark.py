@@ -1,0 +1,336 @@
+"""``charllm analyze --engine spark``: the per-rank reductions and the run tables on Apache Spark,
+for a fleet's store on shared or object storage.
+
+Written against the PySpark DataFrame API only (``functions``, ``Window``, ``DataFrame``), so the
+same code runs on a Spark cluster (``pyspark``; also under ``spark-submit``) and, for tests and
+small stores, on DuckDB through sqlframe (the PySpark API without a JVM). The session is the
+caller's: :func:`spark_tables` takes any object with PySpark's ``SparkSession`` interface.
+
+What is read: exactly the files the hardened scan accepts (``telemetry/layout.py``: no links,
+documented names, compacted files taking the place of the segments they cover), listed
+explicitly, so Spark never globs a directory an attacker arranged; the rank is each file's
+``rank=N`` folder, as a Hive partition. The run's small files (manifests, summary, config) are read on the
+driver as the single-host analysis reads them.
+
+Tables, with the same columns and definitions as the single-host engine's (docs/analysis.md):
+
+* ``ranks``: one row per (run, rank, device) over the whole sampled span: samples, duration,
+  time-weighted average and peak power, GPU and HBM temperatures, SM clock, the energy counter's
+  increase (non-negative deltas only) and its resets, integrated power, throttle shares
+  (sample-and-hold), traffic counter increases, the host;
+* ``nodes``: per (run, host), from ``ranks``;
+* ``runs``: per run, the measured span (every step window but the first, as
+  ``summary.json``'s medians) with its energy summed over devices, and the figures derived from
+  it (samples/s, tokens/s, the efficiency metric, tokens per joule). The span's energy is the
+  energy counter's non-negative steps from the last sample at or before the span's start to the
+  first at or after its end (integrated power where a device has no counter): the single-host
+  engine interpolates at the span's edges instead, so the two agree within one counter period's
+  energy per device (tests: within 1 %).
+
+Not on Spark (yet): the per-window attribution, the findings tables and the figures, which the
+single-host engine computes from the same store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from charllm_nemo.analysis.load import find_runs, open_run
+from charllm_nemo.analysis.run_info import run_info
+from charllm_nemo.telemetry.schema import THROTTLE_REASONS
+
+FLOAT_MEANS = (("power_instant_w", "power_avg_w"), ("temp_gpu_c", "temp_gpu_avg_c"),
+               ("temp_hbm_c", "temp_hbm_avg_c"), ("clock_sm_mhz", "clock_sm_avg_mhz"))  # fmt: skip
+PEAKS = (
+    ("power_instant_w", "power_peak_w"),
+    ("temp_gpu_c", "temp_gpu_peak_c"),
+    ("temp_hbm_c", "temp_hbm_peak_c"),
+)
+COUNTERS = (
+    ("energy_mj", "energy_counter"),
+    ("pcie_tx_bytes", "pcie_tx_bytes"),
+    ("pcie_rx_bytes", "pcie_rx_bytes"),
+    ("nvlink_tx_bytes", "nvlink_tx_bytes"),
+    ("nvlink_rx_bytes", "nvlink_rx_bytes"),
+)
+KEYS = ("run", "rank", "device_index")
+
+RANK_COLUMNS = (
+    "run", "rank", "host", "device_index", "duration_s", "n_samples", "power_avg_w", "power_peak_w",
+    "temp_gpu_avg_c", "temp_gpu_peak_c", "temp_hbm_avg_c", "temp_hbm_peak_c", "clock_sm_avg_mhz",
+    "energy_counter_j", "energy_counter_resets", "energy_trapezoid_j",
+    "pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes",
+    *(f"throttle_{name}_share" for name, _ in THROTTLE_REASONS),
+)  # fmt: skip
+"""The ``ranks`` columns the Spark engine computes (the single-host table has these and more)."""
+
+
+@dataclass
+class SparkTables:
+    """The Spark engine's tables as Spark DataFrames (``toPandas`` / ``collect`` to bring home)."""
+
+    ranks: Any
+    nodes: Any
+    runs: Any
+    problems: list[str]
+
+
+def _api(session: Any) -> tuple[Any, Any]:
+    """``(functions, Window)`` for the session's flavour: pyspark's, or sqlframe's DuckDB."""
+    import importlib
+
+    flavour = "sqlframe.duckdb" if type(session).__module__.startswith("sqlframe") else "pyspark.sql"
+    F = importlib.import_module(f"{flavour}.functions")
+    Window = importlib.import_module(flavour).Window
+    return F, Window
+
+
+def _read(session: Any, F: Any, files: list[tuple[str, Path, Path]]) -> Any:
+    """One DataFrame of the given files (run key, run directory, file) of every run, with
+    ``run`` and ``rank`` columns: the rank is the Hive partition of each file's ``rank=N``
+    folder (Spark: partition discovery below the run directory, ``basePath``; DuckDB through
+    sqlframe: its own Hive detection)."""
+    by_run: dict[tuple[str, Path], list[str]] = {}
+    for run, run_dir, path in files:
+        by_run.setdefault((run, run_dir), []).append(str(path))
+    frames = []
+    for (run, run_dir), paths in by_run.items():
+        reader = session.read
+        if not type(session).__module__.startswith("sqlframe"):
+            reader = reader.option("basePath", str(run_dir))
+        df = reader.parquet(*paths)
+        if "rank" not in df.columns:
+            raise ValueError(f"{run_dir}: the engine found no rank=N partition in {paths[0]}")
+        frames.append(df.withColumn("rank", F.col("rank").cast("int")).withColumn("run", F.lit(run)))
+    out = frames[0]
+    for f in frames[1:]:
+        out = out.unionByName(f, allowMissingColumns=True)
+    return out
+
+
+def rank_table(session: Any, samples: Any, hosts: Any) -> Any:
+    """The ``ranks`` table from every sample (``run``, ``rank`` columns added): one pass of
+    window expressions (for each metric, the next non-null sample's time and value, or the
+    previous counter value) and one aggregation, so the plan stays one shuffle deep."""
+    F, W = _api(session)
+    have = set(samples.columns)
+    s = samples.where(F.col("t_mono_ns").isNotNull()).dropDuplicates([*KEYS, "t_mono_ns"])
+    ahead = W.partitionBy(*KEYS).orderBy("t_mono_ns").rowsBetween(1, W.unboundedFollowing)
+    behind = W.partitionBy(*KEYS).orderBy("t_mono_ns").rowsBetween(W.unboundedPreceding, -1)
+    cols: list[Any] = [F.col(k) for k in (*KEYS, "t_mono_ns")]
+    aggs: list[Any] = [
+        ((F.max("t_mono_ns") - F.min("t_mono_ns")) / 1e9).alias("duration_s"),
+        F.count("t_mono_ns").cast("double").alias("n_samples"),
+    ]
+    for c, name in PEAKS:
+        if c in have:
+            aggs.append(F.max(F.when(~F.isnan(c), F.col(c))).alias(name))
+    for c, name in FLOAT_MEANS:
+        if c not in have:
+            continue
+        ok = F.col(c).isNotNull() & ~F.isnan(c)
+        v = F.when(ok, F.col(c))
+        # the next non-null sample: the smallest (time, value) pair ahead (a struct orders by time)
+        nxt = F.min(F.when(ok, F.struct(F.col("t_mono_ns").alias("t"), F.col(c).alias("v")))).over(ahead)
+        cols += [v.alias(f"{c}__v"), nxt.alias(f"{c}__n")]
+
+        piece = F.when(
+            F.col(f"{c}__v").isNotNull(),
+            (F.col(f"{c}__n.t") - F.col("t_mono_ns")) * (F.col(f"{c}__v") + F.col(f"{c}__n.v")) / 2,
+        )
+        area = F.sum(piece)
+        span = F.max(F.when(F.col(f"{c}__v").isNotNull(), F.col("t_mono_ns"))) - F.min(
+            F.when(F.col(f"{c}__v").isNotNull(), F.col("t_mono_ns"))
+        )
+        aggs.append((area / span).alias(name))
+        if c == "power_instant_w":
+            aggs.append((area / 1e9).alias("energy_trapezoid_j"))
+    for c, name in COUNTERS:
+        if c not in have:
+            continue
+        v = F.when(F.col(c) >= 0, F.col(c))
+        prev = F.max(
+            F.when(F.col(c) >= 0, F.struct(F.col("t_mono_ns").alias("t"), F.col(c).alias("v")))
+        ).over(behind)
+        cols += [v.alias(f"{c}__v"), prev.alias(f"{c}__p")]
+        d = F.col(f"{c}__v") - F.col(f"{c}__p.v")
+        total = F.sum(F.when(d >= 0, d))
+        if name == "energy_counter":
+            resets = F.sum(F.when(d < 0, 1).otherwise(0)).cast("double")
+            aggs += [(total / 1e3).alias("energy_counter_j"), resets.alias("energy_counter_resets")]
+        else:
+            aggs.append(total.cast("double").alias(name))
+    if "throttle_reasons" in have:
+        known = F.col("throttle_reasons") >= 0
+        cols += [F.when(known, F.col("throttle_reasons")).alias("m__v"),
+                 F.min(F.when(known, F.col("t_mono_ns"))).over(ahead).alias("m__t2")]  # fmt: skip
+        dt = F.col("m__t2") - F.col("t_mono_ns")
+        span = F.max(F.when(F.col("m__v").isNotNull(), F.col("t_mono_ns"))) - F.min(
+            F.when(F.col("m__v").isNotNull(), F.col("t_mono_ns"))
+        )
+        for name, bit in THROTTLE_REASONS:
+            # the bit as arithmetic (floor(mask / bit) odd): sqlframe has no bitwiseAND
+            held = F.when(F.col("m__v").isNotNull() & (F.floor(F.col("m__v") / bit) % 2 == 1), dt).otherwise(
+                0
+            )
+            aggs.append((F.sum(held) / span).alias(f"throttle_{name}_share"))
+    out = s.select(*cols, *[F.col(c) for c in have if c in {p for p, _ in PEAKS}]).groupBy(*KEYS).agg(*aggs)
+    return out.join(hosts, on=["run", "rank"], how="left")
+
+
+def node_table(session: Any, ranks: Any) -> Any:
+    """The ``nodes`` table from ``ranks`` (docs/analysis.md)."""
+    F, _ = _api(session)
+    return ranks.groupBy("run", "host").agg(
+        F.countDistinct("rank").alias("ranks"),
+        F.count("*").alias("devices"),
+        F.sum("power_avg_w").alias("power_avg_w"),
+        F.max("power_peak_w").alias("device_power_peak_w"),
+        F.sum(F.coalesce(F.col("energy_counter_j"), F.col("energy_trapezoid_j"))).alias("energy_j"),
+        F.avg("temp_gpu_avg_c").alias("temp_gpu_avg_c"),
+        F.max("temp_gpu_peak_c").alias("temp_gpu_peak_c"),
+        (F.max("temp_gpu_peak_c") - F.min("temp_gpu_peak_c")).alias("temp_gpu_peak_spread_c"),
+        F.avg("clock_sm_avg_mhz").alias("clock_sm_avg_mhz"),
+        F.min("clock_sm_avg_mhz").alias("clock_sm_avg_min_mhz"),
+    )
+
+
+def run_table(session: Any, samples: Any, windows: Any, info: Any) -> Any:
+    """The ``runs`` table's measured-span figures per run (see the module docstring)."""
+    F, W = _api(session)
+    steps = windows.where((F.col("kind") == "step") & F.col("t_end_mono_ns").isNotNull())
+    first = steps.groupBy("run", "rank").agg(F.min("step").alias("first_step"), F.count("*").alias("n"))
+    steps = steps.join(first, on=["run", "rank"]).where(
+        (F.col("step") > F.col("first_step")) | (F.col("n") == 1)
+    )
+    span = steps.groupBy("run", "rank").agg(
+        F.min("t_begin_mono_ns").alias("b"),
+        F.max("t_end_mono_ns").alias("e"),
+        F.countDistinct("step").alias("k"),
+    )
+    w = W.partitionBy(*KEYS).orderBy("t_mono_ns")
+    s = samples.join(span, on=["run", "rank"])
+    has_counter = "energy_mj" in samples.columns
+    s = s.where(F.col("energy_mj") >= 0) if has_counter else s.where(F.col("power_instant_w").isNotNull())
+    if has_counter:  # the counter's non-negative steps (a reset's interval is left out, as locally)
+        step = F.col("energy_mj") / 1e3 - F.lag(F.col("energy_mj") / 1e3).over(w)
+    else:  # integrated power, trapezoid from the previous sample
+        step = (
+            (F.col("t_mono_ns") - F.lag("t_mono_ns").over(w))
+            * (F.col("power_instant_w") + F.lag("power_instant_w").over(w))
+            / 2e9
+        )
+    s = s.withColumn("d", step).withColumn("t_prev", F.lag("t_mono_ns").over(w))
+    # the steps inside the samples bracketing the span: after the last sample at or before its
+    # begin, up to the first at or after its end
+    first = F.max(F.when(F.col("t_mono_ns") <= F.col("b"), F.col("t_mono_ns"))).over(W.partitionBy(*KEYS))
+    last = F.min(F.when(F.col("t_mono_ns") >= F.col("e"), F.col("t_mono_ns"))).over(W.partitionBy(*KEYS))
+    s = s.withColumn("t_first", first).withColumn("t_last", last)
+    inside = (
+        (F.col("t_prev") >= F.col("t_first")) & (F.col("t_mono_ns") <= F.col("t_last")) & (F.col("d") >= 0)
+    )
+    dev = s.groupBy(*KEYS).agg(
+        F.sum(F.when(inside, F.col("d"))).alias("span_energy_j"),
+        F.max((F.col("e") - F.col("b")) / 1e9).alias("span_s"),
+        F.max("k").alias("measured_steps"),
+    )
+    per_run = dev.groupBy("run").agg(
+        F.max("span_s").alias("execution_time_s"),
+        F.sum("span_energy_j").alias("energy_j"),
+        F.max("measured_steps").alias("measured_steps"),
+    )
+    out = info.join(per_run, on="run", how="left")
+    samples_per_s = F.col("global_batch_size") * F.col("measured_steps") / F.col("execution_time_s")
+    return (
+        out.withColumn("samples_per_s", samples_per_s)
+        .withColumn("tokens_per_s", samples_per_s * F.col("seq_length"))
+        .withColumn("efficiency_samples_per_s_per_mj", samples_per_s / (F.col("energy_j") / 1e6))
+        .withColumn(
+            "tokens_per_j",
+            F.col("global_batch_size") * F.col("seq_length") * F.col("measured_steps") / F.col("energy_j"),
+        )
+    )
+
+
+INFO_COLUMNS = (
+    "run",
+    "sweep",
+    "model",
+    "layout",
+    "world_size",
+    "device",
+    "global_batch_size",
+    "seq_length",
+    "status",
+)
+INFO_SCHEMA = (
+    "run string, sweep string, model string, layout string, world_size bigint, device string, "
+    "global_batch_size bigint, seq_length bigint, status string"
+)
+"""Typed: a column that is null in every run (no sweep) leaves nothing for Spark to infer."""
+
+
+def _typed(key: str, v: Any) -> Any:
+    """``v`` as :data:`INFO_SCHEMA` types it (a config value of another type becomes null)."""
+    if key in ("world_size", "global_batch_size", "seq_length"):
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if isinstance(v, str) else None
+
+
+def spark_tables(session: Any, path: str | Path) -> SparkTables:
+    """Every run under ``path`` (found and scanned as the single-host engine does) reduced on
+    ``session`` (a pyspark ``SparkSession``, or sqlframe's ``DuckDBSession``)."""
+    F, _ = _api(session)
+    root = Path(path)
+    problems: list[str] = []
+    samples_files: list[tuple[str, Path, Path]] = []
+    window_files: list[tuple[str, Path, Path]] = []
+    host_rows: list[tuple[str, int, str]] = []
+    info_rows: list[tuple[Any, ...]] = []
+    for d in find_runs(root):
+        run = open_run(d, root)
+        problems += run.problems
+        for r, rf in sorted(run.files.ranks.items()):
+            samples_files += [(run.key, d, p) for p in rf.samples]
+            window_files += [(run.key, d, p) for p in rf.windows]
+            host_rows.append((run.key, r, str(run.manifests.get(r, {}).get("host") or "?")))
+        info = run_info(run)
+        info_rows.append(tuple(_typed(k, info.get(k)) for k in INFO_COLUMNS))
+    if not samples_files:
+        raise ValueError(f"{root}: no samples to analyse")
+    samples = _read(session, F, samples_files)
+    hosts = session.createDataFrame(host_rows, "run string, rank int, host string")
+    ranks = rank_table(session, samples, hosts)
+    info = session.createDataFrame(info_rows, INFO_SCHEMA)
+    runs = run_table(session, samples, _read(session, F, window_files), info) if window_files else info
+    return SparkTables(ranks, node_table(session, ranks), runs, problems)
+
+
+def collect(df: Any, columns: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """A DataFrame's rows as dicts (``columns`` only where given), for printing and tests."""
+    cols = list(columns) if columns is not None else list(df.columns)
+    return [{c: row[c] for c in cols if c in row.asDict()} for row in df.collect()]
+
+
+def to_arrow(df: Any) -> Any:
+    """A (small) DataFrame as a pyarrow Table, through its rows: no pandas needed."""
+    import pyarrow as pa
+
+    rows = collect(df)
+    return pa.Table.from_pylist(rows) if rows else pa.table({c: pa.array([]) for c in df.columns})
+
+
+def spark_session(master: str | None) -> Any:
+    """A pyspark session (``master``: ``local[2]``, ``spark://host:7077``, ``yarn``; default
+    ``$SPARK_MASTER`` or ``local[*]``). ImportError names the extra when pyspark is missing."""
+    import os
+
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise ImportError("--engine spark needs pyspark: pip install -e '.[spark]' (and Java 17)") from exc
+    builder = SparkSession.builder.appName("charllm analyze")
+    return builder.master(master or os.environ.get("SPARK_MASTER") or "local[*]").getOrCreate()

@@ -1,0 +1,198 @@
+"""Compaction: a rank's many small segments become a few large Parquet files, crash-safely.
+
+The store writes one segment per kind every flush (0.5 s): ~7,200 files per rank-hour, which
+columnar engines read 14-18x slower than one file per rank (DESIGN.md, measured here). A
+compacted file holds consecutive segments ``first..last`` of one kind and is named for them,
+``samples-<first>-<last>.parquet`` (the numbers as the segments write them). Samples are sorted
+by time (``t_mono_ns``, then device), in row groups of :data:`ROW_GROUP_ROWS` with column
+statistics, so engines prune row groups by time.
+
+Crash safety, with no step that can lose a row:
+
+1. the compacted file is written to a dot-prefixed temporary (readers ignore those), flushed to
+   disk (``fsync``) and renamed into place;
+2. only then are the segments it covers removed.
+
+A kill before the rename leaves the segments (and a temporary that readers skip); a kill after
+it leaves the compacted file beside some of the segments it covers: readers take the compacted
+file and ignore every segment (or smaller compacted file) inside its range
+(:func:`charllm_nemo.telemetry.layout.scan_run` lists them as ``superseded``), and the next
+compaction removes them. Either way every row is read exactly once.
+
+Three callers: the store's writer compacts closed segments as a run goes
+(:data:`LIVE_EVERY` segments of a kind at a time, in the process that writes the store, never the
+training thread), the store compacts the whole rank folder when it closes, and
+``charllm compact RUN`` does it on demand (a run copied from an older version, or one killed
+before its close).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from charllm_nemo.telemetry.layout import SIZE_CAPS, read_parquet, scan_run
+
+log = logging.getLogger("charllm_nemo.compact")
+
+KINDS = ("samples", "windows", "buffered")
+
+ROW_GROUP_ROWS = 262_144
+"""Rows per row group of a compacted file: ~2-4 MiB of samples columns, large enough for scans,
+small enough that a time filter skips most of a file."""
+
+MAX_FILE_ROWS = 8_388_608
+"""Rows per compacted file at most (~60-120 MiB of samples): a rank-hour at 100 Hz on 8 devices
+is 2.9 M rows, so a day of one rank is a handful of files."""
+
+LIVE_EVERY = 120
+"""Closed segments of a kind the writer compacts at a time while a run goes (one minute at the
+0.5 s flush interval): a rank-hour is then at most 60 compacted files and 120 segments per
+kind, not 7,200, until the close compacts it into one."""
+
+
+def compacted_name(kind: str, first: int, last: int) -> str:
+    """``samples-000000-000119.parquet``: the segments ``first..last`` of ``kind`` in one file."""
+    return f"{kind}-{first:06d}-{last:06d}.parquet"
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What one compaction of one kind did: files read, the file written, rows, bytes removed."""
+
+    kind: str
+    inputs: int
+    output: Path | None
+    rows: int
+
+
+def _sorted(kind: str, table: pa.Table) -> pa.Table:
+    if kind == "samples" and table.num_rows and "t_mono_ns" in table.column_names:
+        keys = [("t_mono_ns", "ascending")]
+        if "device_index" in table.column_names:
+            keys.append(("device_index", "ascending"))
+        return table.sort_by(keys)
+    return table  # windows and driver buffers keep the order they were recorded in
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_compacted(folder: Path, kind: str, first: int, last: int, table: pa.Table) -> Path:
+    """Write ``table`` as the compacted file for segments ``first..last``: a temporary created
+    with ``O_EXCL | O_NOFOLLOW`` (never through a link someone left there), fsynced, renamed."""
+    path = folder / compacted_name(kind, first, last)
+    tmp = folder / f".{path.name}.tmp"
+    tmp.unlink(missing_ok=True)  # a killed compaction's temporary: ours to replace, never followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+    return path
+
+
+def _number_range(path: Path) -> tuple[int, int]:
+    parts = path.name[: -len(".parquet")].split("-")[1:]
+    return int(parts[0]), int(parts[-1])
+
+
+def compact_files(
+    folder: Path, kind: str, paths: list[Path], problems: list[str] | None = None
+) -> Compaction:
+    """Merge ``paths`` (consecutive files of ``kind`` in ``folder``, as the scan orders them) into
+    compacted files of at most :data:`MAX_FILE_ROWS` rows, then remove them. A file that cannot
+    be read is left where it is (and said in ``problems``): compaction never drops data."""
+    problems = problems if problems is not None else []
+    if len(paths) < 2:
+        return Compaction(kind, len(paths), None, 0)
+    batch: list[tuple[Path, pa.Table]] = []
+    rows = 0
+    written: Path | None = None
+
+    def flush() -> None:
+        nonlocal batch, rows, written
+        if len(batch) >= 2:
+            first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
+            table = pa.concat_tables([t for _, t in batch], promote_options="permissive")
+            written = write_compacted(folder, kind, first, last, _sorted(kind, table))
+            for p, _ in batch:
+                if p != written:
+                    p.unlink(missing_ok=True)
+            _fsync_dir(folder)
+        batch, rows = [], 0
+
+    for p in paths:
+        try:
+            t = read_parquet(p, cap=SIZE_CAPS["segment"])
+        except Exception as exc:  # pyarrow raises many types for a damaged file; keep it, go on
+            problems.append(f"{p}: not compacted, unreadable ({type(exc).__name__}); left as it is")
+            flush()
+            continue
+        if batch and (
+            rows + t.num_rows > MAX_FILE_ROWS
+            or (t.schema != batch[0][1].schema and not _castable(t, batch[0][1]))
+        ):
+            flush()
+        batch.append((p, t))
+        rows += t.num_rows
+    flush()
+    return Compaction(kind, len(paths), written, rows)
+
+
+def _castable(a: pa.Table, b: pa.Table) -> bool:
+    try:
+        pa.unify_schemas([a.schema, b.schema], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
+    return True
+
+
+def compact_rank(
+    folder: Path, kinds: tuple[str, ...] = KINDS, problems: list[str] | None = None
+) -> list[Compaction]:
+    """Compact every kind of one rank's folder into as few files as :data:`MAX_FILE_ROWS`
+    allows; first removes the segments an interrupted compaction already covered."""
+    problems = problems if problems is not None else []
+    files = scan_run(folder.parent)
+    rank_files = next((rf for rf in files.ranks.values() if rf.folder == folder), None)
+    if rank_files is None:
+        return []
+    for ig in files.ignored:
+        if ig.kind == "superseded" and ig.path.parent == folder:
+            ig.path.unlink(missing_ok=True)  # its rows are in the compacted file that covers it
+    out = []
+    for kind in kinds:
+        paths = list(getattr(rank_files, kind))
+        out.append(compact_files(folder, kind, paths, problems))
+    return out
+
+
+def compact_run(
+    run_dir: str | os.PathLike[str], problems: list[str] | None = None
+) -> dict[int, list[Compaction]]:
+    """:func:`compact_rank` for every rank folder of ``run_dir`` (the readers' scan decides which:
+    no links followed)."""
+    files = scan_run(run_dir)
+    return {r: compact_rank(rf.folder, problems=problems) for r, rf in sorted(files.ranks.items())}

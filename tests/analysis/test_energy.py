@@ -1,0 +1,98 @@
+"""charllm energy: energy to train with its bound, carbon, and the MLPerf power-rule statement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from charllm_nemo.analysis.analyze import analyze
+from charllm_nemo.analysis.energy import GridIntensity, energy_reports, read_grid_csv
+from charllm_nemo.analysis.metrics import counter_update_period_s
+from charllm_nemo.cli import main
+from charllm_nemo.errors import ConfigError
+
+from .helpers import constant_run
+
+WALL = {"started_wall_ns": 1_000 * 10**9, "ended_wall_ns": 1_010 * 10**9}
+
+
+def test_energy_of_a_constant_run_and_its_bound(tmp_path: Path) -> None:
+    # 2 ranks at 400 W for 5 s: 2000 J each, 4000 J in all; the counter moves every 10 ms, so
+    # each device's edges are uncertain by 2 x 0.01 s x 400 W = 8 J; every slot sampled.
+    constant_run(tmp_path, ranks=2, power_w=400.0, seconds=5.0, manifest=WALL)
+    (r,) = energy_reports(analyze(tmp_path))
+    assert r["energy_j"] == pytest.approx(4000.0, rel=1e-9)
+    assert r["uncertainty_j"] == pytest.approx(16.0 + 2 * 2e-3, rel=1e-6)
+    assert [d["method"] for d in r["per_device"]] == ["counter", "counter"]
+    assert all(d["coverage"] == 1.0 for d in r["per_device"])
+    assert all(d["counter_update_period_s"] == pytest.approx(0.01) for d in r["per_device"])
+    assert r["ranks_missing"] == 0 and r["energy_scaled_to_world_j"] is None
+    # Steps 1-3 (step 0, warm-up, left out) span 1.5 s to 4.4 s at 800 W (both ranks), gaps
+    # between steps included: 2320 J over 3 steps.
+    assert r["energy_per_step_j"] == pytest.approx(2.9 * 800 / 3, rel=1e-3)
+    assert r["mlperf"]["meets"], r["mlperf"]
+
+
+def test_a_slow_counter_widens_the_bound() -> None:
+    t = (np.arange(1001) * 10_000_000).astype(np.int64)  # 100 Hz for 10 s
+    ticks = (np.arange(1001) // 10 * 40_000).astype(np.int64)  # moves every 100 ms
+    assert counter_update_period_s(t, ticks) == pytest.approx(0.1)
+    assert np.isnan(counter_update_period_s(t[:2], ticks[:2]))
+
+
+def test_missing_ranks_make_a_lower_bound_and_fail_mlperf(tmp_path: Path) -> None:
+    constant_run(tmp_path, ranks=1, power_w=300.0, manifest={"world_size": 2, **WALL})
+    (r,) = energy_reports(analyze(tmp_path))
+    assert r["ranks_missing"] == 1
+    assert r["energy_scaled_to_world_j"] == pytest.approx(2 * r["energy_j"])
+    assert not r["mlperf"]["meets"]
+    assert any("ranks without energy" in x for x in r["mlperf"]["reasons"])
+
+
+def test_too_few_samples_fail_mlperf(tmp_path: Path) -> None:
+    constant_run(tmp_path, ranks=1, seconds=0.5, steps=0, manifest=WALL)  # 51 samples
+    (r,) = energy_reports(analyze(tmp_path))
+    assert any("fewer than 60 samples" in x for x in r["mlperf"]["reasons"])
+
+
+def test_carbon_constant_and_time_series(tmp_path: Path) -> None:
+    constant_run(tmp_path, ranks=2, power_w=400.0, seconds=5.0, manifest=WALL)
+    a = analyze(tmp_path)
+    (r,) = energy_reports(a, grid=GridIntensity(((0.0, 400.0),)), pue=1.5)
+    # 4000 J = 1/900 kWh; x 1.5 PUE x 400 g/kWh = 0.6667 g
+    assert r["carbon"]["co2e_g"] == pytest.approx(4000 / 3.6e6 * 1.5 * 400)
+    # Half the run's 10 s wall span at 100 g/kWh, half at 300: 200 on average.
+    csv = tmp_path.parent / "grid.csv"
+    csv.write_text("time,g_per_kwh\n1000,100\n1970-01-01T00:16:45+00:00,300\n")
+    grid = read_grid_csv(csv)
+    (r,) = energy_reports(a, grid=grid)
+    assert r["carbon"]["grid_g_per_kwh"] == pytest.approx(200.0)
+    assert r["carbon"]["weighting"].startswith("time")
+
+
+def test_bad_grid_and_pue_are_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "grid.csv"
+    bad.write_text("time,g_per_kwh\n1000,lots\n")
+    with pytest.raises(ConfigError, match=r"grid.csv:2"):
+        read_grid_csv(bad)
+    link = tmp_path / "link.csv"
+    link.symlink_to(bad)
+    with pytest.raises(ConfigError, match="unreadable"):
+        read_grid_csv(link)
+    run = tmp_path / "run"
+    constant_run(run, ranks=1)
+    with pytest.raises(ConfigError, match="--pue"):
+        energy_reports(analyze(run), pue=0.5)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    constant_run(tmp_path, ranks=2, manifest=WALL)
+    assert main(["energy", str(tmp_path), "--grid-g-per-kwh", "350", "--pue", "1.2"]) == 0
+    out = capsys.readouterr().out
+    assert "MLPerf Training power rules" in out and "g CO2e" in out and "synthetic" in out
+    assert main(["energy", str(tmp_path), "--format", "json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["energy_j"] > 0 and "carbon" not in r
