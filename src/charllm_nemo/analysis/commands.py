@@ -50,9 +50,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
+    from charllm_nemo.telemetry.filecheck import printable
+
     runs = tables["runs"].to_pylist()
     print(f"{len(runs)} run(s)")
-    for r in runs:
+    for r in runs:  # names and problems come from run directories: printed escaped
+        r = {k: printable(v) if isinstance(v, str) else v for k, v in r.items()}
         eff = r.get("efficiency_samples_per_s_per_mj")
         tpj = r.get("tokens_per_j")
         print(
@@ -61,7 +64,7 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
             f"{r.get('measured_steps')} steps, {_fmt(eff)} samples/(s*MJ), {_fmt(tpj)} tokens/J"
         )
     for p in problems:
-        print(f"  problem: {p}")
+        print(f"  problem: {printable(p, 2000)}")
 
 
 def _fmt(v: Any) -> str:
