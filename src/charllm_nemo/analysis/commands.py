@@ -49,6 +49,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PRINTED_PROBLEMS = 50
+"""Problems printed to the terminal (20,000 empty rank folders make 20,000; the file has all)."""
+
+
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
     from charllm_nemo.telemetry.filecheck import printable
 
@@ -63,8 +67,10 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
             f"{_fmt(r.get('samples_per_s'))} samples/s, {_fmt(r.get('energy_j'))} J over "
             f"{r.get('measured_steps')} steps, {_fmt(eff)} samples/(s*MJ), {_fmt(tpj)} tokens/J"
         )
-    for p in problems:
+    for p in problems[:MAX_PRINTED_PROBLEMS]:
         print(f"  problem: {printable(p, 2000)}")
+    if len(problems) > MAX_PRINTED_PROBLEMS:
+        print(f"  ... and {len(problems) - MAX_PRINTED_PROBLEMS} more problems (all in problems.txt)")
 
 
 def _fmt(v: Any) -> str:

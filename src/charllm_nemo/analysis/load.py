@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import validate_summary
-from charllm_nemo.telemetry.layout import SIZE_CAPS, RunFiles, read_bounded, read_json, scan_run
+from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, RunFiles, read_bounded, read_json, scan_run
 from charllm_nemo.telemetry.reader import nullable, read_manifest, read_segments
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL
@@ -247,7 +247,14 @@ def iter_rank_arrays(run: Run) -> Iterator[RankArrays]:
 def load_rank_arrays(run: Run, r: int, problems: list[str]) -> RankArrays | None:
     """Rank ``r``'s samples and windows; None (with a line in ``problems``) when it has no
     readable samples."""
-    files = run.files.ranks[r]
+    return rank_arrays(run.files.ranks[r], problems)
+
+
+def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
+    """One rank's samples and windows from its files alone (what a worker process is sent:
+    this rank's paths, never the whole run); None (with a line in ``problems``) when it has no
+    readable samples."""
+    r = files.rank
     samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(SAMPLE_COLUMNS))
     windows = read_segments(files.windows, "windows", WINDOWS_SCHEMA, problems)
     if samples is None or samples.num_rows == 0:
