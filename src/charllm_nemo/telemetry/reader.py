@@ -151,7 +151,9 @@ def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any
     if pa.types.is_floating(col.type):
         bad = pc.invert(pc.less_equal(pc.abs(col), MAX_ABS_FLOAT))  # NaN compares false: bad
     else:
-        bad = pc.greater_equal(pc.abs_checked(col.cast(pa.int64()).cast(pa.float64())), float(MAX_ABS_INT))
+        wide = col.cast(pa.int64())  # exact comparisons: int64 values do not all fit a float
+        big = pa.scalar(MAX_ABS_INT, pa.int64())
+        bad = pc.or_(pc.greater_equal(wide, big), pc.less_equal(wide, pa.scalar(-MAX_ABS_INT, pa.int64())))
     n_bad = pc.sum(pc.fill_null(bad, False).cast(pa.int64())).as_py() or 0
     if not n_bad:
         return col
