@@ -364,7 +364,24 @@ def _bad_run(**kw: Any) -> list[dict[str, Any]]:
 
 
 SWEEP_CASES: dict[str, dict[str, Any]] = {
-    "escapes_in_sweep_json": {"runs": [{**GOOD, "key": "esc-1", "exit_reason": ESC * 3, "state": ESC}]},
+    "escapes_in_sweep_json": {
+        "runs": [
+            {
+                **GOOD,
+                "key": "esc-1",
+                "attempts": [
+                    {
+                        "attempt": 1,
+                        "state": "done",
+                        "nodes": ESC,
+                        "job_id": ESC,
+                        "exit_reason": ESC,
+                        "start": ESC,
+                    }
+                ],
+            }
+        ]
+    },
     "escapes_in_job_json": {
         "runs": _bad_run(),
         "job": lambda p: p.write_text(_dump({"state": ESC, "exit_reason": ESC, "nodes": ESC})),
