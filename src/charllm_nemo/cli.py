@@ -434,8 +434,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_status(args: argparse.Namespace) -> int:
-    from charllm_nemo.sweep.manifest import find_sweeps, load_manifest
-    from charllm_nemo.sweep.status import refresh, status_lines
+    from charllm_nemo.sweep.manifest import find_sweeps
+    from charllm_nemo.sweep.status import sweep_status
 
     path = Path(args.dir)
     sweeps = find_sweeps(path)
@@ -445,13 +445,13 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
             "written by `charllm train -m +sweep=<name>` under sweep.dir (default runs/sweeps)"
         )
     for i, folder in enumerate(sweeps):
-        manifest = load_manifest(folder)
-        assert manifest is not None
-        refresh(manifest, folder, ask_slurm=not args.no_slurm)
+        lines, problems = sweep_status(folder, ask_slurm=not args.no_slurm)
         if i:
             print()
-        for line in status_lines(manifest):
+        for line in lines:
             print(line)
+        for p in problems:
+            print(f"charllm sweep status: warning: {p}", file=sys.stderr)
     return 0
 
 

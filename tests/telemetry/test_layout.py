@@ -178,7 +178,7 @@ def test_a_segment_that_claims_to_unpack_to_gigabytes_is_refused(
     run = _write_run(tmp_path, (0,), rows=200)
     seg = scan_run(run).ranks[0].samples[0]
     assert layout.read_parquet(seg).num_rows == 200
-    monkeypatch.setattr(layout, "MAX_SEGMENT_UNPACKED", 1000)  # stands in for a 4 GiB claim
+    monkeypatch.setattr(layout, "MAX_SEGMENT_UNPACKED", 1000)  # stands in for a 2.4 GB claim
     with pytest.raises(UnsafeFileError, match=r"unpack to \d+ bytes, over the"):
         layout.read_parquet(seg)
     with pytest.warns(CorruptSegmentWarning, match="samples segment skipped"):
@@ -196,3 +196,66 @@ def test_a_rank_folder_whose_manifest_names_another_rank_is_reported(tmp_path: P
     assert data.problems == [
         f"{run / 'rank=1' / 'manifest.json'}: field 'rank' says 0, but the folder is rank=1; read as rank 1"
     ]
+
+
+def test_a_segment_that_claims_too_many_rows_is_refused_before_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from charllm_nemo.telemetry import layout
+
+    run = _write_run(tmp_path, (0,), rows=200)
+    seg = scan_run(run).ranks[0].samples[0]
+    monkeypatch.setattr(layout, "MAX_SEGMENT_ROWS", 199)
+    with pytest.raises(UnsafeFileError, match=r"claims 200 rows, over the 199"):
+        layout.read_parquet(seg)
+
+
+def test_segments_are_conformed_to_the_schema_column_by_column(tmp_path: Path) -> None:
+    """A column of the wrong type, bytes that are not UTF-8, NaN / inf / huge values: read as
+    null with a line naming the file and the column; the rest of the segment is kept."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from charllm_nemo.telemetry.reader import read_segments
+    from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
+    from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
+
+    run = _write_run(tmp_path, (0,), rows=4)
+    files = scan_run(run).ranks[0]
+    seg = files.samples[0]
+    t = pq.read_table(seg)
+    t = t.set_column(t.column_names.index("temp_gpu_c"), "temp_gpu_c", pa.array(["hot"] * 4))
+    power = pa.array([np.nan, np.inf, 1e300, 250.0])
+    wall = pa.array([1_796_465_446_287_865_441] * 4, pa.int64())  # a real wall clock: beyond 2^53
+    t = t.set_column(t.column_names.index("t_wall_ns"), "t_wall_ns", wall)
+    t = t.set_column(t.column_names.index("power_instant_w"), "power_instant_w", power)
+    pq.write_table(t, seg)
+    problems: list[str] = []
+    got = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems)
+    assert got is not None and got.num_rows == 4
+    assert got.column("temp_gpu_c").null_count == 4
+    assert got.column("power_instant_w").to_pylist() == [None, None, None, 250.0]
+    assert got.column("t_wall_ns").to_pylist() == wall.to_pylist()
+    assert any("'temp_gpu_c'" in p and str(seg) in p for p in problems), problems
+    assert any("'power_instant_w': 3 value(s)" in p for p in problems), problems
+    w = pa.table({"kind": pa.array([b"\xff"], pa.binary()), "window_id": pa.array(["x"])})
+    wseg = seg.with_name("windows-000000.parquet")
+    pq.write_table(w, wseg)
+    problems = []
+    got = read_segments((wseg,), "windows", WINDOWS_SCHEMA, problems)
+    assert got is not None and got.column("kind").null_count == 1 and got.column("window_id").null_count == 1
+    assert len([p for p in problems if "read as null" in p]) == 2, problems
+
+
+def test_a_rank_with_thousands_of_device_ids_keeps_the_lowest(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from charllm_nemo.telemetry.reader import MAX_DEVICES_PER_RANK, bound_devices
+
+    n = 3 * MAX_DEVICES_PER_RANK
+    t = pa.table({"device_index": pa.array(list(range(n))[::-1], pa.int16())})
+    problems: list[str] = []
+    got = bound_devices(t, tmp_path, problems)
+    assert sorted(got.column("device_index").to_pylist()) == list(range(MAX_DEVICES_PER_RANK))
+    assert f"{n} distinct device ids" in problems[0]

@@ -27,6 +27,7 @@ from charllm_nemo.analysis.advise import (
     mbs_advice,
 )
 from charllm_nemo.analysis.advise_placement import placement_advice
+from charllm_nemo.telemetry.filecheck import printable
 
 SECTIONS = ("model", "parallel", "optim", "batch", "data", "telemetry", "launch", "extra")
 """Config sections whose differing keys the re-run command carries."""
@@ -198,7 +199,8 @@ def render(report: AdviceReport) -> str:
         lines += ["", f"[{n.run}] no {n.kind.replace('_', ' ')} advice: {n.reason}"]
     for p in report.problems:
         lines.append(f"problem: {p}")
-    return "\n".join(lines)
+    # Run keys, model names, problems come from run directories: no escape sequence reaches the terminal.
+    return "\n".join(printable(line, 4000) for line in lines)
 
 
 def cmd_advise(args: argparse.Namespace) -> int:

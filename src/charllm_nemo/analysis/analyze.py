@@ -25,11 +25,12 @@ import pyarrow.parquet as pq
 
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.kernels import kernel_table
-from charllm_nemo.analysis.load import Run, find_runs, open_run
-from charllm_nemo.analysis.rank_tables import RankTables, reduce_rank
+from charllm_nemo.analysis.load import Run, find_runs, open_run, rank_arrays
+from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry.layout import RankFiles
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 
 KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
@@ -75,17 +76,29 @@ def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
     """Each rank's tables in rank order, reduced here or by worker processes (spawned, not
     forked: DuckDB's threads may be running in this process)."""
     workers = _workers(len(run.ranks))
+    files = [run.files.ranks[r] for r in run.ranks]
     if workers == 1:
-        for r in run.ranks:
-            rank, rt, problems = reduce_rank(run, r)
+        results: Iterator[tuple[int, RankTables | None, list[str]]] = map(reduce_files, files)
+        for rank, rt, problems in results:
             run.problems.extend(problems)
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for rank, rt, problems in pool.map(reduce_rank, [run] * len(run.ranks), run.ranks):
+        # Each task carries its own rank's paths only (a task carrying the whole run made the
+        # pickling, hence the call, quadratic in the rank count); tasks go in chunks.
+        chunk = max(1, len(files) // (workers * 8))
+        for rank, rt, problems in pool.map(reduce_files, files, chunksize=chunk):
             run.problems.extend(problems)
             yield rank, rt
+
+
+def reduce_files(files: RankFiles) -> tuple[int, RankTables | None, list[str]]:
+    """Load and reduce one rank from its files: (rank, its tables or None when it has no
+    samples, problems met). A worker process's task."""
+    problems: list[str] = []
+    data = rank_arrays(files, problems)
+    return files.rank, (rank_tables(data) if data is not None else None), problems
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:
@@ -214,8 +227,16 @@ _EMPTY_SPANS = pa.table(
 )
 
 
+_DEVICE_FIGURES = (
+    "power_avg_w", "power_peak_w", "temp_gpu_avg_c", "temp_gpu_peak_c", "temp_hbm_avg_c",
+    "temp_hbm_peak_c", "clock_sm_avg_mhz",
+)  # fmt: skip
+"""The device figures the run table's SQL reads: present (empty) when no rank had samples."""
+
+
 def _empty_devices() -> pa.Table:
-    return pa.table({"run": pa.array([], pa.string()), "rank": pa.array([], pa.string())})
+    cols = {"run": pa.array([], pa.string()), "rank": pa.array([], pa.string())}
+    return pa.table({**cols, **{c: pa.array([], pa.float64()) for c in _DEVICE_FIGURES}})
 
 
 WINDOWS_CSV_MAX_ROWS = 200_000

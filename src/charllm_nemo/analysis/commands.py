@@ -51,6 +51,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PRINTED_PROBLEMS = 50
+"""Problems printed to the terminal (20,000 empty rank folders make 20,000; the file has all)."""
+
+
 def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
     """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
     (analysis/spark.py), written as Parquet and CSV into ``out``."""
@@ -78,9 +82,12 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
 
 
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
+    from charllm_nemo.telemetry.filecheck import printable
+
     runs = tables["runs"].to_pylist()
     print(f"{len(runs)} run(s)")
-    for r in runs:
+    for r in runs:  # names and problems come from run directories: printed escaped
+        r = {k: printable(v) if isinstance(v, str) else v for k, v in r.items()}
         eff = r.get("efficiency_samples_per_s_per_mj")
         tpj = r.get("tokens_per_j")
         print(
@@ -91,8 +98,10 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
     gaps = data_quality_line(tables)
     if gaps:
         print(f"  {gaps}")
-    for p in problems:
-        print(f"  problem: {p}")
+    for p in problems[:MAX_PRINTED_PROBLEMS]:
+        print(f"  problem: {printable(p, 2000)}")
+    if len(problems) > MAX_PRINTED_PROBLEMS:
+        print(f"  ... and {len(problems) - MAX_PRINTED_PROBLEMS} more problems (all in problems.txt)")
 
 
 def data_quality_line(tables: dict[str, Any]) -> str | None:

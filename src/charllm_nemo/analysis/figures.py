@@ -56,7 +56,15 @@ def _slug(text: str) -> str:
 
 def write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
     """Write every figure the data supports into ``out_dir``; returns the files written (PNG and
-    PDF pairs)."""
+    PDF pairs). Text from the run directories (run keys, model and host names) is drawn as it
+    is: mathtext is off, so a name like ``$\\undefined{x}$`` is its characters, not an error."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _write_figures(analysis, out_dir)
+
+
+def _write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
     t = analysis.tables
     out: list[Path] = []
     out += configs_figure(t["runs"], out_dir / "configs")

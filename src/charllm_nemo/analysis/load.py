@@ -13,6 +13,7 @@ never holds a whole run, let alone a sweep, as arrays or Python objects).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterator
@@ -25,14 +26,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.filecheck import printable, validate_summary
-from charllm_nemo.telemetry.layout import SIZE_CAPS, RunFiles, read_bounded, read_json, read_parquet, scan_run
-from charllm_nemo.telemetry.reader import read_manifest
+from charllm_nemo.telemetry.filecheck import validate_summary
+from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, RunFiles, read_bounded, read_json, scan_run
+from charllm_nemo.telemetry.reader import nullable, read_manifest, read_segments
+from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
 
 MAX_DEPTH = 6
 """How deep below the given path run directories are looked for (a sweep is two levels)."""
+
+MAX_WORLD_SIZE = 1_000_000
+"""Largest ``world_size`` a manifest may claim (today's largest jobs run ~10^5 ranks); a larger
+one is reported, never allocated for."""
 
 SAMPLE_COLUMNS: tuple[str, ...] = ("t_mono_ns", "device_index", *FLOAT_METRICS, *INT_METRICS)
 """The sample columns the analysis reads (numeric only: ``source`` is the manifest's backend)."""
@@ -186,12 +192,21 @@ def _job_state(path: Path, problems: list[str]) -> str | None:
 
 def _check_ranks(run: Run) -> None:
     """A rank folder missing from the world the manifests declare; mixed sampling rates."""
-    worlds = {int(m["world_size"]) for m in run.manifests.values() if isinstance(m.get("world_size"), int)}
-    for world in worlds:
-        missing = sorted(set(range(world)) - set(run.ranks))
-        if missing:
+    worlds = {m["world_size"] for m in run.manifests.values() if isinstance(m.get("world_size"), int)}
+    present = set(run.ranks)
+    for world in sorted(worlds):
+        if not 0 < world <= MAX_WORLD_SIZE:
             run.problems.append(
-                f"{run.path}: world_size is {world} but rank folder(s) {missing} are missing; "
+                f"{run.path}: a manifest's world_size is {world}, not a possible rank count "
+                f"(1 to {MAX_WORLD_SIZE}); the ranks present are analysed"
+            )
+            continue
+        missing = world - len([r for r in present if r < world])
+        if missing:  # the first few named: a world of 10^5 ranks lists no 10^5 numbers
+            first = list(itertools.islice((r for r in range(world) if r not in present), 20))
+            more = f" and {missing - len(first)} more" if missing > len(first) else ""
+            run.problems.append(
+                f"{run.path}: world_size is {world} but rank folder(s) {first}{more} are missing; "
                 "the ranks present are analysed"
             )
     hz = [m.get("sampling_hz") for m in run.manifests.values()]
@@ -201,30 +216,6 @@ def _check_ranks(run: Run) -> None:
             f"{run.path}: ranks sampled at different rates ({sorted(rates)} Hz); figures are time-weighted, "
             "so they stay comparable, but excursion metrics see more detail on the faster ranks"
         )
-
-
-def _read(
-    paths: tuple[Path, ...], columns: list[str] | None, kind: str, problems: list[str]
-) -> pa.Table | None:
-    """Concatenated segments (only ``columns`` where given: the analysis reads half the bytes
-    of a samples segment); an unreadable segment is skipped with a line in ``problems``."""
-    tables = []
-    for p in paths:
-        try:
-            t = read_parquet(p, columns=columns)
-        except Exception as exc:  # pyarrow raises several types for a damaged or hostile file
-            problems.append(
-                f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {printable(exc)})"
-            )
-            continue
-        tables.append(t)
-    if not tables:
-        return None
-    try:
-        return pa.concat_tables(tables, promote_options="permissive").combine_chunks()
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        problems.append(f"{paths[0].parent}: {kind} segments of different schemas ({exc}); rank skipped")
-        return None
 
 
 def _numpy(table: pa.Table, names: list[str]) -> dict[str, np.ndarray[Any, Any]]:
@@ -256,18 +247,21 @@ def iter_rank_arrays(run: Run) -> Iterator[RankArrays]:
 def load_rank_arrays(run: Run, r: int, problems: list[str]) -> RankArrays | None:
     """Rank ``r``'s samples and windows; None (with a line in ``problems``) when it has no
     readable samples."""
-    files = run.files.ranks[r]
-    samples = _read(files.samples, list(SAMPLE_COLUMNS), "samples", problems)
-    if samples is None:
-        samples = _read(files.samples, None, "samples", [])  # an older store lacking a column
-        if samples is not None:
-            samples = samples.select([c for c in SAMPLE_COLUMNS if c in samples.column_names])
-    windows = _read(files.windows, WINDOWS_SCHEMA.names, "windows", problems)
+    return rank_arrays(run.files.ranks[r], problems)
+
+
+def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
+    """One rank's samples and windows from its files alone (what a worker process is sent:
+    this rank's paths, never the whole run); None (with a line in ``problems``) when it has no
+    readable samples."""
+    r = files.rank
+    samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(SAMPLE_COLUMNS))
+    windows = read_segments(files.windows, "windows", WINDOWS_SCHEMA, problems)
     if samples is None or samples.num_rows == 0:
         problems.append(f"{files.folder}: no readable samples; rank skipped")
         return None
     if windows is None:
-        windows = WINDOWS_SCHEMA.empty_table()
+        windows = nullable(WINDOWS_SCHEMA).empty_table()
     w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
     w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
     w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.analysis.load import Run
+from charllm_nemo.telemetry.filecheck import finite_or_none
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_bounded, read_json
 
 
@@ -38,25 +39,64 @@ def layout_label(layout: dict[str, Any]) -> str:
     return "-".join(parts)
 
 
+INFO_TYPES: dict[str, str] = {
+    "run": "string", "sweep": "string", "model": "string", "layout": "string",
+    "tp": "int", "pp": "int", "dp": "int", "ep": "int", "cp": "int", "fsdp": "bool",
+    "world_size": "int", "nodes": "int", "device": "string", "platform": "string", "synthetic": "bool",
+    "sampling_hz": "float", "global_batch_size": "int", "micro_batch_size": "int", "seq_length": "int",
+    "status": "string", "mfu": "float", "model_tflops_per_gpu": "float", "tokens_per_s_reported": "float",
+    "vpp": "int", "optim": "string", "layers_per_stage": "string", "job_id": "string", "hosts": "string",
+}  # fmt: skip
+"""The type of each field of a run's row. A run directory's files may hold anything in these
+fields (a config's ``batch.global_batch_size`` a string, a model name a list): a value of
+another type is None, so the SQL over the rows never meets a string where it multiplies."""
+
+MAX_COUNT = 10**9
+"""Largest count (batch size, sequence length, parallel degree, world size) a row keeps."""
+
+
+def typed(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with each :data:`INFO_TYPES` field of its type or None: whole numbers in
+    1..:data:`MAX_COUNT` for counts, finite floats, strings (a number given as a name, e.g. a
+    model called 5, kept as its text)."""
+    out = dict(row)
+    for key, kind in INFO_TYPES.items():
+        v = row.get(key)
+        if kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_COUNT
+            out[key] = v if ok else None
+        elif kind == "float":
+            out[key] = finite_or_none(v)
+        elif kind == "bool":
+            out[key] = v if isinstance(v, bool) else None
+        elif v is not None and not isinstance(v, str):
+            out[key] = str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return out
+
+
 def run_info(run: Run) -> dict[str, Any]:
-    """One row describing the run (strings, ints, floats; None where unknown)."""
+    """One row describing the run (:data:`INFO_TYPES`; None where unknown or of another type)."""
+    return typed(_run_info(run))
+
+
+def _run_info(run: Run) -> dict[str, Any]:
     cfg, summ = run.config, run.summary
     manifests = list(run.manifests.values())
     first = manifests[0] if manifests else {}
-    devices = first.get("devices") or [{}]
-    layout = dict(summ.get("layout") or {})
+    devices = first.get("devices") or [{}]  # validated: a list of objects
+    layout = dict(summ["layout"]) if isinstance(summ.get("layout"), dict) else {}
     par: dict[str, Any] = cfg["parallel"] if isinstance(cfg.get("parallel"), dict) else {}
     for key in ("tp", "pp", "vpp", "cp", "ep", "dp"):
         layout.setdefault(key, par.get(key))
     layout["fsdp"] = bool(par.get("fsdp"))
     world = summ.get("world_size") or first.get("world_size")
-    if layout.get("dp") is None and isinstance(world, int):
+    if layout.get("dp") is None and isinstance(world, int) and not isinstance(world, bool):
         denom = 1
         for key in ("tp", "pp", "cp"):
             v = layout.get(key)
             denom *= v if isinstance(v, int) and v > 0 else 1
         layout["dp"] = world // denom if world % denom == 0 else None
-    hosts = {m.get("host") for m in manifests if m.get("host")}
+    hosts = {m.get("host") for m in manifests if isinstance(m.get("host"), str)}
     statuses = sorted({str(m.get("status")) for m in manifests if m.get("status")})
     device_name = devices[0].get("name") if isinstance(devices[0], dict) else None
     n_gpus = world if isinstance(world, int) else len(run.ranks)
@@ -125,8 +165,8 @@ def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]
             fixed = data.get("fixed_overrides") if isinstance(data.get("fixed_overrides"), list) else []
             over = {str(o).split("=", 1)[0].lstrip("+"): str(o).split("=", 1)[1]
                     for o in [*fixed, *(e.get("overrides") or [])] if "=" in str(o)}  # fmt: skip
-            rows.append(gap_row(sweep_dir.name.split("=", 1)[1], f"{sweep_dir.name}/run={e.get('key')}",
-                                str(e["state"]), over, problems))  # fmt: skip
+            rows.append(typed(gap_row(sweep_dir.name.split("=", 1)[1], f"{sweep_dir.name}/run={e.get('key')}",
+                                      str(e["state"]), over, problems)))  # fmt: skip
     return rows
 
 

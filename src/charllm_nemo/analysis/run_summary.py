@@ -86,8 +86,13 @@ def node_table(con: duckdb.DuckDBPyConnection, devices: pa.Table) -> pa.Table:
 
 def run_table(con: duckdb.DuckDBPyConnection, info: list[dict[str, Any]]) -> pa.Table:
     """One row per run. Needs the connection's ``spans`` and ``devices`` tables registered."""
-    keys = list(dict.fromkeys(k for row in info for k in row))  # rows may lack keys (gaps)
-    con.register("info", pa.Table.from_pydict({k: [row.get(k) for row in info] for k in keys}))
+    from charllm_nemo.analysis.run_info import INFO_TYPES
+
+    # Typed columns (run_info.typed made each value of its type): rows may lack keys (gaps)
+    types = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+    keys = list(dict.fromkeys([*INFO_TYPES, *(k for row in info for k in row)]))
+    cols = {k: pa.array([row.get(k) for row in info], types.get(INFO_TYPES.get(k, ""))) for k in keys}
+    con.register("info", pa.Table.from_pydict(cols))
     return con.sql(RUN_SQL).to_arrow_table()
 
 

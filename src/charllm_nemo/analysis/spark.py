@@ -273,13 +273,6 @@ INFO_SCHEMA = (
 """Typed: a column that is null in every run (no sweep) leaves nothing for Spark to infer."""
 
 
-def _typed(key: str, v: Any) -> Any:
-    """``v`` as :data:`INFO_SCHEMA` types it (a config value of another type becomes null)."""
-    if key in ("world_size", "global_batch_size", "seq_length"):
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
-    return v if isinstance(v, str) else None
-
-
 def spark_tables(session: Any, path: str | Path) -> SparkTables:
     """Every run under ``path`` (found and scanned as the single-host engine does) reduced on
     ``session`` (a pyspark ``SparkSession``, or sqlframe's ``DuckDBSession``)."""
@@ -298,7 +291,7 @@ def spark_tables(session: Any, path: str | Path) -> SparkTables:
             window_files += [(run.key, d, p) for p in rf.windows]
             host_rows.append((run.key, r, str(run.manifests.get(r, {}).get("host") or "?")))
         info = run_info(run)
-        info_rows.append(tuple(_typed(k, info.get(k)) for k in INFO_COLUMNS))
+        info_rows.append(tuple(info.get(k) for k in INFO_COLUMNS))  # typed by run_info
     if not samples_files:
         raise ValueError(f"{root}: no samples to analyse")
     samples = _read(session, F, samples_files)

@@ -33,6 +33,7 @@ from charllm_nemo.sinks.keys import (
     TRAFFIC_FIGURES,
     step_metrics,
 )
+from charllm_nemo.telemetry.filecheck import printable
 
 ALERTS_PREFIX = "alerts/"
 """Prefix of the keys the alerts observer logs (docs/alerts.md); the Alerts section draws them."""
@@ -312,14 +313,24 @@ def build_workspace(options: DashboardOptions) -> Any:
         filters = ws.And(ws.Tags().isin([f"sweep:{options.sweep}"]))
     elif options.group:
         filters = ws.And(ws.Metric("Group") == options.group)
-    return ws.Workspace(
-        entity=options.entity,
-        project=options.project,
-        name=options.title,
-        sections=built,
-        settings=ws.WorkspaceSettings(x_axis=STEP_KEY, max_runs=options.max_runs, smoothing_type="none"),
-        runset_settings=ws.RunsetSettings(filters=filters, groupby=[ws.Config(k) for k in options.grouping]),
-    )
+    try:
+        return ws.Workspace(
+            entity=options.entity,
+            project=options.project,
+            name=options.title,
+            sections=built,
+            settings=ws.WorkspaceSettings(x_axis=STEP_KEY, max_runs=options.max_runs, smoothing_type="none"),
+            runset_settings=ws.RunsetSettings(
+                filters=filters, groupby=[ws.Config(k) for k in options.grouping]
+            ),
+        )
+    except ValueError as exc:  # pydantic's ValidationError: a name W&B refuses (emoji, control characters)
+        first = exc.errors()[0] if hasattr(exc, "errors") else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "workspace"
+        raise ConfigError(
+            f"W&B refuses the workspace's {where} {printable(repr(first.get('input', '')), 80)}: "
+            f"{printable(first.get('msg', exc), 200)}; give another --name / --project / --entity"
+        ) from None
 
 
 def workspace_spec(workspace: Any) -> dict[str, Any]:

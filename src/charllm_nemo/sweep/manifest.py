@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.filecheck import printable
 
 MANIFEST = "sweep.json"
 EXIT_NOT_DONE = 3
@@ -58,14 +59,26 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """``path``'s JSON object, or None when it is missing or unreadable (a job killed mid-write
-    cannot leave half a file, see :func:`write_json`, but a foreign file might be anything)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+MAX_FILE_BYTES = 16 * 2**20
+"""Largest ``sweep.json`` / ``job.json`` read (a sweep of 10,000 configurations is ~10 MiB)."""
+
+
+def read_json(path: Path, problems: list[str] | None = None) -> dict[str, Any] | None:
+    """``path``'s JSON object, or None when it is missing or not one (a job killed mid-write
+    cannot leave half a file, see :func:`write_json`, but a foreign file might be anything).
+    Read through the hardened layer (telemetry/layout.py): no link followed, regular files only
+    (a FIFO never blocks, ``/dev/zero`` is never read), at most :data:`MAX_FILE_BYTES`; what is
+    wrong is a line in ``problems``, naming the file."""
+    from charllm_nemo.telemetry.layout import read_json as read_bounded_json
+
+    problems = [] if problems is None else problems
+    if not os.path.lexists(path):
         return None
-    return data if isinstance(data, dict) else None
+    data = read_bounded_json(path, MAX_FILE_BYTES, problems)
+    if data is not None and not isinstance(data, dict):
+        problems.append(f"{path}: holds a JSON {type(data).__name__}, not an object; ignored")
+        return None
+    return data
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
@@ -157,26 +170,36 @@ class SweepManifest:
         return path
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SweepManifest:
-        runs = {}
-        for r in d.get("runs", []):
-            attempts = [Attempt(**a) for a in r.get("attempts", [])]
-            runs[r["key"]] = RunEntry(**{**r, "attempts": attempts})
-        fields = {k: v for k, v in d.items() if k != "runs"}
-        return cls(**fields, runs=runs)
+    def from_dict(
+        cls, d: dict[str, Any], path: Path | str = MANIFEST, problems: list[str] | None = None
+    ) -> SweepManifest:
+        """The manifest in ``d`` as read from ``path``: a field of the wrong type, an unknown
+        field, a run without a usable ``key`` or an attempt without a number is left out, with a
+        line in ``problems`` naming the file and the field (the rest is kept)."""
+        from charllm_nemo.sweep.manifest_check import checked_fields, checked_runs
+
+        problems = [] if problems is None else problems
+        fields = checked_fields(d, path, problems)
+        runs = checked_runs(d.get("runs"), path, problems)
+        fields.setdefault("name", Path(str(path)).parent.name.split("=", 1)[-1] or "?")
+        fields.setdefault("directory", str(Path(str(path)).parent))
+        return cls(**fields, runs={k: RunEntry(**r) for k, r in runs.items()})
 
 
-def load_manifest(sweep_dir: Path) -> SweepManifest | None:
-    """The manifest of ``sweep_dir``, or None if it has none (ConfigError when it is not ours)."""
-    d = read_json(sweep_dir / MANIFEST)
+def load_manifest(sweep_dir: Path, problems: list[str] | None = None) -> SweepManifest | None:
+    """The manifest of ``sweep_dir``, or None if it has none or it cannot be read (then a line
+    in ``problems``); ConfigError when it is not ours."""
+    problems = [] if problems is None else problems
+    d = read_json(sweep_dir / MANIFEST, problems)
     if d is None:
         return None
     if d.get("schema") != SCHEMA:
         raise ConfigError(
-            f"{sweep_dir / MANIFEST} has schema {d.get('schema')!r}, not {SCHEMA!r}: give the sweep "
+            f"{sweep_dir / MANIFEST} has schema {printable(repr(d.get('schema')), 60)}, not {SCHEMA!r}: "
+            "give the sweep "
             "another sweep.dir (or sweep.name), or move that directory away"
         )
-    return SweepManifest.from_dict(d)
+    return SweepManifest.from_dict(d, sweep_dir / MANIFEST, problems)
 
 
 def attempt_dir(sweep_dir: Path, key: str, attempt: int) -> Path:

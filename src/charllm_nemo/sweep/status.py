@@ -14,10 +14,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from charllm_nemo.errors import ConfigError
 from charllm_nemo.sweep.manifest import (
     FAILED,
     FINAL,
     JOB_FILE,
+    MANIFEST,
     OUT_OF_MEMORY,
     PENDING,
     PREEMPTED,
@@ -27,8 +29,11 @@ from charllm_nemo.sweep.manifest import (
     SweepManifest,
     attempt_dir,
     format_table,
+    load_manifest,
     read_json,
 )
+from charllm_nemo.sweep.manifest_check import checked_job
+from charllm_nemo.telemetry.filecheck import printable
 
 SLURM_ALIVE = frozenset(
     {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
@@ -88,9 +93,15 @@ def attempt_state(job: dict[str, object] | None, slurm_state: str | None) -> tup
     return mapped, f"{why} (SLURM: {slurm_state})"
 
 
-def refresh_attempt(sweep_dir: Path, key: str, attempt: Attempt, ask_slurm: bool = True) -> Attempt:
-    """``attempt`` brought up to date from its ``job.json`` and SLURM (in place; returned)."""
-    job = read_json(attempt_dir(sweep_dir, key, attempt.attempt) / JOB_FILE)
+def refresh_attempt(
+    sweep_dir: Path, key: str, attempt: Attempt, ask_slurm: bool = True, problems: list[str] | None = None
+) -> Attempt:
+    """``attempt`` brought up to date from its ``job.json`` and SLURM (in place; returned).
+    ``job.json`` is read through the hardened layer and checked field by field; what is wrong
+    with it is a line in ``problems``."""
+    problems = [] if problems is None else problems
+    path = attempt_dir(sweep_dir, key, attempt.attempt) / JOB_FILE
+    job = checked_job(read_json(path, problems), path, problems)
     if job:
         for name in ("job_id", "scheduler", "nodes", "start", "end", "exit_code"):
             if job.get(name) is not None:
@@ -105,7 +116,9 @@ def refresh_attempt(sweep_dir: Path, key: str, attempt: Attempt, ask_slurm: bool
     return attempt
 
 
-def refresh(manifest: SweepManifest, sweep_dir: Path, ask_slurm: bool = True) -> SweepManifest:
+def refresh(
+    manifest: SweepManifest, sweep_dir: Path, ask_slurm: bool = True, problems: list[str] | None = None
+) -> SweepManifest:
     """Every configuration's latest attempt refreshed; each entry's state is its latest
     attempt's (an entry with no attempt keeps its own: pending, or out_of_memory_predicted)."""
     for entry in manifest.runs.values():
@@ -113,23 +126,23 @@ def refresh(manifest: SweepManifest, sweep_dir: Path, ask_slurm: bool = True) ->
         if latest is None:
             continue
         if latest.state not in FINAL or latest.state == PREEMPTED:
-            refresh_attempt(sweep_dir, entry.key, latest, ask_slurm)
+            refresh_attempt(sweep_dir, entry.key, latest, ask_slurm, problems)
         # A requeued job (preemption) writes attempts the sweeper did not create: adopt them.
-        _adopt_requeued(sweep_dir, entry, ask_slurm)
+        _adopt_requeued(sweep_dir, entry, ask_slurm, problems)
         entry.state, entry.exit_reason = entry.attempts[-1].state, entry.attempts[-1].exit_reason
     return manifest
 
 
-def _adopt_requeued(sweep_dir: Path, entry: RunEntry, ask_slurm: bool) -> None:
+def _adopt_requeued(sweep_dir: Path, entry: RunEntry, ask_slurm: bool, problems: list[str] | None) -> None:
     known = {a.attempt for a in entry.attempts}
     for folder in sorted((sweep_dir / f"run={entry.key}").glob("attempt=*")):
         try:
             n = int(folder.name.split("=", 1)[1])
         except ValueError:
             continue
-        if n not in known and (folder / JOB_FILE).is_file():
+        if n not in known and 0 < n < 10**6 and (folder / JOB_FILE).is_file():
             entry.attempts.append(
-                refresh_attempt(sweep_dir, entry.key, Attempt(attempt=n, state=RUNNING), ask_slurm)
+                refresh_attempt(sweep_dir, entry.key, Attempt(attempt=n, state=RUNNING), ask_slurm, problems)
             )
     entry.attempts.sort(key=lambda a: a.attempt)
 
@@ -159,12 +172,33 @@ def status_lines(manifest: SweepManifest) -> list[str]:
         counts[entry.state] = counts.get(entry.state, 0) + 1
     lines = [f"sweep {manifest.name}: {len(manifest.runs)} configuration(s) in {manifest.directory}"]
     lines += format_table(rows, HEADER)
-    lines.append(", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+    # Every cell comes from sweep.json / job.json: no escape sequence reaches the terminal.
+    lines = [printable(line, 2000) for line in lines]
+    lines.append(printable(", ".join(f"{n} {state}" for state, n in sorted(counts.items())), 2000))
     return lines
+
+
+def sweep_status(folder: Path, ask_slurm: bool = True) -> tuple[list[str], list[str]]:
+    """``charllm sweep status``'s lines for the sweep in ``folder`` and the warnings met
+    reading it (each naming the file and the field, escaped for a terminal). A sweep.json that
+    cannot be read at all, or is another tool's, gives no line and a warning."""
+    problems: list[str] = []
+    try:
+        manifest = load_manifest(folder, problems)
+    except ConfigError as exc:  # another tool's sweep.json: the other sweeps are still listed
+        problems.append(str(exc))
+        manifest = None
+    lines: list[str] = []
+    if manifest is None:
+        problems.append(f"{folder / MANIFEST}: no readable sweep manifest; sweep not listed")
+    else:
+        refresh(manifest, folder, ask_slurm, problems)
+        lines = status_lines(manifest)
+    return lines, [printable(p, 2000) for p in dict.fromkeys(problems)]
 
 
 def _short(iso: str | None) -> str:
     """``2026-12-04T21:03:07+00:00`` -> ``12-04 21:03:07`` (UTC)."""
-    if not iso:
+    if not iso or not isinstance(iso, str):
         return "-"
     return iso[5:19].replace("T", " ")

@@ -46,9 +46,13 @@ SIZE_CAPS: dict[str, int] = {
 and argv included); ``summary.json`` grows by ~0.5 KiB per step; ``steps.jsonl`` is read line by
 line (each line at most :data:`MAX_LINE_BYTES`); a segment holds half a second of samples."""
 
-MAX_SEGMENT_UNPACKED = 4096 * MiB
-"""Most bytes a segment's row groups may unpack to, as its footer states (a 0.5 s segment of 8
-devices at 1 kHz is ~1 MiB)."""
+MAX_SEGMENT_UNPACKED = 256 * MiB
+"""Most bytes a segment's row groups (and any one column chunk) may unpack to, as its footer
+states (a 0.5 s segment of 8 devices at 1 kHz is ~1 MiB): a 1.3 MB file can claim 2.4 GB."""
+
+MAX_SEGMENT_ROWS = 4_000_000
+"""Most rows a segment may hold, as its footer states (0.5 s of 8 devices at 1 kHz is 4,000;
+a driver-buffered segment a few times that)."""
 
 MAX_LINE_BYTES = 1 * MiB
 """Longest ``steps.jsonl`` line read, in bytes (a step's line is ~0.5 KiB)."""
@@ -373,20 +377,39 @@ def iter_jsonl_numbered(path: Path, cap: int, problems: list[str]) -> Iterator[t
                 problems.append(f"{path}:{lineno}: {why}; skipped")
 
 
-def read_parquet(path: Path, columns: list[str] | None = None, cap: int = SIZE_CAPS["segment"]) -> Any:
-    """A segment as a ``pyarrow.Table`` (``columns``: only those), opened as :func:`open_regular`
-    does. Raises UnsafeFileError for a file that is not a regular one, too large, or whose
-    footer says it unpacks to more than :data:`MAX_SEGMENT_UNPACKED` bytes (a small file can
-    claim gigabytes); pyarrow's own errors for a damaged one."""
+def read_parquet(
+    path: Path,
+    columns: list[str] | None = None,
+    cap: int = SIZE_CAPS["segment"],
+    missing_ok: bool = False,
+) -> Any:
+    """A segment as a ``pyarrow.Table`` (``columns``: only those; ``missing_ok``: those of them
+    the file has), opened as :func:`open_regular` does. Raises UnsafeFileError for a file that
+    is not a regular one, too large, or whose footer says it holds more than
+    :data:`MAX_SEGMENT_ROWS` rows or unpacks to more than :data:`MAX_SEGMENT_UNPACKED` bytes (a
+    decompression bomb: checked before anything is decompressed); pyarrow's own errors for a
+    damaged one."""
     import pyarrow.parquet as pq
 
     with open_regular(path, cap) as f:
         pf = pq.ParquetFile(f)  # the footer, parsed once: checked, then used to read
         meta = pf.metadata
-        unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if meta.num_rows > MAX_SEGMENT_ROWS or meta.num_rows < 0:
+            raise UnsafeFileError(
+                f"{path}: its footer claims {meta.num_rows} rows, over the {MAX_SEGMENT_ROWS} a reader "
+                "accepts for a segment; not read"
+            )
+        groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+        unpacked = sum(max(rg.total_byte_size, 0) for rg in groups)
+        # A footer's row-group total may understate its chunks: the largest chunk counts too.
+        chunks = (rg.column(j).total_uncompressed_size for rg in groups for j in range(rg.num_columns))
+        unpacked = max(unpacked, max(chunks, default=0))
         if unpacked > MAX_SEGMENT_UNPACKED:
             raise UnsafeFileError(
                 f"{path}: its row groups unpack to {unpacked} bytes, over the "
                 f"{_mib(MAX_SEGMENT_UNPACKED)} a reader accepts for a segment; not read"
             )
+        if columns is not None and missing_ok:
+            have = set(pf.schema_arrow.names)
+            columns = [c for c in columns if c in have]
         return pf.read(columns=columns)

@@ -82,23 +82,146 @@ def accepted_ranks(files: RunFiles) -> list[int]:
     return files.rank_ids
 
 
-def _read_segments(paths: tuple[Path, ...], kind: str, schema: pa.Schema, problems: list[str]) -> pa.Table:
+MAX_DEVICES_PER_RANK = 256
+"""Most distinct ``device_index`` values a rank's samples may hold (a node has at most 8-16
+accelerators; a rank usually samples one). Rows of further devices are dropped, with a line in
+``problems``: every reader's work is per device, so 30,000 ids in one segment would cost
+minutes and gigabytes."""
+
+
+def _kind(typ: pa.DataType) -> str:
+    if pa.types.is_dictionary(typ):
+        return _kind(typ.value_type)
+    if pa.types.is_integer(typ):
+        return "int"
+    if pa.types.is_floating(typ):
+        return "float"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return "string"
+    if pa.types.is_boolean(typ):
+        return "bool"
+    return str(typ)
+
+
+_CASTS_TO = {"int": ("int",), "float": ("float", "int"), "string": ("string",), "bool": ("bool",)}
+"""The kinds of a file's column that convert to the expected kind without loss of meaning
+(an integer energy counter read where a float belongs, say); anything else is the wrong type."""
+
+
+def conform(table: pa.Table, schema: pa.Schema, path: Path, kind: str, problems: list[str]) -> pa.Table:
+    """``table`` (one segment as read) with exactly ``schema``'s columns and types: a column of
+    the wrong type (strings where numbers belong, bytes that are not UTF-8) or missing is all
+    null, with a line in ``problems`` naming the file and the column; extra columns dropped."""
+    cols = []
+    for f in schema:
+        want = _kind(f.type)
+        if f.name not in table.column_names:
+            cols.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        got = _kind(col.type)
+        try:
+            if got not in _CASTS_TO.get(want, (want,)):
+                raise TypeError(f"holds {col.type}, expected {f.type}")
+            if want == "string":
+                col.validate(full=True)  # a string column with bytes that are not UTF-8
+            col = col.cast(f.type, safe=want != "float")
+        except (TypeError, pa.ArrowException) as exc:
+            problems.append(
+                f"{path}: {kind} column {printable(f.name)!r} {printable(exc, 120)}; read as null"
+            )
+            col = pa.nulls(table.num_rows, f.type)
+        cols.append(_bounded_values(col, f.name, path, problems) if want in ("int", "float") else col)
+    return pa.Table.from_arrays(cols, schema=nullable(schema))
+
+
+MAX_ABS_FLOAT = 1e12
+"""Largest magnitude a float sample or window value may have (watts, degrees, MHz, seconds,
+joules are all far below); NaN, inf and larger values are read as null, so that no sum or
+figure axis of a reader overflows."""
+
+MAX_ABS_INT = 2**62
+"""Largest magnitude an integer value may have: the difference of any two then fits int64
+(an energy counter's or a clock's deltas never overflow)."""
+
+
+def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any:
+    if col.null_count == len(col):
+        return col
+    if pa.types.is_floating(col.type):
+        bad = pc.invert(pc.less_equal(pc.abs(col), MAX_ABS_FLOAT))  # NaN compares false: bad
+    else:
+        wide = col.cast(pa.int64())  # exact comparisons: int64 values do not all fit a float
+        big = pa.scalar(MAX_ABS_INT, pa.int64())
+        bad = pc.or_(pc.greater_equal(wide, big), pc.less_equal(wide, pa.scalar(-MAX_ABS_INT, pa.int64())))
+    n_bad = pc.sum(pc.fill_null(bad, False).cast(pa.int64())).as_py() or 0
+    if not n_bad:
+        return col
+    problems.append(
+        f"{path}: column {printable(name)!r}: {n_bad} value(s) not finite or beyond "
+        f"{MAX_ABS_FLOAT:g} in magnitude; read as null"
+    )
+    return pc.if_else(pc.fill_null(bad, False), pa.nulls(len(col), col.type), col)
+
+
+def bound_devices(table: pa.Table, where: Path, problems: list[str]) -> pa.Table:
+    """``table`` with rows of at most :data:`MAX_DEVICES_PER_RANK` devices (the lowest ids)."""
+    if "device_index" not in table.column_names or table.num_rows == 0:
+        return table
+    ids = pc.unique(table.column("device_index").drop_null())
+    if len(ids) <= MAX_DEVICES_PER_RANK:
+        return table
+    keep = pc.array_take(pc.sort_indices(ids), pa.array(range(MAX_DEVICES_PER_RANK)))
+    kept_ids = pc.take(ids, keep)
+    problems.append(
+        f"{where}: samples of {len(ids)} distinct device ids; only the {MAX_DEVICES_PER_RANK} lowest "
+        "are read (a rank samples the accelerators of one node)"
+    )
+    return table.filter(pc.is_in(table.column("device_index"), value_set=kept_ids))
+
+
+def read_segments(
+    paths: tuple[Path, ...],
+    kind: str,
+    schema: pa.Schema,
+    problems: list[str],
+    columns: list[str] | None = None,
+) -> pa.Table | None:
+    """A rank's segments of one kind, each read with :func:`read_parquet` (bounded: size,
+    unpacked bytes, rows) and conformed to ``schema`` (only ``columns`` of it where given),
+    concatenated, devices bounded; None when no segment could be read. Every reader of the
+    store (``inspect``, ``analyze``, ``report``, ``advise``) reads segments here. An unreadable
+    segment is skipped with a line in ``problems`` (and a :class:`CorruptSegmentWarning`)."""
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
     tables = []
     for p in paths:
         try:
-            t = read_parquet(p)
-            tables.append(t.select(schema.names).cast(schema))
+            t = read_parquet(p, columns=schema.names, missing_ok=True)
+            tables.append(conform(t, schema, p, kind, problems))
         except UnsafeFileError as exc:  # not opened: says which file and why itself
             msg = f"{exc} ({kind} segment skipped)"
             problems.append(msg)
             warnings.warn(printable(msg, 1000), CorruptSegmentWarning, stacklevel=3)
         except Exception as exc:  # pyarrow raises several types for a damaged file
-            msg = f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {exc})"
+            msg = f"{p}: unreadable {kind} segment skipped ({type(exc).__name__}: {printable(exc)})"
             problems.append(msg)
             warnings.warn(printable(msg, 1000), CorruptSegmentWarning, stacklevel=3)
     if not tables:
-        return schema.empty_table()
-    return pa.concat_tables(tables)
+        return None
+    table = pa.concat_tables(tables).combine_chunks()
+    return bound_devices(table, paths[0].parent, problems)
+
+
+def nullable(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every field nullable: what :func:`conform` gives (a hostile file's
+    column of the wrong type is read as null, whatever the writer's schema promises)."""
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def _read_segments(paths: tuple[Path, ...], kind: str, schema: pa.Schema, problems: list[str]) -> pa.Table:
+    table = read_segments(paths, kind, schema, problems)
+    return nullable(schema).empty_table() if table is None else table
 
 
 def read_manifest(files: RankFiles, problems: list[str]) -> dict[str, Any]:
