@@ -265,3 +265,77 @@ def test_an_exception_in_training_closes_the_telemetry_as_failed(tmp_path: Path)
     assert result["status"] == "failed" and result["closed"]
     steps = [s for k, _n, s, _m in result["windows"] if k == "step"]
     assert sorted(steps)[:3] == [0, 1, 2]
+
+
+BAD_OPTIONS = {
+    "hz=0": "hz=0",
+    "hz='x'": "hz='x'",
+    "hz=-5": "hz=-5",
+    "hz=float('nan')": "hz=nan",
+    "counter_hz=0": "counter_hz=0",
+    "backend='nvm'": "backend='nvm'",
+    "sampler='proces'": "sampler='proces'",
+    "windows=['stepp']": "windows has unknown kinds ['stepp']",
+    "out_dir=a_file": "out_dir=",
+    "peak_tflops_per_gpu=-1": "peak_tflops_per_gpu=-1",
+    "precision='fp7'": "precision='fp7'",
+    "hzz=100": "unknown option hzz",
+}
+
+
+def test_llama3_recipe_refuses_each_bad_option_before_a_model_is_built(tmp_path: Path) -> None:
+    # #34: run.Config(PowerThermalCallback, <bad>) fails when Fiddle builds the callback, in one
+    # line naming the keyword as written, and NeMo never configures the model
+    cases = ", ".join(f"({k!r}, dict({k}))" for k in BAD_OPTIONS)
+    result = _run_child(
+        tmp_path,
+        f"""
+        import nemo_run as run
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        a_file = os.path.join(os.getcwd(), "a-file")
+        open(a_file, "w").close()
+        built = []
+        _configure = llm.GPTModel.configure_model
+        def configure_model(self, *a, **k):
+            built.append(1)
+            return _configure(self, *a, **k)
+        llm.GPTModel.configure_model = configure_model
+        recipe = llm.llama3_8b.pretrain_recipe(name="tiny", dir=os.path.join(os.getcwd(), "nemo"),
+                                               num_nodes=1, num_gpus_per_node=1)
+        recipe.model = run.Config(llm.GPTModel, config=run.Config(nemo_cpu.tiny_gpt_config),
+                                  tokenizer=run.Config(nemo_cpu.ByteTokenizer))
+        recipe.optim = run.Config(nemo_cpu.cpu_optimizer)
+        recipe.data = run.Config(nemo_cpu.MaskedMockDataModule, seq_length=32, micro_batch_size=1,
+                                 global_batch_size=4)
+        recipe.trainer.accelerator = "cpu"
+        recipe.trainer.devices = 1
+        recipe.trainer.max_steps = 1
+        recipe.trainer.limit_val_batches = 0
+        recipe.trainer.enable_checkpointing = False
+        recipe.trainer.strategy = run.Config(nemo_cpu.cpu_strategy)
+        recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
+        recipe.log = run.Config(nl.NeMoLogger, log_dir=os.path.join(os.getcwd(), "nemo"))
+        recipe.resume = None
+        got = {{}}
+        for name, bad in [{cases}]:
+            recipe.trainer.callbacks = [run.Config(PowerThermalCallback, backend="synthetic",
+                                                   sampler="thread", **bad)]
+            try:
+                run.run(recipe, direct=True)
+                got[name] = None
+            except Exception as exc:
+                got[name] = [type(exc).__name__, str(exc), len(built)]
+        cb = PowerThermalCallback(windows="step", backend="synthetic")
+        got["windows"] = list(cb.options.windows)
+        json.dump(got, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result.pop("windows") == ["step"]  # a string is one window kind, not its letters
+    for name, expected in BAD_OPTIONS.items():
+        assert result[name] is not None, f"{name} was accepted"
+        kind, message, models_built = result[name]
+        assert kind == "ConfigError" and expected in message, (name, result[name])
+        assert message.startswith("PowerThermalCallback: ") and "\n" not in message
+        assert "telemetry." not in message  # named as the callback's keyword, not the config's
+        assert models_built == 0, f"{name}: NeMo configured the model before refusing"

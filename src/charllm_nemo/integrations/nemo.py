@@ -29,7 +29,7 @@ API's (charllm_nemo.steps); this class only says where things begin and end.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from charllm_nemo.integrations._common import (
@@ -37,6 +37,7 @@ from charllm_nemo.integrations._common import (
     LoggersObserver,
     loss_of,
     open_step_telemetry,
+    options_signature,
 )
 
 try:
@@ -75,47 +76,10 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)`` when given.
     """
 
-    def __init__(
-        self,
-        hz: float = 100.0,
-        counter_hz: float | None = 10.0,
-        backend: str = "auto",
-        out_dir: str = "runs/{time}",
-        windows: Sequence[str] = ("step", "microbatch", "phase"),
-        sampler: str = "auto",
-        log_to: str = "trainer",
-        key_prefix: str = "charllm/",
-        steps_file: bool = True,
-        console: bool = False,
-        attention_flops: str = "causal",
-        peak_tflops_per_gpu: float | None = None,
-        precision: str = "bf16",
-        overwrite: bool = False,
-        enabled: bool = True,
-        alerts: bool = True,
-        on_alert: Callable[[dict[str, Any]], object] | None = None,
-    ) -> None:
+    def __init__(self, *, on_alert: Callable[[dict[str, Any]], object] | None = None, **options: Any) -> None:
         super().__init__()
-        self.options = IntegrationOptions(
-            hz=hz,
-            counter_hz=counter_hz,
-            backend=backend,
-            out_dir=out_dir,
-            windows=tuple(windows),
-            sampler=sampler,
-            log_to=log_to,
-            key_prefix=key_prefix,
-            steps_file=steps_file,
-            console=console,
-            attention_flops=attention_flops,
-            peak_tflops_per_gpu=peak_tflops_per_gpu,
-            precision=precision,
-            overwrite=overwrite,
-            enabled=enabled,
-            alerts=alerts,
-        )
+        self.options = IntegrationOptions.from_keywords("PowerThermalCallback", options)
         self.on_alert = on_alert  # called on rank 0 with each alert's dict (docs/alerts.md)
-        self.options.validate("PowerThermalCallback")
         self.telemetry: Any = None
         """This rank's StepTelemetry while training (None before and after)."""
         self.run_dir: str | None = None
@@ -295,3 +259,6 @@ def _log_to_loggers(trainer: Any) -> Any:
             logger.log_metrics(metrics, step=step)
 
     return log_metrics
+
+
+PowerThermalCallback.__signature__ = options_signature(PowerThermalCallback.__init__)
