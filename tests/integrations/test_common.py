@@ -196,3 +196,20 @@ def test_an_alert_from_the_alert_thread_reaches_the_loggers_from_the_training_th
     obs.log_alert({"kind": "straggler", "step": 6, "rank": None})
     obs.close("complete")  # what is left goes at close
     assert calls[-1] == ({"charllm/alerts/straggler": -1.0}, 6, me)
+
+
+def test_a_rate_that_cannot_be_computed_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    # #34: no silent nulls; the integrations refuse peak_tflops_per_gpu=-1 first, this is the
+    # last line for a caller who builds the rates by hand
+    from charllm_nemo.steps.rates import StepRates
+
+    rates = StepRates(
+        model_flops_per_step=1e12, global_batch_size=4, seq_length=8, world_size=1, peak_tflops_per_gpu=-1
+    )
+    with caplog.at_level("WARNING", logger="charllm_nemo.steps.rates"):
+        for step in range(3):
+            report = StepReport(step=step, loss=1.0, step_time_s=0.5)
+            rates.fill(report)
+            assert report.mfu is None
+    said = [r for r in caplog.records if r.name == "charllm_nemo.steps.rates"]
+    assert len(said) == 1 and "from step 0" in said[0].getMessage()
