@@ -18,13 +18,98 @@ from charllm_nemo.integrations._common import (
 from charllm_nemo.steps import StepReport, StepsFileObserver, WandbObserver
 from charllm_nemo.telemetry.config import Placement
 
+BAD = [
+    ({"hz": 0}, "hz=0 "),
+    ({"hz": "x"}, "hz='x' "),
+    ({"hz": -5}, "hz=-5 "),
+    ({"hz": float("nan")}, "hz=nan "),
+    ({"counter_hz": 0}, "counter_hz=0 "),
+    ({"backend": "nvm"}, "backend='nvm' "),
+    ({"sampler": "proces"}, "sampler='proces' "),
+    ({"windows": ["stepp"]}, "windows has unknown kinds ['stepp']"),
+    ({"windows": "step,stepp"}, "windows has unknown kinds ['stepp']"),
+    ({"windows": 3}, "windows=3 "),
+    ({"log_to": "both"}, "log_to='both' "),
+    ({"attention_flops": "half"}, "attention_flops='half' "),
+    ({"key_prefix": 3}, "key_prefix=3 "),
+    ({"console": "yes"}, "console='yes' "),
+    ({"peak_tflops_per_gpu": -1}, "peak_tflops_per_gpu=-1 "),
+    ({"peak_tflops_per_gpu": float("inf")}, "peak_tflops_per_gpu=inf "),
+    ({"precision": "fp7"}, "precision='fp7' "),
+    ({"hzz": 100}, "unknown option hzz;"),
+]
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("log_to", "both"), ("attention_flops", "half"), ("key_prefix", 3)]
-)
-def test_options_name_the_owner_field_and_the_choices(field: str, value: Any) -> None:
-    with pytest.raises(ConfigError, match=f"PowerThermalCallback.{field}="):
-        IntegrationOptions(**{field: value}).validate("PowerThermalCallback")
+
+def _entry_points() -> list[Any]:
+    from charllm_nemo.integrations.bridge import PowerThermalBridgeCallback
+    from charllm_nemo.integrations.megatron_lm import MegatronLMTelemetry
+
+    return [PowerThermalBridgeCallback, MegatronLMTelemetry]
+
+
+@pytest.mark.parametrize(("options", "expected"), BAD, ids=[str(o) for o, _ in BAD])
+def test_every_option_is_checked_at_construction_named_as_written(
+    options: dict[str, Any], expected: str
+) -> None:
+    # #34: refused in the constructor (NeMo-Run / Fiddle's build), one line, the keyword as the
+    # user wrote it; the NeMo callback takes the same check (tests/integrations/test_nemo_callback.py)
+    for cls in _entry_points():
+        with pytest.raises(ConfigError) as info:
+            cls(**options)
+        message = str(info.value)
+        assert message.startswith(f"{cls.__name__}: ") and expected in message, message
+        assert "\n" not in message and "telemetry." not in message
+    with pytest.raises(ConfigError, match=r"^Owner: "):
+        IntegrationOptions.from_keywords("Owner", options)
+
+
+def test_the_config_file_names_the_option_its_own_way() -> None:
+    with pytest.raises(ConfigError, match=r"telemetry\.hz=0 .*e\.g\. telemetry\.hz=100"):
+        IntegrationOptions(hz=0).validate("telemetry", name=lambda f: f"telemetry.{f}")
+
+
+def test_an_impossible_out_dir_is_refused_without_making_anything(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out_dir in (str(a_file), str(a_file / "run"), str(a_file / "{time}")):
+        with pytest.raises(ConfigError, match=r"out_dir='"):
+            IntegrationOptions.from_keywords("X", {"out_dir": out_dir})
+    fine = tmp_path / "new" / "{time}"
+    IntegrationOptions.from_keywords("X", {"out_dir": str(fine)})
+    assert not (tmp_path / "new").exists()  # checked, not made: the run makes it when it opens
+
+
+def test_a_windows_string_is_one_kind_or_a_comma_list() -> None:
+    assert IntegrationOptions(windows="step").windows == ("step",)
+    assert IntegrationOptions(windows="step, phase").windows == ("step", "phase")
+    assert IntegrationOptions(windows=["microbatch"]).windows == ("microbatch",)
+    for cls in _entry_points():
+        assert cls(windows="step").options.windows == ("step",)
+
+
+def test_the_entry_points_signatures_are_the_one_declaration() -> None:
+    import inspect
+    from dataclasses import fields
+
+    declared = {f.name: getattr(IntegrationOptions(), f.name) for f in fields(IntegrationOptions)}
+    for cls in _entry_points():
+        params = inspect.signature(cls).parameters
+        options = {
+            n: p.default
+            for n, p in params.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "on_alert"
+        }
+        assert options == declared, cls
+        assert "self" not in params
+
+
+def test_the_integrations_take_the_telemetry_defaults() -> None:
+    from charllm_nemo.telemetry.config import TelemetryConfig
+
+    tel, opts = TelemetryConfig(), IntegrationOptions()
+    for name in ("hz", "counter_hz", "backend", "sampler", "attention_flops", "overwrite", "enabled"):
+        assert getattr(opts, name) == getattr(tel, name), name
+    assert list(opts.windows) == tel.windows
 
 
 def test_loss_of_what_frameworks_return() -> None:
@@ -111,3 +196,20 @@ def test_an_alert_from_the_alert_thread_reaches_the_loggers_from_the_training_th
     obs.log_alert({"kind": "straggler", "step": 6, "rank": None})
     obs.close("complete")  # what is left goes at close
     assert calls[-1] == ({"charllm/alerts/straggler": -1.0}, 6, me)
+
+
+def test_a_rate_that_cannot_be_computed_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    # #34: no silent nulls; the integrations refuse peak_tflops_per_gpu=-1 first, this is the
+    # last line for a caller who builds the rates by hand
+    from charllm_nemo.steps.rates import StepRates
+
+    rates = StepRates(
+        model_flops_per_step=1e12, global_batch_size=4, seq_length=8, world_size=1, peak_tflops_per_gpu=-1
+    )
+    with caplog.at_level("WARNING", logger="charllm_nemo.steps.rates"):
+        for step in range(3):
+            report = StepReport(step=step, loss=1.0, step_time_s=0.5)
+            rates.fill(report)
+            assert report.mfu is None
+    said = [r for r in caplog.records if r.name == "charllm_nemo.steps.rates"]
+    assert len(said) == 1 and "from step 0" in said[0].getMessage()

@@ -130,15 +130,7 @@ def test_tiny_gpt_under_nl_trainer_records_steps_microbatches_phases_and_logs(tm
         assert key in result["logged_keys"], result["logged_keys"]
 
 
-def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
-    # the one line of docs/integrations.md, on llm.llama3_8b.pretrain_recipe() shrunk for a CPU
-    result = _run_child(
-        tmp_path,
-        """
-        import nemo_run as run
-        from nemo import lightning as nl
-        from nemo.collections import llm
-        out = os.path.join(os.getcwd(), "run")
+SHRUNK_LLAMA3 = """
         recipe = llm.llama3_8b.pretrain_recipe(name="tiny", dir=os.path.join(os.getcwd(), "nemo"),
                                                num_nodes=1, num_gpus_per_node=1)
         recipe.model = run.Config(llm.GPTModel, config=run.Config(nemo_cpu.tiny_gpt_config),
@@ -156,6 +148,22 @@ def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
         recipe.trainer.plugins = run.Config(nl.MegatronMixedPrecision, precision="32")
         recipe.log = run.Config(nl.NeMoLogger, log_dir=os.path.join(os.getcwd(), "nemo"))
         recipe.resume = None
+"""
+"""NeMo 2.7.3's own llm.llama3_8b.pretrain_recipe(), shrunk for a CPU (a child body's lines)."""
+
+
+def test_llama3_recipe_with_the_callback_as_run_config(tmp_path: Path) -> None:
+    # the one line of docs/integrations.md, on llm.llama3_8b.pretrain_recipe() shrunk for a CPU
+    result = _run_child(
+        tmp_path,
+        """
+        import nemo_run as run
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        out = os.path.join(os.getcwd(), "run")
+        """
+        + SHRUNK_LLAMA3
+        + """
         recipe.trainer.callbacks = [run.Config(PowerThermalCallback, hz=200, backend="synthetic",
                                                out_dir=out, sampler="thread")]
         run.run(recipe, direct=True)
@@ -368,3 +376,69 @@ def test_grad_norm_is_read_fresh_each_step_and_a_stale_one_is_none() -> None:
     assert read(t) is None  # the same cached value next step: not logged anew
     t._results["optimizer_step.grad_norm"]._forward_cache = torch.tensor(0.75)
     assert read(t) == pytest.approx(0.75)
+
+
+BAD_OPTIONS = {
+    "hz=0": "hz=0",
+    "hz='x'": "hz='x'",
+    "hz=-5": "hz=-5",
+    "hz=float('nan')": "hz=nan",
+    "counter_hz=0": "counter_hz=0",
+    "backend='nvm'": "backend='nvm'",
+    "sampler='proces'": "sampler='proces'",
+    "windows=['stepp']": "windows has unknown kinds ['stepp']",
+    "out_dir=a_file": "out_dir=",
+    "peak_tflops_per_gpu=-1": "peak_tflops_per_gpu=-1",
+    "precision='fp7'": "precision='fp7'",
+    "hzz=100": "hzz",
+}
+
+
+def test_llama3_recipe_refuses_each_bad_option_before_a_model_is_built(tmp_path: Path) -> None:
+    # #34: run.Config(PowerThermalCallback, <bad>) fails when Fiddle builds the callback, in one
+    # line naming the keyword as written, and NeMo never configures the model
+    cases = ", ".join(f"({k!r}, dict({k}))" for k in BAD_OPTIONS)
+    result = _run_child(
+        tmp_path,
+        f"""
+        import nemo_run as run
+        from nemo import lightning as nl
+        from nemo.collections import llm
+        a_file = os.path.join(os.getcwd(), "a-file")
+        open(a_file, "w").close()
+        built = []
+        _configure = llm.GPTModel.configure_model
+        def configure_model(self, *a, **k):
+            built.append(1)
+            return _configure(self, *a, **k)
+        llm.GPTModel.configure_model = configure_model
+{SHRUNK_LLAMA3}        got = {{}}
+        for name, bad in [{cases}]:
+            options = {{"backend": "synthetic", "sampler": "thread", **bad}}
+            try:
+                recipe.trainer.callbacks = [run.Config(PowerThermalCallback, **options)]
+                run.run(recipe, direct=True)
+                got[name] = None
+            except Exception as exc:
+                got[name] = [type(exc).__name__, str(exc), len(built)]
+        cb = PowerThermalCallback(windows="step", backend="synthetic")
+        got["windows"] = list(cb.options.windows)
+        json.dump(got, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result.pop("windows") == ["step"]  # a string is one window kind, not its letters
+    # an unknown keyword: Fiddle refuses it already in run.Config, against the signature made
+    # from the one declaration (TypeError naming it)
+    kind, message, models_built = result.pop("hzz=100")
+    assert kind == "TypeError" and "hzz" in message and models_built == 0
+    for name, expected in BAD_OPTIONS.items():
+        if name == "hzz=100":
+            continue
+        assert result[name] is not None, f"{name} was accepted"
+        kind, message, models_built = result[name]
+        ours, *fiddles = [line for line in message.splitlines() if line.strip()]
+        assert kind == "ConfigError" and expected in ours, (name, result[name])
+        assert ours.startswith("PowerThermalCallback: ") and "telemetry." not in ours  # as written
+        # after our one line, only Fiddle's one line of where (no traceback wall)
+        assert all(line.startswith("Fiddle context:") for line in fiddles), message
+        assert models_built == 0, f"{name}: NeMo configured the model before refusing"

@@ -142,3 +142,29 @@ def test_a_megatron_placement_carries_the_ranks_parallel_coordinates(tmp_path) -
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     labels = {"pp_stage": 0, "dp_rank": 0, "ep_rank": 0, "cp_rank": 0}
     assert got == [[0, 2, {**labels, "tp_rank": 0}], [1, 2, {**labels, "tp_rank": 1}]]
+
+
+def test_the_telemetry_yaml_files_hold_the_dataclass_defaults() -> None:
+    # one declaration of each default (TelemetryConfig): telemetry=default lists them for Hydra's
+    # overrides and must agree; off / synthetic inherit it and change one key each
+    import os
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from charllm_nemo.telemetry.config import TelemetryConfig
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+    declared = asdict(TelemetryConfig())
+    with initialize_config_dir(config_dir=os.path.abspath(conf), version_base=None):
+        for option, changed in (
+            ("default", {}),
+            ("off", {"enabled": False}),
+            ("synthetic", {"backend": "synthetic"}),
+        ):
+            got = OmegaConf.to_container(compose("train", overrides=[f"telemetry={option}"]).telemetry)
+            assert isinstance(got, dict)
+            got.pop("out_dir")  # the run id, resolved at launch
+            want = {k: v for k, v in {**declared, **changed}.items() if k != "out_dir"}
+            assert got == want, option

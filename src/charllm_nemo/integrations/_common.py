@@ -8,15 +8,19 @@ rest (charllm_nemo.steps). Nothing here imports a training framework.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.config import TelemetryConfig
 
 if TYPE_CHECKING:
     from charllm_nemo.steps import StepTelemetry
@@ -29,57 +33,116 @@ LOG_TO = ("trainer", "wandb", "none")
 W&B sink (``wandb``), or neither. One of them, never both: a key is logged once."""
 
 
+_TELEMETRY = TelemetryConfig()
+"""The telemetry defaults, declared once in TelemetryConfig: an integration's shared options
+(hz, counter_hz, backend, sampler, windows, attention_flops, overwrite, enabled) take theirs."""
+
+
 @dataclass
 class IntegrationOptions:
-    """The plain values a user gives an integration (so NeMo-Run / Fiddle can configure it).
+    """The plain values a user gives an integration (so NeMo-Run / Fiddle can configure it): the
+    one declaration of the integrations' options. The callbacks and MegatronLMTelemetry take
+    them as ``**options`` checked against these fields (their signatures are made from them:
+    :func:`options_signature`); a new option is one field here (and its check in
+    :meth:`problems` when it has one).
 
     ``hz``: power samples a second; ``counter_hz``: energy / violation counter reads a second
     (None: every sample); ``backend``: auto | nvml | amdsmi | synthetic; ``out_dir``: the run
     directory (``{time}`` becomes ``YYYYmmdd-HHMMSS``); ``windows``: the window kinds recorded
-    (step, microbatch, phase); ``sampler``: auto | thread | process; ``log_to``: see
-    :data:`LOG_TO`; ``key_prefix``: prefix of the keys given to the framework's loggers;
-    ``steps_file``: write ``steps.jsonl`` in the run directory; ``console``: rank 0 prints a line
-    a step; ``attention_flops``: full | causal (how MFU counts attention); ``peak_tflops_per_gpu``:
-    the MFU denominator (None: looked up for the device); ``precision``: the peak's precision;
-    ``overwrite``: replace an earlier run in ``out_dir``; ``enabled``: False does nothing;
-    ``alerts``: live alerts on rank 0 with the default thresholds (docs/alerts.md: console,
-    ``alerts.jsonl``, our W&B sink with ``log_to="wandb"``, an ``on_alert`` function); False
-    installs nothing.
+    (step, microbatch, phase; a string is one kind or a comma list); ``sampler``: auto | thread |
+    process; ``log_to``: see :data:`LOG_TO`; ``key_prefix``: prefix of the keys given to the
+    framework's loggers; ``steps_file``: write ``steps.jsonl`` in the run directory;
+    ``console``: rank 0 prints a line a step; ``attention_flops``: full | causal (how MFU counts
+    attention; :data:`~charllm_nemo.telemetry.config.ATTENTION_FLOPS`); ``peak_tflops_per_gpu``:
+    the MFU denominator in TFLOP/s (None: looked up for the device); ``precision``: the peak's
+    precision (bf16 | fp16 | fp8 | tf32 | fp32); ``overwrite``: replace an earlier run in
+    ``out_dir``; ``enabled``: False does nothing; ``alerts``: live alerts on rank 0 with the
+    default thresholds (docs/alerts.md: console, ``alerts.jsonl``, our W&B sink with
+    ``log_to="wandb"``, an ``on_alert`` function); False installs nothing.
     """
 
-    hz: float = 100.0
-    counter_hz: float | None = 10.0
-    backend: str = "auto"
+    hz: float = _TELEMETRY.hz
+    counter_hz: float | None = _TELEMETRY.counter_hz
+    backend: str = _TELEMETRY.backend
     out_dir: str = "runs/{time}"
-    windows: Sequence[str] = ("step", "microbatch", "phase")
-    sampler: str = "auto"
+    windows: Sequence[str] = field(default_factory=lambda: tuple(_TELEMETRY.windows))
+    sampler: str = _TELEMETRY.sampler
     log_to: str = "trainer"
     key_prefix: str = "charllm/"
     steps_file: bool = True
     console: bool = False
-    attention_flops: str = "causal"
+    attention_flops: str = _TELEMETRY.attention_flops
     peak_tflops_per_gpu: float | None = None
     precision: str = "bf16"
-    overwrite: bool = False
-    enabled: bool = True
+    overwrite: bool = _TELEMETRY.overwrite
+    enabled: bool = _TELEMETRY.enabled
     alerts: bool = True
 
-    def validate(self, owner: str) -> None:
-        """Raise ConfigError naming ``<owner>.<field>`` for a value that cannot work (the
-        telemetry fields are checked again, in full, by ``validate_telemetry``)."""
+    def __post_init__(self) -> None:
+        if isinstance(self.windows, str):  # "step" is one kind, "step,phase" a list; not letters
+            self.windows = tuple(w.strip() for w in self.windows.split(",") if w.strip())
+        elif isinstance(self.windows, Sequence):
+            self.windows = tuple(self.windows)
+
+    @classmethod
+    def from_keywords(cls, owner: str, options: Mapping[str, Any]) -> IntegrationOptions:
+        """The options of ``owner``'s keywords, checked in full: ConfigError (one line, the
+        keyword as the user wrote it, ``hz=0``) for an unknown keyword or a value that cannot
+        work, before anything is opened or made."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"{owner}: unknown option {', '.join(unknown)}; the options are {', '.join(names)}"
+            )
+        opts = cls(**options)
+        opts.validate(owner)
+        return opts
+
+    def problems(self, name: Callable[[str], str] = lambda f: f) -> list[str]:
+        """Every problem of these options, one message each; ``name(field)``: how the user wrote
+        the option (``hz`` for a keyword, the default; ``telemetry.hz`` for a config file).
+        The telemetry fields are TelemetryConfig's checks (one validation), renamed."""
+        from charllm_nemo.metrics.peak import DTYPES, normalize_dtype
+        from charllm_nemo.telemetry.config import telemetry_problems
+
+        problems = [
+            re.sub(r"telemetry\.(\w+)", lambda m: name(m.group(1)), p)
+            for p in telemetry_problems(self.telemetry_config(self.resolved_out_dir()))
+        ]
         if self.log_to not in LOG_TO:
-            raise ConfigError(f"{owner}.log_to={self.log_to!r}: use one of {', '.join(LOG_TO)}")
-        if self.attention_flops not in ("full", "causal"):
-            raise ConfigError(f"{owner}.attention_flops={self.attention_flops!r}: use 'full' or 'causal'")
+            problems.append(f"{name('log_to')}={self.log_to!r} is not valid; use one of {', '.join(LOG_TO)}")
         if not isinstance(self.key_prefix, str):
-            raise ConfigError(f"{owner}.key_prefix={self.key_prefix!r}: give a string such as 'charllm/'")
+            problems.append(f"{name('key_prefix')}={self.key_prefix!r} must be a string such as 'charllm/'")
+        for flag in ("steps_file", "console", "alerts"):
+            if not isinstance(getattr(self, flag), bool):
+                problems.append(f"{name(flag)}={getattr(self, flag)!r} must be True or False")
+        p = self.peak_tflops_per_gpu
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0
+        ):
+            problems.append(
+                f"{name('peak_tflops_per_gpu')}={p!r} must be a positive finite rate in TFLOP/s, or None "
+                "to look the device up"
+            )
+        try:
+            normalize_dtype(self.precision)
+        except ConfigError:
+            problems.append(
+                f"{name('precision')}={self.precision!r} is not known; use one of {', '.join(DTYPES)}"
+            )
+        return problems
+
+    def validate(self, owner: str, name: Callable[[str], str] = lambda f: f) -> None:
+        """Raise ConfigError, one line ``<owner>: <problems>``, when an option cannot work."""
+        problems = self.problems(name)
+        if problems:
+            raise ConfigError(f"{owner}: " + "; ".join(problems))
 
     def resolved_out_dir(self) -> str:
-        return self.out_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
+        return str(self.out_dir).replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
 
-    def telemetry_config(self, out_dir: str) -> Any:
-        from charllm_nemo.telemetry.config import TelemetryConfig
-
+    def telemetry_config(self, out_dir: str) -> TelemetryConfig:
         return TelemetryConfig(
             enabled=self.enabled,
             backend=self.backend,
@@ -88,9 +151,23 @@ class IntegrationOptions:
             sampler=self.sampler,
             out_dir=out_dir,
             overwrite=self.overwrite,
-            windows=list(self.windows),
+            windows=list(self.windows) if isinstance(self.windows, Sequence) else self.windows,
             attention_flops=self.attention_flops,
         )
+
+
+def options_signature(init: Callable[..., Any]) -> inspect.Signature:
+    """The class's signature (``init``'s, less ``self``) with its ``**options`` spelled out
+    as IntegrationOptions' fields (keyword-only, with their defaults), so IDEs, ``help`` and
+    Fiddle / NeMo-Run see every option although it is declared once."""
+    sig = inspect.signature(init)
+    params = [p for p in list(sig.parameters.values())[1:] if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    defaults = IntegrationOptions()
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
+        for f in fields(IntegrationOptions)
+    ]
+    return sig.replace(parameters=params)
 
 
 class LoggersObserver:

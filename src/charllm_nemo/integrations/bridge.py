@@ -26,7 +26,7 @@ its events. All per-step logic is the step-telemetry API's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from charllm_nemo.integrations._common import (
@@ -34,6 +34,7 @@ from charllm_nemo.integrations._common import (
     LoggersObserver,
     loss_of,
     open_step_telemetry,
+    options_signature,
 )
 from charllm_nemo.integrations.megatron_lm import StepBoundaryTimers, _default_device, _num_microbatches
 
@@ -59,46 +60,9 @@ class PowerThermalBridgeCallback:
     ``alerts`` (default on): live alerts on rank 0 (docs/alerts.md), also to ``on_alert(dict)``.
     """
 
-    def __init__(
-        self,
-        hz: float = 100.0,
-        counter_hz: float | None = 10.0,
-        backend: str = "auto",
-        out_dir: str = "runs/{time}",
-        windows: Sequence[str] = ("step", "microbatch", "phase"),
-        sampler: str = "auto",
-        log_to: str = "trainer",
-        key_prefix: str = "charllm/",
-        steps_file: bool = True,
-        console: bool = False,
-        attention_flops: str = "causal",
-        peak_tflops_per_gpu: float | None = None,
-        precision: str = "bf16",
-        overwrite: bool = False,
-        enabled: bool = True,
-        alerts: bool = True,
-        on_alert: Callable[[dict[str, Any]], object] | None = None,
-    ) -> None:
-        self.options = IntegrationOptions(
-            hz=hz,
-            counter_hz=counter_hz,
-            backend=backend,
-            out_dir=out_dir,
-            windows=tuple(windows),
-            sampler=sampler,
-            log_to=log_to,
-            key_prefix=key_prefix,
-            steps_file=steps_file,
-            console=console,
-            attention_flops=attention_flops,
-            peak_tflops_per_gpu=peak_tflops_per_gpu,
-            precision=precision,
-            overwrite=overwrite,
-            enabled=enabled,
-            alerts=alerts,
-        )
+    def __init__(self, *, on_alert: Callable[[dict[str, Any]], object] | None = None, **options: Any) -> None:
+        self.options = IntegrationOptions.from_keywords("PowerThermalBridgeCallback", options)
         self.on_alert = on_alert  # called on rank 0 with each alert's dict (docs/alerts.md)
-        self.options.validate("PowerThermalBridgeCallback")
         self.telemetry: Any = None
         self.run_dir: str | None = None
         self._in_step = False
@@ -235,3 +199,6 @@ def _wandb_log(run: Any) -> Any:
         run.log({**metrics, "charllm/step": step})
 
     return log_metrics
+
+
+PowerThermalBridgeCallback.__signature__ = options_signature(PowerThermalBridgeCallback.__init__)  # type: ignore[attr-defined]

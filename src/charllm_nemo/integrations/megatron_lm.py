@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from charllm_nemo.integrations._common import IntegrationOptions, open_step_telemetry
+from charllm_nemo.integrations._common import IntegrationOptions, open_step_telemetry, options_signature
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,7 @@ class MegatronLMTelemetry:
         **options: Any,
     ) -> None:
         self.on_alert = on_alert
-        self.options = IntegrationOptions(**options)
-        self.options.validate("MegatronLMTelemetry")
+        self.options = IntegrationOptions.from_keywords("MegatronLMTelemetry", options)
         self.log_metrics = log_metrics
         self.telemetry: Any = None
         self.run_dir: str | None = None
@@ -347,3 +346,6 @@ def _default_device() -> str:
         return "cpu"
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return "cuda" if torch.cuda.is_available() and initialized else "cpu"
+
+
+MegatronLMTelemetry.__signature__ = options_signature(MegatronLMTelemetry.__init__)  # type: ignore[attr-defined]

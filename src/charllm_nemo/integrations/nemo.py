@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
     loss_of,
     open_step_telemetry,
+    options_signature,
 )
 from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
@@ -81,47 +82,10 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
     _loggers: ThreadedLoggersObserver | None = None
     _grad_norm: _LoggedGradNorm | None = None
 
-    def __init__(
-        self,
-        hz: float = 100.0,
-        counter_hz: float | None = 10.0,
-        backend: str = "auto",
-        out_dir: str = "runs/{time}",
-        windows: Sequence[str] = ("step", "microbatch", "phase"),
-        sampler: str = "auto",
-        log_to: str = "trainer",
-        key_prefix: str = "charllm/",
-        steps_file: bool = True,
-        console: bool = False,
-        attention_flops: str = "causal",
-        peak_tflops_per_gpu: float | None = None,
-        precision: str = "bf16",
-        overwrite: bool = False,
-        enabled: bool = True,
-        alerts: bool = True,
-        on_alert: Callable[[dict[str, Any]], object] | None = None,
-    ) -> None:
+    def __init__(self, *, on_alert: Callable[[dict[str, Any]], object] | None = None, **options: Any) -> None:
         super().__init__()
-        self.options = IntegrationOptions(
-            hz=hz,
-            counter_hz=counter_hz,
-            backend=backend,
-            out_dir=out_dir,
-            windows=tuple(windows),
-            sampler=sampler,
-            log_to=log_to,
-            key_prefix=key_prefix,
-            steps_file=steps_file,
-            console=console,
-            attention_flops=attention_flops,
-            peak_tflops_per_gpu=peak_tflops_per_gpu,
-            precision=precision,
-            overwrite=overwrite,
-            enabled=enabled,
-            alerts=alerts,
-        )
+        self.options = IntegrationOptions.from_keywords("PowerThermalCallback", options)
         self.on_alert = on_alert  # called on rank 0 with each alert's dict (docs/alerts.md)
-        self.options.validate("PowerThermalCallback")
         self.telemetry: Any = None
         """This rank's StepTelemetry while training (None before and after)."""
         self.run_dir: str | None = None
@@ -426,3 +390,6 @@ def _observers_off_thread(st: Any) -> None:
     moved = [o for o in st.observers if isinstance(o, (StepsFileObserver, ThreadedLoggersObserver))]
     if moved:
         st.observers = [o for o in st.observers if all(o is not m for m in moved)] + [ObserverThread(moved)]
+
+
+PowerThermalCallback.__signature__ = options_signature(PowerThermalCallback.__init__)

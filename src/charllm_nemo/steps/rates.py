@@ -10,7 +10,7 @@ TransformerConfig, a NeMo 2 GPTConfig or Megatron-LM's args).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from charllm_nemo.errors import ConfigError
@@ -37,6 +37,7 @@ class StepRates:
     peak_tflops_per_gpu: float | None = None
     hardware_flops_per_step: float | None = None
     attention_flops: str = "full"
+    _said: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.attention_flops not in ATTENTION_FLOPS:
@@ -92,7 +93,8 @@ class StepRates:
 
     def fill(self, report: StepReport) -> None:
         """Put the rates of ``report``'s step time into it (nothing when the step time is not
-        positive). Never raises: a rate that cannot be computed stays None."""
+        positive). Never raises: a rate that cannot be computed stays None, and why is logged
+        once (a warning for each reason), not on every step."""
         from charllm_nemo.metrics.throughput import step_throughput
 
         if not report.step_time_s > 0:
@@ -107,8 +109,10 @@ class StepRates:
                 self.world_size,
                 self.peak_tflops_per_gpu,
             )
-        except ConfigError:
-            log.debug("no rates for step %s", report.step, exc_info=True)
+        except ConfigError as exc:
+            if str(exc) not in self._said:  # said once for each reason, not on every step
+                self._said.add(str(exc))
+                log.warning("no tokens/s, TFLOP/s or MFU from step %s on: %s", report.step, exc)
             return
         report.tokens_per_s, report.samples_per_s = r.tokens_per_s, r.samples_per_s
         report.model_tflops_per_gpu = r.model_tflops_per_gpu

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.devices.synthetic_config import SyntheticConfig, synthetic_options, synthetic_problems
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ
 
 if TYPE_CHECKING:
     from charllm_nemo.telemetry.session import TelemetrySession
@@ -43,7 +44,7 @@ class TelemetryConfig:
     hz: float = 100.0
     # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
     # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
-    counter_hz: float | None = 10.0
+    counter_hz: float | None = DEFAULT_COUNTER_HZ
     # Also store the driver's own sample buffers where a device keeps them (NVML: power, SM
     # clock, utilization at the driver's rate; buffered-NNNNNN.parquet; docs/store.md).
     driver_buffers: bool = True
