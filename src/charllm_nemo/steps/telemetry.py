@@ -34,13 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, THROTTLE_FIGURES
+from charllm_nemo.sinks.keys import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
 from charllm_nemo.steps.rates import StepRates
 from charllm_nemo.steps.report import StepReport, apply_rank_figures, combine_head, pack_rank_vector
 from charllm_nemo.steps.timers import TimersAdapter
+from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -54,6 +55,8 @@ THREAD_MODE_FIGURES: tuple[str, ...] = (
     "power_peak_w",
     "temp_gpu_peak_c",
     "throttle_any_limiting_s",
+    "coverage",
+    "gap_max_s",
 )
 """The figures a rank reports by default where they are computed on its training thread
 (sampler ``thread``): those of the console line and of the report's cross-rank fields."""
@@ -65,6 +68,14 @@ ALERT_FIGURES: tuple[str, ...] = (
 )
 """What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
 when ``phase_times`` is on (process mode computes every figure anyway)."""
+
+
+def figure_columns(figures: Sequence[str]) -> tuple[str, ...]:
+    """The attribution columns the step ``figures`` are read from (sinks.keys
+    ``STEP_FIGURE_COLUMNS``), leaving out a column the attribution does not have: its figure
+    travels as NaN, unknown, as any figure a device cannot give."""
+    wanted = dict.fromkeys(STEP_FIGURE_COLUMNS[f] for f in figures)
+    return tuple(c for c in wanted if c in ATTRIBUTION_COLUMN_NAMES)
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,8 @@ class StepTelemetry:
         self.figures = self._figure_names(session, figures)
         if phase_times and figures is None and self.figures == THREAD_MODE_FIGURES:
             self.figures = (*THREAD_MODE_FIGURES, *ALERT_FIGURES)  # what the alerts read
+        self.columns = figure_columns(self.figures)
+        """The attribution columns asked of the session for :attr:`figures`."""
         self.max_figure_wait_s = max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
@@ -431,14 +444,14 @@ class StepTelemetry:
         self.session.request_figures(
             timing.t_begin_mono_ns,
             timing.t_end_mono_ns,
-            self.figures,
+            self.columns,
             batch=1 if last else self.pending.batch,
         )
 
     def _figures(self, due: tuple[StepReport, int, int], wait_s: float) -> Any:
         if self.session is None:
             return None
-        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.figures)
+        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.columns)
 
     def _drain(self, budget_s: float) -> None:
         """The last steps: their figures, one more gather each, all within one deadline (they are
