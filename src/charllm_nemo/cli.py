@@ -377,8 +377,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_status(args: argparse.Namespace) -> int:
-    from charllm_nemo.sweep.manifest import find_sweeps, load_manifest
     from charllm_nemo.sweep.status import refresh, status_lines
+    from charllm_nemo.train.sweep_manifest import find_sweeps, load_manifest
 
     path = Path(args.dir)
     sweeps = find_sweeps(path)

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from charllm_nemo.sweep.manifest import (
+from charllm_nemo.train.sweep_manifest import (
     FAILED,
     FINAL,
     JOB_FILE,
