@@ -211,6 +211,16 @@ class ConsoleObserver:
         self.progress.close()
 
 
+class FigureSink(Protocol):
+    """What :class:`WandbObserver` needs of its sink (sinks/base.py ``AsyncSink``)."""
+
+    def log_figures(
+        self, step: int, summary: dict[str, Any] | None, gathered: list[list[float]] | None
+    ) -> None: ...
+
+    def finish(self, run_dir: Path | None = None) -> None: ...
+
+
 class WandbObserver:
     """Each report to a W&B sink (charllm_nemo.sinks: ``build_sink`` gives an ``AsyncSink`` over
     ``WandbSink``; the keys are built on the sink's thread): ``log_figures(step, report row,
@@ -218,7 +228,7 @@ class WandbObserver:
     ``run_dir`` as an artifact, bounded by its finish timeout); a caller that must finish it
     later (after the telemetry session closed its files) passes False and finishes it itself."""
 
-    def __init__(self, sink: Any, *, run_dir: str | Path | None = None, finish: bool = True) -> None:
+    def __init__(self, sink: FigureSink, *, run_dir: str | Path | None = None, finish: bool = True) -> None:
         self.sink = sink
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.finish = finish

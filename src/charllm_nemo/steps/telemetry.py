@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.sinks.keys import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
@@ -45,6 +45,11 @@ from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
+
+if TYPE_CHECKING:
+    from charllm_nemo.devices.base import Backend
+    from charllm_nemo.telemetry.sample_loop import SamplerHealth
+    from charllm_nemo.telemetry.session import TelemetrySession
 
 log = logging.getLogger("charllm_nemo.steps")
 
@@ -68,6 +73,50 @@ ALERT_FIGURES: tuple[str, ...] = (
 )
 """What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
 when ``phase_times`` is on (process mode computes every figure anyway)."""
+
+
+class StepSession(Protocol):
+    """What the step API uses of a rank's telemetry session (telemetry/session.py
+    ``TelemetrySession``; mypy checks the real one against it, tests/steps)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def hz(self) -> float: ...
+    @property
+    def counter_every(self) -> int: ...
+    @property
+    def sampler_mode(self) -> str: ...
+    @property
+    def windows(self) -> WindowRecorder: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def health(self) -> SamplerHealth: ...
+
+    def request_figures(
+        self, t_begin_mono_ns: int, t_end_mono_ns: int, figures: Collection[str] | None = None, batch: int = 1
+    ) -> None: ...
+
+    def step_figures(
+        self,
+        t_begin_mono_ns: int,
+        t_end_mono_ns: int,
+        wait_s: float = 0.0,
+        figures: Collection[str] | None = None,
+    ) -> list[dict[str, Any]] | None: ...
+
+    def close(self, status: str = "complete") -> str: ...
+
+
+if TYPE_CHECKING:
+
+    def _the_session_is_a_step_session(session: TelemetrySession) -> StepSession:
+        return session  # mypy: the real session keeps the seam this module uses
 
 
 def figure_columns(figures: Sequence[str]) -> tuple[str, ...]:
@@ -150,7 +199,7 @@ class StepTelemetry:
 
     def __init__(
         self,
-        session: Any = None,
+        session: StepSession | None = None,
         placement: Placement | None = None,
         *,
         model: Any = None,
@@ -219,8 +268,8 @@ class StepTelemetry:
             )
         # How soon after a step's end its figures can be ready: a sampling period, or a counter
         # period where the backend reads its counters apart (telemetry.counter_hz).
-        hz = float(getattr(session, "hz", 100.0))
-        every = int(getattr(session, "counter_every", 1))
+        hz = 100.0 if session is None else float(session.hz)
+        every = 1 if session is None else int(session.counter_every)
         self._period_ns = 1e9 / max(hz, 1e-3) * every
         ready_s = 2 * (every - 1) / max(hz, 1e-3)  # 0 where every sample can answer a figure
         self.pending: PendingSteps[StepReport] = PendingSteps(
@@ -243,9 +292,9 @@ class StepTelemetry:
 
     # -- setup ------------------------------------------------------------------------------
     @staticmethod
-    def _figure_names(session: Any, figures: Sequence[str] | None) -> tuple[str, ...]:
+    def _figure_names(session: StepSession | None, figures: Sequence[str] | None) -> tuple[str, ...]:
         if figures is None:
-            in_process = getattr(session, "sampler_mode", "process") == "process"
+            in_process = session is None or session.sampler_mode == "process"
             return STEP_FIGURE_KEYS if in_process else THREAD_MODE_FIGURES
         unknown = [f for f in figures if f not in STEP_FIGURE_KEYS]
         if unknown:
@@ -532,7 +581,7 @@ class StepTelemetry:
                 self._broken.add(i)
 
 
-def rank_facts(session: Any, placement: Placement) -> dict[str, Any]:
+def rank_facts(session: StepSession | None, placement: Placement) -> dict[str, Any]:
     """This rank's static facts, sent once (``StepTelemetry(rank_info=True)``): ``rank``,
     ``local_rank``, ``host``, and of its first device ``gpu_index``, ``gpu_uuid``, ``gpu_name``,
     ``backend`` and ``power_limit_w`` (W, one reading at the start; None where unknown)."""
@@ -550,7 +599,7 @@ def rank_facts(session: Any, placement: Placement) -> dict[str, Any]:
         "backend": None,
         "power_limit_w": None,
     }
-    devices = getattr(getattr(session, "backend", None), "devices", None) or []
+    devices = [] if session is None else list(session.backend.devices)
     if devices:
         ident = devices[0].identity
         info.update(gpu_index=ident.index, gpu_uuid=ident.uuid, gpu_name=ident.name, backend=ident.backend)
