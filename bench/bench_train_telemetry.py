@@ -508,7 +508,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.dist import init_distributed, rank_env, shutdown_distributed
-    from charllm_nemo.train.loop import _forward_step
+    from charllm_nemo.train.loop import train_step
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
     from charllm_nemo.train.validate import validate
@@ -583,33 +583,14 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         session.step_figures, session.request_figures = counted_figures, counted_request
 
     def one_step(st: Any) -> tuple[float, float, float]:
-        """One training step through the step API, as train/loop.py's ``_train`` makes it (its
+        """One training step through the step API: train/loop.py's own ``train_step`` (its
         observers aside): (wall s, the step's own window s, main-thread CPU s). ``st``: the arm's
         StepTelemetry (its timers are ``config.timers``, set by the caller)."""
         step = step_counter[0]
         step_counter[0] += 1
         c0 = time.thread_time_ns()
         t0 = time.perf_counter()
-        st.begin_step(step)
-        model.zero_grad_buffer()
-        bundle.optimizer.zero_grad()
-        outputs = forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=data_iter,
-            model=model,
-            num_microbatches=n_micro,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=b.micro_batch_size,
-            forward_only=False,
-        )
-        with st.phase("optimizer"):
-            ok, grad_norm, _zeros = bundle.optimizer.step()
-            if ok:
-                bundle.scheduler.step(1)
-        tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
-        st.end_step(
-            num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=float(tot[0]), loss_tokens=float(tot[1])
-        )
+        train_step(st, step, bundle, forward_backward, data_iter, model, n_micro, cfg, True)
         t1 = time.perf_counter()
         c1 = time.thread_time_ns()
         return t1 - t0, st.last.local_step_time_s, (c1 - c0) / 1e9
