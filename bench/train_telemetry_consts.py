@@ -21,3 +21,21 @@ STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON 
 SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
 ORDERS = ("abba", "random")
 CONTRASTS = ("all", "thread", "process", "figures")
+PROFILE_FUNCS = {
+    # (file suffix, function): label
+    ("steps/telemetry.py", "_figures"): "StepTelemetry._figures (an earlier step's figures)",
+    ("telemetry/session.py", "step_figures"): "  session.step_figures",
+    ("telemetry/session.py", "live_rows"): "  session.live_rows",
+    ("telemetry/sampler.py", "rows_to_arrays"): "  sampler.rows_to_arrays",
+    ("telemetry/attribution.py", "attribute_windows"): "  attribution.attribute_windows",
+    ("steps/marks.py", "start"): "MarkTimer.start (phase begin)",
+    ("steps/marks.py", "stop"): "MarkTimer.stop (phase end)",
+    ("steps/marks.py", "begin_step"): "StepMarker.begin_step",
+    ("steps/marks.py", "end_step"): "StepMarker.end_step",
+    ("telemetry/windows.py", "begin"): "  WindowRecorder.begin",
+    ("telemetry/windows.py", "end"): "  WindowRecorder.end",
+    ("telemetry/windows.py", "record"): "  WindowRecorder.record",
+    ("devices/synthetic.py", "__call__"): "  MarkActivity listener",
+    ("steps/telemetry.py", "end_step"): "StepTelemetry.end_step (all of it, both arms)",
+    ("steps/telemetry.py", "_exchange"): "  StepTelemetry._exchange (the one vector over the ranks)",
+}
