@@ -97,388 +97,48 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET_FREE = 1.005
-REFERENCE_BARE_THREAD = {"free": 1.002, "busy": 1.035}
-TRIM = 0.10
-HZ = 100.0
-FLUSH_INTERVAL_S = 0.5  # TelemetrySession's default, which run_rank uses
-QUIET_CORES = 0.15  # a round is "quiet" when other processes used less than this many cores
-MIN_QUIET_ROUNDS = 10
-TIMINGS = ("iteration", "loop_step", "main_cpu")
-DECOMPOSE_ARMS = ["off", "bare", "proc", "marks", "sampler", "session", "on"]
-BUSY_MACHINE_CORES = 0.3  # mean load of other processes above which no verdict is given
-# --interleave step
-STEP_PAIRS = {"quick": 40, "full": 400}  # ON/OFF step pairs per configuration (~40-85 ms a step)
-STEP_WARM_QUADS = 3  # untimed ABBA quads after the session opens (warms the ON path)
-SEGMENT_STEPS = 32  # other processes' load is measured per segment of about this many steps
-ORDERS = ("abba", "random")
-CONTRASTS = ("all", "thread", "process", "figures")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its parts beside it, however it is loaded
 
-
-class BenchRefused(Exception):
-    """The worker cannot measure what was asked (the message says why); no traceback."""
-
-
-# ============================================================================================
-# statistics (standard library only)
-# ============================================================================================
-
-
-def trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
-    s = sorted(xs)
-    k = int(len(s) * trim)
-    core = s[k : len(s) - k] if len(s) > 2 * k else s
-    return sum(core) / len(core)
-
-
-def pooled_ratio(pairs: list[tuple[list[float], list[float]]], stat: Any) -> float:
-    on = [x for p in pairs for x in p[0]]
-    off = [x for p in pairs for x in p[1]]
-    return float(stat(on) / stat(off))
-
-
-def bootstrap_ci(
-    pairs: list[tuple[list[float], list[float]]], stat: Any, n: int = 1000, seed: int = 7
-) -> tuple[float, float]:
-    """95 % percentile interval of the ON/OFF ratio of ``stat``, resampling whole pairs."""
-    rng = random.Random(seed)
-    vals = []
-    for _ in range(n):
-        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        vals.append(pooled_ratio(sample, stat))
-    vals.sort()
-    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
-
-
-def paired_ratio(pairs: list[tuple[list[float], list[float]]]) -> tuple[float, float, float]:
-    """Mean of per-pair ratios of block medians, with a 95 % t interval."""
-    rs = [statistics.median(on) / statistics.median(off) for on, off in pairs]
-    m = statistics.fmean(rs)
-    if len(rs) < 2:
-        return m, m, m
-    half = 1.96 * statistics.stdev(rs) / len(rs) ** 0.5
-    return m, m - half, m + half
-
-
-def t975(df: int) -> float:
-    """Two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (Cornish-Fisher
-    expansion around the normal one: within 0.2 % from df = 5 on)."""
-    z = 1.959964
-    if df <= 0:
-        return float("inf")
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def summarize_units(units: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
-    """--interleave step: ``units`` are ABBA quads (2 ON + 2 OFF steps) or adjacent pairs.
-    Ratios of the pooled medians and trimmed means with 95 % bootstrap intervals resampling whole
-    units, and the geometric mean of the per-unit ratios (mean log ON - mean log OFF of each
-    unit, exponentiated) with a 95 % t interval over units."""
-    import math
-
-    on = [x for u in units for x in u[0]]
-    off = [x for u in units for x in u[1]]
-    med_lo, med_hi = bootstrap_ci(units, statistics.median)
-    tm_lo, tm_hi = bootstrap_ci(units, trimmed_mean)
-    logs = [
-        statistics.fmean(math.log(x) for x in u[0]) - statistics.fmean(math.log(x) for x in u[1])
-        for u in units
-    ]
-    m = statistics.fmean(logs)
-    half = t975(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5 if len(logs) > 1 else 0.0
-    # What ON adds to a step in absolute terms: per unit, mean ON minus mean OFF; and the step
-    # length at which a cost that size would be the target's share (TARGET_FREE - 1).
-    diffs = [statistics.fmean(u[0]) - statistics.fmean(u[1]) for u in units]
-    d = statistics.fmean(diffs)
-    d_half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
-    share = TARGET_FREE - 1.0
-    return {
-        "added_ms": d * 1e3,
-        "added_ms_ci95": [(d - d_half) * 1e3, (d + d_half) * 1e3],
-        # Steps at least this long would keep a fixed cost of added_ms (its upper bound) within
-        # the target; None when it is not above zero.
-        "target_step_ms": d * 1e3 / share if d > 0 else None,
-        "target_step_ms_upper": (d + d_half) * 1e3 / share if d + d_half > 0 else None,
-        "steps_on": len(on),
-        "steps_off": len(off),
-        "median_on_ms": statistics.median(on) * 1e3,
-        "median_off_ms": statistics.median(off) * 1e3,
-        "ratio_median": pooled_ratio(units, statistics.median),
-        "ratio_median_ci95": [med_lo, med_hi],
-        "ratio_trimmed_mean": pooled_ratio(units, trimmed_mean),
-        "ratio_trimmed_mean_ci95": [tm_lo, tm_hi],
-        "ratio_paired_mean": math.exp(m),
-        "ratio_paired_mean_ci95": [math.exp(m - half), math.exp(m + half)],
-        "units": len(units),
-    }
-
-
-Record = tuple[int, str, bool, Sequence[float]]
-
-
-def step_units(records: list[Record], which: int, keep: Any = None) -> list[tuple[list[float], list[float]]]:
-    """Timing ``which`` (an index into TIMINGS) of timed steps ``records`` ((unit, arm, right
-    after a switch, [iteration, loop_step, main_cpu] s)) as (ON, OFF) per unit, in unit order:
-    every unit with both arms for which ``keep(unit)`` is true (None: all)."""
-    by_unit: dict[int, tuple[list[float], list[float]]] = {}
-    for u, arm, _sw, t in records:
-        if keep is None or keep(u):
-            by_unit.setdefault(u, ([], []))[0 if arm == "on" else 1].append(t[which])
-    return [pair for _u, pair in sorted(by_unit.items()) if pair[0] and pair[1]]
-
-
-def step_stats(records: list[Record], background: list[float], segment_units: int) -> dict[str, Any]:
-    """Step mode's statistics over timed steps ``records`` (see step_units): summarize_units per
-    timing over every unit with both arms, the load of other processes per segment of
-    ``segment_units`` units (``background``, cores), and the same over the quiet segments'
-    units (None with fewer than MIN_QUIET_ROUNDS of them)."""
-    quiet_segments = {i for i, bg in enumerate(background) if bg < QUIET_CORES}
-
-    def quiet(u: int) -> bool:
-        return u // segment_units in quiet_segments
-
-    return {
-        **{t: summarize_units(step_units(records, w)) for w, t in enumerate(TIMINGS)},
-        "background_cores_mean": statistics.fmean(background),
-        "background_cores_max": max(background),
-        "quiet_rounds": len(quiet_segments),
-        "quiet": (
-            {"on": {t: summarize_units(step_units(records, w, quiet)) for w, t in enumerate(TIMINGS)}}
-            if len(quiet_segments) >= MIN_QUIET_ROUNDS
-            else None
-        ),
-    }
-
-
-def check_dumps(dumps: list[tuple[str, dict[str, Any]]]) -> None:
-    """Refuse (ValueError, naming the file and the field) a set of ``--dump-steps`` files
-    (``dumps``: (file name, its JSON)) that cannot be pooled: none, one that is not a dump of
-    this bench, or runs of different configurations, contrasts, model changes, orders or
-    segment sizes."""
-    if not dumps:
-        raise ValueError("--pool needs at least one --dump-steps file")
-    first_name, first = dumps[0]
-    for name, d in dumps:
-        if not isinstance(d, dict) or "steps" not in d or "background" not in d:
-            raise ValueError(
-                f"{name}: not a --dump-steps file of this bench (an object with 'steps' and "
-                f"'background'; files written before 2026-12-04 hold the steps alone): run it again"
-            )
-        for k in ("config", "contrast", "model_overrides", "order", "unit_steps", "segment_units"):
-            if d.get(k) != first.get(k):
-                raise ValueError(
-                    f"{name}: {k} is {d.get(k)!r} but {first_name} has {first.get(k)!r}; pool runs "
-                    f"of one configuration only"
-                )
-
-
-def pool_dumps(dumps: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """``--pool``: the step-mode statistics of several runs' ``--dump-steps`` files taken as one
-    run (``dumps``: (file name, its JSON)), each run's units and segments kept apart. A set
-    :func:`check_dumps` refuses raises its ValueError."""
-    check_dumps(dumps)
-    first = dumps[0][1]
-    records: list[Record] = []
-    background: list[float] = []
-    for _name, d in dumps:
-        # Each run starts at a segment boundary of the pooled numbering: unit u of a run stays in
-        # its own segment, u // segment_units, shifted by the segments before it.
-        offset = len(background) * first["segment_units"]
-        records.extend((offset + u, arm, sw, t) for u, arm, sw, t in d["steps"])
-        background.extend(d["background"])
-    stats = step_stats(records, background, first["segment_units"])
-    return {
-        "config": first["config"],
-        "model_overrides": first["model_overrides"],
-        "interleave": "step",
-        "order": first["order"],
-        "contrast": first["contrast"],
-        "pairs": sum(1 for r in records if r[1] == "on"),
-        "units": stats["iteration"]["units"],
-        "unit_steps": first["unit_steps"],
-        "segment_units": first["segment_units"],
-        "segments": len(background),
-        "runs": len(dumps),
-        **stats,
-    }
-
-
-def summarize(pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
-    on = [x for p in pairs for x in p[0]]
-    off = [x for p in pairs for x in p[1]]
-    med = pooled_ratio(pairs, statistics.median)
-    med_lo, med_hi = bootstrap_ci(pairs, statistics.median)
-    tm = pooled_ratio(pairs, trimmed_mean)
-    tm_lo, tm_hi = bootstrap_ci(pairs, trimmed_mean)
-    pm, pm_lo, pm_hi = paired_ratio(pairs)
-    return {
-        "steps_on": len(on),
-        "steps_off": len(off),
-        "median_on_ms": statistics.median(on) * 1e3,
-        "median_off_ms": statistics.median(off) * 1e3,
-        "ratio_median": med,
-        "ratio_median_ci95": [med_lo, med_hi],
-        "ratio_trimmed_mean": tm,
-        "ratio_trimmed_mean_ci95": [tm_lo, tm_hi],
-        "ratio_paired_mean": pm,
-        "ratio_paired_mean_ci95": [pm_lo, pm_hi],
-    }
-
-
-# ============================================================================================
-# the child: one model, interleaved ON / OFF blocks
-# ============================================================================================
-
-
-def machine_busy_ns() -> int:
-    """CPU busy ns summed over every core since boot (/proc/stat; steal not counted)."""
-    tick = 1e9 / os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:8]]
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return int((user + nice + system + irq + softirq) * tick)
-
-
-def schedstat_ns(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def process_cpu_ns(pid: int) -> int:
-    """CPU ns of every live thread of process ``pid`` (/proc/PID/task/*/schedstat)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    return sum(schedstat_ns(int(tid)) for tid in tids)
-
-
-IN_END_STEP = "end_step: shipping the log"  # --time-calls: the part of end_step that writes the mark ring
-
-
-def time_telemetry_calls(marker: Any, session: Any) -> dict[str, list[int]]:
-    """--time-calls: wrap every telemetry call the ON steps make on the training thread (the step
-    API's marker's begin_step / end_step and its timers' start / stop, the session's
-    request_figures and step_figures) so that each call's perf_counter_ns duration is kept, in the
-    step, with the caches as training leaves them. Returns the durations per call name. The
-    wrappers cost a few hundred ns a call themselves, on ON steps only."""
-    names = ("begin_step", "timer start", "timer stop", "end_step", "request_figures", "step_figures")
-    calls: dict[str, list[int]] = {name: [] for name in names}
-
-    def timed(fn: Any, into: list[int]) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter_ns()
-            try:
-                return fn(*a, **k)
-            finally:
-                into.append(time.perf_counter_ns() - t)
-
-        return wrapper
-
-    marker.begin_step = timed(marker.begin_step, calls["begin_step"])
-    marker.end_step = timed(marker.end_step, calls["end_step"])
-    session.step_figures = timed(session.step_figures, calls["step_figures"])
-    session.request_figures = timed(session.request_figures, calls["request_figures"])
-    if session.windows.log_sink is not None:  # part of end_step (not counted twice in the total)
-        calls[IN_END_STEP] = []
-        session.windows.log_sink = timed(session.windows.log_sink, calls[IN_END_STEP])
-
-    class TimedTimer:
-        """A window's timer whose start and stop are timed."""
-
-        def __init__(self, timer: Any) -> None:
-            self.start = timed(timer.start, calls["timer start"])
-            self.stop = timed(timer.stop, calls["timer stop"])
-
-    new_timer = marker._new_timer
-
-    def timed_new_timer(name: str) -> Any:  # timers that are not windows return at once: untimed
-        timer = new_timer(name)
-        if timer._phase is not None:
-            timer = marker._timers[name] = TimedTimer(timer)
-        return timer
-
-    marker._new_timer = timed_new_timer
-    for name, timer in list(marker._timers.items()):  # any made already
-        if timer._phase is not None:
-            marker._timers[name] = TimedTimer(timer)
-    return calls
-
-
-def calls_report(calls: dict[str, list[int]]) -> dict[str, Any]:
-    """Per call: how many, median and mean µs, and µs per ON step; the total per ON step."""
-    steps = max(1, len(calls["begin_step"]))
-    out: dict[str, Any] = {}
-    for name, ns in calls.items():
-        if ns:
-            out[name] = {
-                "n": len(ns),
-                "median_us": statistics.median(ns) / 1e3,
-                "mean_us": statistics.fmean(ns) / 1e3,
-                "us_per_step": sum(ns) / 1e3 / steps,
-                "p90_us": sorted(ns)[int(0.9 * len(ns))] / 1e3,
-            }
-    total = sum(v["us_per_step"] for k, v in out.items() if k != IN_END_STEP)
-    return {"per_call": out, "us_per_step": total, "steps": steps}
-
-
-SCHED_KEYS = ("cpu_wait_us", "sleep_us", "sleeps", "others_cpu_us", "others_cpu_wait_us")
-
-
-def sched_snapshot(main_last: bool) -> tuple[int, int, int, int, int]:
-    """--sched-stats: the training thread's CPU ns (its clock), CPU-wait ns and voluntary context
-    switches (/proc/thread-self/schedstat and status), and the CPU ns and CPU-wait ns summed over the
-    process's other threads (gloo's workers and TCP loops, ...). ``main_last``: read the
-    training thread's after the others' (before a step; after it, first), so that its figures
-    span the step and not these reads."""
-
-    def main() -> tuple[int, int, int]:
-        # CPU from the thread's clock: schedstat's own figure lags by what ran since the last tick
-        # or switch (here: these reads). Its wait is current: it only grows while switched out.
-        cpu = time.thread_time_ns()
-        with open("/proc/thread-self/schedstat") as f:
-            wait = int(f.read().split()[1])
-        with open("/proc/thread-self/status") as f:
-            sleeps = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
-        return cpu, wait, sleeps
-
-    first = None if main_last else main()
-    me = str(threading.get_native_id())
-    o_cpu = o_wait = 0
-    for tid in os.listdir("/proc/self/task"):
-        if tid != me:
-            try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    a, b = f.read().split()[:2]
-                o_cpu, o_wait = o_cpu + int(a), o_wait + int(b)
-            except (OSError, ValueError):
-                pass
-    return (*(first or main()), o_cpu, o_wait)
-
-
-def sched_step(before: tuple[int, ...], after: tuple[int, ...], wall_s: float) -> tuple[float, ...]:
-    """One step's figures (SCHED_KEYS): the training thread's CPU wait (µs), its time neither on a
-    CPU nor waiting for one (sleeps: wall - CPU - wait, µs), its sleeps (count), and the other
-    threads' CPU and CPU wait (µs)."""
-    d = [a - b for a, b in zip(after, before, strict=True)]
-    return (d[1] / 1e3, (wall_s * 1e9 - d[0] - d[1]) / 1e3, float(d[2]), d[3] / 1e3, d[4] / 1e3)
-
-
-def sched_report(per_arm: dict[str, list[tuple[float, ...]]]) -> dict[str, Any]:
-    """Per arm, the mean of each SCHED_KEYS figure per step; and ON - OFF."""
-    means = {
-        arm: dict(zip(SCHED_KEYS, map(statistics.fmean, zip(*rows, strict=True)), strict=True))
-        for arm, rows in per_arm.items()
-    }
-    return {**means, "on_minus_off": {k: means["on"][k] - means["off"][k] for k in SCHED_KEYS}}
+# what tests/bench/test_bench_train_stats.py reads from this script: re-exported
+from train_telemetry_consts import BUSY_MACHINE_CORES as BUSY_MACHINE_CORES
+from train_telemetry_consts import (
+    CONTRASTS,
+    DECOMPOSE_ARMS,
+    FLUSH_INTERVAL_S,
+    HZ,
+    MIN_QUIET_ROUNDS,
+    ORDERS,
+    PROFILE_FUNCS,
+    QUIET_CORES,
+    REFERENCE_BARE_THREAD,
+    ROOT,
+    SEGMENT_STEPS,
+    STEP_PAIRS,
+    STEP_WARM_QUADS,
+    TARGET_FREE,
+    TIMINGS,
+)
+from train_telemetry_report import print_pool as print_pool
+from train_telemetry_report import print_table, step_summary_line
+from train_telemetry_report import verdict as verdict
+from train_telemetry_stats import (
+    BenchRefused,
+    calls_report,
+    machine_busy_ns,
+    process_cpu_ns,
+    sched_report,
+    sched_snapshot,
+    sched_step,
+    schedstat_ns,
+    step_stats,
+    summarize,
+    time_telemetry_calls,
+)
+from train_telemetry_stats import pool_dumps as pool_dumps
+from train_telemetry_stats import summarize_units as summarize_units
 
 
 def free_port() -> int:
@@ -508,7 +168,7 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
     from charllm_nemo.train.config import BatchConfig, LaunchConfig, TelemetryConfig, TrainConfig
     from charllm_nemo.train.data import DataLayout, MicrobatchIterator, build_train_dataset
     from charllm_nemo.train.dist import init_distributed, rank_env, shutdown_distributed
-    from charllm_nemo.train.loop import _forward_step
+    from charllm_nemo.train.loop import train_step
     from charllm_nemo.train.model import build_model
     from charllm_nemo.train.presets import model_preset
     from charllm_nemo.train.validate import validate
@@ -583,33 +243,14 @@ def worker(opts: dict[str, Any]) -> dict[str, Any]:
         session.step_figures, session.request_figures = counted_figures, counted_request
 
     def one_step(st: Any) -> tuple[float, float, float]:
-        """One training step through the step API, as train/loop.py's ``_train`` makes it (its
+        """One training step through the step API: train/loop.py's own ``train_step`` (its
         observers aside): (wall s, the step's own window s, main-thread CPU s). ``st``: the arm's
         StepTelemetry (its timers are ``config.timers``, set by the caller)."""
         step = step_counter[0]
         step_counter[0] += 1
         c0 = time.thread_time_ns()
         t0 = time.perf_counter()
-        st.begin_step(step)
-        model.zero_grad_buffer()
-        bundle.optimizer.zero_grad()
-        outputs = forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=data_iter,
-            model=model,
-            num_microbatches=n_micro,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=b.micro_batch_size,
-            forward_only=False,
-        )
-        with st.phase("optimizer"):
-            ok, grad_norm, _zeros = bundle.optimizer.step()
-            if ok:
-                bundle.scheduler.step(1)
-        tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
-        st.end_step(
-            num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=float(tot[0]), loss_tokens=float(tot[1])
-        )
+        train_step(st, step, bundle, forward_backward, data_iter, model, n_micro, cfg, True)
         t1 = time.perf_counter()
         c1 = time.thread_time_ns()
         return t1 - t0, st.last.local_step_time_s, (c1 - c0) / 1e9
@@ -1133,25 +774,6 @@ while True:
     sampler.take_rows()
 """
 
-PROFILE_FUNCS = {
-    # (file suffix, function): label
-    ("steps/telemetry.py", "_figures"): "StepTelemetry._figures (an earlier step's figures)",
-    ("telemetry/session.py", "step_figures"): "  session.step_figures",
-    ("telemetry/session.py", "live_rows"): "  session.live_rows",
-    ("telemetry/sampler.py", "rows_to_arrays"): "  sampler.rows_to_arrays",
-    ("telemetry/attribution.py", "attribute_windows"): "  attribution.attribute_windows",
-    ("steps/marks.py", "start"): "MarkTimer.start (phase begin)",
-    ("steps/marks.py", "stop"): "MarkTimer.stop (phase end)",
-    ("steps/marks.py", "begin_step"): "StepMarker.begin_step",
-    ("steps/marks.py", "end_step"): "StepMarker.end_step",
-    ("telemetry/windows.py", "begin"): "  WindowRecorder.begin",
-    ("telemetry/windows.py", "end"): "  WindowRecorder.end",
-    ("telemetry/windows.py", "record"): "  WindowRecorder.record",
-    ("devices/synthetic.py", "__call__"): "  MarkActivity listener",
-    ("steps/telemetry.py", "end_step"): "StepTelemetry.end_step (all of it, both arms)",
-    ("steps/telemetry.py", "_exchange"): "  StepTelemetry._exchange (the one vector over the ranks)",
-}
-
 
 def profile_report(profiles: dict[str, Any], steps: int) -> dict[str, Any]:
     """Per arm: total profiled time per step and the cumulative time per step (ms) of the
@@ -1277,290 +899,6 @@ def run_config(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, 
             raise SystemExit(f"config {name}: {line[len('WORKER_REFUSED ') :]}")
     sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
     raise SystemExit(f"config {name}: the child printed no result (rc {proc.returncode})")
-
-
-def verdict(r: dict[str, Any]) -> str:
-    """MET / MISSED when the 95 % interval of the iteration ratio's per-unit geometric mean (the
-    headline) lies on one side of the target. (Until 2026-12-04 the rule used the median ratio's
-    bootstrap interval, about 1.3x as wide: the pooled run of that day was INCONCLUSIVE by it and
-    MISSED by the geometric mean, which the headline and ``added_ms`` report.) With other
-    processes above BUSY_MACHINE_CORES on average, only the quiet rounds count (INCONCLUSIVE
-    when there are too few of them): load is not spread evenly between the arms, it takes the
-    free core away from the telemetry threads."""
-    if r.get("contrast", "all") != "all":
-        return f"NOT JUDGED (contrast {r['contrast']}: one part of the overhead, not all of it)"
-    if r.get("model_overrides"):
-        return "NOT JUDGED (--model-set: the target is for tiny_gpt as it is)"
-    stats = r["iteration"]
-    where = ""
-    if r["background_cores_mean"] > BUSY_MACHINE_CORES:
-        if r.get("quiet") is None:
-            return f"INCONCLUSIVE (other processes used {r['background_cores_mean']:.2f} cores)"
-        stats = r["quiet"]["on"]["iteration"]
-        where = f" (over the {r['quiet_rounds']} quiet {rounds_word(r)})"
-    lo, hi = stats["ratio_paired_mean_ci95"]
-    if hi <= TARGET_FREE:
-        return "MET" + where
-    if lo > TARGET_FREE:
-        return "MISSED" + where
-    return "INCONCLUSIVE (the interval straddles the target)" + where
-
-
-def rounds_word(r: dict[str, Any]) -> str:
-    """What the load of other processes was measured over: block rounds or step-mode segments."""
-    return "segments" if r.get("interleave") == "step" else "rounds"
-
-
-def fmt_ci(r: float, ci: list[float]) -> str:
-    return f"{r:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]"
-
-
-ARM_HELP = {
-    "on": "telemetry on, as run_rank (session + all windows + per-step figures)",
-    "bare": "a bare sampling thread at 100 Hz (synthetic device, fixed level): the reference",
-    "proc": "the same bare sampler in a separate process (SIGSTOPped outside its blocks)",
-    "marks": "StepTelemetry + WindowRecorder + MarkActivity listener, no thread",
-    "sampler": "marks + the sampler thread (no store, no flusher)",
-    "session": "the whole TelemetrySession, without the loop's per-step figures",
-}
-
-
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    hdr = (
-        f"{'config':<6} {'arm':<8} {'timing':<9} {'arm ms':>7} {'off ms':>7}  {'median ratio [95% CI]':<25} "
-        f"{'trimmed-mean ratio':<25} {'paired ratio':<25}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    for name, r in results.items():
-        rows = [("on", r)] + [(arm, d) for arm, d in r.get("decompose", {}).items()]
-        for arm, d in rows:
-            for key in TIMINGS:
-                st = d[key]
-                print(
-                    f"{name:<6} {arm:<8} {key:<9} {st['median_on_ms']:7.2f} {st['median_off_ms']:7.2f}  "
-                    f"{fmt_ci(st['ratio_median'], st['ratio_median_ci95']):<25} "
-                    f"{fmt_ci(st['ratio_trimmed_mean'], st['ratio_trimmed_mean_ci95']):<25} "
-                    f"{fmt_ci(st['ratio_paired_mean'], st['ratio_paired_mean_ci95']):<25}"
-                )
-    print()
-    for name, r in results.items():
-        if r.get("interleave") == "step":
-            print_step_details(name, r)
-            continue
-        sm = r["sampler"]
-        print(
-            f"{name:<6} ON blocks: sampler deadline ratio {sm['deadline_ratio_timed']:.4f} over timed steps "
-            f"({sm['slots_timed']} slots, {sm['missed_timed']} skipped), "
-            f"{sm['deadline_ratio_session']:.4f} over whole sessions, late max {sm['late_max_ms']:.2f} ms; "
-            f"flushes {r['flusher']['flushes']} "
-            f"(max {r['flusher']['flush_ms_max']:.1f} ms); windows {r['windows_recorded']}, unmatched marks "
-            f"{r['unmatched_marks']}; session start {r['session_start_ms_median']:.1f} ms / close "
-            f"{r['session_close_ms_median']:.1f} ms (untimed); {r['pairs']} rounds x {len(r['arms'])} arms x "
-            f"{r['block_steps']} steps; child {r['elapsed_s']:.0f} s"
-        )
-    for name, r in results.items():
-        q = r.get("quiet")
-        qs = ""
-        if q is not None:
-            qs = f"; quiet {rounds_word(r)} only: " + ", ".join(
-                f"{arm} {d['iteration']['ratio_median']:.4f} [{d['iteration']['ratio_median_ci95'][0]:.4f}, "
-                f"{d['iteration']['ratio_median_ci95'][1]:.4f}]"
-                for arm, d in q.items()
-            )
-        print(
-            f"{name:<6} other processes: {r['background_cores_mean']:.2f} cores on average (max "
-            f"{r['background_cores_max']:.2f}); {r['quiet_rounds']}/{r.get('segments', r['pairs'])} "
-            f"{rounds_word(r)} under {QUIET_CORES} cores{qs}"
-        )
-    for name, r in results.items():
-        parts = [
-            f"{arm} {d['gen0']:.0f}/{d['gen1']:.0f}/{d['gen2']:.1f} "
-            f"({d['ms']:.1f} ms, gen2 max {d['gen2_ms_max']:.0f} ms)"
-            for arm, d in sorted(r["gc_per_100_steps"].items())
-        ]
-        print(f"{name:<6} gc per 100 timed steps, gen0/gen1/gen2 (time): " + "; ".join(parts))
-    for name, r in results.items():
-        prof = r.get("profile")
-        if not prof:
-            continue
-        print(f"\n{name}: cProfile of the training thread, ms per timed step (profiler overhead included)")
-        arms_p = list(prof)
-        print(f"  {'':<48}" + "".join(f"{a:>9}" for a in arms_p))
-        print(
-            f"  {'all profiled time':<48}"
-            + "".join(f"{prof[a]['profiled_ms_per_step']:9.2f}" for a in arms_p)
-        )
-        for label in PROFILE_FUNCS.values():
-            vals = [prof[a]["ms_per_step"].get(label) for a in arms_p]
-            if any(v for v in vals):
-                print(f"  {label:<48}" + "".join(f"{(v or 0.0):9.3f}" for v in vals))
-    print()
-    for arm in ["on"] + [a for a in ARM_HELP if a != "on"]:
-        if any(arm == "on" or arm in r.get("decompose", {}) for r in results.values()):
-            print(f"  {arm:<8} {ARM_HELP[arm]}")
-    print(
-        "  iteration = perf_counter over the whole loop body; loop_step = the loop's own step window; "
-        "main_cpu = the training thread's CPU time (what the other threads and processes cannot lengthen "
-        "except through caches: the main thread's own extra work)"
-    )
-    if any(r.get("interleave") == "step" for r in results.values()):
-        print(
-            "  step mode: one session, its telemetry process SIGSTOPped for OFF steps; median ratio and "
-            "trimmed-mean ratio with 95 % bootstrap intervals over whole ABBA quads (or pairs); paired "
-            "ratio = geometric mean of the per-quad (per-pair) ON/OFF ratios, 95 % t interval"
-        )
-    else:
-        print("  paired ratio = mean of the per-round ratios of block medians, 95 % t interval")
-
-
-def print_step_details(name: str, r: dict[str, Any]) -> None:
-    """Step mode: what the session did, the switches, the figures."""
-    sm, fg, fl, sw = r["sampler"], r["figures"], r["flusher"], r["switch"]
-    cov = sm["coverage_on"]
-    sched = f", collector {sm['collector_sched']['policy']}" if sm.get("collector_sched") else ""
-    unit = "ABBA quads" if r["unit_steps"] == 4 else "random pairs"
-    print(
-        f"{name:<6} step mode: {r['pairs']} ON + {r['pairs']} OFF steps in {r['units']} {unit}, all timed; "
-        + (
-            f"telemetry process ({sm['mode']}{sched}) running throughout, OFF steps without the "
-            "telemetry calls"
-            if r.get("contrast") == "thread"
-            else f"telemetry process ({sm['mode']}{sched}) stopped for OFF steps"
-            + (", which make the ON steps' telemetry calls" if r.get("contrast") == "process" else "")
-            + ("" if sm["stopped_state_seen"] else " (NOT SEEN IN STATE T)")
-        )
-        + f"; samples during ON steps {sm['samples_on']} of {sm['expected_on']:.0f} due at {HZ:g} Hz"
-        + (f" ({cov:.3f})" if cov is not None else "")
-        + f", rows lost {sm['rows_lost']}; its CPU {sm['process_cpu_ms_per_on_step']:.2f} ms per ON step "
-        f"({sm['process_cores_while_on']:.3f} cores while ON); windows {r['windows_recorded']}, "
-        f"unmatched marks {r['unmatched_marks']}; session start {r['session_start_ms_median']:.1f} ms / "
-        f"close {r['session_close_ms_median']:.1f} ms (untimed); child {r['elapsed_s']:.0f} s"
-    )
-    req = (
-        f"request_figures called {fg['requested']} times"
-        if fg["request_figures"]
-        else "no session.request_figures in this src"
-    )
-    fls = "Python threads in the training process besides the main one: " + (
-        ", ".join(r["threads"]) if r["threads"] else "none"
-    )
-    if r["threads"]:
-        fls += " (not paused: they also run during OFF steps)"
-    if fl["thread_in_training_process"]:
-        fls += f"; flusher: {fl['flushes']} flushes, max {fl['flush_ms_max']:.1f} ms"
-    print(
-        f"{name:<6} figures of earlier ON steps asked {fg['asked']} times, {fg['not_ready']} not ready; "
-        f"{req}; {fls}"
-    )
-    calls = r.get("calls")
-    if calls:
-        on_ms = r["iteration"]["median_on_ms"]
-        parts = ", ".join(
-            f"{k} {v['us_per_step']:.0f} ({v['n'] / calls['steps']:.0f} x {v['median_us']:.1f})"
-            for k, v in calls["per_call"].items()
-        )
-        print(
-            f"{name:<6} telemetry calls on the training thread, in the step: {calls['us_per_step']:.0f} µs "
-            f"per ON step ({calls['us_per_step'] / 10 / on_ms:.2f} % of its median); µs per step "
-            f"(calls x median µs): {parts}"
-        )
-
-    sc = r.get("sched")
-    if sc:
-        on, off, diff = sc["on"], sc["off"], sc["on_minus_off"]
-        print(
-            f"{name:<6} scheduling per step, ON / OFF / ON - OFF (mean): training thread's CPU wait "
-            f"{on['cpu_wait_us']:.1f} / {off['cpu_wait_us']:.1f} / {diff['cpu_wait_us']:+.1f} µs, its sleeps "
-            f"{on['sleep_us']:.1f} / {off['sleep_us']:.1f} / {diff['sleep_us']:+.1f} µs "
-            f"({on['sleeps']:.1f} / {off['sleeps']:.1f} of them); the process's other threads' CPU "
-            f"{on['others_cpu_us']:.0f} / {off['others_cpu_us']:.0f} / {diff['others_cpu_us']:+.0f} µs, "
-            f"their CPU wait {on['others_cpu_wait_us']:.0f} / {off['others_cpu_wait_us']:.0f} / "
-            f"{diff['others_cpu_wait_us']:+.0f} µs"
-        )
-
-    def sr(d: dict[str, Any]) -> str:
-        v = d["ratio_median"]
-        return f"{v:.4f}" if v is not None else "n/a"
-
-    st = r.get("steady_iteration")
-    steady_s = (
-        f"; iteration ON/OFF over the steps not right after a switch only: "
-        f"{fmt_ci(st['ratio_median'], st['ratio_median_ci95'])}"
-        if st
-        else ""
-    )
-    print(
-        f"{name:<6} switch cost, median of steps right after a switch / of steps after one of the same "
-        f"arm: ON {sr(sw['on'])} ({sw['on']['after_switch']}/{sw['on']['steady']} steps), "
-        f"OFF {sr(sw['off'])} ({sw['off']['after_switch']}/{sw['off']['steady']} steps){steady_s}"
-    )
-
-
-def step_summary_line(name: str, r: dict[str, Any]) -> str:
-    """The headline of one configuration in step mode: ON/OFF figures and (free) the verdict."""
-    it, cpu = r["iteration"], r["main_cpu"]
-    unit = "quad" if r["unit_steps"] == 4 else "pair"
-    line = (
-        f"{name}: iteration ON/OFF median ratio {fmt_ci(it['ratio_median'], it['ratio_median_ci95'])}, "
-        f"per-{unit} geometric mean {fmt_ci(it['ratio_paired_mean'], it['ratio_paired_mean_ci95'])}, "
-        f"trimmed mean {fmt_ci(it['ratio_trimmed_mean'], it['ratio_trimmed_mean_ci95'])}; "
-        f"main_cpu median ratio {fmt_ci(cpu['ratio_median'], cpu['ratio_median_ci95'])}; "
-        f"ON {it['median_on_ms']:.2f} ms / OFF {it['median_off_ms']:.2f} ms, {r['pairs']} steps per arm"
-    )
-    if "added_ms" in it:
-        lo, hi = it["added_ms_ci95"]
-        line += f"; ON adds {it['added_ms']:.3f} ms [{lo:.3f}, {hi:.3f}] a step (mean per {unit})"
-        if it["target_step_ms_upper"] is not None:
-            at_mean = it["target_step_ms"] or 0.0
-            line += (
-                f": as a fixed cost, within {100 * (TARGET_FREE - 1):.1f} % for steps of at least "
-                f"{it['target_step_ms_upper']:.0f} ms (upper bound; {at_mean:.0f} ms at the mean)"
-            )
-    if name == "free":
-        line += f"; target <= {TARGET_FREE}: {verdict(r)}"
-    return line
-
-
-def print_pool(files: list[str], json_only: bool = False) -> int:
-    """``--pool``: each run's and the pooled step-mode figures of ``--dump-steps`` files; the
-    pooled ones as the last line, ``BENCH_JSON``. Returns the exit status (2: refused)."""
-    try:
-        dumps = [(f, json.loads(Path(f).read_text())) for f in files]
-        check_dumps(dumps)  # refuse a bad set before any statistics
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        print(f"--pool: {exc}", file=sys.stderr)
-        return 2
-    if not json_only:  # each run's line as soon as it is known: the bootstraps take a while
-        for f, d in dumps:
-            it = summarize_units(step_units(d["steps"], 0))  # the iteration timing alone
-            geo = fmt_ci(it["ratio_paired_mean"], it["ratio_paired_mean_ci95"])
-            load = statistics.fmean(d["background"])
-            print(
-                f"{f}: per-unit geometric mean {geo}, "
-                f"median ratio {fmt_ci(it['ratio_median'], it['ratio_median_ci95'])}, "
-                f"OFF {it['median_off_ms']:.2f} ms, other processes {load:.2f} cores",
-                flush=True,
-            )
-        steps = sum(len(d["steps"]) for _, d in dumps)
-        print(
-            f"--pool: pooling {len(dumps)} runs ({steps} steps; ~2.5 s per 1000 steps on a 2-core VM) ...",
-            file=sys.stderr,
-            flush=True,
-        )
-    pooled = pool_dumps(dumps)
-    name = pooled["config"]
-    if not json_only:
-        print(f"pooled, {pooled['runs']} runs: " + step_summary_line(name, pooled))
-    payload = {
-        "bench": "train_telemetry",
-        "pool": files,
-        "target_free": TARGET_FREE,
-        "verdict_free": verdict(pooled) if name == "free" else None,
-        "results": {name: pooled},
-    }
-    print("BENCH_JSON " + json.dumps(payload))
-    return 0
 
 
 def main() -> None:

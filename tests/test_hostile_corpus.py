@@ -35,8 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from charllm_nemo.cli import main
-from charllm_nemo.sweep.manifest_check import ATTEMPT_FIELDS, JOB_FIELDS, RUN_FIELDS
 from charllm_nemo.telemetry.filecheck import MANIFEST_SPEC, STEP_SPEC, SUMMARY_SPEC
+from charllm_nemo.train.sweep_manifest_check import ATTEMPT_FIELDS, JOB_FIELDS, RUN_FIELDS
 from tests.analysis.helpers import constant_run
 
 HANG_S = 60

@@ -434,8 +434,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_status(args: argparse.Namespace) -> int:
-    from charllm_nemo.sweep.manifest import find_sweeps
     from charllm_nemo.sweep.status import sweep_status
+    from charllm_nemo.train.sweep_manifest import find_sweeps
 
     path = Path(args.dir)
     sweeps = find_sweeps(path)

@@ -38,6 +38,7 @@ def test_every_panel_draws_keys_the_sink_logs() -> None:
         "Clocks",
         "Throttle",
         "Traffic",
+        "Sampling",
         "Alerts",
     ]
     # every key a 4-rank step logs is drawn by some panel, but the step axis itself and the
@@ -147,7 +148,7 @@ def test_cli_dry_run_writes_the_spec(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert spec["project"] == "p" and spec["displayName"] == "charllm telemetry: sweep s1"
     assert d.spec_problems(spec) == []
     err = capsys.readouterr().err
-    assert "8 sections" in err and "dry run: not saved" in err
+    assert "9 sections" in err and "dry run: not saved" in err
 
     assert main(["wandb-dashboard", "--entity", "e", "--project", "p", "--dry-run"]) == 0
     captured = capsys.readouterr()

@@ -16,6 +16,7 @@ import pytest
 from charllm_nemo.redact import REDACTED
 from charllm_nemo.sinks.config import LoggerConfig, build_sink
 from charllm_nemo.sinks.keys import (
+    STEP_FIGURE_COLUMNS,
     STEP_FIGURE_KEYS,
     STEP_KEY,
     pack_step_figures,
@@ -169,7 +170,7 @@ def test_every_rank_key_at_every_step_equals_the_run_directory(offline_run):
         for rank in (0, 1):
             i = stored[(rank, h[STEP_KEY])]
             for name in STEP_FIGURE_KEYS:
-                want = cols[name][i]
+                want = cols[STEP_FIGURE_COLUMNS[name]][i]
                 key = f"rank/{rank}/{name}"
                 if want is None or (isinstance(want, float) and math.isnan(want)):
                     assert key not in h  # unknown: omitted, not 0

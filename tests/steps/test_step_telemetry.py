@@ -170,7 +170,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                         "throttle_any_limiting_s": 0.0}]}  # fmt: skip
 
         class FakeSession:  # the session surface StepTelemetry uses; rank 1 reports nothing
-            hz, counter_every = 100.0, 1
+            hz, counter_every, sampler_mode = 100.0, 1, "process"
 
             def __init__(self) -> None:
                 self.windows = WindowRecorder()

@@ -10,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sweep.job import restart_count, run_sweep_job, where_am_i
 from charllm_nemo.train.app import compose
 from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.sweep_job import restart_count, run_sweep_job, where_am_i
 
 
 def test_a_job_outside_submitit_launches_its_ranks_itself() -> None:

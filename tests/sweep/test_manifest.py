@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sweep.manifest import (
+from charllm_nemo.sweep.status import attempt_state, refresh, status_lines
+from charllm_nemo.train.sweep_manifest import (
     Attempt,
     SweepManifest,
     done_runs,
@@ -16,7 +17,6 @@ from charllm_nemo.sweep.manifest import (
     run_key,
     write_json,
 )
-from charllm_nemo.sweep.status import attempt_state, refresh, status_lines
 
 
 def test_a_run_key_depends_on_the_swept_values_only_not_their_order_or_placement() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from charllm_nemo.sweep.manifest import load_manifest
 from charllm_nemo.telemetry.reader import load_run
+from charllm_nemo.train.sweep_manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "local-slurm.sh"

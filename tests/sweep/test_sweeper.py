@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from charllm_nemo.sweep.manifest import load_manifest
 from charllm_nemo.train import app
+from charllm_nemo.train.sweep_manifest import load_manifest
 
 TRAIN_TESTS = Path(__file__).resolve().parents[1] / "train"
 
@@ -184,7 +184,7 @@ def test_the_h100_preset_asks_for_8_nodes(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_an_attempt_that_never_reached_a_scheduler_runs_again(tmp_path: Path, fake_worker: None) -> None:
-    from charllm_nemo.sweep.manifest import Attempt
+    from charllm_nemo.train.sweep_manifest import Attempt
 
     args = ["-m", "+sweep=cpu_microbatch", f"sweep.dir={tmp_path}", "batch.micro_batch_size=1,2"]
     sweep = tmp_path / "sweep=cpu_microbatch"

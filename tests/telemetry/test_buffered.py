@@ -106,6 +106,8 @@ def test_off_writes_no_buffered_segment(tmp_path: Path) -> None:
 
 
 class _Lost:
+    has_driver_buffers = True  # devices/base.py ServesDriverBuffers
+
     def __init__(self) -> None:
         self.identity = type("I", (), {"index": 3})()
 
@@ -123,6 +125,8 @@ def test_a_lost_device_is_dropped(tmp_path: Path) -> None:
 
 class _Replay:
     """A device whose first drain returns ``batches`` (timestamps in us), later ones nothing."""
+
+    has_driver_buffers = True
 
     def __init__(self, index: int, batches: list[tuple[str, list[int], list[float]]]) -> None:
         self.identity = type("I", (), {"index": index})()

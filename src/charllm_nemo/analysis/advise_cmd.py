@@ -71,7 +71,7 @@ def hydra_value(v: Any) -> str:
 def _compose(overrides: list[str]) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from charllm_nemo.train.app import compose
+    from charllm_nemo.train.config_io import compose
 
     cfg = compose(overrides)
     for key in ("telemetry.out_dir",):  # resolvers that depend on the launch are not needed here

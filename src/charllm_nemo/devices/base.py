@@ -66,6 +66,33 @@ class Device(Protocol):
 
 
 @runtime_checkable
+class ReadsGaugesApart(Protocol):
+    """A device whose cumulative counters are dear to read (NVML's energy counter: ~3 ms on an
+    H200): the sampling loop reads them every n-th slot only and calls ``read_gauges`` between
+    (telemetry/sample_loop.py)."""
+
+    def read_gauges(self) -> Reading:
+        """:meth:`read` with the cumulative metrics (``Metric.cumulative``) left None."""
+        ...
+
+
+@runtime_checkable
+class ServesDriverBuffers(Protocol):
+    """A device whose driver keeps its own sample buffers (NVML): drained into
+    ``buffered-*.parquet`` (telemetry/buffered.py). ``has_driver_buffers``: whether this one
+    serves any (a driver may serve none)."""
+
+    identity: DeviceIdentity
+
+    @property
+    def has_driver_buffers(self) -> bool: ...
+
+    def read_buffered(self) -> list[Any]:
+        """The driver's samples since the last call: ``(metric, timestamps us, values)`` each."""
+        ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """An initialized vendor library and the devices opened through it."""
 

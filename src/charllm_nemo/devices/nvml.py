@@ -308,6 +308,12 @@ class NvmlDevice:
         self._read_plan(self._gauges, out)
         return tuple(out)
 
+    @property
+    def has_driver_buffers(self) -> bool:
+        """Whether the driver serves this GPU any sample buffer (devices/base.py
+        ``ServesDriverBuffers``)."""
+        return self.buffers is not None
+
     def read_buffered(self) -> list[Batch]:
         """The driver's own samples taken since the last call (:mod:`.nvml_buffer`): one
         ``(metric, wall-clock timestamps in us, values)`` per metric that has new ones, metrics

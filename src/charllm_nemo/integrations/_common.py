@@ -259,8 +259,9 @@ def open_step_telemetry(
     alerts_on = bool(opts.alerts)
     if alerts_on and placement.rank == 0:
         from charllm_nemo.alerts import AlertsConfig, alert_observer
+        from charllm_nemo.steps.observers import WandbObserver
 
-        sink = next((o.sink for o in obs if type(o).__name__ == "WandbObserver"), None)
+        sink = next((o.sink for o in obs if isinstance(o, WandbObserver)), None)
         hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
         if on_alert is not None:
             hooks.append(on_alert)

@@ -7,8 +7,8 @@ docs/flops.md):
 * :class:`ModelShape`, :func:`model_flops_per_step`, :func:`model_flops_per_token`,
   :func:`hardware_flops_per_step`, :func:`parameter_count`, :class:`FlopsBreakdown`,
   :class:`HardwareFlops`, :class:`ParameterCount` (flops.py): FLOPs of a GPT / MoE step.
-* :func:`from_mcore_names`, :func:`from_nemo_config`, :func:`from_megatron_args`
-  (shape_builders.py): a ModelShape from a framework's model config.
+* ``ModelShape.from_transformer_config``, ``from_nemo_config``, ``from_megatron_args``: a
+  ModelShape from a framework's model config (the fields read by shape_builders.py).
 * :class:`DevicePeak`, :data:`PEAK_TABLE`, :func:`identify_device`, :func:`lookup_peak_tflops`
   (peak.py): dense peak TFLOP/s per device and dtype.
 * :class:`StepThroughput`, :func:`step_throughput`, :func:`window_throughput` (throughput.py):
@@ -34,9 +34,6 @@ _WHERE = {
     "model_flops_per_token": "flops",
     "hardware_flops_per_step": "flops",
     "parameter_count": "flops",
-    "from_mcore_names": "shape_builders",
-    "from_nemo_config": "shape_builders",
-    "from_megatron_args": "shape_builders",
     "DevicePeak": "peak",
     "PEAK_TABLE": "peak",
     "identify_device": "peak",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.metrics.shape_builders import mcore_fields, megatron_args_fields, nemo_fields
 
 # Forward, input-gradient and weight-gradient GEMMs.
 FORWARD_BACKWARD_FACTOR = 3
@@ -140,10 +141,8 @@ class ModelShape:
         cls, cfg: Any, *, vocab_size: int, seq_length: int, causal_attention_flops: bool = False
     ) -> ModelShape:
         """The shape of a megatron-core ``TransformerConfig``: metrics/shape_builders.py."""
-        from charllm_nemo.metrics.shape_builders import from_mcore_names
-
         untie = not getattr(cfg, "share_embeddings_and_output_weights", True)
-        return from_mcore_names(cfg, vocab_size, seq_length, untie, causal_attention_flops)
+        return cls(**mcore_fields(cfg, vocab_size, seq_length, untie, causal_attention_flops))
 
     @classmethod
     def from_nemo_config(
@@ -156,18 +155,14 @@ class ModelShape:
         causal_attention_flops: bool = False,
     ) -> ModelShape:
         """The shape of a NeMo 2 ``GPTConfig`` (Llama, Mixtral, ...): metrics/shape_builders.py."""
-        from charllm_nemo.metrics.shape_builders import from_nemo_config
-
-        return from_nemo_config(cfg, vocab_size, tokenizer, seq_length, causal_attention_flops)
+        return cls(**nemo_fields(cfg, vocab_size, tokenizer, seq_length, causal_attention_flops))
 
     @classmethod
     def from_megatron_args(
         cls, args: Any, *, vocab_size: int | None = None, causal_attention_flops: bool = False
     ) -> ModelShape:
         """The shape of Megatron-LM's parsed arguments: metrics/shape_builders.py."""
-        from charllm_nemo.metrics.shape_builders import from_megatron_args
-
-        return from_megatron_args(args, vocab_size, causal_attention_flops)
+        return cls(**megatron_args_fields(args, vocab_size, causal_attention_flops))
 
     @property
     def query_groups(self) -> int:

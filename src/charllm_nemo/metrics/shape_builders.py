@@ -1,7 +1,10 @@
-"""A :class:`~charllm_nemo.metrics.flops.ModelShape` from a framework's model config, read by
-attribute name (duck-typed: nothing here imports a framework).
+"""The fields of a :class:`~charllm_nemo.metrics.flops.ModelShape` from a framework's model
+config, read by attribute name (duck-typed: nothing here imports a framework). Each function
+returns ModelShape's keyword arguments; ``ModelShape.from_transformer_config``,
+``from_nemo_config`` and ``from_megatron_args`` build the shape from them, so this module sits
+below flops.py (it imports nothing of it: no import cycle, tests/test_layers.py).
 
-* megatron-core's ``TransformerConfig`` (:func:`from_mcore_names`), which holds neither the
+* megatron-core's ``TransformerConfig`` (:func:`mcore_fields`), which holds neither the
   vocabulary nor the sequence length;
 * NeMo 2's ``GPTConfig`` family (``llm.Llama3Config8B``, ``llm.MixtralConfig8x7B``, ...:
   TransformerConfig's names plus ``seq_length``, ``vocab_size``, ``make_vocab_size_divisible_by``;
@@ -17,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.metrics.flops import ModelShape
 
 
 def ffn_hidden_size(cfg: Any) -> int:
@@ -41,15 +43,15 @@ def moe_layer_freq(value: Any, name: str) -> int:
     )
 
 
-def from_mcore_names(
+def mcore_fields(
     cfg: Any, vocab_size: int, seq_length: int, untie: bool, causal_attention_flops: bool
-) -> ModelShape:
-    """A shape from megatron-core's TransformerConfig attribute names: ``num_layers``,
+) -> dict[str, Any]:
+    """A shape's fields from megatron-core's TransformerConfig attribute names: ``num_layers``,
     ``hidden_size``, ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
     ``ffn_hidden_size``, ``gated_linear_unit``, ``num_moe_experts``, ``moe_router_topk``,
     ``moe_ffn_hidden_size``, ``moe_shared_expert_intermediate_size``, ``moe_layer_freq``."""
     experts = getattr(cfg, "num_moe_experts", None)
-    return ModelShape(
+    return dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -71,14 +73,14 @@ def from_mcore_names(
     )
 
 
-def from_nemo_config(
+def nemo_fields(
     cfg: Any,
     vocab_size: int | None,
     tokenizer: Any,
     seq_length: int | None,
     causal_attention_flops: bool,
-) -> ModelShape:
-    """A NeMo 2 ``GPTConfig``'s shape. The vocabulary as NeMo 2.7.3's
+) -> dict[str, Any]:
+    """A NeMo 2 ``GPTConfig``'s shape fields. The vocabulary as NeMo 2.7.3's
     ``GPTConfig.configure_model`` picks it: ``vocab_size`` given here, else ``cfg.vocab_size``,
     else the ``tokenizer``'s padded to a multiple of ``make_vocab_size_divisible_by x
     tensor_model_parallel_size`` (``nemo.lightning.base.get_vocab_size``). ``seq_length``
@@ -96,11 +98,11 @@ def from_nemo_config(
         )
     untie = not getattr(cfg, "share_embeddings_and_output_weights", True)
     seq = seq_length if seq_length is not None else cfg.seq_length
-    return from_mcore_names(cfg, int(vocab), int(seq), untie, causal_attention_flops)
+    return mcore_fields(cfg, int(vocab), int(seq), untie, causal_attention_flops)
 
 
-def from_megatron_args(args: Any, vocab_size: int | None, causal_attention_flops: bool) -> ModelShape:
-    """Megatron-LM's ``args``' shape. The vocabulary: ``vocab_size`` given here, else
+def megatron_args_fields(args: Any, vocab_size: int | None, causal_attention_flops: bool) -> dict[str, Any]:
+    """Megatron-LM's ``args``' shape fields. The vocabulary: ``vocab_size`` given here, else
     ``args.padded_vocab_size`` (set once Megatron-LM built its tokenizer), else
     ``args.vocab_size``. ``--group-query-attention`` makes ``--num-query-groups`` count;
     ``--swiglu`` is three MLP GEMMs; ``--num-experts`` with ``--moe-router-topk``,
@@ -118,7 +120,7 @@ def from_megatron_args(args: Any, vocab_size: int | None, causal_attention_flops
         )
     experts = getattr(args, "num_experts", None)
     gqa = bool(getattr(args, "group_query_attention", False))
-    return ModelShape(
+    return dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,

@@ -203,6 +203,21 @@ def sections(detail_rank: int = 0) -> tuple[SectionSpec, ...]:
             ),
         ),
         SectionSpec(
+            "Sampling",
+            (
+                PanelSpec(
+                    "Share of the step with samples, per rank",
+                    pattern=per_rank("coverage"),
+                    y_title="fraction",
+                ),
+                PanelSpec("Longest sampling gap per rank", pattern=per_rank("gap_max_s"), y_title="s"),
+                PanelSpec("Lowest coverage over ranks", ("all/coverage_min",), y_title="fraction"),
+                PanelSpec("Longest sampling gap over ranks", ("all/gap_max_s",), y_title="s"),
+            ),
+            note="A rank whose sampler fell behind (a busy host, a paused telemetry process) leaves "
+            "part of a step without samples: coverage below 1, and the step's `sampling_gap` in steps.jsonl.",
+        ),
+        SectionSpec(
             "Alerts",
             (PanelSpec("Alert keys", pattern=rf"^{re.escape(ALERTS_PREFIX)}.+$"),),
             note=(

@@ -26,64 +26,46 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from charllm_nemo.telemetry.schema import THROTTLE_REASONS
+from charllm_nemo.telemetry.figures import (
+    RANK_FIGURES,
+    aggregate,
+    combine,
+    figure_names,
+    finite,
+    wandb_step_keys,
+)
+
+__all__ = [
+    "STEP_FIGURE_COLUMNS",
+    "STEP_FIGURE_KEYS",
+    "STEP_KEY",
+    "SUMMARY_KEYS",
+    "THROTTLE_FIGURES",
+    "TRAFFIC_FIGURES",
+    "StepKeys",
+    "aggregate_keys",
+    "combine_devices",
+    "finite",
+    "pack_step_figures",
+    "rank_keys",
+    "step_metrics",
+    "summary_keys",
+    "throughput_keys",
+    "unpack_gathered",
+    "unpack_step_figures",
+]
 
 STEP_KEY = "trainer/global_step"
 """The custom step axis (W&B ``define_metric`` step_metric)."""
 
-THROTTLE_FIGURES: tuple[str, ...] = (
-    *(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS),
-    "throttle_any_limiting_s",
-)
-TRAFFIC_FIGURES: tuple[str, ...] = ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes")
-
-STEP_FIGURE_KEYS: tuple[str, ...] = (
-    "duration_s",
-    "energy_j",
-    "power_avg_w",
-    "power_peak_w",
-    "temp_gpu_peak_c",
-    "temp_hbm_peak_c",
-    "temp_hotspot_peak_c",
-    "clock_sm_avg_mhz",
-    "clock_sm_min_mhz",
-    *THROTTLE_FIGURES,
-    "violation_power_s",
-    "violation_thermal_s",
-    *TRAFFIC_FIGURES,
-)
-"""Per-rank figures of one step window, in the order they travel in the gather vector. Every
-name is a column of charllm_nemo.telemetry.attribution.ATTRIBUTION_COLUMNS (same unit)."""
-
-# How a rank's devices combine into the rank's figure (a rank usually drives one device; an
-# MI250 package or a multi-device rank has more). Energy, power and traffic add up; peaks,
-# temperatures and held times take the worst device; the average clock is the devices' mean.
-_SUM = frozenset({"energy_j", "power_avg_w", *TRAFFIC_FIGURES})
-_MIN = frozenset({"clock_sm_min_mhz"})
-_MEAN = frozenset({"clock_sm_avg_mhz"})
-
-
-def finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number, else None (None, NaN, inf, bool, text)."""
-    if value is None or isinstance(value, (bool, str, bytes)):
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _combine(name: str, values: list[float]) -> float:
-    if not values:
-        return math.nan
-    if name in _SUM:
-        return math.fsum(values)
-    if name in _MIN:
-        return min(values)
-    if name in _MEAN:
-        return math.fsum(values) / len(values)
-    return max(values)
+STEP_FIGURE_KEYS: tuple[str, ...] = figure_names()
+"""Per-rank figures of one step window, in the order they travel in the gather vector
+(charllm_nemo.telemetry.figures ``RANK_FIGURES``, which says each one's unit and combine rules)."""
+STEP_FIGURE_COLUMNS: dict[str, str] = {f.name: f.source for f in RANK_FIGURES}
+"""Figure -> the attribution column it is read from (telemetry/attribution.py)."""
+THROTTLE_FIGURES: tuple[str, ...] = tuple(n for n in STEP_FIGURE_KEYS if n.startswith("throttle_"))
+TRAFFIC_FIGURES: tuple[str, ...] = tuple(n for n in STEP_FIGURE_KEYS if n.endswith("_bytes"))
+_DEVICES = {f.name: f.devices for f in RANK_FIGURES}
 
 
 def combine_devices(
@@ -99,13 +81,14 @@ def combine_devices(
         rows = []
     elif isinstance(rows, Mapping):
         rows = [rows]
-    if len(rows) == 1:  # one device (one GPU per rank): its own values, as _combine leaves them
+    columns = STEP_FIGURE_COLUMNS
+    if len(rows) == 1:  # one device (one GPU per rank): its own values, as combine leaves them
         row = rows[0]
-        return {name: math.nan if (v := finite(row.get(name))) is None else v for name in names}
+        return {name: math.nan if (v := finite(row.get(columns[name]))) is None else v for name in names}
     out: dict[str, float] = {}
     for name in names:
-        vals = [v for r in rows if (v := finite(r.get(name))) is not None]
-        out[name] = _combine(name, vals)
+        v = combine(_DEVICES[name], [v for r in rows if (v := finite(r.get(columns[name]))) is not None])
+        out[name] = math.nan if v is None else v
     return out
 
 
@@ -140,77 +123,32 @@ def rank_keys(rank: int, figures: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def _known(per_rank: Sequence[Mapping[str, Any]], name: str) -> list[float]:
-    return [v for f in per_rank if (v := finite(f.get(name))) is not None]
-
-
 def aggregate_keys(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float | int]:
-    """Cross-rank aggregates of one step; ``per_rank[r]`` is rank r's figures.
+    """Cross-rank aggregates of one step (``all/*``); ``per_rank[r]`` is rank r's figures.
 
-    ``all/energy_j`` sum over ranks (J); ``all/power_mean_w`` / ``_max_w`` / ``_min_w`` over
-    the ranks' average power (W); ``all/power_peak_w`` the highest instant power of any rank;
-    ``all/temp_max_c`` the hottest rank's peak GPU temperature and ``all/temp_spread_c`` hottest
-    minus coolest rank (°C); ``all/temp_hbm_max_c``; ``all/clock_sm_mean_mhz``;
-    ``all/ranks_throttled`` ranks with ``throttle_any_limiting_s > 0``; ``all/throttle_max_s``
-    and ``all/throttle_share`` (the largest fraction of a rank's step window under a limiting
-    throttle reason); traffic sums ``all/pcie_tx_bytes`` ...; ``all/ranks_reporting`` ranks
-    with a known energy. Each aggregate is over the ranks that know the figure and is omitted
-    when none does (``all/ranks_reporting`` is always there).
-    """
+    Each figure's ``aggregates`` in charllm_nemo.telemetry.figures ``RANK_FIGURES`` (docs/wandb.md
+    lists them): over the ranks that know the figure, omitted when none does
+    (``all/ranks_reporting``, a count, is always there)."""
     out: dict[str, float | int] = {}
-    energy = _known(per_rank, "energy_j")
-    out["all/ranks_reporting"] = len(energy)
-    if energy:
-        out["all/energy_j"] = math.fsum(energy)
-    power = _known(per_rank, "power_avg_w")
-    if power:
-        out["all/power_mean_w"] = math.fsum(power) / len(power)
-        out["all/power_max_w"] = max(power)
-        out["all/power_min_w"] = min(power)
-    peak = _known(per_rank, "power_peak_w")
-    if peak:
-        out["all/power_peak_w"] = max(peak)
-    temp = _known(per_rank, "temp_gpu_peak_c")
-    if temp:
-        out["all/temp_max_c"] = max(temp)
-        out["all/temp_spread_c"] = max(temp) - min(temp)
-    hbm = _known(per_rank, "temp_hbm_peak_c")
-    if hbm:
-        out["all/temp_hbm_max_c"] = max(hbm)
-    clock = _known(per_rank, "clock_sm_avg_mhz")
-    if clock:
-        out["all/clock_sm_mean_mhz"] = math.fsum(clock) / len(clock)
-    throttle = _known(per_rank, "throttle_any_limiting_s")
-    if throttle:
-        out["all/ranks_throttled"] = sum(1 for v in throttle if v > 0)
-        out["all/throttle_max_s"] = max(throttle)
-    shares = [
-        t / d
-        for f in per_rank
-        if (t := finite(f.get("throttle_any_limiting_s"))) is not None
-        and (d := finite(f.get("duration_s"))) is not None
-        and d > 0
-    ]
-    if shares:
-        out["all/throttle_share"] = max(shares)
-    for name in TRAFFIC_FIGURES:
-        vals = _known(per_rank, name)
-        if vals:
-            out[f"all/{name}"] = math.fsum(vals)
+    durations = [finite(f.get("duration_s")) for f in per_rank]
+    for fig in RANK_FIGURES:
+        if not fig.aggregates:
+            continue
+        pairs = [
+            (v, d)
+            for f, d in zip(per_rank, durations, strict=True)
+            if (v := finite(f.get(fig.name))) is not None
+        ]
+        values = [v for v, _ in pairs]
+        for key, how in fig.aggregates:
+            value = aggregate(how, values, [d for _, d in pairs])
+            if value is not None:
+                out[key] = value
     return out
 
 
 # StepReport field (charllm_nemo.steps.report) -> key.
-SUMMARY_KEYS: dict[str, str] = {
-    "loss": "train/loss",
-    "grad_norm": "train/grad_norm",
-    "step_time_s": "perf/step_time_s",
-    "tokens_per_s": "perf/tokens_per_s",
-    "samples_per_s": "perf/samples_per_s",
-    "model_tflops_per_gpu": "perf/tflops_per_gpu",
-    "hardware_tflops_per_gpu": "perf/hw_tflops_per_gpu",
-    "mfu": "perf/mfu",
-}
+SUMMARY_KEYS: dict[str, str] = wandb_step_keys()
 
 
 def throughput_keys(

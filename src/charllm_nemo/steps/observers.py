@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from charllm_nemo.steps.report import StepReport
+from charllm_nemo.telemetry.figures import STEP_FIELDS
 
 log = logging.getLogger("charllm_nemo.steps")
 
@@ -119,40 +120,14 @@ class StepsFileObserver:
         self.file.close()
 
 
-def _si(v: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(v) >= scale:
-            return f"{v / scale:.2f}{unit}"
-    return f"{v:.1f}"
-
-
 def format_report(r: StepReport, total_steps: int | None, world_size: int) -> str:
-    """Rank 0's console line for one step; MFU says how it counts attention (``full attn`` /
-    ``causal attn``, telemetry.attention_flops)."""
+    """Rank 0's console line for one step: the step, then the part of every field of
+    charllm_nemo.telemetry.figures ``STEP_FIELDS`` that has one, in that order (MFU says how it
+    counts attention: ``full attn`` / ``causal attn``, telemetry.attention_flops)."""
+    row = r.to_dict()
+    row["world_size"] = world_size
     parts = [f"step {r.step + 1}" + ("" if total_steps is None else f"/{total_steps}")]
-    parts.append("loss n/a" if r.loss is None else f"loss {r.loss:.4f}")
-    parts.append(f"{r.step_time_s * 1e3:.1f} ms")
-    if r.tokens_per_s is not None:
-        parts.append(f"{_si(r.tokens_per_s)} tok/s")
-    if r.model_tflops_per_gpu is not None:
-        parts.append(f"{r.model_tflops_per_gpu:.3g} TFLOP/s/GPU")
-    if r.tokens_per_s is not None:
-        attn = f" ({r.mfu_attention} attn)" if r.mfu_attention else ""
-        parts.append("MFU n/a" if r.mfu is None else f"MFU {100 * r.mfu:.1f}%{attn}")
-    if r.energy_j is None:
-        parts.append("energy n/a")
-    else:
-        partial = "" if r.ranks_reporting >= world_size else f" ({r.ranks_reporting}/{world_size} ranks)"
-        parts.append(f"{r.energy_j:.3g} J{partial}")
-    peak = "" if r.power_peak_w is None else f"peak {r.power_peak_w:.0f} W"
-    if r.power_avg_w is not None:
-        parts.append(f"{r.power_avg_w:.0f} W/GPU avg" + (f", {peak}" if peak else ""))
-    elif peak:
-        parts.append(peak)
-    if r.temp_gpu_peak_c is not None:
-        parts.append(f"max {r.temp_gpu_peak_c:.0f} C")
-    if r.throttle_share is not None:
-        parts.append(f"throttle {100 * r.throttle_share:.0f}%")
+    parts.extend(p for f in STEP_FIELDS if f.console is not None and (p := f.console(row)) is not None)
     return " | ".join(parts)
 
 
@@ -236,6 +211,16 @@ class ConsoleObserver:
         self.progress.close()
 
 
+class FigureSink(Protocol):
+    """What :class:`WandbObserver` needs of its sink (sinks/base.py ``AsyncSink``)."""
+
+    def log_figures(
+        self, step: int, summary: dict[str, Any] | None, gathered: list[list[float]] | None
+    ) -> None: ...
+
+    def finish(self, run_dir: Path | None = None) -> None: ...
+
+
 class WandbObserver:
     """Each report to a W&B sink (charllm_nemo.sinks: ``build_sink`` gives an ``AsyncSink`` over
     ``WandbSink``; the keys are built on the sink's thread): ``log_figures(step, report row,
@@ -243,7 +228,7 @@ class WandbObserver:
     ``run_dir`` as an artifact, bounded by its finish timeout); a caller that must finish it
     later (after the telemetry session closed its files) passes False and finishes it itself."""
 
-    def __init__(self, sink: Any, *, run_dir: str | Path | None = None, finish: bool = True) -> None:
+    def __init__(self, sink: FigureSink, *, run_dir: str | Path | None = None, finish: bool = True) -> None:
         self.sink = sink
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.finish = finish

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, combine_devices
 from charllm_nemo.steps.marks import PHASE_GROUPS
+from charllm_nemo.telemetry.figures import RANK_FIGURES, combine
 
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count", "step_time_s")
 """The first entries of a rank's vector: ``loss_sum`` / ``loss_tokens`` (a summed token loss and
@@ -36,10 +37,9 @@ _TIM0 = len(HEAD_FIELDS)
 _HEA0 = _TIM0 + len(RANK_TIMING_FIELDS)
 _FIG0 = _HEA0 + len(HEALTH_FIELDS)
 _ENERGY = _FIG0 + STEP_FIGURE_KEYS.index("energy_j")
-_POWER_AVG = _FIG0 + STEP_FIGURE_KEYS.index("power_avg_w")
-_POWER_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("power_peak_w")
-_TEMP_PEAK = _FIG0 + STEP_FIGURE_KEYS.index("temp_gpu_peak_c")
 _THROTTLE = _FIG0 + STEP_FIGURE_KEYS.index("throttle_any_limiting_s")
+_REPORTED = tuple((_FIG0 + i, f) for i, f in enumerate(RANK_FIGURES) if f.report is not None)
+"""(vector index, figure) of every rank figure the report combines over ranks."""
 
 
 @dataclass
@@ -55,8 +55,10 @@ class StepReport:
     the ranks that reported it (``ranks_reporting``): ``energy_j`` (J, summed), ``power_avg_w``
     (W, mean of the ranks' averages), ``power_peak_w`` (W, max), ``temp_gpu_peak_c`` (°C, max),
     ``throttle_share`` (max over ranks of the time a limiting throttle reason was set / step
-    time). Telemetry fields stay None until the step's figures are due. ``rank_vectors``: every
-    rank's figures as gathered (index = rank; :attr:`per_rank` reads them as dicts).
+    time); the others in :attr:`figures`; ``sampling_gap`` (True when a rank's samples left
+    part of the step uncovered, ``coverage`` < 1). Telemetry fields stay None until the step's
+    figures are due. ``rank_vectors``: every rank's figures as gathered (index = rank;
+    :attr:`per_rank` reads them as dicts).
     """
 
     step: int
@@ -74,8 +76,12 @@ class StepReport:
     power_peak_w: float | None = None
     temp_gpu_peak_c: float | None = None
     throttle_share: float | None = None
+    sampling_gap: bool | None = None
     ranks_reporting: int = 0
     num_microbatches: int | None = None
+    figures: dict[str, float | None] = field(default_factory=dict)
+    """The cross-rank figures of charllm_nemo.telemetry.figures ``RANK_FIGURES`` with no field of
+    their own here (``coverage``, ``gap_max_s``): written beside the fields."""
     rank_vectors: list[list[float]] | None = field(default=None, repr=False)
 
     @property
@@ -114,6 +120,8 @@ class StepReport:
         ``per_rank`` also ``per_rank``: the list of every rank's figures."""
         out = asdict(self)
         del out["rank_vectors"]
+        figures = out.pop("figures")
+        out.update((name, figures.get(name)) for name in _EXTRA_FIGURES)
         if per_rank:
             out["per_rank"] = self.per_rank
         return out
@@ -170,23 +178,27 @@ def combine_head(rows: Sequence[Sequence[float]]) -> StepHead:
     return StepHead(loss, max(r[4] for r in rows))
 
 
-def _max_known(rows: Sequence[Sequence[float]], i: int) -> float | None:
-    values = [r[i] for r in rows if math.isfinite(r[i])]
-    return max(values) if values else None
+_OWN_FIELDS = frozenset(f.name for f in fields(StepReport))
+_EXTRA_FIGURES = tuple(f.name for _, f in _REPORTED if f.name not in _OWN_FIELDS)
 
 
 def apply_rank_figures(report: StepReport, rows: Sequence[Sequence[float]]) -> None:
-    """Put the ranks' telemetry figures (every rank's vector) into ``report``: energy summed
-    and power averaged over the ranks that know their energy; peaks and throttle time the
-    maximum over the ranks that know them (a device may report temperature but no energy)."""
-    reporting = [r for r in rows if math.isfinite(r[_ENERGY])]
-    n = len(reporting)
-    report.ranks_reporting = n
+    """Put the ranks' telemetry figures (every rank's vector) into ``report``: each figure of
+    ``RANK_FIGURES`` with a ``report`` rule combined over the ranks that know it (energy only
+    over the ranks that know their energy: ``ranks_reporting``), ``throttle_share`` the largest
+    limiting-throttle time over the step time, ``sampling_gap`` from ``coverage``."""
+    report.ranks_reporting = sum(1 for r in rows if math.isfinite(r[_ENERGY]))
     report.rank_vectors = [list(r) for r in rows]
-    report.power_peak_w = _max_known(rows, _POWER_PEAK)
-    report.temp_gpu_peak_c = _max_known(rows, _TEMP_PEAK)
-    thr = _max_known(rows, _THROTTLE)
-    report.throttle_share = None if thr is None or report.step_time_s <= 0 else thr / report.step_time_s
-    if n:
-        report.energy_j = math.fsum(r[_ENERGY] for r in reporting)
-        report.power_avg_w = math.fsum(r[_POWER_AVG] for r in rows if math.isfinite(r[_POWER_AVG])) / n
+    for i, fig in _REPORTED:
+        assert fig.report is not None
+        value = combine(fig.report, [r[i] for r in rows if math.isfinite(r[i])])
+        if fig.name in _OWN_FIELDS:
+            setattr(report, fig.name, value)
+        else:
+            report.figures[fig.name] = value
+    throttle = [r[_THROTTLE] for r in rows if math.isfinite(r[_THROTTLE])]
+    report.throttle_share = (
+        max(throttle) / report.step_time_s if throttle and report.step_time_s > 0 else None
+    )
+    coverage = report.figures.get("coverage")
+    report.sampling_gap = None if coverage is None else coverage < 1.0

@@ -28,22 +28,28 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, THROTTLE_FIGURES
+from charllm_nemo.sinks.keys import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
 from charllm_nemo.steps.rates import StepRates
 from charllm_nemo.steps.report import StepReport, apply_rank_figures, combine_head, pack_rank_vector
 from charllm_nemo.steps.timers import TimersAdapter
+from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
+
+if TYPE_CHECKING:
+    from charllm_nemo.devices.base import Backend
+    from charllm_nemo.telemetry.sample_loop import SamplerHealth
+    from charllm_nemo.telemetry.session import TelemetrySession
 
 log = logging.getLogger("charllm_nemo.steps")
 
@@ -54,6 +60,8 @@ THREAD_MODE_FIGURES: tuple[str, ...] = (
     "power_peak_w",
     "temp_gpu_peak_c",
     "throttle_any_limiting_s",
+    "coverage",
+    "gap_max_s",
 )
 """The figures a rank reports by default where they are computed on its training thread
 (sampler ``thread``): those of the console line and of the report's cross-rank fields."""
@@ -65,6 +73,58 @@ ALERT_FIGURES: tuple[str, ...] = (
 )
 """What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
 when ``phase_times`` is on (process mode computes every figure anyway)."""
+
+
+class StepSession(Protocol):
+    """What the step API uses of a rank's telemetry session (telemetry/session.py
+    ``TelemetrySession``; mypy checks the real one against it, tests/steps)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def hz(self) -> float: ...
+    @property
+    def counter_every(self) -> int: ...
+    @property
+    def sampler_mode(self) -> str: ...
+    @property
+    def windows(self) -> WindowRecorder: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def health(self) -> SamplerHealth: ...
+
+    def request_figures(
+        self, t_begin_mono_ns: int, t_end_mono_ns: int, figures: Collection[str] | None = None, batch: int = 1
+    ) -> None: ...
+
+    def step_figures(
+        self,
+        t_begin_mono_ns: int,
+        t_end_mono_ns: int,
+        wait_s: float = 0.0,
+        figures: Collection[str] | None = None,
+    ) -> list[dict[str, Any]] | None: ...
+
+    def close(self, status: str = "complete") -> str: ...
+
+
+if TYPE_CHECKING:
+
+    def _the_session_is_a_step_session(session: TelemetrySession) -> StepSession:
+        return session  # mypy: the real session keeps the seam this module uses
+
+
+def figure_columns(figures: Sequence[str]) -> tuple[str, ...]:
+    """The attribution columns the step ``figures`` are read from (sinks.keys
+    ``STEP_FIGURE_COLUMNS``), leaving out a column the attribution does not have: its figure
+    travels as NaN, unknown, as any figure a device cannot give."""
+    wanted = dict.fromkeys(STEP_FIGURE_COLUMNS[f] for f in figures)
+    return tuple(c for c in wanted if c in ATTRIBUTION_COLUMN_NAMES)
 
 
 @dataclass(frozen=True)
@@ -139,7 +199,7 @@ class StepTelemetry:
 
     def __init__(
         self,
-        session: Any = None,
+        session: StepSession | None = None,
         placement: Placement | None = None,
         *,
         model: Any = None,
@@ -213,8 +273,8 @@ class StepTelemetry:
             publish(r.global_batch_size * r.seq_length, r.model_flops_per_step / max(1, r.world_size), peak)
         # How soon after a step's end its figures can be ready: a sampling period, or a counter
         # period where the backend reads its counters apart (telemetry.counter_hz).
-        hz = float(getattr(session, "hz", 100.0))
-        every = int(getattr(session, "counter_every", 1))
+        hz = 100.0 if session is None else float(session.hz)
+        every = 1 if session is None else int(session.counter_every)
         self._period_ns = 1e9 / max(hz, 1e-3) * every
         ready_s = 2 * (every - 1) / max(hz, 1e-3)  # 0 where every sample can answer a figure
         self.pending: PendingSteps[StepReport] = PendingSteps(
@@ -224,6 +284,8 @@ class StepTelemetry:
         self.figures = self._figure_names(session, figures)
         if phase_times and figures is None and self.figures == THREAD_MODE_FIGURES:
             self.figures = (*THREAD_MODE_FIGURES, *ALERT_FIGURES)  # what the alerts read
+        self.columns = figure_columns(self.figures)
+        """The attribution columns asked of the session for :attr:`figures`."""
         self.max_figure_wait_s = max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
@@ -235,9 +297,9 @@ class StepTelemetry:
 
     # -- setup ------------------------------------------------------------------------------
     @staticmethod
-    def _figure_names(session: Any, figures: Sequence[str] | None) -> tuple[str, ...]:
+    def _figure_names(session: StepSession | None, figures: Sequence[str] | None) -> tuple[str, ...]:
         if figures is None:
-            in_process = getattr(session, "sampler_mode", "process") == "process"
+            in_process = session is None or session.sampler_mode == "process"
             return STEP_FIGURE_KEYS if in_process else THREAD_MODE_FIGURES
         unknown = [f for f in figures if f not in STEP_FIGURE_KEYS]
         if unknown:
@@ -436,14 +498,14 @@ class StepTelemetry:
         self.session.request_figures(
             timing.t_begin_mono_ns,
             timing.t_end_mono_ns,
-            self.figures,
+            self.columns,
             batch=1 if last else self.pending.batch,
         )
 
     def _figures(self, due: tuple[StepReport, int, int], wait_s: float) -> Any:
         if self.session is None:
             return None
-        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.figures)
+        return self.session.step_figures(due[1], due[2], wait_s=wait_s, figures=self.columns)
 
     def _drain(self, budget_s: float) -> None:
         """The last steps: their figures, one more gather each, all within one deadline (they are
@@ -528,7 +590,7 @@ class StepTelemetry:
                 self._broken.add(i)
 
 
-def rank_facts(session: Any, placement: Placement) -> dict[str, Any]:
+def rank_facts(session: StepSession | None, placement: Placement) -> dict[str, Any]:
     """This rank's static facts, sent once (``StepTelemetry(rank_info=True)``): ``rank``,
     ``local_rank``, ``host``, and of its first device ``gpu_index``, ``gpu_uuid``, ``gpu_name``,
     ``backend`` and ``power_limit_w`` (W, one reading at the start; None where unknown)."""
@@ -546,7 +608,7 @@ def rank_facts(session: Any, placement: Placement) -> dict[str, Any]:
         "backend": None,
         "power_limit_w": None,
     }
-    devices = getattr(getattr(session, "backend", None), "devices", None) or []
+    devices = [] if session is None else list(session.backend.devices)
     if devices:
         ident = devices[0].identity
         info.update(gpu_index=ident.index, gpu_uuid=ident.uuid, gpu_name=ident.name, backend=ident.backend)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step
 from charllm_nemo.metrics.peak import lookup_peak_tflops
-from charllm_nemo.sweep.manifest import FAILED, OUT_OF_MEMORY_PREDICTED
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.launch import resolve_device
 from charllm_nemo.train.layout import ResolvedLayout
 from charllm_nemo.train.plan import plan_stage_activations, plan_stage_memory
+from charllm_nemo.train.sweep_manifest import FAILED, OUT_OF_MEMORY_PREDICTED
 from charllm_nemo.train.validate import validate
 
 GIB = 2**30

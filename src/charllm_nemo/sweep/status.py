@@ -15,7 +15,8 @@ import subprocess
 from pathlib import Path
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sweep.manifest import (
+from charllm_nemo.telemetry.filecheck import printable
+from charllm_nemo.train.sweep_manifest import (
     FAILED,
     FINAL,
     JOB_FILE,
@@ -32,8 +33,7 @@ from charllm_nemo.sweep.manifest import (
     load_manifest,
     read_json,
 )
-from charllm_nemo.sweep.manifest_check import checked_job
-from charllm_nemo.telemetry.filecheck import printable
+from charllm_nemo.train.sweep_manifest_check import checked_job
 
 SLURM_ALIVE = frozenset(
     {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from charllm_nemo.devices.base import ServesDriverBuffers
 from charllm_nemo.errors import DeviceLost, DiskFull
 
 log = logging.getLogger("charllm_nemo.telemetry")
@@ -60,10 +61,10 @@ def next_seq(folder: Path) -> int:
     return max(seqs) + 1 if seqs else 0
 
 
-def buffered_devices(devices: Sequence[Any]) -> list[Any]:
-    """The devices that serve a driver buffer: a ``read_buffered`` method and, where the device
-    says, at least one buffer (NVML: ``buffers`` not None)."""
-    return [d for d in devices if hasattr(d, "read_buffered") and getattr(d, "buffers", True) is not None]
+def buffered_devices(devices: Sequence[Any]) -> list[ServesDriverBuffers]:
+    """The devices that serve a driver buffer (devices/base.py ``ServesDriverBuffers``, with at
+    least one buffer)."""
+    return [d for d in devices if isinstance(d, ServesDriverBuffers) and d.has_driver_buffers]
 
 
 class BufferedStore:

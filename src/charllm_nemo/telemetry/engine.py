@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,16 @@ def live_slice_start(t_begin_mono_ns: int, figures_period_ns: int) -> int:
     in the stored run (the first sample of a slice is never a tick) and a window that begins
     after a sampling stall is still bracketed. The collector slices the same way."""
     return t_begin_mono_ns - 2 * figures_period_ns
+
+
+class EngineClosed(TypedDict):
+    """What an engine's ``close`` hands the session for the manifest: ``extra`` (manifest
+    fields: sampler, flusher, store_process health), ``counts`` (the store's counts when another
+    process wrote them, else None), ``recorded`` (windows recorded)."""
+
+    extra: dict[str, Any]
+    counts: dict[str, Any] | None
+    recorded: int
 
 
 class Engine(Protocol):
@@ -117,7 +127,7 @@ class Engine(Protocol):
         """Write what was sampled and marked since the last flush, where this process writes."""
         ...
 
-    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> dict[str, Any]:
+    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> EngineClosed:
         """Stop, store everything (``open_records``: windows still open, with a null end) and
         return what the manifest gets: ``extra`` (fields), ``counts`` (the store's counts when
         another process wrote them, else None) and ``recorded`` (windows recorded)."""
@@ -266,7 +276,7 @@ class ThreadEngine:
             out.append(row)
         return out
 
-    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> dict[str, Any]:
+    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> EngineClosed:
         self._sampler.stop()
         self.flusher.stop()
         self.flusher.flush_once()
@@ -287,4 +297,4 @@ class ThreadEngine:
         }
         if self.buffered is not None:
             extra["driver_buffers"] = self.buffered.counts()
-        return {"extra": extra, "counts": None, "recorded": windows.total_recorded + self.earlier_windows}
+        return EngineClosed(extra=extra, counts=None, recorded=windows.total_recorded + self.earlier_windows)

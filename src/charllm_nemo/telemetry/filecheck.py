@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from charllm_nemo.telemetry.figures import median_fields, step_spec
+
 # JSON value kinds, as the schema tables of docs/store.md name them.
 _KINDS: dict[str, Any] = {
     "string": lambda v: isinstance(v, str),
@@ -79,24 +81,9 @@ DEVICE_SPEC: Spec = {
 
 _NUMBER_OR_NULL = ("number", "null")
 
-STEP_SPEC: Spec = {
-    "step": ("int",),
-    "loss": _NUMBER_OR_NULL,
-    "grad_norm": _NUMBER_OR_NULL,
-    "ranks_reporting": ("int", "null"),
-    "step_time_s": _NUMBER_OR_NULL,
-    "tokens_per_s": _NUMBER_OR_NULL,
-    "samples_per_s": _NUMBER_OR_NULL,
-    "model_tflops_per_gpu": _NUMBER_OR_NULL,
-    "hardware_tflops_per_gpu": _NUMBER_OR_NULL,
-    "mfu": _NUMBER_OR_NULL,
-    "energy_j": _NUMBER_OR_NULL,
-    "power_avg_w": _NUMBER_OR_NULL,
-    "power_peak_w": _NUMBER_OR_NULL,
-    "temp_gpu_peak_c": _NUMBER_OR_NULL,
-    "throttle_share": _NUMBER_OR_NULL,
-}
-"""One ``steps.jsonl`` line, and one entry of ``summary.json``'s ``per_step``."""
+STEP_SPEC: Spec = step_spec()
+"""One ``steps.jsonl`` line, and one entry of ``summary.json``'s ``per_step`` (from
+charllm_nemo.telemetry.figures ``STEP_FIELDS``)."""
 
 SUMMARY_SPEC: Spec = {
     "status": ("string",),
@@ -113,11 +100,7 @@ SUMMARY_SPEC: Spec = {
     "steps": ("int",),
     "steps_in_medians": ("int",),
     "per_step": ("list",),
-    **{
-        f"{k}_median": _NUMBER_OR_NULL
-        for k in STEP_SPEC
-        if k not in ("step", "loss", "grad_norm", "ranks_reporting")
-    },
+    **{f"{k}_median": _NUMBER_OR_NULL for k in median_fields()},
 }
 """``summary.json``'s fields (docs/store.md)."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from charllm_nemo.devices.base import Device
+from charllm_nemo.devices.base import Device, ReadsGaugesApart
 from charllm_nemo.errors import ConfigError, DeviceLost
 from charllm_nemo.telemetry.schema import METRICS
 
@@ -70,8 +70,8 @@ def counter_every(hz: float, counter_hz: float | None) -> int:
 
 def effective_counter_every(devices: Sequence[Device], every: int) -> int:
     """What :func:`run_sample_loop` applies: ``every`` where some device reads its counters
-    apart (has ``read_gauges``), else 1 (every slot is whole)."""
-    return every if every > 1 and any(hasattr(d, "read_gauges") for d in devices) else 1
+    apart (devices/base.py ``ReadsGaugesApart``), else 1 (every slot is whole)."""
+    return every if every > 1 and any(isinstance(d, ReadsGaugesApart) for d in devices) else 1
 
 
 def figures_period_ns(hz: float, every: int) -> int:
@@ -191,7 +191,7 @@ def run_sample_loop(
     every = h.counter_every = effective_counter_every(devices, counter_every)
     gauges: dict[int, Callable[[], Any]] = {}
     if every > 1:
-        gauges = {idx: d.read_gauges for d, idx in live if hasattr(d, "read_gauges")}
+        gauges = {idx: d.read_gauges for d, idx in live if isinstance(d, ReadsGaugesApart)}
     nulls = NullWatch([d for d, _ in live], h.nulls)
     k = 0
     h.started_mono_ns = deadline = mono()

@@ -15,6 +15,9 @@ docs/training-internals.md):
 * :func:`load`, :func:`run`, :func:`main` (app.py): compose conf/ with overrides, and launch.
 * :func:`run_rank`, :class:`RankResult` (loop.py): one rank's training loop.
 * :class:`StepProfiler` (profile.py): PyTorch profiler traces of chosen steps.
+* :class:`SweepManifest`, :func:`load_manifest`, :func:`find_sweeps` (sweep_manifest.py),
+  :func:`run_sweep_job` (sweep_job.py): a sweep directory's manifest and one job of a sweep
+  (below charllm_nemo.sweep, which plans and drives the sweeps).
 
 Imported lazily: ``import charllm_nemo.train`` imports none of torch, megatron, hydra or wandb;
 each name imports its module when first used (config.py, validate.py and presets.py need none).
@@ -46,6 +49,10 @@ _WHERE = {
     "run_rank": "loop",
     "RankResult": "loop",
     "StepProfiler": "profile",
+    "SweepManifest": "sweep_manifest",
+    "load_manifest": "sweep_manifest",
+    "find_sweeps": "sweep_manifest",
+    "run_sweep_job": "sweep_job",
 }
 
 __all__ = sorted(_WHERE)

@@ -33,7 +33,10 @@ from charllm_nemo.alerts.observer import ALERTS_FILE
 from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.config_io import (
+    CONFIG_NAME,
+    compose,
     config_for_ranks,
+    find_conf_dir,
     register_resolvers,
     resolved,
     save_train_config,
@@ -51,43 +54,7 @@ from charllm_nemo.train.layout import ResolvedLayout
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 from charllm_nemo.train.validate import validate
 
-CONF_ENV = "CHARLLM_CONF_DIR"
-CONFIG_NAME = "train"
 EXIT_CONFIG_ERROR = 2
-
-
-def find_conf_dir() -> Path:
-    """Where conf/ lives: ``$CHARLLM_CONF_DIR``, the checkout's ``conf/``, or the packaged copy."""
-    env = os.environ.get(CONF_ENV)
-    if env:
-        p = Path(env).expanduser().resolve()
-        if not (p / f"{CONFIG_NAME}.yaml").is_file():
-            raise ConfigError(f"{CONF_ENV}={env!r} has no {CONFIG_NAME}.yaml; point it at a conf/ directory")
-        return p
-    here = Path(__file__).resolve()
-    checkout = here.parents[3]  # src/charllm_nemo/train/app.py -> repository root
-    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / f"{CONFIG_NAME}.yaml").is_file():
-        return checkout / "conf"
-    packaged = here.parents[1] / "conf"
-    if (packaged / f"{CONFIG_NAME}.yaml").is_file():
-        return packaged
-    raise ConfigError(
-        f"cannot find the conf/ directory (looked in {checkout / 'conf'} and {packaged}); set {CONF_ENV}"
-    )
-
-
-def compose(
-    overrides: Sequence[str] = (), *, config_name: str = CONFIG_NAME, conf_dir: Path | None = None
-) -> DictConfig:
-    """Compose the config as ``charllm train <overrides>`` would (no run, no Hydra job):
-    for tests, notebooks and tools. The ``hydra`` node is dropped."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(conf_dir or find_conf_dir()), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
-    return cfg
 
 
 def load(overrides: Sequence[str] = (), **kw: Any) -> TrainConfig:
@@ -340,7 +307,7 @@ def _job(dcfg: DictConfig) -> int:
     sweep = hc.mode == RunMode.MULTIRUN
     if sweep and OmegaConf.select(dcfg, "sweep.run_key") is not None:
         # A sweep recipe's job (+sweep=<name>): attempts and their states (charllm_nemo/sweep).
-        from charllm_nemo.sweep.job import run_sweep_job
+        from charllm_nemo.train.sweep_job import run_sweep_job
 
         return run_sweep_job(dcfg, Path(hc.runtime.output_dir), run)
     if sweep:
@@ -397,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         code = exc.code
         if code not in (None, 0):
-            from charllm_nemo.sweep.manifest import EXIT_NOT_DONE
+            from charllm_nemo.train.sweep_manifest import EXIT_NOT_DONE
 
             # Hydra rejected the command line (unknown option, bad override), unless a sweep's
             # jobs ran elsewhere (SLURM) and some did not end done.

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -159,3 +159,41 @@ def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} does not hold a mapping")
     return train_config_from(data)
+
+
+CONF_ENV = "CHARLLM_CONF_DIR"
+CONFIG_NAME = "train"
+
+
+def find_conf_dir() -> Path:
+    """Where conf/ lives: ``$CHARLLM_CONF_DIR``, the checkout's ``conf/``, or the packaged copy."""
+    env = os.environ.get(CONF_ENV)
+    if env:
+        p = Path(env).expanduser().resolve()
+        if not (p / f"{CONFIG_NAME}.yaml").is_file():
+            raise ConfigError(f"{CONF_ENV}={env!r} has no {CONFIG_NAME}.yaml; point it at a conf/ directory")
+        return p
+    here = Path(__file__).resolve()
+    checkout = here.parents[3]  # src/charllm_nemo/train/config_io.py -> repository root
+    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / f"{CONFIG_NAME}.yaml").is_file():
+        return checkout / "conf"
+    packaged = here.parents[1] / "conf"
+    if (packaged / f"{CONFIG_NAME}.yaml").is_file():
+        return packaged
+    raise ConfigError(
+        f"cannot find the conf/ directory (looked in {checkout / 'conf'} and {packaged}); set {CONF_ENV}"
+    )
+
+
+def compose(
+    overrides: Sequence[str] = (), *, config_name: str = CONFIG_NAME, conf_dir: Path | None = None
+) -> DictConfig:
+    """Compose the config as ``charllm train <overrides>`` would (no run, no Hydra job):
+    for tests, notebooks and tools. The ``hydra`` node is dropped."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(conf_dir or find_conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return cfg

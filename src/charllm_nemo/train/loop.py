@@ -82,6 +82,47 @@ def _loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, 
     return loss, tokens.to(torch.int), {"lm loss": report}
 
 
+def train_step(
+    st: Any,
+    step: int,
+    bundle: Any,
+    forward_backward: Any,
+    data_iter: Any,
+    model: Any,
+    n_micro: int,
+    cfg: TrainConfig,
+    reports_loss: bool,
+) -> None:
+    """One training step through the step API ``st`` (a StepTelemetry): zero the gradients,
+    megatron-core's ``forward_backward`` over ``n_micro`` microbatches, the optimizer in its
+    phase, and the step's summed token loss (where this rank has it: ``reports_loss``) to
+    ``end_step``. The loop's own step, and what bench/bench_train_telemetry.py times."""
+    import torch
+
+    st.begin_step(step)
+    for chunk in bundle.chunks:
+        chunk.zero_grad_buffer()
+    bundle.optimizer.zero_grad()
+    outputs = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=data_iter,
+        model=model,
+        num_microbatches=n_micro,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.batch.micro_batch_size,
+        forward_only=False,
+    )
+    with st.phase("optimizer"):
+        ok, grad_norm, _zeros = bundle.optimizer.step()
+        if ok:
+            bundle.scheduler.step(1)
+    loss_sum = loss_tokens = 0.0
+    if reports_loss and outputs:
+        tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
+        loss_sum, loss_tokens = float(tot[0]), float(tot[1])
+    st.end_step(num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=loss_sum, loss_tokens=loss_tokens)
+
+
 def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     """mcore's ``forward_step_func``: called once per microbatch (per model chunk). With context
     parallelism each rank keeps its two of the sequence's 2 * cp chunks (mcore's
@@ -410,30 +451,7 @@ def _train(
     try:
         for step in range(b.train_steps):
             with profiler.step(step):  # telemetry.profile_steps: PyTorch profiler traces
-                st.begin_step(step)
-                for chunk in bundle.chunks:
-                    chunk.zero_grad_buffer()
-                bundle.optimizer.zero_grad()
-                outputs = forward_backward(
-                    forward_step_func=_forward_step,
-                    data_iterator=data_iter,
-                    model=model,
-                    num_microbatches=n_micro,
-                    seq_length=cfg.model.seq_length,
-                    micro_batch_size=b.micro_batch_size,
-                    forward_only=False,
-                )
-                with st.phase("optimizer"):
-                    ok, grad_norm, _zeros = bundle.optimizer.step()
-                    if ok:
-                        bundle.scheduler.step(1)
-                loss_sum = loss_tokens = 0.0
-                if reports_loss and outputs:
-                    tot = torch.stack([o["lm loss"] for o in outputs]).sum(dim=0)
-                    loss_sum, loss_tokens = float(tot[0]), float(tot[1])
-                st.end_step(
-                    num_microbatches=n_micro, grad_norm=grad_norm, loss_sum=loss_sum, loss_tokens=loss_tokens
-                )
+                train_step(st, step, bundle, forward_backward, data_iter, model, n_micro, cfg, reports_loss)
             out = st.last
             assert out is not None
             result.steps += 1

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.steps.observers import STEPS_FILE
+from charllm_nemo.telemetry.figures import median_fields
 
 if TYPE_CHECKING:
     from charllm_nemo.steps.rates import StepRates
@@ -84,19 +85,8 @@ def train_rates(
         return None
 
 
-SUMMARY_FIELDS: tuple[str, ...] = (
-    "step_time_s",
-    "tokens_per_s",
-    "samples_per_s",
-    "model_tflops_per_gpu",
-    "hardware_tflops_per_gpu",
-    "mfu",
-    "energy_j",
-    "power_avg_w",
-    "power_peak_w",
-    "temp_gpu_peak_c",
-    "throttle_share",
-)
+SUMMARY_FIELDS: tuple[str, ...] = median_fields()
+"""The step fields whose medians summary.json holds (charllm_nemo.telemetry.figures)."""
 
 
 def run_summary(

@@ -1,5 +1,5 @@
 """``hydra/sweeper=charllm``: Hydra's basic sweeper (the cartesian product of the swept
-overrides) made resumable, with a manifest (charllm_nemo/sweep/manifest.py, docs/sweeps.md).
+overrides) made resumable, with a manifest (charllm_nemo/train/sweep_manifest.py, docs/sweeps.md).
 
 For ``charllm train -m +sweep=<name> [hydra/launcher=<preset>] [overrides]``:
 
@@ -34,7 +34,9 @@ from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sweep.manifest import (
+from charllm_nemo.sweep.plan import plan_configuration
+from charllm_nemo.sweep.status import SLURM_ALIVE, refresh, slurm_job_state, status_lines
+from charllm_nemo.train.sweep_manifest import (
     DONE,
     EXIT_NOT_DONE,
     FAILED,
@@ -48,8 +50,6 @@ from charllm_nemo.sweep.manifest import (
     SweepManifest,
     load_manifest,
 )
-from charllm_nemo.sweep.plan import plan_configuration
-from charllm_nemo.sweep.status import SLURM_ALIVE, refresh, slurm_job_state, status_lines
 
 log = logging.getLogger(__name__)
 

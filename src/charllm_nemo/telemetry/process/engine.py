@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from charllm_nemo.devices.base import ActivityInput
+from charllm_nemo.telemetry.engine import EngineClosed
 from charllm_nemo.telemetry.process.collector import decode_figures
 from charllm_nemo.telemetry.process.mark_ring import figure_columns, figure_mask
 from charllm_nemo.telemetry.process.parent import FIGURE_SLOTS, ProcessSampler
@@ -183,7 +184,7 @@ class ProcessEngine:
         self._sampler.stop(1.0)
         return self._sampler.store_counts()
 
-    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> dict[str, Any]:
+    def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> EngineClosed:
         marks = self._sampler.marks
         if marks is not None and open_records:
             marks.emit_many(list(open_records))
@@ -209,4 +210,4 @@ class ProcessEngine:
         # Steps' windows are made in the telemetry process: count what it stored.
         stored = counts.get("rows", {}).get("windows")
         recorded = windows.total_recorded if stored is None else stored - len(open_records)
-        return {"extra": extra, "counts": store_counts or None, "recorded": recorded}
+        return EngineClosed(extra=extra, counts=store_counts or None, recorded=int(recorded))

@@ -26,7 +26,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from charllm_nemo.errors import CharllmError
-from charllm_nemo.sweep.manifest import (
+from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.sweep_manifest import (
     DONE,
     FAILED,
     JOB_FILE,
@@ -37,7 +38,6 @@ from charllm_nemo.sweep.manifest import (
     read_json,
     write_json,
 )
-from charllm_nemo.train.config import TrainConfig
 
 EXIT_CONFIG_ERROR = 2
 PREEMPT_CODES = {143: "SIGTERM (preemption, or scancel)", -1: "submitit's preemption / time-limit signal"}

@@ -43,7 +43,7 @@ JOB_FIELDS: dict[str, tuple[str, ...]] = {**ATTEMPT_FIELDS, "key": _STR}
 """``job.json``: an attempt's fields, and its configuration's key."""
 
 SAFE_KEY = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
-"""A run key as :func:`charllm_nemo.sweep.manifest.run_key` writes it: it names a folder, so a
+"""A run key as :func:`charllm_nemo.train.sweep_manifest.run_key` writes it: it names a folder, so a
 key with ``/`` or ``..`` (a path outside the sweep) is refused."""
 
 
@@ -83,7 +83,7 @@ def checked_fields(d: dict[str, Any], path: Path | str, problems: list[str]) -> 
 def checked_runs(runs: object, path: Path | str, problems: list[str]) -> dict[str, dict[str, Any]]:
     """``sweep.json``'s ``runs`` (a list of objects) as RunEntry arguments by key; each run's
     ``attempts`` as Attempt objects."""
-    from charllm_nemo.sweep.manifest import Attempt
+    from charllm_nemo.train.sweep_manifest import Attempt
 
     if runs is None:
         return {}

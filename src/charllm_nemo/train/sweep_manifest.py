@@ -176,7 +176,7 @@ class SweepManifest:
         """The manifest in ``d`` as read from ``path``: a field of the wrong type, an unknown
         field, a run without a usable ``key`` or an attempt without a number is left out, with a
         line in ``problems`` naming the file and the field (the rest is kept)."""
-        from charllm_nemo.sweep.manifest_check import checked_fields, checked_runs
+        from charllm_nemo.train.sweep_manifest_check import checked_fields, checked_runs
 
         problems = [] if problems is None else problems
         fields = checked_fields(d, path, problems)
