@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.colors import LogNorm
 
+from charllm_nemo.telemetry.write import write_with
+
 PANELS = (
     ("GPU temp (°C)", "temp_gpu_avg_c", "temp_gpu_peak_c"),
     ("GPU power (W)", "power_avg_w", "power_peak_w"),
@@ -28,10 +30,9 @@ EFFICIENCY = "efficiency_samples_per_s_per_mj"
 
 def save(fig: Any, stem: Path) -> list[Path]:
     """``stem``.png (150 dpi) and ``stem``.pdf; closes the figure."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
     out = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
-    fig.savefig(out[0], dpi=150, bbox_inches="tight")
-    fig.savefig(out[1], bbox_inches="tight")
+    write_with(out[0], lambda f: fig.savefig(f, format="png", dpi=150, bbox_inches="tight"))
+    write_with(out[1], lambda f: fig.savefig(f, format="pdf", bbox_inches="tight"))
     plt.close(fig)
     return out
 

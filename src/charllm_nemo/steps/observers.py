@@ -53,8 +53,8 @@ class FunctionObserver:
             self.on_close(status)
 
 
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""A write refused because the disk, or the user's quota, is full."""
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""A write refused because the disk, the user's quota, or the file-size limit (ulimit -f) is full."""
 
 
 class StepsFile:
@@ -69,7 +69,9 @@ class StepsFile:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: int | None = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )  # appended to line by line, so not through telemetry.write's rename; a link is refused
         self._size = 0  # bytes of whole lines written: where a failed line is cut back to
         self.lines = 0  # lines written
         self.disk_full = False
@@ -83,7 +85,7 @@ class StepsFile:
             while done < len(data):  # a short write (the last free blocks) is followed by ENOSPC
                 done += os.write(self._fd, data[done:])
         except OSError as exc:
-            self.disk_full = exc.errno in DISK_FULL_ERRNOS
+            self.disk_full = True  # any refused write (DISK_FULL_ERRNOS, EIO, ...): the run's status says so
             if done:
                 with contextlib.suppress(OSError):  # not a regular file (/dev/full): nothing to cut
                     os.ftruncate(self._fd, self._size)
