@@ -114,12 +114,15 @@ def test_a_real_file_size_limit_raises_disk_full(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]  # no temporary, nothing half-written
 
 
-def test_analyze_does_not_overwrite_a_file_a_run_links_to(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_analyze_does_not_overwrite_a_file_a_run_links_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The attack of issue 33: a run whose ``analysis/problems.txt`` links to a user's file, and a
     rank folder named like a shell command, so that the problems text is a payload."""
     pytest.importorskip("duckdb")
-    from charllm_nemo.cli import main
     from tests.analysis.helpers import constant_run
+
+    from charllm_nemo.cli import main
 
     run = tmp_path / "run"
     constant_run(run, ranks=1)
