@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.deadline import deadline
 from tests.sinks.wandb_reader import find_wandb_file, read_run
 
 pytest.importorskip("wandb")
@@ -32,7 +33,9 @@ def _train(out, nproc, parallel, extra, env):
            f"++telemetry.synthetic.devices.1.throttle=[{{steps:[{INJECT_FROM},{STEPS}],reasons:[hw_slowdown],"
            "clock_factor:0.3}]",
            "alerts.warmup_steps=3", *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=deadline(600), env={**os.environ, **env}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 

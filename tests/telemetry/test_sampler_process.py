@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.deadline import deadline
 from tests.fakes import nvml_stub
 
 from charllm_nemo.errors import ConfigError
@@ -155,7 +156,7 @@ def _run_nvml_child(tmp_path: Path, script: list[str], mode: str, seconds: float
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=deadline(90),
     )
     assert proc.returncode == 0, proc.stderr
     result: dict = json.loads(proc.stdout.split("RESULT ", 1)[1])
@@ -364,7 +365,7 @@ def test_the_sampling_process_imports_neither_torch_nor_numpy_nor_pyarrow():
         "import charllm_nemo.devices.synthetic, charllm_nemo.devices.nvml\n"
         "print(sorted(m for m in ('torch', 'numpy', 'pyarrow') if m in sys.modules))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -737,7 +738,7 @@ def test_nvml_counters_read_apart_still_give_every_live_figure_as_stored(tmp_pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=deadline(90),
     )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.split("RESULT ", 1)[1])

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from tests.deadline import deadline
 
 from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
@@ -93,7 +94,7 @@ def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by
         t1 = time.monotonic_ns()
         start = time.perf_counter()
         maybe = tel.step_figures(t0, t1)  # the next sample may not exist yet
-        assert time.perf_counter() - start < 0.05
+        assert time.perf_counter() - start < deadline(0.05)  # no wait for the next sample
         figs = tel.step_figures(t0, t1, wait_s=1.0)
         assert maybe is None or maybe[0]["energy_j"] > 0
         assert figs is not None and len(figs) == 1
@@ -180,7 +181,9 @@ def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):
         "b = open_backend('auto'); print('BACKEND', b.name)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=deadline(60)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "BACKEND synthetic" in proc.stdout
     assert "SYNTHETIC" in proc.stderr
@@ -194,7 +197,7 @@ def test_importing_the_package_needs_no_vendor_or_framework_library():
         "import charllm_nemo, charllm_nemo.devices, charllm_nemo.telemetry.session, charllm_nemo.cli\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr
 
 
@@ -210,7 +213,7 @@ def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_pa
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
     cmd = [sys.executable, "-c", code, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr
     assert "may run on CPU" in proc.stderr and "--cpus-per-task=2" in proc.stderr
     cpus = load_run(tmp_path).manifests[0]["cpu_affinity"]

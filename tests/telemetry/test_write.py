@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.deadline import deadline
 
 from charllm_nemo.errors import DiskFull, StoreError
 from charllm_nemo.telemetry.write import AtomicOutput, write_bytes, write_text, write_with
@@ -108,7 +109,7 @@ def test_a_real_file_size_limit_raises_disk_full(tmp_path: Path) -> None:
         sys.exit(1)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120))
     assert proc.returncode == 0, proc.stderr
     assert "ulimit -f" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]  # no temporary, nothing half-written

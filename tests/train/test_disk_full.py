@@ -20,6 +20,7 @@ from charllm_nemo.train.disk_full import (
     TelemetryDiskFull,
     write_summary,
 )
+from tests.deadline import deadline
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ def test_disk_watch_says_it_once_or_stops_the_rank(
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry=synthetic"]
     argv += [f"telemetry.out_dir={out}", "batch.train_steps=400", "logger=console", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=deadline(600))
 
 
 @pytest.mark.parametrize("required", [False, True])
@@ -190,7 +191,9 @@ def test_a_file_size_limit_is_a_full_disk_with_a_true_status(tmp_path: Path) -> 
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry=synthetic"]
     argv += [f"telemetry.out_dir={out}", "batch.train_steps=400", "logger=console"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, preexec_fn=_limit_file_size)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=deadline(900), preexec_fn=_limit_file_size
+    )
     err = proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())  # not lost: the compact one at least
     assert summary["status"] == "disk_full", err
