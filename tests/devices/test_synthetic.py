@@ -58,7 +58,7 @@ def test_power_follows_activity_between_idle_and_the_cap():
     for level, expected in (
         (0.0, p.idle_w),
         (0.5, p.idle_w + 0.5 * (p.peak_w - p.idle_w)),
-        (1.0, p.power_limit_w),
+        (1.0, p.peak_w),  # under the cap by default
     ):
         dev, clock = _dev(level)
         clock.advance(0.01)
@@ -92,8 +92,20 @@ def test_the_energy_counter_integrates_power_and_ticks_at_its_update_period():
     assert values[-1] - e0 == pytest.approx(p.idle_w * 1e3 * 1.0, rel=0.06)  # 75 J = 75000 mJ
 
 
-def test_full_activity_hits_the_power_cap_lowers_the_clock_and_says_why():
+def test_by_default_full_activity_stays_under_the_cap_unthrottled():
+    """Issue 33: the default device read 700 W and throttled 100% at step 1 of a tiny CPU model."""
     p = SyntheticParams()
+    dev, clock = _dev(1.0, p)
+    clock.advance(0.5)
+    r = dev.read()
+    assert _get(r, "power_instant_w") == pytest.approx(p.peak_w) and p.peak_w < 0.85 * p.power_limit_w
+    assert decode_throttle(_get(r, "throttle_reasons")) == []
+    assert _get(r, "clock_sm_mhz") == p.clock_max_mhz
+    assert _get(r, "violation_power_ns") == 0
+
+
+def test_full_activity_over_a_lower_cap_lowers_the_clock_and_says_why():
+    p = SyntheticParams(power_limit_w=400.0)
     dev, clock = _dev(1.0, p)
     clock.advance(0.5)
     r = dev.read()

@@ -128,9 +128,9 @@ def _si(v: float) -> str:
     return f"{v:.1f}"
 
 
-def format_report(r: StepReport, total_steps: int | None, world_size: int) -> str:
+def format_report(r: StepReport, total_steps: int | None, world_size: int, *, synthetic: bool = False) -> str:
     """Rank 0's console line for one step; MFU says how it counts attention (``full attn`` /
-    ``causal attn``, telemetry.attention_flops)."""
+    ``causal attn``, telemetry.attention_flops); ``synthetic``: power is modelled, and says so."""
     parts = [f"step {r.step + 1}" + ("" if total_steps is None else f"/{total_steps}")]
     parts.append("loss n/a" if r.loss is None else f"loss {r.loss:.4f}")
     parts.append(f"{r.step_time_s * 1e3:.1f} ms")
@@ -147,10 +147,11 @@ def format_report(r: StepReport, total_steps: int | None, world_size: int) -> st
         partial = "" if r.ranks_reporting >= world_size else f" ({r.ranks_reporting}/{world_size} ranks)"
         parts.append(f"{r.energy_j:.3g} J{partial}")
     peak = "" if r.power_peak_w is None else f"peak {r.power_peak_w:.0f} W"
+    model = " (synthetic)" if synthetic else ""
     if r.power_avg_w is not None:
-        parts.append(f"{r.power_avg_w:.0f} W/GPU avg" + (f", {peak}" if peak else ""))
+        parts.append(f"{r.power_avg_w:.0f} W/GPU avg" + (f", {peak}" if peak else "") + model)
     elif peak:
-        parts.append(peak)
+        parts.append(peak + model)
     if r.temp_gpu_peak_c is not None:
         parts.append(f"max {r.temp_gpu_peak_c:.0f} C")
     if r.throttle_share is not None:
@@ -221,13 +222,23 @@ class ConsoleObserver:
     over ``total_steps`` (None: no bar). ``world_size``: the ranks a complete step's energy
     covers (fewer are shown as ``(n/world ranks)``)."""
 
-    def __init__(self, total_steps: int | None = None, world_size: int = 1, *, progress: bool = True) -> None:
+    def __init__(
+        self,
+        total_steps: int | None = None,
+        world_size: int = 1,
+        *,
+        progress: bool = True,
+        synthetic: bool = False,
+    ) -> None:
         self.total_steps = total_steps
         self.world_size = world_size
+        self.synthetic = synthetic  # a modelled device: its power is marked "(synthetic)"
         self.progress = Progress(total_steps if progress else None, enabled=True)
 
     def on_step(self, report: StepReport) -> None:
-        self.progress.write(format_report(report, self.total_steps, self.world_size))
+        self.progress.write(
+            format_report(report, self.total_steps, self.world_size, synthetic=self.synthetic)
+        )
         self.progress.update()
 
     def write(self, line: str) -> None:
