@@ -88,10 +88,11 @@ class AtomicOutput:
     the temporary), :meth:`commit` renames it over ``path``, :meth:`discard` removes it. For a
     writer that streams over a long loop (a ``ParquetWriter``); :func:`atomic_file` otherwise."""
 
-    def __init__(self, path: Path, *, fsync: bool = False) -> None:
+    def __init__(self, path: Path, *, fsync: bool = False, tmp_tag: str = "") -> None:
         self.path = Path(path)
         _check_name(self.path.name)
-        self._tmp = f".{self.path.name}.tmp"
+        # tmp_tag (a pid): writers in several processes at once each get their own temporary
+        self._tmp = f".{self.path.name}.{tmp_tag}.tmp" if tmp_tag else f".{self.path.name}.tmp"
         self._fsync = fsync
         make_dir(self.path.parent)
         self._dfd = _open_dir(self.path.parent)
@@ -132,11 +133,11 @@ class AtomicOutput:
 
 
 @contextmanager
-def atomic_file(path: Path, *, fsync: bool = False) -> Iterator[IO[bytes]]:
+def atomic_file(path: Path, *, fsync: bool = False, tmp_tag: str = "") -> Iterator[IO[bytes]]:
     """A binary file object to write ``path``'s new content into; on a clean exit it replaces
     ``path`` atomically (see the module's docstring), on an error the temporary is removed and
     nothing at ``path`` changes."""
-    out = AtomicOutput(path, fsync=fsync)
+    out = AtomicOutput(path, fsync=fsync, tmp_tag=tmp_tag)
     try:
         yield out.file
     except BaseException as exc:
@@ -147,16 +148,16 @@ def atomic_file(path: Path, *, fsync: bool = False) -> Iterator[IO[bytes]]:
     out.commit()
 
 
-def write_bytes(path: Path, data: bytes, *, fsync: bool = False) -> Path:
+def write_bytes(path: Path, data: bytes, *, fsync: bool = False, tmp_tag: str = "") -> Path:
     """Write ``data`` to ``path`` atomically, without following links; returns ``path``."""
-    with atomic_file(path, fsync=fsync) as f:
+    with atomic_file(path, fsync=fsync, tmp_tag=tmp_tag) as f:
         f.write(data)
     return Path(path)
 
 
-def write_text(path: Path, text: str, *, fsync: bool = False) -> Path:
+def write_text(path: Path, text: str, *, fsync: bool = False, tmp_tag: str = "") -> Path:
     """``text`` as UTF-8 (:func:`write_bytes`)."""
-    return write_bytes(path, text.encode("utf-8"), fsync=fsync)
+    return write_bytes(path, text.encode("utf-8"), fsync=fsync, tmp_tag=tmp_tag)
 
 
 def write_with(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
