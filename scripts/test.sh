@@ -1,60 +1,121 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh, scripts/setup-nemo.sh) and run lint, type checks and the test suite:
-# the main suite in .venv (with a local SLURM for the sweep tests), then the NeMo 2 / Lightning
-# integration tests in .venv-nemo.
+# Set up (scripts/setup.sh, scripts/setup-nemo.sh) and run every lane: ruff check, ruff format
+# --check, mypy, the main suite in .venv (with a local SLURM for the sweep tests), and the NeMo 2 /
+# Lightning integration tests in .venv-nemo. Every lane runs whatever an earlier one gave; the end
+# lists each lane's result and duration, and the exit status is 1 when any lane failed.
+# Arguments go to the main pytest lane (e.g. scripts/test.sh -x -q tests/alerts).
 # CHARLLM_REQUIRE_NEMO=1: an integration test whose framework or download is missing fails
 # instead of skipping (tests/integrations/conftest.py).
-set -euo pipefail
+# CHARLLM_TEST_TIMEOUT_FACTOR (default 1): multiplies the tests' subprocess deadlines
+# (tests/deadline.py); raise it on a slow or shared machine.
+#
+# To add a lane: write a function lane_<name> and add <name> to LANES; a set-up step it needs: a
+# function setup_<name> added to SETUPS (run before any lane; a failing set-up stops the script,
+# since no lane could give a verdict without it).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh test,megatron,sweep,analysis
-scripts/setup-nemo.sh
-export CHARLLM_REQUIRE_NEMO=1
-# Megatron-Bridge's wheel for tests/integrations/test_bridge.py, which reads its callbacks.py
-# (Bridge itself needs Python >= 3.12 and CUDA): fetched here, at set-up, never by a test.
+
+NEMO_TESTS=tests/integrations/test_nemo_callback.py
 BRIDGE_VERSION=0.6.2  # = BRIDGE_VERSION in tests/integrations/test_bridge.py
-if ! ls .cache/megatron-bridge/megatron_bridge-"$BRIDGE_VERSION"-*.whl >/dev/null 2>&1; then
+PYTEST_ARGS=("$@")
+
+# --- set-up ---------------------------------------------------------------------------------------
+setup_venvs() {
+  scripts/setup.sh test,megatron,sweep,analysis,spark && scripts/setup-nemo.sh
+}
+
+setup_bridge() {
+  # Megatron-Bridge's wheel for tests/integrations/test_bridge.py, which reads its callbacks.py
+  # (Bridge itself needs Python >= 3.12 and CUDA): fetched here, at set-up, never by a test.
+  ls .cache/megatron-bridge/megatron_bridge-"$BRIDGE_VERSION"-*.whl >/dev/null 2>&1 && return 0
   .venv/bin/python -m pip download --no-deps --quiet --python-version 3.12 --only-binary=:all: \
     "megatron-bridge==$BRIDGE_VERSION" -d .cache/megatron-bridge
-fi
-NEMO_TESTS=tests/integrations/test_nemo_callback.py
-. .venv/bin/activate
+}
 
-# --- A headless browser for the report test (tests/analysis/test_report.py) -----------------
-# Debian's chromium, installed once (idempotent, quiet); the test fails rather than skips here.
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-fi
-export CHARLLM_REQUIRE_BROWSER=1
-# ----------------------------------------------------------------------------------------------
+setup_browser() {
+  # Debian's chromium for the report test (tests/analysis/test_report.py), installed once (idempotent,
+  # quiet); the test fails rather than skips here.
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 && return 0
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+}
 
-# --- A Prometheus server for tests/telemetry/test_export_prometheus.py (docs/export.md) ---------
-# Debian's prometheus, installed once; the test starts it on 127.0.0.1 itself and fails, not skips.
-if ! command -v prometheus >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-fi
-export CHARLLM_REQUIRE_PROMETHEUS=1
+setup_slurm() {
+  # A real single-node SLURM for tests/sweep/test_slurm_sweeps.py (docs/sweeps.md): installs
+  # slurm-wlm and munge with apt if missing and starts slurmctld, slurmd and munged as root
+  # (idempotent); the tests find it through SLURM_CONF and the sacct stand-in on PATH. Not root:
+  # those tests are skipped, and say so.
+  if [ "$(id -u)" = 0 ]; then
+    scripts/local-slurm.sh start || return 1
+    eval "$(scripts/local-slurm.sh env)"
+  else
+    echo "test.sh: not root: no local SLURM; tests/sweep/test_slurm_sweeps.py will be skipped" >&2
+  fi
+}
 
-ruff check src tests bench scripts
-ruff format --check src tests bench scripts
-mypy
+apt_install() {
+  # Debian packages, installed once (idempotent, quiet): $1 the command that shows it is there.
+  command -v "$1" >/dev/null 2>&1 && return 0
+  shift
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
 
-# --- a real single-node SLURM for tests/sweep/test_slurm_sweeps.py (docs/sweeps.md) ------------
-# Installs slurm-wlm and munge with apt if missing and starts slurmctld, slurmd and munged as root
-# (idempotent); the tests find it through SLURM_CONF and the sacct stand-in on PATH. Not root:
-# those tests are skipped, and say so.
-if [ "$(id -u)" = 0 ]; then
-  scripts/local-slurm.sh start
-  eval "$(scripts/local-slurm.sh env)"
-else
-  echo "test.sh: not root: no local SLURM; tests/sweep/test_slurm_sweeps.py will be skipped" >&2
-fi
-# ---------------------------------------------------------------------------------------------
+setup_prometheus() {
+  # Debian's prometheus for tests/telemetry/test_export_prometheus.py (docs/export.md); the test
+  # starts it on 127.0.0.1 itself and fails, not skips, here.
+  apt_install prometheus prometheus
+}
 
-# The NeMo tests run in .venv-nemo, the rest here.
-pytest --ignore="$NEMO_TESTS" "$@"
-deactivate
-.venv-nemo/bin/pytest -q "$NEMO_TESTS"
+setup_java() {
+  # Java 17 for the real Spark test (tests/analysis/test_spark.py, pyspark local[2]; docs/analysis.md).
+  apt_install java openjdk-17-jre-headless
+}
+
+SETUPS=(venvs bridge browser prometheus java slurm)
+
+# --- lanes ----------------------------------------------------------------------------------------
+lane_ruff() { .venv/bin/ruff check src tests bench scripts; }
+lane_format() { .venv/bin/ruff format --check src tests bench scripts; }
+lane_mypy() { .venv/bin/mypy; }
+# Each pytest lane sees its own environment's bin first on PATH (subprocesses that run `charllm`).
+lane_pytest() {
+  PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv" .venv/bin/python -m pytest --ignore="$NEMO_TESTS" "${PYTEST_ARGS[@]}"
+}
+lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "$NEMO_TESTS"; }
+
+LANES=(ruff format mypy pytest nemo)
+
+# --- run ------------------------------------------------------------------------------------------
+export CHARLLM_REQUIRE_NEMO=1 CHARLLM_REQUIRE_BROWSER=1 CHARLLM_REQUIRE_PROMETHEUS=1 CHARLLM_REQUIRE_SPARK=1
+
+for s in "${SETUPS[@]}"; do
+  start=$SECONDS
+  if ! "setup_$s"; then
+    echo "test.sh: set-up '$s' failed after $((SECONDS - start)) s; no lane can run without it" >&2
+    exit 1
+  fi
+  echo "test.sh: set-up $s: $((SECONDS - start)) s"
+done
+
+results=()
+failed=0
+for lane in "${LANES[@]}"; do
+  echo "=== test.sh: lane $lane"
+  start=$SECONDS
+  "lane_$lane"
+  rc=$?
+  took=$((SECONDS - start))
+  if [ "$rc" -eq 0 ]; then
+    results+=("$(printf '%-8s passed  %5d s' "$lane" "$took")")
+  else
+    results+=("$(printf '%-8s FAILED  %5d s (exit %d)' "$lane" "$took" "$rc")")
+    failed=1
+  fi
+done
+
+echo "=== test.sh: results"
+printf '  %s\n' "${results[@]}"
+exit "$failed"

@@ -12,6 +12,7 @@ import pytest
 
 from charllm_nemo.cli import main, steps_range
 from charllm_nemo.errors import ConfigError
+from tests.deadline import deadline
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_inspect_into_a_closed_pipe_stops_quietly(run_dir: Path) -> None:
     )
     assert proc.stdout is not None
     proc.stdout.close()  # before the child has written anything
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=deadline(60))
     assert proc.returncode == 141, err.decode()
     assert b"Traceback" not in err
 

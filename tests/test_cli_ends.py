@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.cli import main
+from tests.deadline import deadline
 
 
 def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic"]
-    argv += ["--seconds", "60", "--step-s", "0.1", "--out", str(out)]
+    # A run far longer than any deadline: only the Ctrl-C can end it in time.
+    argv += ["--seconds", "3600", "--step-s", "0.1", "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -26,7 +28,7 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path) ->
         assert first.startswith(b"sampling"), first
         time.sleep(0.5)  # a few steps marked
         proc.send_signal(signal.SIGINT)
-        rest, err = proc.communicate(timeout=60)
+        rest, err = proc.communicate(timeout=deadline(60))  # the shutdown, on a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()

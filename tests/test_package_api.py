@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.deadline import deadline
+
 PACKAGES = (
     "alerts",
     "analysis",
@@ -29,7 +31,7 @@ NEEDS = {("integrations", "PowerThermalCallback"): "lightning"}
 
 
 def _run(code: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120))
     assert proc.returncode == 0, proc.stderr
     out: dict = json.loads(proc.stdout.strip().splitlines()[-1])
     return out

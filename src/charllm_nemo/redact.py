@@ -6,16 +6,22 @@ the W&B run config (sinks/wandb.py); the W&B artifact uploads those same files.
 
 What counts as a secret:
 
-* the value of a mapping key that :func:`is_secret_key` flags (``api_key``, ``hf_token``,
-  ``HF_TOKEN``, ``password``, ``client_secret``, ``Authorization``, ...), whatever its type;
+* the value of a mapping key that :func:`is_secret_key` flags, by name pattern rather than a
+  list (``*key*``: ``api_key``, ``wandb_key``, ``hf_key``, ``key``; ``*secret*``; ``*pass*``:
+  ``password``, ``db_pass``; ``auth*``: ``Authorization``, ``oauth_token``; ``*token``;
+  credentials, cookies), whatever its type;
 * in strings: ``NAME=value`` / ``--name=value`` / ``+extra.name=value`` (a Hydra override)
   where NAME is such a key; the ``user:password@`` part of a URL; a query parameter such as
   ``?token=...``; and values shaped like well-known tokens (Hugging Face ``hf_...``, GitHub
   ``ghp_...`` / ``github_pat_...``, ``sk-...`` API keys, Slack ``xox.-...``, AWS ``AKIA...``,
-  ``Bearer ...``);
+  ``Bearer ...`` however short), and any standalone run of 32+ letters and digits with both
+  kinds and high entropy (a W&B key is 40 hex digits), except under a digest's name
+  (``git_commit``, ``sha256``, ...) and inside paths or dashed names;
 * in lists (an argv): the item after a ``--api-key``-style flag.
 
-Names that merely contain "token" are not secrets: a key is split into words (at ``_ - .``,
+Names that merely contain "key" are not secrets when the word before makes it an index
+(``run_key``, ``sort_keys``) or the word after a layer (``key_value_channels``). Names that
+merely contain "token" are not secrets: a key is split into words (at ``_ - .``,
 spaces and camelCase) and ``token`` counts only as the last word, and not after a word that
 makes it a tokenizer or model term (``pad_token``, ``max_token``): ``moe_token_dispatcher_type``,
 ``num_tokens``, ``tokens_per_s``, ``tokenizer`` and ``token_ids`` stay.
@@ -24,7 +30,9 @@ makes it a tokenizer or model term (``pad_token``, ``max_token``): ``moe_token_d
 from __future__ import annotations
 
 import itertools
+import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +46,8 @@ _SECRET_WORDS = frozenset(
         "password",
         "passwd",
         "pwd",
+        "pass",
+        "pw",
         "apikey",
         "credential",
         "credentials",
@@ -48,6 +58,17 @@ _SECRET_WORDS = frozenset(
         "passphrase",
     }
 )
+_SECRET_PARTS = ("secret", "passw", "passphrase", "credential", "cookie")
+_KEY_PREFIXES = frozenset(
+    {"api", "private", "access", "secret", "session", "wandb", "openai", "hf", "ssh", "license"}
+)
+# "key" is a secret (wandb_key, key) unless it names a lookup: a run's key, a sort key, a layer.
+_KEY_TERMS = frozenset(
+    {"run", "sort", "sweep", "group", "cache", "dict", "primary", "foreign", "partition", "query", "lookup",
+     "row", "table", "join", "step", "window", "dropped", "shorthand", "env", "full", "hash", "sequence"}
+)  # fmt: skip
+_KEY_AFTER = frozenset({"value", "values", "layer", "padding", "channels", "func", "fn", "order"})
+_SAFE_KEYS = frozenset({"moe_token_dispatcher_type", "keyboard", "passes", "num_passes", "bypass"})
 _SECRET_PAIRS = frozenset(
     {("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"), ("session", "key")}
 )
@@ -97,8 +118,18 @@ _TOKEN_SHAPES = re.compile(
     r"|sk-[A-Za-z0-9_\-]{20,}"
     r"|xox[abprs]-[A-Za-z0-9\-]{10,}"
     r"|AKIA[0-9A-Z]{16})\b"
-    r"|(?<=Bearer )[A-Za-z0-9._~+/\-]{16,}=*"
+    r"|(?<=Bearer )[A-Za-z0-9._~+/\-]+=*"
 )
+_MIN_SECRET_LEN = 32
+_MIN_ENTROPY_BITS = 3.0
+# A token standing alone (not inside a path, a file name or a dashed name such as a run's):
+# 32+ letters and digits, nothing else.
+_LONG_TOKEN = re.compile(r"(?<![A-Za-z0-9_\-./])[A-Za-z0-9]{32,}(?![A-Za-z0-9_\-./])")
+_DIGEST_WORDS = frozenset(
+    {"commit", "sha", "sha1", "sha256", "hash", "digest", "checksum", "revision", "uuid"}
+)
+_DIGEST_LAST = [[w] for w in _DIGEST_WORDS]
+"""Keys whose hex values are digests, not keys (long high-entropy values are kept there)."""
 
 
 def _words(key: str) -> list[str]:
@@ -106,20 +137,47 @@ def _words(key: str) -> list[str]:
 
 
 def is_secret_key(key: str) -> bool:
-    """Whether a config key, variable or option name names a secret (``api_key``, ``hf_token``,
-    ``password``, ...), and not a name that merely contains "token" (``num_tokens``,
-    ``moe_token_dispatcher_type``, ``pad_token``)."""
+    """Whether a config key, variable or option name names a secret, by pattern: a word that is
+    or ends in ``key`` (``api_key``, ``wandb_key``, ``hf_key``, ``key``, ``apikey``), contains
+    ``secret``, ``passw`` / is ``pass`` or ``pwd`` (``db_pass``), starts with ``auth`` (not
+    ``author``), names a credential or cookie, or ``token`` as the last word; except the known
+    ordinary names (:data:`_SAFE_KEYS`, a ``token`` after a model term: ``num_tokens``,
+    ``moe_token_dispatcher_type``, ``pad_token``; a ``key`` after an index term: ``run_key``,
+    ``sort_keys``)."""
+    if key.lower() in _SAFE_KEYS:
+        return False
     words = _words(key)
-    if any(w in _SECRET_WORDS for w in words):
-        return True
+    for i, w in enumerate(words):
+        before = words[i - 1] if i else ""
+        after = words[i + 1] if i + 1 < len(words) else ""
+        if any(part in w for part in _SECRET_PARTS) or w in _SECRET_WORDS:
+            return True
+        if w.startswith("auth") and not w.startswith("author"):
+            return True
+        if (w in ("key", "keys") or (w.endswith("key") and w[:-3] in _KEY_PREFIXES)) and not (
+            before in _KEY_TERMS or after in _KEY_AFTER
+        ):
+            return True
     if any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words)):
         return True
     return bool(words) and words[-1] == "token" and (len(words) == 1 or words[-2] not in _TOKEN_TERMS)
 
 
-def _redact_text(s: str) -> str:
+def _is_high_entropy(tok: str) -> bool:
+    """A long run of letters and digits with both kinds and many distinct symbols: an API key,
+    not a word, a number or a path component."""
+    if not (any(c.isdigit() for c in tok) and any(c.isalpha() for c in tok)):
+        return False
+    counts = Counter(tok)
+    n = len(tok)
+    return -sum(c / n * math.log2(c / n) for c in counts.values()) >= _MIN_ENTROPY_BITS
+
+
+def _redact_text(s: str, shapes: bool = True) -> str:
     if "hf_" in s or "gh" in s or "sk-" in s or "xox" in s or "AKIA" in s or "Bearer " in s:
         s = _TOKEN_SHAPES.sub(REDACTED, s)
+    if shapes and len(s) >= _MIN_SECRET_LEN:
+        s = _LONG_TOKEN.sub(lambda m: REDACTED if _is_high_entropy(m.group(0)) else m.group(0), s)
     if "=" not in s and ":" not in s:
         return s  # the common case, and linear time on long strings
     if "@" in s and "://" in s:
@@ -141,7 +199,17 @@ def redact_secrets(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         out: dict[Any, Any] = {}
         for k, v in obj.items():
-            out[k] = REDACTED if isinstance(k, str) and is_secret_key(k) else redact_secrets(v)
+            if isinstance(k, str) and is_secret_key(k):
+                out[k] = REDACTED
+            elif (
+                isinstance(k, str)
+                and isinstance(v, str)
+                and _words(k)[-1:]
+                and _words(k)[-1] in _DIGEST_WORDS
+            ):
+                out[k] = _redact_text(v, shapes=False)  # a git commit or checksum: hex, not a key
+            else:
+                out[k] = redact_secrets(v)
         return out
     if isinstance(obj, (list, tuple)):
         items: list[Any] = []

@@ -14,6 +14,7 @@ import pytest
 
 from charllm_nemo.cli import main
 from tests.analysis.helpers import constant_run
+from tests.deadline import deadline
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
@@ -59,7 +60,7 @@ def test_report_is_self_contained_and_renders(tmp_path: Path) -> None:
     proc = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--hide-scrollbars", "--window-size=1280,2400", f"--screenshot={shot}", html_path.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=deadline(120),
     )  # fmt: skip
     assert shot.is_file(), proc.stderr[-2000:]
     import matplotlib.image as mpimg

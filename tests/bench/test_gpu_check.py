@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.deadline import deadline
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=deadline(600),
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -58,7 +58,7 @@ def test_power_follows_activity_between_idle_and_the_cap():
     for level, expected in (
         (0.0, p.idle_w),
         (0.5, p.idle_w + 0.5 * (p.peak_w - p.idle_w)),
-        (1.0, p.power_limit_w),
+        (1.0, p.peak_w),  # under the cap by default
     ):
         dev, clock = _dev(level)
         clock.advance(0.01)
@@ -92,8 +92,20 @@ def test_the_energy_counter_integrates_power_and_ticks_at_its_update_period():
     assert values[-1] - e0 == pytest.approx(p.idle_w * 1e3 * 1.0, rel=0.06)  # 75 J = 75000 mJ
 
 
-def test_full_activity_hits_the_power_cap_lowers_the_clock_and_says_why():
+def test_by_default_full_activity_stays_under_the_cap_unthrottled():
+    """Issue 33: the default device read 700 W and throttled 100% at step 1 of a tiny CPU model."""
     p = SyntheticParams()
+    dev, clock = _dev(1.0, p)
+    clock.advance(0.5)
+    r = dev.read()
+    assert _get(r, "power_instant_w") == pytest.approx(p.peak_w) and p.peak_w < 0.85 * p.power_limit_w
+    assert not decode_throttle(_get(r, "throttle_reasons"))
+    assert _get(r, "clock_sm_mhz") == p.clock_max_mhz
+    assert _get(r, "violation_power_ns") == 0
+
+
+def test_full_activity_over_a_lower_cap_lowers_the_clock_and_says_why():
+    p = SyntheticParams(power_limit_w=400.0)
     dev, clock = _dev(1.0, p)
     clock.advance(0.5)
     r = dev.read()
@@ -212,3 +224,14 @@ def test_a_device_opened_by_plan_follows_the_level_published_from_the_other_side
     with rec.window("step", step=0), rec.window("phase", "forward"):
         assert _get(dev.read(), "util_gpu_pct") == 100.0
     assert published == [0.0]
+
+
+def test_the_console_line_says_when_power_is_modelled() -> None:
+    from charllm_nemo.steps.observers import format_report
+    from charllm_nemo.steps.report import StepReport, apply_rank_figures, pack_rank_vector
+
+    figures = {"energy_j": 5.0, "power_avg_w": 480.0, "power_peak_w": 550.0, "throttle_any_limiting_s": 0.0}
+    s = StepReport(step=0, loss=1.0, step_time_s=0.01)
+    apply_rank_figures(s, [pack_rank_vector(loss=1.0, step_time_s=0.01, figures=figures)])
+    assert "| 480 W/GPU avg, peak 550 W (synthetic) |" in format_report(s, 1, 1, synthetic=True)
+    assert "(synthetic)" not in format_report(s, 1, 1)  # a real device's line is as it was

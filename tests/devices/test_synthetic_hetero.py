@@ -63,8 +63,8 @@ def _backend(cfg: SyntheticConfig, rank: int):
 
 def test_a_poorly_cooled_device_runs_hotter_reaches_its_limit_and_clocks_down():
     # rank 1: half the cooling (twice the thermal resistance) and a 1 s time constant: at the
-    # 700 W cap it would settle at 30 + 0.15 * 700 = 135 C, far above the 87 C limit; rank 0,
-    # the default model, settles at 82.5 C and is never thermally limited.
+    # 550 W of full activity it would settle at 30 + 0.15 * 550 = 112.5 C, far above the 87 C
+    # limit; rank 0, the default model, settles at 71 C and is never thermally limited.
     cfg = SyntheticConfig(devices={"1": SyntheticDeviceConfig(cooling=0.5, tau_s=1.0)})
     (cool, c0), (hot, c1) = _backend(cfg, 0), _backend(cfg, 1)
     r_cool, r_hot = _run_steps(cool, c0, 20), _run_steps(hot, c1, 20)
@@ -91,8 +91,9 @@ def test_a_lower_power_limit_caps_power_and_is_reported():
     assert _get(r, "power_limit_w") == 400.0
     assert _get(r, "power_instant_w") == pytest.approx(400.0)
     assert "sw_power_cap" in decode_throttle(_get(r, "throttle_reasons"))
-    # P ∝ f^3 on the dynamic part: (400-75)/(760-75) of the dynamic power -> its cube root of the clock
-    expected = SyntheticParams().clock_max_mhz * ((400 - 75) / (760 - 75)) ** (1 / 3)
+    # P ∝ f^3 on the dynamic part: (400-75)/(peak-75) of the dynamic power -> its cube root of the clock
+    p = SyntheticParams()
+    expected = p.clock_max_mhz * ((400 - p.idle_w) / (p.peak_w - p.idle_w)) ** (1 / 3)
     assert _get(r, "clock_sm_mhz") == pytest.approx(expected)
 
 

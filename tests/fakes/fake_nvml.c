@@ -62,6 +62,10 @@
  *       field_rules_from_ms N field:ID rules apply only from N ms after the first nvmlInit
  *       field_rules_until_ms N  ... and until N ms after it (default: always; a metric that
  *                             fails for a while mid-run)
+ *       field_rules_from_call N   field:ID rules apply only from this device's Nth
+ *       field_rules_until_call N  nvmlDeviceGetFieldValues call (0-based) until before the Nth:
+ *                             a window in samples, not time, so a loaded machine that starts
+ *                             sampling late still meets it (default -1: no such window)
  *       energy_mode fixed|dynamic   dynamic: the counter integrates the instant power over
  *                             CLOCK_MONOTONIC time and publishes every energy_update_ms
  *       energy_update_ms N    publication period of the dynamic counter (default 50; 0 = always)
@@ -337,6 +341,9 @@ typedef struct fake_device {
     long long lose_after_ms;    /* -1 = never */
     long long rules_from_ms;    /* field rules apply from .. until (ms after the first init) */
     long long rules_until_ms;   /* -1 = always */
+    long long rules_from_call;  /* field rules apply from this GetFieldValues call (-1: off) .. */
+    long long rules_until_call; /* .. until before this one (-1: no end) */
+    long long fv_calls;         /* nvmlDeviceGetFieldValues calls on this device so far */
     long long calls;
     int lost;
     /* dynamic energy: exact energy `acc` (mW*ns) up to `acc_t`; `reported` (mW*ns) as
@@ -399,6 +406,9 @@ static void device_defaults(fake_device *d, unsigned int index, long long now) {
     d->lose_after_ms = -1;
     d->rules_from_ms = 0;
     d->rules_until_ms = -1;
+    d->rules_from_call = -1;
+    d->rules_until_call = -1;
+    d->fv_calls = 0;
     d->energy_update_ms = 50;
     d->square_mw = -1;
     d->square_period_ms = 100;
@@ -733,6 +743,8 @@ static int apply_device(fake_device *d, const char *key, const char *value) {
     } else if (strcmp(key, "lose_after_ms") == 0) d->lose_after_ms = v;
     else if (strcmp(key, "field_rules_from_ms") == 0) d->rules_from_ms = v;
     else if (strcmp(key, "field_rules_until_ms") == 0) d->rules_until_ms = v;
+    else if (strcmp(key, "field_rules_from_call") == 0) d->rules_from_call = v;
+    else if (strcmp(key, "field_rules_until_call") == 0) d->rules_until_call = v;
     else if (strcmp(key, "lost") == 0) d->lost = v != 0;
     else if (strcmp(key, "energy_update_ms") == 0) {
         energy_settle(d);
@@ -1376,6 +1388,9 @@ static nvmlReturn_t field_rule_error(const fake_device *d, unsigned int id, unsi
         long long ms = (mono_ns() - g_first_init_ns) / 1000000LL;
         if (ms < d->rules_from_ms || (d->rules_until_ms >= 0 && ms >= d->rules_until_ms)) return any;
     }
+    long long call = d->fv_calls - 1; /* this call's index: counted before the fields are read */
+    if (d->rules_from_call >= 0 && call < d->rules_from_call) return any;
+    if (d->rules_until_call >= 0 && call >= d->rules_until_call) return any;
     for (int k = 0; k < d->n_field_rules; k++) {
         const field_rule_t *rule = &d->field_rules[k];
         if (rule->field_id != id) continue;
@@ -1410,6 +1425,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(void *device, int valuesCount, nvml
     if (r == NVML_ERROR_GPU_IS_LOST)
         for (int i = 0; i < valuesCount; i++) values[i].nvmlReturn = NVML_ERROR_GPU_IS_LOST;
     if (r) return r;
+    d->fv_calls++;
     long long extra = d->field_delay_us * valuesCount;
     if (extra > 0) {
         pthread_mutex_unlock(&g_lock);

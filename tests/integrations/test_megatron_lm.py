@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from charllm_nemo.telemetry.reader import load_run
+from tests.deadline import deadline
 
 pytest.importorskip("megatron.core")
 
@@ -42,7 +43,7 @@ def run_loop(tmp_path: Path, mode: str, steps: int, *extra: str) -> dict[str, An
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=deadline(300),
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     result: dict[str, Any] = json.loads(out.read_text())

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.deadline import deadline
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.metrics.activations import (
@@ -191,7 +192,11 @@ def test_the_estimate_matches_what_megatron_core_saves_on_cpu() -> None:
                MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")  # fmt: skip
     helper = Path(__file__).with_name("_saved_tensors.py")
     proc = subprocess.run(
-        [sys.executable, str(helper), json.dumps(cases)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(helper), json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=deadline(300),
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -246,7 +251,7 @@ def test_the_estimate_matches_a_real_step_on_two_ranks(
         )
         for rank in range(2)
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = [p.communicate(timeout=deadline(300))[0] for p in procs]
     peaks: dict[int, list[int]] = {}
     for proc, out in zip(procs, outputs, strict=True):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.sinks.base import AsyncSink, Sink
+from tests.deadline import deadline
 
 
 class Recording:
@@ -92,7 +93,9 @@ def test_a_hanging_backend_drops_instead_of_blocking_and_finish_keeps_its_deadli
         sink.finish(None, timeout_s=0.3)
         finish_s = time.perf_counter() - t1
     r = sink.report
-    assert elapsed < 0.5 and worst < 0.05  # a put each: microseconds, never a wait
+    # A put each: microseconds, never a wait (a wait on the stuck call would never end at all);
+    # the bounds only keep a preempted put on a loaded machine from deciding the verdict.
+    assert elapsed < deadline(1.0) and worst < deadline(0.3)
     assert r.dropped == n - 8  # 8 fit in the queue behind the stuck call
     assert r.timed_out and not r.finished
     assert r.abandoned == 8 + 1  # the 8 queued behind the stuck call, and that call
@@ -140,7 +143,7 @@ def test_a_hanging_finish_returns_on_time_and_calls_after_finish_are_dropped():
     sink = AsyncSink(SlowFinish())
     t0 = time.perf_counter()
     sink.finish(None, timeout_s=0.2)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < deadline(1.0)  # far below the 30 s finish
     assert sink.report.timed_out
     sink.log_step(1, {})
     sink.finish(None)  # idempotent: returns at once

@@ -13,6 +13,7 @@ import pytest
 
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
+from tests.deadline import deadline
 from tests.sinks.wandb_reader import find_wandb_file, read_run
 
 pytest.importorskip("wandb")
@@ -44,7 +45,9 @@ def test_train_logs_every_rank_through_rank0(tmp_path, wandb_env, nproc):
            "telemetry.backend=synthetic", f"telemetry.out_dir={out}", f"batch.train_steps={STEPS}",
            f"nproc={nproc}", f"parallel={'dp2' if nproc == 2 else 'single'}",
            f"batch.global_batch_size={4 * nproc}"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **wandb_env})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=deadline(300), env={**os.environ, **wandb_env}
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     wb = read_run(find_wandb_file(out / "wandb"), wait_s=10)
     assert wb.exited
@@ -116,14 +119,14 @@ def test_training_finishes_on_time_when_wandb_hangs_or_raises(tmp_path, wandb_en
             "telemetry.backend=synthetic", f"telemetry.out_dir={out}", "batch.train_steps=8"]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=deadline(300),
         env={**os.environ, **wandb_env, "WANDB_SILENT": "false", **_single_rank_env()},
     )  # fmt: skip
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 8  # training ran to the end ...
-    assert elapsed < 120  # ... on time: nothing waited on the hour-long log call
+    assert elapsed < deadline(120)  # ... on time: nothing waited on the hour-long log call
     report = [line for line in proc.stderr.splitlines() if "sink wandb:" in line]
     assert report, proc.stderr[-3000:]
     if failure == "hang":

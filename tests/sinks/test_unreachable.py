@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.sinks.wandb import server_problem
+from tests.deadline import deadline
 
 
 def _closed_port() -> int:
@@ -71,13 +72,13 @@ def test_an_unreachable_server_logs_offline_and_ends_at_once(
         print(sink.report.line())
         exit_now_if_abandoned(3)
     """
-    rc, out, seconds = _run(script, env, timeout=120)
+    rc, out, seconds = _run(script, env, timeout=deadline(120))
     assert rc == 0, out
     assert "W&B server unreachable: 127.0.0.1:" in out and "logs offline" in out
     assert "Traceback" not in out
     assert "sink WandbSink: finished" in out and "0 errors" in out and " 0 abandoned" in out
     assert list((tmp_path / "wandb").glob("offline-run-*")), "the metrics went to an offline run"
-    assert seconds < 30  # measured here: ~4 s, against 108 s before
+    assert seconds < deadline(30)  # measured here: ~4 s, against 108 s before
 
 
 def test_a_hung_backend_does_not_hold_the_exit(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_a_hung_backend_does_not_hold_the_exit(tmp_path: Path) -> None:
         sink.finish(None)
         exit_now_if_abandoned(3)
     """
-    rc, out, seconds = _run(script, dict(os.environ), timeout=60)
+    rc, out, seconds = _run(script, dict(os.environ), timeout=deadline(60))
     assert rc == 3, out
     assert "sink hung: timed out" in out and "exiting without waiting for sink hung" in out
     assert seconds < 20

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from tests.deadline import deadline
 from tests.fakes import nvml_stub
 
 from charllm_nemo.cli import main
@@ -34,7 +35,7 @@ def _run(tmp_path: Path, sampler: str, *extra: str) -> Path:
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "nvml", "--hz", "50",
            "--seconds", "1.5", "--step-s", "0.2", "--out", str(out), "--sampler", sampler]  # fmt: skip
     cmd += extra
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=deadline(120))
     assert done.returncode == 0, done.stderr
     return out
 

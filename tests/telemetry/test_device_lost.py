@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.deadline import deadline
 from tests.fakes import nvml_stub
 
 from charllm_nemo.telemetry.reader import load_run
@@ -23,7 +24,7 @@ def test_windows_marked_after_the_only_device_is_lost_are_all_kept(tmp_path, sam
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "nvml", "--hz", "100",
            "--seconds", "4", "--step-s", "0.1", "--out", str(out), "--sampler", sampler]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=deadline(120))
     assert done.returncode == 0, done.stderr
     assert "device 0 lost" in done.stderr
     steps = int(re.search(r"(\d+) steps marked", done.stdout).group(1))  # type: ignore[union-attr]

@@ -40,7 +40,7 @@ def enospc_after(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     def write_table(table: object, where: object, **kw: object) -> None:
         if budget[0] <= 0:
-            Path(str(where)).write_bytes(b"PAR1")  # a partial temporary, as a full disk leaves
+            where.write(b"PAR1")  # type: ignore[attr-defined]  # a partial temporary, as a full disk leaves
             raise OSError(errno.ENOSPC, "No space left on device")
         budget[0] -= 1
         real(table, where, **kw)  # type: ignore[arg-type]

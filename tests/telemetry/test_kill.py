@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.deadline import deadline
 
 from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.reader import load_run
@@ -146,7 +147,7 @@ def test_a_normal_exit_writes_a_complete_run(tmp_path):
         _cmd(out, 1.2, 0.3),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=deadline(60),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -182,7 +183,9 @@ session.close()
 def test_sigterm_inside_a_mark_does_not_deadlock_and_still_dies_by_the_signal(tmp_path, sampler):
     out = tmp_path / "run"
     code = _SIGTERM_IN_A_MARK.format(prev=None)
-    proc = subprocess.run([sys.executable, "-c", code, str(out), sampler], capture_output=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out), sampler], capture_output=True, timeout=deadline(30)
+    )
     assert proc.returncode == -signal.SIGTERM, proc.stderr.decode()
     assert b"went on" not in proc.stdout
     run = load_run(out)
@@ -193,7 +196,9 @@ def test_sigterm_inside_a_mark_does_not_deadlock_and_still_dies_by_the_signal(tm
 def test_sigterm_ignored_before_the_session_stays_ignored_and_the_close_says_terminated(tmp_path):
     out = tmp_path / "run"
     code = _SIGTERM_IN_A_MARK.format(prev="signal.SIG_IGN")
-    proc = subprocess.run([sys.executable, "-c", code, str(out), "process"], capture_output=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out), "process"], capture_output=True, timeout=deadline(30)
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert b"went on" in proc.stdout
     assert load_run(out).manifests[0]["status"] == "terminated"
@@ -229,7 +234,9 @@ finally:
 def test_sigterm_during_a_close_waits_for_it_then_reaches_the_earlier_handler(tmp_path, sampler):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGTERM_DURING_CLOSE, str(out), sampler], capture_output=True, timeout=30
+        [sys.executable, "-c", _SIGTERM_DURING_CLOSE, str(out), sampler],
+        capture_output=True,
+        timeout=deadline(30),
     )
     assert proc.returncode == 143, proc.stderr.decode()  # the earlier handler's SystemExit, after the close
     assert b"closed True" in proc.stdout
@@ -270,7 +277,9 @@ def test_the_launchers_death_sigterm_twice_leaves_a_closed_store_and_the_summary
     # thread that exits. The first unwinds the rank; the later ones must not kill it mid-close.
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", _PARENT_DEATH_TWICE, str(out), sampler], capture_output=True, timeout=30
+        [sys.executable, "-c", _PARENT_DEATH_TWICE, str(out), sampler],
+        capture_output=True,
+        timeout=deadline(30),
     )
     assert proc.returncode == 143, proc.stderr.decode()  # SystemExit(143) from the first SIGTERM
     assert b"went on" not in proc.stdout and b"summary written" in proc.stdout
@@ -309,7 +318,9 @@ def test_a_handler_that_resets_sigterm_to_default_still_lets_the_close_finish(tm
     # close, is held back until the close is done and then kills by the signal, as it asked.
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", _HANDLER_RESETS_TO_DEFAULT, str(out)], capture_output=True, timeout=30
+        [sys.executable, "-c", _HANDLER_RESETS_TO_DEFAULT, str(out)],
+        capture_output=True,
+        timeout=deadline(30),
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr.decode()
     assert b"not reached" not in proc.stdout

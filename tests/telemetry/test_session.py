@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from tests.deadline import deadline
 
 from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.telemetry.join import attribute_run
@@ -46,9 +47,9 @@ def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
     assert table.num_rows == 3
     energy = table.column("energy_j").to_pylist()
     dur = table.column("duration_s").to_pylist()
-    # a step is ~70 ms of forward (1.0 activity, capped at 700 W) and optimizer (0.5 -> 417.5 W)
+    # a step is ~70 ms of forward (1.0 activity -> 550 W) and optimizer (0.5 -> 312.5 W)
     for e, d in zip(energy, dur, strict=True):
-        assert 300 * d < e < 700 * d
+        assert 200 * d < e < 550 * d * 1.01
 
 
 @pytest.mark.parametrize("sampler", ["process", "thread"])
@@ -93,14 +94,14 @@ def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by
         t1 = time.monotonic_ns()
         start = time.perf_counter()
         maybe = tel.step_figures(t0, t1)  # the next sample may not exist yet
-        assert time.perf_counter() - start < 0.05
+        assert time.perf_counter() - start < deadline(0.05)  # no wait for the next sample
         figs = tel.step_figures(t0, t1, wait_s=1.0)
         assert maybe is None or maybe[0]["energy_j"] > 0
         assert figs is not None and len(figs) == 1
         f = figs[0]
         # the counter publishes whole mJ every 50 ms and ticks are stamped up to a period late
-        assert f["power_avg_w"] == pytest.approx(700.0, rel=1e-3)
-        assert f["energy_j"] == pytest.approx(700.0 * (t1 - t0) / 1e9, rel=0.02)
+        assert f["power_avg_w"] == pytest.approx(550.0, rel=1e-3)
+        assert f["energy_j"] == pytest.approx(550.0 * (t1 - t0) / 1e9, rel=0.02)
 
 
 def test_a_rank_samples_the_device_cuda_visible_devices_gives_it():
@@ -181,7 +182,9 @@ def test_auto_falls_back_to_synthetic_without_a_driver(tmp_path):
         "b = open_backend('auto'); print('BACKEND', b.name)\n"
     )
     env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=deadline(60)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "BACKEND synthetic" in proc.stdout
     assert "SYNTHETIC" in proc.stderr
@@ -195,7 +198,7 @@ def test_importing_the_package_needs_no_vendor_or_framework_library():
         "import charllm_nemo, charllm_nemo.devices, charllm_nemo.telemetry.session, charllm_nemo.cli\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr
 
 
@@ -211,7 +214,7 @@ def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_pa
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
     cmd = [sys.executable, "-c", code, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline(60))
     assert proc.returncode == 0, proc.stderr
     assert "may run on CPU" in proc.stderr and "--cpus-per-task=2" in proc.stderr
     cpus = load_run(tmp_path).manifests[0]["cpu_affinity"]

@@ -515,7 +515,7 @@ def test_sigterm_reaches_every_rank(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=deadline(30))
     finally:
         if proc.poll() is None:
             proc.kill()

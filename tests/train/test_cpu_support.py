@@ -10,6 +10,7 @@ import pytest
 
 from charllm_nemo.train.config import TrainConfig
 from charllm_nemo.train.cpu import cpu_unsupported
+from tests.deadline import deadline
 
 
 def test_default_config_is_fine_on_cpu() -> None:
@@ -89,7 +90,7 @@ def test_enable_cpu_support_is_idempotent_and_scoped() -> None:
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 

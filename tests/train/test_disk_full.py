@@ -20,6 +20,7 @@ from charllm_nemo.train.disk_full import (
     TelemetryDiskFull,
     write_summary,
 )
+from tests.deadline import deadline
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ def test_disk_watch_says_it_once_or_stops_the_rank(
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry=synthetic"]
     argv += [f"telemetry.out_dir={out}", "batch.train_steps=400", "logger=console", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=deadline(600))
 
 
 @pytest.mark.parametrize("required", [False, True])
@@ -172,3 +173,33 @@ def test_a_training_run_on_a_disk_that_fills_up(tmp_path: Path, required: bool) 
         assert proc.returncode == 0, err[-3000:]
         assert err.count("training goes on (telemetry.required=false)") == 1
         assert summary["steps"] == 400
+
+
+def _limit_file_size() -> None:
+    """In the child: ``ulimit -f 100`` (100 KiB a file); SIGXFSZ ignored (Python does so too), so
+    a write past the limit fails with EFBIG instead of killing the process."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024))
+
+
+def test_a_file_size_limit_is_a_full_disk_with_a_true_status(tmp_path: Path) -> None:
+    """Issue 33: ``ulimit -f 100`` then 400 steps lost summary.json and ended ``complete``."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", "telemetry=synthetic"]
+    argv += [f"telemetry.out_dir={out}", "batch.train_steps=400", "logger=console"]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=deadline(900), preexec_fn=_limit_file_size
+    )
+    err = proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())  # not lost: the compact one at least
+    assert summary["status"] == "disk_full", err
+    assert summary["steps"] == 400  # training went on (telemetry.required=false)
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert steps and [s["step"] for s in steps] == sorted(s["step"] for s in steps)  # every line whole
+    assert len(steps) < 400  # the limit stopped steps.jsonl before the end
+    assert not [p.name for p in out.rglob(".*.tmp")]
+    assert "Traceback" not in proc.stderr, err

@@ -13,6 +13,7 @@ import pytest
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train import app
 from charllm_nemo.train.config_io import load_train_config
+from tests.deadline import deadline
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,7 +46,7 @@ def test_two_runs_started_in_the_same_second_get_their_own_directories(
         subprocess.Popen([*argv, f"model.num_layers={n}"], cwd=tmp_path, stderr=subprocess.PIPE)
         for n in (2, 4)
     ]
-    errs = [p.communicate(timeout=120)[1].decode() for p in procs]
+    errs = [p.communicate(timeout=deadline(120))[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     runs = sorted((tmp_path / "runs").iterdir())
     assert [r.name for r in runs] == ["same-second", "same-second-2"]

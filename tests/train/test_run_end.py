@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.deadline import deadline
+
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
@@ -58,7 +60,7 @@ def test_a_stopped_run_keeps_every_reported_step_and_says_how_it_ended(
     try:
         _wait_for_steps(proc, out, 5)
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=deadline(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -82,7 +84,7 @@ def test_a_killed_rank_keeps_the_steps_reported_before(tmp_path: Path) -> None:
         _wait_for_steps(proc, out, 3)
         rank_pid = json.loads((out / "rank=0" / "manifest.json").read_text())["pid"]
         os.kill(rank_pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=deadline(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -104,7 +106,7 @@ def test_sigterm_to_a_rank_launched_in_process_still_writes_the_summary(tmp_path
     try:
         _wait_for_steps(proc, out, 3)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=deadline(60))
     finally:
         if proc.poll() is None:
             proc.kill()

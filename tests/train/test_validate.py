@@ -674,3 +674,47 @@ def test_a_zero_world_is_one_problem_named_where_it_comes_from() -> None:
     assert one(cfg, world=None) == "launch.nproc=0 must be a positive number; e.g. launch.nproc=1"
     cfg.launch.nproc = 1
     assert one(cfg, world=0) == "world_size=0 must be >= 1; set launch.nproc (or the srun task count)"
+
+
+@pytest.mark.parametrize(
+    ("section", "name", "value"),
+    [
+        ("batch", "train_steps", 10**23),
+        ("batch", "global_batch_size", 2**40),
+        ("model", "vocab_size", 10**12),
+        ("model", "seq_length", 2**40),
+        ("parallel", "tp", 2**30),
+        ("data", "seed", 2**40),
+        ("launch", "nproc", 10**9),
+    ],
+)
+def test_unbounded_integers_are_refused_by_name_before_any_other_check(
+    section: str, name: str, value: int
+) -> None:
+    """Issue 33: ``batch.train_steps=1e23`` was accepted; later checks enumerate divisors of such
+    values, so the bound comes first and is the only problem said."""
+    from charllm_nemo.train.validate_model import INT_BOUNDS
+
+    cfg = cfg_for("tiny_gpt")
+    setattr(getattr(cfg, section), name, value)
+    said = problems(cfg)
+    assert len(said) == 1, said
+    assert said[0].startswith(f"{section}.{name}={value} is larger than {INT_BOUNDS[f'{section}.{name}']:,}")
+
+
+def test_the_bounds_leave_real_configs_alone() -> None:
+    from charllm_nemo.train.validate_model import INT_BOUNDS
+
+    cfg = cfg_for("tiny_gpt")
+    for fieldname, high in INT_BOUNDS.items():
+        section, name = fieldname.split(".")
+        value = getattr(getattr(cfg, section), name)
+        assert value is None or value <= high, fieldname
+    assert validate(cfg, world_size=1, device="cuda").world_size == 1
+
+
+def test_a_float_step_count_from_the_command_line_is_refused() -> None:
+    from charllm_nemo.train import app
+
+    with pytest.raises(ConfigError, match=r"batch\.train_steps"):
+        app.load(["model=tiny_gpt", "batch.train_steps=1e23"])

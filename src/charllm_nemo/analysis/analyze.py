@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from charllm_nemo.analysis.run_summary import node_table, platform_table, run_ta
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.layout import RankFiles
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
+from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, write_text, write_with
 
 KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
     "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "tp_rank",
@@ -134,6 +136,7 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
     problems: list[str] = []
     infos, devices, spans, kept = [], [], [], []
     writer: pq.ParquetWriter | None = None
+    out_file: AtomicOutput | None = None  # windows_out, renamed into place once every run is read
     try:
         for d in run_dirs:
             try:
@@ -159,16 +162,22 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
                     wt = wt.add_column(2, "host", pa.array([hosts.get(rank, "?")] * wt.num_rows, pa.string()))
                     if windows_out is not None:
                         if writer is None:
-                            windows_out.parent.mkdir(parents=True, exist_ok=True)
-                            writer = pq.ParquetWriter(windows_out, wt.schema)
+                            out_file = AtomicOutput(windows_out)
+                            writer = pq.ParquetWriter(out_file.file, wt.schema)
                         writer.write_table(wt.cast(writer.schema))
                     kept.append(wt.select(list(KEPT_WINDOW_COLUMNS)))
             if n_ranks == 0:
                 run.problems.append(f"{run.path}: no rank has samples; the run has no figures")
             problems.extend(run.problems)
+    except BaseException:
+        if out_file is not None:
+            out_file.discard()
+        raise
     finally:
         if writer is not None:
             writer.close()
+    if out_file is not None:
+        out_file.commit()
     infos += sweep_gaps(run_dirs, {r.path for r in runs})
     if not runs:
         raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
@@ -250,12 +259,11 @@ def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = N
     CSV beside its Parquet (``windows_csv``: always / never; None: when it has at most
     :data:`WINDOWS_CSV_MAX_ROWS` rows, else a line in ``problems.txt`` says so); returns the
     paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     written = []
     for name, table in analysis.tables.items():
-        pq.write_table(table, out_dir / f"{name}.parquet")
-        pacsv.write_csv(table, out_dir / f"{name}.csv")
-        written += [out_dir / f"{name}.parquet", out_dir / f"{name}.csv"]
+        written.append(write_with(out_dir / f"{name}.parquet", partial(pq.write_table, table)))
+        written.append(write_with(out_dir / f"{name}.csv", partial(pacsv.write_csv, table)))
     path = analysis.windows_path
     if path is not None:
         pf = pq.ParquetFile(path)
@@ -269,12 +277,11 @@ def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = N
                     "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
                 )
         if windows_csv:
-            with pacsv.CSVWriter(path.with_suffix(".csv"), pf.schema_arrow) as w:
+            with atomic_file(path.with_suffix(".csv")) as f, pacsv.CSVWriter(f, pf.schema_arrow) as w:
                 for batch in pf.iter_batches(batch_size=65536):
                     w.write_batch(batch)
             written.append(path.with_suffix(".csv"))
-    (out_dir / "problems.txt").write_text("".join(f"{p}\n" for p in analysis.problems))
-    written.append(out_dir / "problems.txt")
+    written.append(write_text(out_dir / "problems.txt", "".join(f"{p}\n" for p in analysis.problems)))
     return written
 
 

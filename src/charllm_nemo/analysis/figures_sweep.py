@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.colors import LogNorm, Normalize
 
+from charllm_nemo.telemetry.write import write_with
+
 PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("throughput (tokens/s)", (("tokens_per_s", "tokens/s"),)),
     ("energy per token (J)", (("energy_per_token_j", "energy per token"),)),
@@ -54,10 +56,9 @@ in it (``+layout=`` presets of one parallelism with [4,4] and [7,1] stages diffe
 
 def save(fig: Any, stem: Path) -> list[Path]:
     """``stem``.png (150 dpi) and ``stem``.pdf; closes the figure."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
     out = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
-    fig.savefig(out[0], dpi=150, bbox_inches="tight")
-    fig.savefig(out[1], bbox_inches="tight")
+    write_with(out[0], lambda f: fig.savefig(f, format="png", dpi=150, bbox_inches="tight"))
+    write_with(out[1], lambda f: fig.savefig(f, format="pdf", bbox_inches="tight"))
     plt.close(fig)
     return out
 

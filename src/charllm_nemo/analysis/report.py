@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from charllm_nemo.analysis.analyze import Analysis
+from charllm_nemo.telemetry.write import write_text
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
@@ -139,6 +140,4 @@ def render(analysis: Analysis, pngs: list[Path]) -> str:
 
 def write_report(analysis: Analysis, pngs: list[Path], path: Path) -> Path:
     """Write the page to ``path`` and return it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(analysis, pngs), encoding="utf-8")
-    return path
+    return write_text(path, render(analysis, pngs))  # no link followed (telemetry/write.py)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
+from charllm_nemo.telemetry.write import make_dir, write_text, write_with
 
 Arrays = Mapping[str, Any]
 
@@ -54,7 +56,7 @@ def write_rank(
     """Write one rank's folder. ``samples``/``windows``: column -> array (ints: INT_NULL = null,
     floats: NaN = null); ``segment_rows``: rows per samples segment. Returns the folder."""
     folder = run_dir / f"rank={rank}"
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder)
     n = len(samples["t_mono_ns"])
     t = np.asarray(samples["t_mono_ns"], dtype=np.int64)
     defaults = {
@@ -65,9 +67,8 @@ def write_rank(
     }
     table = _table({**defaults, **samples}, SAMPLES_SCHEMA, n)
     for k, start in enumerate(range(0, max(n, 1), segment_rows)):
-        pq.write_table(
-            table.slice(start, segment_rows), folder / f"samples-{k:06d}.parquet", compression="lz4"
-        )
+        part = table.slice(start, segment_rows)
+        write_with(folder / f"samples-{k:06d}.parquet", partial(pq.write_table, part, compression="lz4"))
     m = len(windows["t_begin_mono_ns"])
     if m:
         wt = _table(
@@ -75,7 +76,7 @@ def write_rank(
             WINDOWS_SCHEMA,
             m,
         )
-        pq.write_table(wt, folder / "windows-000000.parquet")
+        write_with(folder / "windows-000000.parquet", lambda f: pq.write_table(wt, f))
     base: dict[str, Any] = {
         "kind": "charllm-nemo telemetry",
         "store_format": 1,
@@ -91,11 +92,10 @@ def write_rank(
         ],
     }
     base.update(manifest or {})
-    (folder / "manifest.json").write_text(json.dumps(base))
+    write_text(folder / "manifest.json", json.dumps(base))
     return folder
 
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     """``summary.json`` at the top of the run directory."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    write_text(run_dir / "summary.json", json.dumps(summary))

@@ -6,8 +6,10 @@ in CI. It is a model, not a measurement, and says so: the backend name, every sa
 
 The model (defaults loosely follow an H200 SXM):
 
-* demanded power ``P_d = idle_w + (peak_w - idle_w) * activity``; the delivered power is capped
-  at ``power_limit_w``. Under the cap the SM clock scales as ``(P_avail / P_d_dyn) ** (1/3)``
+* demanded power ``P_d = idle_w + (peak_w - idle_w) * activity`` (550 W at full activity by
+  default, well under the 700 W cap: no throttling unless a device is configured hot or
+  capped lower); the delivered power is capped at ``power_limit_w``. Under the cap the SM
+  clock scales as ``(P_avail / P_d_dyn) ** (1/3)``
   (dynamic power ~ f * V^2 ~ f^3) and ``sw_power_cap`` is set;
 * the die temperature follows power through a first-order thermal model
   ``T -> T_amb + R * P`` with time constant ``tau_s``; HBM follows with its own R and tau;
@@ -50,7 +52,10 @@ class SyntheticParams:
     """Physical constants of the model (units in the names)."""
 
     idle_w: float = 75.0
-    peak_w: float = 760.0  # what full activity would draw uncapped
+    # What full activity draws: well below the cap, as a real accelerator at a training load
+    # (a tiny model on a CPU showed 657 W avg, peak 700 W, "throttle 100%" with 760 W here).
+    # A power-limited or hot device is configured: power_limit_w, cooling (synthetic_config.py).
+    peak_w: float = 550.0
     power_limit_w: float = 700.0
     ambient_c: float = 30.0
     r_gpu_c_per_w: float = 0.075

@@ -461,7 +461,9 @@ def cmd_wandb_dashboard(args: Any) -> int:
         raise CharllmError("the workspace does not fit the logged keys:\n  " + "\n  ".join(problems))
     text = json.dumps(spec, indent=1, sort_keys=False) + "\n"
     if args.json:
-        Path(args.json).write_text(text)
+        from charllm_nemo.telemetry.write import write_text
+
+        write_text(Path(args.json), text)  # no link followed (telemetry/write.py)
     elif args.dry_run:
         sys.stdout.write(text)
     n_panels = sum(1 for _ in spec_panels(spec))

@@ -54,8 +54,8 @@ class FunctionObserver:
             self.on_close(status)
 
 
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""A write refused because the disk, or the user's quota, is full."""
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""A write refused because the disk, the user's quota, or the file-size limit (ulimit -f) is full."""
 
 
 class StepsFile:
@@ -70,7 +70,9 @@ class StepsFile:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: int | None = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )  # appended to line by line, so not through telemetry.write's rename; a link is refused
         self._size = 0  # bytes of whole lines written: where a failed line is cut back to
         self.lines = 0  # lines written
         self.disk_full = False
@@ -84,7 +86,7 @@ class StepsFile:
             while done < len(data):  # a short write (the last free blocks) is followed by ENOSPC
                 done += os.write(self._fd, data[done:])
         except OSError as exc:
-            self.disk_full = exc.errno in DISK_FULL_ERRNOS
+            self.disk_full = True  # any refused write (DISK_FULL_ERRNOS, EIO, ...): the run's status says so
             if done:
                 with contextlib.suppress(OSError):  # not a regular file (/dev/full): nothing to cut
                     os.ftruncate(self._fd, self._size)
@@ -120,12 +122,14 @@ class StepsFileObserver:
         self.file.close()
 
 
-def format_report(r: StepReport, total_steps: int | None, world_size: int) -> str:
+def format_report(r: StepReport, total_steps: int | None, world_size: int, *, synthetic: bool = False) -> str:
     """Rank 0's console line for one step: the step, then the part of every field of
     charllm_nemo.telemetry.figures ``STEP_FIELDS`` that has one, in that order (MFU says how it
-    counts attention: ``full attn`` / ``causal attn``, telemetry.attention_flops)."""
+    counts attention: ``full attn`` / ``causal attn``, telemetry.attention_flops);
+    ``synthetic``: power is modelled, and the line says so."""
     row = r.to_dict()
     row["world_size"] = world_size
+    row["synthetic"] = synthetic
     parts = [f"step {r.step + 1}" + ("" if total_steps is None else f"/{total_steps}")]
     parts.extend(p for f in STEP_FIELDS if f.console is not None and (p := f.console(row)) is not None)
     return " | ".join(parts)
@@ -194,13 +198,23 @@ class ConsoleObserver:
     over ``total_steps`` (None: no bar). ``world_size``: the ranks a complete step's energy
     covers (fewer are shown as ``(n/world ranks)``)."""
 
-    def __init__(self, total_steps: int | None = None, world_size: int = 1, *, progress: bool = True) -> None:
+    def __init__(
+        self,
+        total_steps: int | None = None,
+        world_size: int = 1,
+        *,
+        progress: bool = True,
+        synthetic: bool = False,
+    ) -> None:
         self.total_steps = total_steps
         self.world_size = world_size
+        self.synthetic = synthetic  # a modelled device: its power is marked "(synthetic)"
         self.progress = Progress(total_steps if progress else None, enabled=True)
 
     def on_step(self, report: StepReport) -> None:
-        self.progress.write(format_report(report, self.total_steps, self.world_size))
+        self.progress.write(
+            format_report(report, self.total_steps, self.world_size, synthetic=self.synthetic)
+        )
         self.progress.update()
 
     def write(self, line: str) -> None:

@@ -97,11 +97,14 @@ def _energy(r: Mapping[str, Any]) -> str:
 
 
 def _power(r: Mapping[str, Any]) -> str | None:
+    """``W/GPU avg, peak``; `` (synthetic)`` when the device is the synthetic model (the row's
+    ``synthetic``, set by the console line: the power is modelled, not measured)."""
     avg, peak = r.get("power_avg_w"), r.get("power_peak_w")
     shown = "" if peak is None else f"peak {peak:.0f} W"
+    model = " (synthetic)" if r.get("synthetic") else ""
     if avg is None:
-        return shown or None
-    return f"{avg:.0f} W/GPU avg" + (f", {shown}" if shown else "")
+        return (shown + model) if shown else None
+    return f"{avg:.0f} W/GPU avg" + (f", {shown}" if shown else "") + model
 
 
 def _mfu(r: Mapping[str, Any]) -> str | None:

@@ -18,7 +18,6 @@ or a whole sweep, with the rank as a column.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from charllm_nemo.telemetry.windows import (
     WINDOW_COLUMNS,
     Record,
 )
+from charllm_nemo.telemetry.write import make_dir, write_bytes, write_with
 
 log = logging.getLogger("charllm_nemo.store")
 
@@ -53,7 +53,6 @@ DISK_FULL = "disk_full"
 """The manifest ``status`` of a run whose store hit a full disk (ENOSPC / EDQUOT): what was
 written before stays readable; see docs/store.md."""
 
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 RESERVE_NAME = ".manifest.json.reserve"
 RESERVE_BYTES = 64 * 1024
@@ -111,23 +110,10 @@ def windows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=WINDOWS_SCHEMA)
 
 
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write`` the temporary ``.<name>.tmp``, then rename it to ``path``. A failed write leaves
-    no temporary behind; a full disk (ENOSPC / EDQUOT) raises :class:`DiskFull`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno in _DISK_FULL_ERRNOS:
-            raise DiskFull(f"no space left writing {path} ({exc.strerror or exc})") from exc
-        raise
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`_write_atomically`)."""
-    _write_atomically(path, lambda tmp: tmp.write_bytes(data))
+    """Write ``data`` to ``path`` atomically, no link followed (:mod:`.write`); a file-system
+    limit (ENOSPC / EDQUOT / EFBIG) raises :class:`DiskFull` and leaves no temporary."""
+    write_bytes(path, data)
 
 
 # lz4 and dictionary encoding of string columns only: a 50-row segment (0.5 s at 100 Hz) costs
@@ -141,7 +127,7 @@ PARQUET_OPTIONS: dict[str, Any] = {
 
 def atomic_write_table(path: Path, table: pa.Table) -> None:
     """Write ``table`` as Parquet to ``path`` atomically (:func:`_write_atomically`)."""
-    _write_atomically(path, lambda tmp: pq.write_table(table, tmp, **PARQUET_OPTIONS))
+    write_with(path, lambda f: pq.write_table(table, f, **PARQUET_OPTIONS))
 
 
 def rank_dir(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -304,9 +290,9 @@ class SegmentWriter:
 def check_writable(folder: Path) -> None:
     """Create ``folder`` and check a file can be written there, or raise StoreError."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder)
         probe = folder / ".write-probe"
-        probe.write_bytes(b"")
+        write_bytes(probe, b"")
         probe.unlink()
     except OSError as exc:
         raise StoreError(

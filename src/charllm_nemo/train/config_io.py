@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.redact import redact_secrets
+from charllm_nemo.telemetry.write import write_text
 from charllm_nemo.train.config import TrainConfig
 
 # Top-level shorthands in conf/train.yaml that are not TrainConfig fields.
@@ -110,17 +111,13 @@ def save_train_config(cfg: TrainConfig, path: str | os.PathLike[str], *, redact:
     replaced (:func:`charllm_nemo.redact.redact_secrets`): such a file records the run, and is not
     what ranks should run (see :func:`config_for_ranks`)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     data = redact_secrets(to_dict(cfg)) if redact else to_dict(cfg)
     text = (
         json.dumps(data, indent=2) + "\n"
         if p.suffix == ".json"
         else OmegaConf.to_yaml(OmegaConf.create(data))
     )
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(p)  # atomic: a reader never sees half a file
-    return p
+    return write_text(p, text)  # atomic, no link followed (telemetry/write.py)
 
 
 @contextlib.contextmanager
@@ -137,7 +134,7 @@ def config_for_ranks(cfg: TrainConfig, record: Path) -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix="charllm-config-"))  # mode 0700
     try:
         full = folder / record.name
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(to_yaml(cfg))
         yield full

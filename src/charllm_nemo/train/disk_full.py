@@ -1,8 +1,9 @@
 """A full disk under a training run: noticed once, said once, and the run's end says so.
 
 Telemetry's store (``TelemetrySession.disk_full``: its segments or manifest hit ENOSPC /
-EDQUOT) and rank 0's ``steps.jsonl`` (:class:`~charllm_nemo.train.report.StepsFile`) each
-stop writing on their own when the disk fills. :class:`DiskWatch` asks them after every
+EDQUOT / EFBIG: a ``ulimit -f`` file-size limit is a full disk for that file) and rank 0's
+``steps.jsonl`` (:class:`~charllm_nemo.train.report.StepsFile`) each stop writing on their own
+when the disk fills. :class:`DiskWatch` asks them after every
 reported step: the first time either says so, one line names the run directory and what
 happens next. With ``telemetry.required=false`` (the default) training goes on and the run
 ends with status ``disk_full``; with ``telemetry.required=true`` the rank stops at once
@@ -14,6 +15,7 @@ summary does not fit, writes one without its per-step rows (``steps.jsonl`` has 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -21,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.errors import CharllmError
-from charllm_nemo.steps.observers import DISK_FULL_ERRNOS
+from charllm_nemo.errors import CharllmError, DiskFull
+from charllm_nemo.telemetry.write import make_dir, write_bytes
 
 log = logging.getLogger("charllm_nemo.train")
 
@@ -55,8 +57,8 @@ class DiskWatch:
         if rank == 0:  # the rank that writes summary.json keeps room for it
             self._reserve = self.out_dir / RESERVE_NAME
             try:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                self._reserve.write_bytes(bytes(RESERVE_BYTES))  # zeros: allocated, not sparse
+                make_dir(self.out_dir)
+                write_bytes(self._reserve, bytes(RESERVE_BYTES))  # zeros: allocated, not sparse
             except OSError:
                 self.release()
 
@@ -102,24 +104,20 @@ def write_summary(path: Path, data: dict[str, Any]) -> str | None:
     set. Returns None when written whole, ``"compact"`` when the compact one was written;
     raises the OSError when neither could be written."""
     try:
-        _atomic_write(path, json.dumps(data, indent=2, default=str).encode())
+        write_bytes(path, json.dumps(data, indent=2, default=str).encode())
         return None
-    except OSError as exc:
-        if exc.errno not in DISK_FULL_ERRNOS or "per_step" not in data:
-            raise
+    except (OSError, DiskFull) as exc:  # a full disk, a quota, ulimit -f (EFBIG), or any refused write
+        if "per_step" not in data:
+            raise _as_os_error(exc) from exc
     compact = {k: v for k, v in data.items() if k != "per_step"}
     compact["per_step_omitted"] = "the disk was full; steps.jsonl holds the per-step rows written"
-    _atomic_write(path, json.dumps(compact, default=str).encode())
+    try:
+        write_bytes(path, json.dumps(compact, default=str).encode())
+    except DiskFull as exc:
+        raise _as_os_error(exc) from exc
     return "compact"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # a full disk leaves no 0-byte temporary behind
-        raise
+def _as_os_error(exc: BaseException) -> OSError:
+    """Callers handle an unwritable summary as an OSError (one line, not a traceback)."""
+    return exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))

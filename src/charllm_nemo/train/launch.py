@@ -362,7 +362,8 @@ def launch_local(
                 log_paths.append(None)
             else:
                 path = logs / f"rank{rank}.log"
-                out = path.open("wb")
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+                out = os.fdopen(os.open(path, flags, 0o644), "wb")  # a link there is refused
                 files.append(out)
                 log_paths.append(path)
             procs.append(

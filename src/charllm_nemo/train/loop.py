@@ -523,7 +523,8 @@ def _step_telemetry(
         observers.append(FunctionObserver(lambda r: result.summaries.append(r.to_dict())))
         observers.append(StepsFileObserver(Path(cfg.telemetry.out_dir) / STEPS_FILE))
         if print_steps:
-            observers.append(ConsoleObserver(cfg.batch.train_steps, dist.world_size))
+            synthetic = getattr(session, "source", None) == "synthetic"
+            observers.append(ConsoleObserver(cfg.batch.train_steps, dist.world_size, synthetic=synthetic))
         if sink is not None:
             observers.append(WandbObserver(sink, finish=False))
     # Alerts (docs/alerts.md): every rank sums its phases and sends its facts once; rank 0

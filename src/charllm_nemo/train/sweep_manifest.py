@@ -53,10 +53,9 @@ def now_iso() -> str:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    from charllm_nemo.telemetry.write import write_text  # no link followed; one temporary per process
+
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n", tmp_tag=str(os.getpid()))
 
 
 MAX_FILE_BYTES = 16 * 2**20

@@ -400,6 +400,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None, device: str = "cpu
     world = _world_size(cfg, world_size)
     c = _Checker(cfg, world, device)
     c.names()
+    if not c.bounds():  # before any check that loops over divisors of these values
+        raise ConfigProblems(c.problems)
     model_ok = c.model()
     layout_ok = c.parallel_basics()
     c.problems.extend(run_problems(cfg, device))

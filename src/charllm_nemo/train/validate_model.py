@@ -35,6 +35,42 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("block", "uniform")
 
 
+INT_BOUNDS: dict[str, int] = {
+    "batch.train_steps": 10**9,
+    "batch.micro_batch_size": 2**20,
+    "batch.global_batch_size": 2**26,
+    "model.num_layers": 10**4,
+    "model.hidden_size": 2**20,
+    "model.num_attention_heads": 2**16,
+    "model.num_query_groups": 2**16,
+    "model.ffn_hidden_size": 2**22,
+    "model.vocab_size": 2**24,
+    "model.seq_length": 2**24,
+    "model.max_position_embeddings": 2**24,
+    "model.num_experts": 2**16,
+    "model.moe_router_topk": 2**16,
+    "model.moe_ffn_hidden_size": 2**22,
+    "parallel.tp": 2**20,
+    "parallel.pp": 2**20,
+    "parallel.vpp": 2**10,
+    "parallel.cp": 2**20,
+    "parallel.ep": 2**20,
+    "parallel.dp": 2**20,
+    "optim.warmup_steps": 10**9,
+    "optim.recompute_num_layers": 10**4,
+    "data.seed": 2**32 - 1,
+    "launch.nproc": 2**16,
+}
+"""Largest value of each integer field of the train config: far above any real run (a billion
+steps, a million-rank dimension, a 16M-token context), small enough that every check and
+allocation sized by them stays bounded. (``launch.master_port`` has its own check: a TCP port.)"""
+
+BOUND_HINTS = {
+    "batch.train_steps": "the longest published runs take about 10**6 steps; e.g. batch.train_steps=1000",
+    "data.seed": "a seed is a 32-bit unsigned number; e.g. data.seed=1234",
+}
+
+
 class CheckerBase:
     """Collects problems; each check reads the config and appends messages (one per problem,
     naming the field, the value and one that works)."""
@@ -101,6 +137,20 @@ class ModelChecks(CheckerBase):
                 )
 
     # -- model ---------------------------------------------------------------------------------
+
+    def bounds(self) -> bool:
+        """Every integer field within :data:`INT_BOUNDS`; False (each problem named) otherwise.
+        Checked first: later checks enumerate divisors and multiples of these values, which a
+        value such as ``batch.train_steps=10**23`` would make unbounded in time."""
+        ok = True
+        for fieldname, high in INT_BOUNDS.items():
+            section, name = fieldname.split(".")
+            value = getattr(getattr(self.cfg, section), name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > high:
+                hint = BOUND_HINTS.get(fieldname, "use a smaller value")
+                self.add(f"{fieldname}={value} is larger than {high:,}, the most this tool accepts; {hint}")
+                ok = False
+        return ok
 
     def model(self) -> bool:
         """Shape checks; True when the fields later checks divide by are usable."""
