@@ -32,16 +32,10 @@ from charllm_nemo.telemetry.schema import THROTTLE_REASONS
 NAN = math.nan
 
 
-# Step figures whose attribution column another change provides: NaN (omitted) until it is there.
-PENDING_COLUMNS = {"coverage", "gap_max_s"}
-
-
 def test_every_step_figure_reads_an_attribution_column_of_the_same_unit():
     units = {name: unit.replace("degC", "°C") for name, unit, _ in ATTRIBUTION_COLUMNS}
     assert len(set(STEP_FIGURE_KEYS)) == len(STEP_FIGURE_KEYS)
     for fig in RANK_FIGURES:
-        if fig.name in PENDING_COLUMNS and fig.source not in ATTRIBUTION_COLUMN_NAMES:
-            continue
         assert fig.source in ATTRIBUTION_COLUMN_NAMES, fig.name
         assert units[fig.source] == fig.unit, fig.name
     for reason, _ in THROTTLE_REASONS:

@@ -39,8 +39,8 @@ def test_a_report_row_and_the_readers_checks_name_the_same_fields() -> None:
 
 
 def test_a_sampling_gap_is_flagged_in_the_row_and_on_the_console() -> None:
-    ranks = [{"coverage": 1.0, "sample_gap_max_s": 0.01, "energy_j": 1.0},
-             {"coverage": 0.4, "sample_gap_max_s": 0.72, "energy_j": 1.0}]  # fmt: skip
+    ranks = [{"coverage": 1.0, "gap_max_s": 0.01, "energy_j": 1.0},
+             {"coverage": 0.4, "gap_max_s": 0.72, "energy_j": 1.0}]  # fmt: skip
     r = StepReport(step=3, loss=1.0, step_time_s=1.2)
     apply_rank_figures(r, [pack_rank_vector(step_time_s=1.2, figures=f) for f in ranks])
     row = r.to_dict()

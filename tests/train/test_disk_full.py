@@ -14,12 +14,8 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.steps.observers import StepsFile
-from charllm_nemo.train.disk_full import (
-    RESERVE_NAME,
-    DiskWatch,
-    TelemetryDiskFull,
-    write_summary,
-)
+from charllm_nemo.steps.summary import write_summary
+from charllm_nemo.train.disk_full import RESERVE_NAME, DiskWatch, TelemetryDiskFull
 from tests.deadline import deadline
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -174,9 +175,24 @@ def cmd_energy(args: argparse.Namespace) -> int:
     return 0
 
 
+def finite_number(least: float) -> Any:
+    """An argparse ``type``: a finite number >= ``least`` (a usage error naming the bound)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value >= least):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= {least:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def add_commands(sub: Any) -> None:
     """Add ``analyze``, ``report``, ``compare`` and ``energy`` to the ``charllm`` sub-command parser."""
-    from charllm_nemo.cli import finite_number
 
     a = sub.add_parser("analyze", help="tables (Parquet, CSV) and figures for a run or a sweep directory")
     a.add_argument("path", help="a run directory or a tree of them (a sweep)")
@@ -220,12 +236,10 @@ def add_commands(sub: Any) -> None:
     grid = e.add_mutually_exclusive_group()
     grid.add_argument(
         "--grid-g-per-kwh",
-        type=finite_number(0.0, inclusive=True),
+        type=finite_number(0.0),
         help="grid carbon intensity, g CO2e per kWh",
     )
     grid.add_argument("--grid-csv", help="grid carbon intensity over time: a CSV of time,g_per_kwh")
-    e.add_argument(
-        "--pue", type=finite_number(1.0, inclusive=True), default=1.0, help="power usage effectiveness (>= 1)"
-    )
+    e.add_argument("--pue", type=finite_number(1.0), default=1.0, help="power usage effectiveness (>= 1)")
     e.add_argument("--format", choices=["text", "json"], default="text", help="json: the reports as JSON")
     e.set_defaults(func=cmd_energy)

@@ -361,8 +361,7 @@ class _SummaryRows:
         import time
         from pathlib import Path
 
-        from charllm_nemo.train.disk_full import write_summary
-        from charllm_nemo.train.report import SUMMARY_FILE, run_summary
+        from charllm_nemo.steps.summary import SUMMARY_FILE, run_summary, write_summary
 
         rows = [r.to_dict() for r in self.reports]
         world = self.meta["world_size"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.devices.synthetic_config import SyntheticConfig, synthetic_options, synthetic_problems
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ
+from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, DEFAULT_HZ
 
 if TYPE_CHECKING:
     from charllm_nemo.telemetry.session import TelemetrySession
@@ -41,7 +41,7 @@ class TelemetryConfig:
 
     enabled: bool = True
     backend: str = "auto"  # auto | nvml | amdsmi | synthetic
-    hz: float = 100.0
+    hz: float = DEFAULT_HZ
     # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
     # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
     counter_hz: float | None = DEFAULT_COUNTER_HZ

@@ -211,8 +211,7 @@ RANK_FIGURES: tuple[RankFigure, ...] = (
     RankFigure(
         "gap_max_s",
         "s",
-        "longest gap between samples that meets the step window",
-        column="sample_gap_max_s",
+        "longest interval inside the step window without a sample",
         report="max",
         aggregates=(("all/gap_max_s", "max"),),
     ),

@@ -43,6 +43,8 @@ def validate_hz(hz: float) -> float:
     return value
 
 
+DEFAULT_HZ = 100.0
+"""The sampling rate when none is given (telemetry.hz, the callbacks' ``hz=``; the one declaration)."""
 DEFAULT_COUNTER_HZ = 10.0
 """How often the cumulative counters are read where a device reads them apart (NVML): measured
 on an H200 (driver 580.159), the energy counter alone costs 2.4-3 ms a read and updates every

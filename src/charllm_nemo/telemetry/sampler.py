@@ -33,6 +33,7 @@ import pyarrow as pa
 from charllm_nemo.devices.base import Device
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
+    DEFAULT_HZ,
     MAX_HZ,
     MIN_HZ,
     Row,
@@ -74,7 +75,7 @@ class Sampler:
     def __init__(
         self,
         devices: Sequence[Device],
-        hz: float = 100.0,
+        hz: float = DEFAULT_HZ,
         source: str = "unknown",
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
     ) -> None:

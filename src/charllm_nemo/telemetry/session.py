@@ -50,7 +50,6 @@ import charllm_nemo
 from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.redact import redact_secrets
-from charllm_nemo.telemetry.config import TelemetryConfig
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
 from charllm_nemo.telemetry.placement import (
     DEFAULT_COLLECTOR_SCHED,
@@ -66,6 +65,7 @@ from charllm_nemo.telemetry.process.engine import ProcessEngine
 from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
+    DEFAULT_HZ,
     counter_every,
     effective_counter_every,
     figures_period_ns,
@@ -157,7 +157,7 @@ class TelemetrySession:
         out_dir: str | os.PathLike[str],
         *,
         backend: str | Backend = "auto",
-        hz: float = TelemetryConfig.hz,  # the one declaration of the default rate
+        hz: float = DEFAULT_HZ,  # the one declaration of the default rate
         rank: int = 0,
         local_rank: int = 0,
         world_size: int = 1,

@@ -15,15 +15,13 @@ summary does not fit, writes one without its per-step rows (``steps.jsonl`` has 
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.errors import CharllmError, DiskFull
+from charllm_nemo.errors import CharllmError
 from charllm_nemo.telemetry.write import make_dir, write_bytes
 
 log = logging.getLogger("charllm_nemo.train")
@@ -95,29 +93,3 @@ class DiskWatch:
             file=sys.stderr,
             flush=True,
         )
-
-
-def write_summary(path: Path, data: dict[str, Any]) -> str | None:
-    """Write ``summary.json`` atomically (a temporary, then a rename): whole or not at all, and
-    no temporary left when the disk is full. When the full summary does not fit, one without
-    ``per_step`` (the big part; ``steps.jsonl`` holds those rows) with ``per_step_omitted``
-    set. Returns None when written whole, ``"compact"`` when the compact one was written;
-    raises the OSError when neither could be written."""
-    try:
-        write_bytes(path, json.dumps(data, indent=2, default=str).encode())
-        return None
-    except (OSError, DiskFull) as exc:  # a full disk, a quota, ulimit -f (EFBIG), or any refused write
-        if "per_step" not in data:
-            raise _as_os_error(exc) from exc
-    compact = {k: v for k, v in data.items() if k != "per_step"}
-    compact["per_step_omitted"] = "the disk was full; steps.jsonl holds the per-step rows written"
-    try:
-        write_bytes(path, json.dumps(compact, default=str).encode())
-    except DiskFull as exc:
-        raise _as_os_error(exc) from exc
-    return "compact"
-
-
-def _as_os_error(exc: BaseException) -> OSError:
-    """Callers handle an unwritable summary as an OSError (one line, not a traceback)."""
-    return exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))

@@ -30,9 +30,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from charllm_nemo.steps.summary import write_summary
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
-from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull, write_summary
+from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
 from charllm_nemo.train.profile import StepProfiler
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE

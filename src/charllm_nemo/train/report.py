@@ -8,11 +8,10 @@ is the framework-free step API's: charllm_nemo.steps.
 from __future__ import annotations
 
 import logging
-import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from charllm_nemo.steps.observers import STEPS_FILE
-from charllm_nemo.telemetry.figures import median_fields
+from charllm_nemo.steps.summary import SUMMARY_FIELDS, SUMMARY_FILE, run_summary
 
 if TYPE_CHECKING:
     from charllm_nemo.steps.rates import StepRates
@@ -22,7 +21,6 @@ log = logging.getLogger("charllm_nemo.train")
 
 __all__ = ["STEPS_FILE", "SUMMARY_FIELDS", "SUMMARY_FILE", "run_summary", "train_rates"]
 
-SUMMARY_FILE = "summary.json"
 """Rank 0's steps and their medians, written when training ends (train/loop.py)."""
 
 
@@ -83,29 +81,3 @@ def train_rates(
     except Exception:  # a metrics error must not stop training; the figures stay absent
         log.debug("no throughput figures", exc_info=True)
         return None
-
-
-SUMMARY_FIELDS: tuple[str, ...] = median_fields()
-"""The step fields whose medians summary.json holds (charllm_nemo.telemetry.figures)."""
-
-
-def run_summary(
-    summaries: list[dict[str, Any]], skip_first: int = 1, world_size: int | None = None
-) -> dict[str, Any]:
-    """Medians over steps of each per-step figure (the first ``skip_first`` steps, which carry
-    warm-up and allocation, are left out when more steps exist). Keys ``<field>_median``;
-    a field no step reported is None. ``world_size``: ``energy_j`` (a sum over ranks) only over
-    the steps every rank reported (``ranks_reporting``), not partial sums."""
-    rows = summaries[skip_first:] if len(summaries) > skip_first else summaries
-    out: dict[str, Any] = {"steps": len(summaries), "steps_in_medians": len(rows)}
-    for name in SUMMARY_FIELDS:
-        some = rows
-        if name == "energy_j" and world_size is not None:
-            some = [r for r in rows if r.get("ranks_reporting", world_size) >= world_size]
-        values = sorted(v for r in some if (v := r.get(name)) is not None and not math.isnan(v))
-        if not values:
-            out[f"{name}_median"] = None
-            continue
-        mid = len(values) // 2
-        out[f"{name}_median"] = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-    return out

@@ -179,7 +179,7 @@ class SweepManifest:
 
         problems = [] if problems is None else problems
         fields = checked_fields(d, path, problems)
-        runs = checked_runs(d.get("runs"), path, problems)
+        runs = checked_runs(d.get("runs"), path, problems, Attempt)
         fields.setdefault("name", Path(str(path)).parent.name.split("=", 1)[-1] or "?")
         fields.setdefault("directory", str(Path(str(path)).parent))
         return cls(**fields, runs={k: RunEntry(**r) for k, r in runs.items()})

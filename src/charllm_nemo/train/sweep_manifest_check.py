@@ -10,6 +10,7 @@ an attempt without a number are left out the same way. The rest of the sweep is 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,12 @@ def checked_fields(d: dict[str, Any], path: Path | str, problems: list[str]) -> 
     return fields
 
 
-def checked_runs(runs: object, path: Path | str, problems: list[str]) -> dict[str, dict[str, Any]]:
+def checked_runs(
+    runs: object, path: Path | str, problems: list[str], attempt: Callable[..., Any]
+) -> dict[str, dict[str, Any]]:
     """``sweep.json``'s ``runs`` (a list of objects) as RunEntry arguments by key; each run's
-    ``attempts`` as Attempt objects."""
-    from charllm_nemo.train.sweep_manifest import Attempt
+    ``attempts`` made by ``attempt`` (the manifest's Attempt class, passed in: this module sits
+    below the manifest's)."""
 
     if runs is None:
         return {}
@@ -116,7 +119,7 @@ def checked_runs(runs: object, path: Path | str, problems: list[str]) -> dict[st
                 continue
             if fields.get("job_id") is not None:
                 fields["job_id"] = str(fields["job_id"])
-            attempts.append(Attempt(**fields))
+            attempts.append(attempt(**fields))
         entry["attempts"] = sorted(attempts, key=lambda a: a.attempt)
         if key in out:
             problems.append(f"{path}: runs[{i}].key {key!r} listed twice; the later entry kept")

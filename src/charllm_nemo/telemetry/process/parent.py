@@ -85,6 +85,7 @@ from charllm_nemo.telemetry.process.ring import (
 )
 from charllm_nemo.telemetry.sample_loop import (
     DEFAULT_COUNTER_HZ,
+    DEFAULT_HZ,
     Row,
     SamplerHealth,
     counter_every,
@@ -123,7 +124,7 @@ class ProcessSampler:
         backend: str,
         devices: Sequence[int] | None = None,
         backend_options: dict[str, Any] | None = None,
-        hz: float = 100.0,
+        hz: float = DEFAULT_HZ,
         source: str | None = None,
         *,
         capacity: int | None = None,
