@@ -268,9 +268,11 @@ def sampling_gap_line(table: Any) -> str | None:
     if not hit:
         return None
     kinds = table.column("kind").to_pylist()
-    steps = sorted({table.column("step")[i].as_py() for i in hit if kinds[i] == "step"})
-    ranks = sorted({table.column("rank")[i].as_py() for i in hit})
-    worst = max(gap[i] for i in hit if gap[i] is not None)
+    steps = sorted(
+        {s for i in hit if kinds[i] == "step" and (s := table.column("step")[i].as_py()) is not None}
+    )
+    ranks = sorted({r for i in hit if (r := table.column("rank")[i].as_py()) is not None})
+    worst = max((gap[i] for i in hit if gap[i] is not None and gap[i] == gap[i]), default=0.0)
     shown = ", ".join(map(str, steps[:12])) + (" ..." if len(steps) > 12 else "")
     return (
         f"SAMPLING GAP: {len(hit)} window(s) with coverage below 100 % (marked '!'), longest "

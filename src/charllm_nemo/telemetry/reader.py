@@ -141,8 +141,10 @@ joules are all far below); NaN, inf and larger values are read as null, so that 
 figure axis of a reader overflows."""
 
 MAX_ABS_INT = 2**62
-"""Largest magnitude an integer value may have: the difference of any two then fits int64
-(an energy counter's or a clock's deltas never overflow)."""
+"""Most negative an integer value may be (below -2**62, other than the null marker, is read as
+null). Large positive values are kept: a 64-bit hardware counter legitimately passes 2**62
+(stored exactly, tests/telemetry/test_sampler_process.py), and the readers take differences
+only of non-negative counter values, which always fit int64."""
 
 
 def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any:
@@ -153,7 +155,9 @@ def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any
     else:
         wide = col.cast(pa.int64())  # exact comparisons: int64 values do not all fit a float
         big = pa.scalar(MAX_ABS_INT, pa.int64())
-        bad = pc.or_(pc.greater_equal(wide, big), pc.less_equal(wide, pa.scalar(-MAX_ABS_INT, pa.int64())))
+        bad = pc.and_(
+            pc.less_equal(wide, pc.negate(big)), pc.not_equal(wide, pa.scalar(INT_NULL, pa.int64()))
+        )
     n_bad = pc.sum(pc.fill_null(bad, False).cast(pa.int64())).as_py() or 0
     if not n_bad:
         return col
