@@ -15,7 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-NEMO_TESTS=tests/integrations/test_nemo_callback.py
+# The tests that need NeMo / Lightning: they run in .venv-nemo, the rest in .venv.
+NEMO_TESTS=(tests/integrations/test_nemo_callback.py tests/integrations/test_observer_thread.py)
 BRIDGE_VERSION=0.6.2  # = BRIDGE_VERSION in tests/integrations/test_bridge.py
 PYTEST_ARGS=("$@")
 
@@ -82,9 +83,9 @@ lane_format() { .venv/bin/ruff format --check src tests bench scripts; }
 lane_mypy() { .venv/bin/mypy; }
 # Each pytest lane sees its own environment's bin first on PATH (subprocesses that run `charllm`).
 lane_pytest() {
-  PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv" .venv/bin/python -m pytest --ignore="$NEMO_TESTS" "${PYTEST_ARGS[@]}"
+  PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv" .venv/bin/python -m pytest "${NEMO_TESTS[@]/#/--ignore=}" "${PYTEST_ARGS[@]}"
 }
-lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "$NEMO_TESTS"; }
+lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "${NEMO_TESTS[@]}"; }
 
 LANES=(ruff format mypy pytest nemo)
 

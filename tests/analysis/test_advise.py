@@ -3,6 +3,7 @@ command, the CLI's errors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -313,7 +314,7 @@ def test_end_to_end_a_real_pipeline_run_with_a_hot_stage(
     (layout,) = [a for a in report.advice if a.kind == "pipeline_layout"]
     assert layout.current == [2, 2] and layout.proposed == [1, 3] and layout.expected_gain > 0.03
     hot_stage = next(e for e in layout.evidence if e.startswith("stage 0"))
-    assert "throttled 100% of step time" in hot_stage
+    assert re.search(r"throttled (9[5-9]|100)% of step time", hot_stage), hot_stage
     assert layout.placement is not None and layout.placement.startswith("stage 0 gets the fewest layers")
     assert layout.command is not None and "parallel.pipeline_layout=[1,3]" in layout.command
     assert not [p for p in report.problems if "re-run command" in p]

@@ -24,7 +24,7 @@ def test_the_hot_rank_is_slowed_in_every_layout(tmp_path: Path, layout: str, mod
     out = tmp_path / layout
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", f"model={model}", "telemetry=synthetic",
            f"telemetry.out_dir={out}", "batch.train_steps=10", "nproc=2", f"parallel={layout}",
-           "batch.global_batch_size=8", "++telemetry.synthetic.devices.1.cooling=0.3",
+           "batch.global_batch_size=8", "++telemetry.synthetic.devices.1.cooling=0.15",
            "++telemetry.synthetic.devices.1.tau_s=1.0"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]

@@ -15,12 +15,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.train import app
+from charllm_nemo.train import app, config_io
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.config_io import load_train_config, run_id, save_train_config, train_config_from
 from charllm_nemo.train.launch import local_gpu_count
 from charllm_nemo.train.presets import model_preset, parallel_preset
 from charllm_nemo.train.worker import main as worker_main
+from tests.deadline import deadline
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -131,10 +132,10 @@ def test_recipes_compose() -> None:
 
 def test_conf_dir_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert app.find_conf_dir() == REPO / "conf"
-    monkeypatch.setenv(app.CONF_ENV, str(tmp_path))
+    monkeypatch.setenv(config_io.CONF_ENV, str(tmp_path))
     with pytest.raises(ConfigError, match=r"has no train\.yaml"):
         app.find_conf_dir()
-    monkeypatch.setenv(app.CONF_ENV, str(REPO / "conf"))
+    monkeypatch.setenv(config_io.CONF_ENV, str(REPO / "conf"))
     assert app.find_conf_dir() == REPO / "conf"
 
 
@@ -509,10 +510,10 @@ def test_sigterm_reaches_every_rank(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 60
+        start_by = time.monotonic() + deadline(60)
         while not all((out / "fake" / f"rank{r}.ready").exists() for r in (0, 1)):
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "ranks did not start"
+            assert time.monotonic() < start_by, "ranks did not start"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=deadline(30))
