@@ -93,7 +93,7 @@ PIPE_STEPS = 8
 UNEVEN = {2: (4, "[3,1]"), 4: (5, "[2,1,1,1]")}  # (model.num_layers, layers per stage): stage 0 heavy
 HOT = {
     # poorly cooled: over its 87 C limit within a few steps (sw_thermal, clock -20 %)
-    "cooling": ["++telemetry.synthetic.devices.0.cooling=0.3", "++telemetry.synthetic.devices.0.tau_s=0.3"],
+    "cooling": ["++telemetry.synthetic.devices.0.cooling=0.15", "++telemetry.synthetic.devices.0.tau_s=0.3"],
     # throttled from the very first step: no unthrottled step of its own to compare with
     "from_the_first_step": [
         f"++telemetry.synthetic.devices.0.throttle=[{{steps:[0,{PIPE_STEPS}],reasons:[sw_thermal],"
