@@ -114,10 +114,10 @@ def unlink(self, missing_ok=False):
     return real(self, missing_ok=missing_ok)
 Path.unlink = unlink
 real_replace = os.replace
-def replace(a, b):
+def replace(a, b, **kw):
     if n < 0:
         os.kill(os.getpid(), signal.SIGKILL)  # killed before the rename: only a temporary exists
-    return real_replace(a, b)
+    return real_replace(a, b, **kw)
 compact.os.replace = replace
 compact.compact_run(sys.argv[1])
 """

@@ -106,7 +106,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Print the fitted models; with ``--write FILE`` merge them into that table (the package's
     own: src/charllm_nemo/metrics/energy_calibration.json)."""
     from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
-    from charllm_nemo.telemetry.store import atomic_write_bytes
+    from charllm_nemo.telemetry.write import write_bytes
 
     table, notes = calibrate(args.path, args.label)
     for line in notes:
@@ -137,7 +137,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             )
             return 2
         merged.update(table)
-        atomic_write_bytes(out, dump_table(merged).encode())
+        write_bytes(out, dump_table(merged).encode())
         print(f"wrote {out} ({len(merged)} platform(s))")
     return 0
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
     import pyarrow.parquet as pq
 
     from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+    from charllm_nemo.telemetry.write import write_with
 
     try:
         session = spark_session(args.spark_master)
@@ -70,11 +72,10 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
         print(f"charllm analyze: {exc}", file=sys.stderr)
         return 2
     tables = spark_tables(session, args.path)
-    out.mkdir(parents=True, exist_ok=True)
     for name in ("ranks", "nodes", "runs"):
         table = to_arrow(getattr(tables, name))
-        pq.write_table(table, out / f"{name}.parquet")
-        pacsv.write_csv(table, out / f"{name}.csv")
+        write_with(out / f"{name}.parquet", partial(pq.write_table, table))
+        write_with(out / f"{name}.csv", partial(pacsv.write_csv, table))
         print(f"{name}: {table.num_rows} row(s)")
     for p in tables.problems:
         print(f"  problem: {p}")

@@ -32,7 +32,7 @@ import numpy as np
 
 from charllm_nemo.analysis.load import find_runs
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.filecheck import printable, validate_step, validate_summary
+from charllm_nemo.telemetry.filecheck import finite_or_none, printable, validate_step, validate_summary
 from charllm_nemo.telemetry.layout import SIZE_CAPS, iter_jsonl_numbered, read_json, scan_run
 
 
@@ -79,17 +79,11 @@ class Group:
         return int(self.values[name].size)
 
 
-def _finite(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def step_figures(row: dict[str, Any], world_size: int | None) -> dict[str, float | None]:
     """The compared figures of one step line (None where the line cannot give one)."""
-    step_time = _finite(row.get("step_time_s"))
-    tps = _finite(row.get("tokens_per_s"))
-    energy = _finite(row.get("energy_j"))
+    step_time = finite_or_none(row.get("step_time_s"))
+    tps = finite_or_none(row.get("tokens_per_s"))
+    energy = finite_or_none(row.get("energy_j"))
     reporting = row.get("ranks_reporting")
     if world_size is not None and isinstance(reporting, int) and reporting < world_size:
         energy = None  # a partial sum over the ranks that reported
@@ -100,9 +94,9 @@ def step_figures(row: dict[str, Any], world_size: int | None) -> dict[str, float
         "tokens_per_s": tps,
         "energy_per_token_j": per_token,
         "tokens_per_j": 1.0 / per_token if per_token else None,
-        "power_peak_w": _finite(row.get("power_peak_w")),
-        "temp_gpu_peak_c": _finite(row.get("temp_gpu_peak_c")),
-        "throttle_share": _finite(row.get("throttle_share")),
+        "power_peak_w": finite_or_none(row.get("power_peak_w")),
+        "temp_gpu_peak_c": finite_or_none(row.get("temp_gpu_peak_c")),
+        "throttle_share": finite_or_none(row.get("throttle_share")),
     }
 
 

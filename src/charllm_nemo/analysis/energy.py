@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.filecheck import printable
+from charllm_nemo.telemetry.filecheck import finite_or_none, printable
 from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
 
 MLPERF_MIN_HZ = 1.0
@@ -113,12 +113,6 @@ def read_grid_csv(path: Path) -> GridIntensity:
     return GridIntensity(tuple(sorted(points)))
 
 
-def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def _sum(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return math.fsum(known) if known else None
@@ -126,16 +120,16 @@ def _sum(values: list[float | None]) -> float | None:
 
 def device_energy(row: dict[str, Any], hz: float | None) -> dict[str, Any]:
     """One ``ranks`` table row's energy over its sampled time, the method, and its bound (J)."""
-    counter = _num(row.get("energy_counter_j"))
-    integrated = _num(row.get("energy_trapezoid_j"))
-    duration = _num(row.get("duration_s"))
-    n = _num(row.get("n_samples")) or 0.0
-    power = _num(row.get("power_avg_w"))
+    counter = finite_or_none(row.get("energy_counter_j"))
+    integrated = finite_or_none(row.get("energy_trapezoid_j"))
+    duration = finite_or_none(row.get("duration_s"))
+    n = finite_or_none(row.get("n_samples")) or 0.0
+    power = finite_or_none(row.get("power_avg_w"))
     period = 1.0 / hz if hz else None
     energy: float | None
     if counter is not None:
         energy, method = counter, "counter"
-        edge = _num(row.get("energy_counter_period_s")) or period
+        edge = finite_or_none(row.get("energy_counter_period_s")) or period
     else:
         energy, method, edge = integrated, "integrated power", period
     if power is None and energy is not None and duration:
@@ -172,7 +166,7 @@ def run_energy(
 ) -> dict[str, Any]:
     """The energy report of one run: ``info`` is its ``runs`` table row, ``device_rows`` its
     ``ranks`` table rows, ``manifests`` its ranks' manifests. JSON-ready."""
-    hz = _num(info.get("sampling_hz"))
+    hz = finite_or_none(info.get("sampling_hz"))
     devices = [device_energy(r, hz) for r in device_rows]
     total = _sum([d["energy_j"] for d in devices])
     bound = _sum(
@@ -189,7 +183,7 @@ def run_energy(
     )
     missing = (world - len(measured_ranks)) if isinstance(world, int) and world >= len(measured_ranks) else 0
     steps = info.get("measured_steps")
-    step_energy = _num(info.get("energy_j"))
+    step_energy = finite_or_none(info.get("energy_j"))
     out: dict[str, Any] = {
         "run": info.get("run"),
         "synthetic": bool(info.get("synthetic")),
@@ -204,8 +198,8 @@ def run_energy(
         else None,
         "measured_steps": steps,
         "energy_per_step_j": step_energy / steps if step_energy is not None and steps else None,
-        "tokens_per_j": _num(info.get("tokens_per_j")),
-        "energy_per_token_j": _num(info.get("energy_per_token_j")),
+        "tokens_per_j": finite_or_none(info.get("tokens_per_j")),
+        "energy_per_token_j": finite_or_none(info.get("energy_per_token_j")),
         "per_device": devices,
         "mlperf": mlperf_check(devices, manifests, world, hz),
     }

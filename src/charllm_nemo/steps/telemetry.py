@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.sinks.keys import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
@@ -40,16 +40,12 @@ from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
 from charllm_nemo.steps.rates import StepRates
 from charllm_nemo.steps.report import StepReport, apply_rank_figures, combine_head, pack_rank_vector
+from charllm_nemo.steps.session import StepSession
 from charllm_nemo.steps.timers import TimersAdapter
 from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
-
-if TYPE_CHECKING:
-    from charllm_nemo.devices.base import Backend
-    from charllm_nemo.telemetry.sample_loop import SamplerHealth
-    from charllm_nemo.telemetry.session import TelemetrySession
 
 log = logging.getLogger("charllm_nemo.steps")
 
@@ -73,50 +69,6 @@ ALERT_FIGURES: tuple[str, ...] = (
 )
 """What the alerts read besides :data:`THREAD_MODE_FIGURES`: added to those in thread mode
 when ``phase_times`` is on (process mode computes every figure anyway)."""
-
-
-class StepSession(Protocol):
-    """What the step API uses of a rank's telemetry session (telemetry/session.py
-    ``TelemetrySession``; mypy checks the real one against it, tests/steps)."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def hz(self) -> float: ...
-    @property
-    def counter_every(self) -> int: ...
-    @property
-    def sampler_mode(self) -> str: ...
-    @property
-    def windows(self) -> WindowRecorder: ...
-    @property
-    def backend(self) -> Backend: ...
-    @property
-    def health(self) -> SamplerHealth: ...
-
-    def request_figures(
-        self, t_begin_mono_ns: int, t_end_mono_ns: int, figures: Collection[str] | None = None, batch: int = 1
-    ) -> None: ...
-
-    def step_figures(
-        self,
-        t_begin_mono_ns: int,
-        t_end_mono_ns: int,
-        wait_s: float = 0.0,
-        figures: Collection[str] | None = None,
-    ) -> list[dict[str, Any]] | None: ...
-
-    def close(self, status: str = "complete") -> str: ...
-
-
-if TYPE_CHECKING:
-
-    def _the_session_is_a_step_session(session: TelemetrySession) -> StepSession:
-        return session  # mypy: the real session keeps the seam this module uses
 
 
 def figure_columns(figures: Sequence[str]) -> tuple[str, ...]:

@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_parquet, scan_run
+from charllm_nemo.telemetry.write import atomic_file
 
 log = logging.getLogger("charllm_nemo.compact")
 
@@ -94,21 +98,12 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def write_compacted(folder: Path, kind: str, first: int, last: int, table: pa.Table) -> Path:
-    """Write ``table`` as the compacted file for segments ``first..last``: a temporary created
-    with ``O_EXCL | O_NOFOLLOW`` (never through a link someone left there), fsynced, renamed."""
+    """Write ``table`` as the compacted file for segments ``first..last`` through the hardened
+    write layer (telemetry/write.py: a temporary never reached through a link, fsynced, renamed),
+    then flush the folder, so the rename is on disk before any segment is removed."""
     path = folder / compacted_name(kind, first, last)
-    tmp = folder / f".{path.name}.tmp"
-    tmp.unlink(missing_ok=True)  # a killed compaction's temporary: ours to replace, never followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path, fsync=True) as f:
+        pq.write_table(table, f, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=True)
     _fsync_dir(folder)
     return path
 
@@ -196,3 +191,27 @@ def compact_run(
     no links followed)."""
     files = scan_run(run_dir)
     return {r: compact_rank(rf.folder, problems=problems) for r, rf in sorted(files.ranks.items())}
+
+
+def cmd_compact(run_dir: str) -> int:
+    """``charllm compact RUN``: every rank folder compacted; prints files before and after, exit 2
+    when RUN is not a run directory."""
+
+    def count(path: Path) -> int:
+        return sum(
+            len(rf.samples) + len(rf.windows) + len(rf.buffered) for rf in scan_run(path).ranks.values()
+        )
+
+    try:
+        before = count(Path(run_dir))
+        problems: list[str] = []
+        done = compact_run(run_dir, problems)
+        after = count(Path(run_dir))
+    except StoreError as exc:
+        print(f"charllm compact: {printable(exc, limit=400)}", file=sys.stderr)
+        return 2
+    rows = sum(c.rows for cs in done.values() for c in cs)
+    print(f"{len(done)} rank(s): {before} segment file(s) -> {after}; {rows:,} rows rewritten")
+    for line in problems:
+        print(f"  problem: {printable(line)}")
+    return 0
