@@ -6,7 +6,7 @@
 # Arguments go to the main pytest lane (e.g. scripts/test.sh -x -q tests/alerts).
 # CHARLLM_REQUIRE_NEMO=1: an integration test whose framework or download is missing fails
 # instead of skipping (tests/integrations/conftest.py).
-# CHARLLM_TEST_TIMEOUT_FACTOR (default 1): multiplies the tests' subprocess deadlines
+# CHARLLM_TEST_TIMEOUT_FACTOR (default 3): multiplies the tests' subprocess deadlines
 # (tests/deadline.py); raise it on a slow or shared machine.
 #
 # To add a lane: write a function lane_<name> and add <name> to LANES; a set-up step it needs: a
