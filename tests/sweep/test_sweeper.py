@@ -104,6 +104,17 @@ def test_full_size_recipes_plan_every_configuration_and_keep_those_that_cannot_f
         assert f"sweep {name}: {n} configuration(s)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (app.find_conf_dir() / "sweep").glob("cpu_*.yaml")))
+def test_every_cpu_sweep_configuration_is_valid_on_cpu(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CPU mirror runs all its configurations on 2 CPU ranks: its own overrides must not undo a
+    +layout= preset's model (cpu_parallelism's EP2 got tiny_gpt) nor ask for what the CPU cannot do
+    (cpu_optimization's distributed optimizer)."""
+    assert app.main(["-m", f"+sweep={name}", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    verdicts = [line for line in out.splitlines() if "; estimated peak" in line]
+    assert verdicts and all(": valid;" in line for line in verdicts), out
+
+
 def _sbatch_script(overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The sbatch script the preset's launcher would submit for one job (map_array intercepted)."""
     import submitit
