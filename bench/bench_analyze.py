@@ -1,24 +1,27 @@
-"""Time ``charllm analyze`` on a large store: 32 ranks x 1 hour x 100 Hz (~11.5 M samples).
+"""Time ``charllm analyze`` on a large store, uncompacted and compacted: 32 ranks x 1 hour x
+100 Hz (11.52 M samples), median of 3 analyses of each layout in one run (issue #35, item 2).
 
 The store is written with pyarrow in the store's real format (charllm_nemo.analysis.store_writer):
 per rank 360,000 samples (power, energy counter, temperatures, clocks, throttle mask, PCIe
-counters, power limit) and 3,600 one-second steps of 4 microbatches each (18,000 windows). The
-telemetry writer flushes a segment every 0.5 s (50 rows); a one-hour run would have 7,200 files
-per rank, so this benchmark writes ``--segment-s`` worth per file (default 60 s: 60 per rank) and
-says so. ``charllm analyze --no-figures`` then runs in a child process; the benchmark prints its
-wall time, samples per second, CPU time and peak RSS (the child's rusage), against the data's
-in-memory size (samples x columns x 8 bytes), and the load average (a shared machine's wall time
-says more about its neighbours than about the analysis).
+counters, power limit) and 3,599 one-second steps of 4 microbatches each (18,000 windows, one
+windows file per rank in both layouts). Uncompacted: one samples segment per ``--segment-s``
+(default 0.5 s, the writer's flush: 7,200 files per rank-hour); then ``charllm compact``'s
+``compact_run`` (timed) makes the compacted layout of the same data. Each ``charllm analyze
+--no-figures`` runs in a child process; printed per layout: each analysis's wall and CPU time
+(user + sys of the child and its workers), the median, the peak RSS and the load average (a
+shared machine's wall time says more about its neighbours than about the analysis), then the
+ratios.
 
-Usage: .venv/bin/python bench/bench_analyze.py [--ranks 32] [--seconds 3600] [--hz 100] [--dir DIR]
+Usage: .venv/bin/python bench/bench_analyze.py [--ranks 32] [--seconds 3600] [--hz 100]
+       [--segment-s 0.5] [--repeats 3] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from charllm_nemo.analysis.store_writer import write_rank, write_summary
+from charllm_nemo.telemetry.compact import compact_run
 
 
 def make_rank(run: Path, rank: int, seconds: float, hz: float, segment_s: float, ranks: int) -> int:
@@ -80,12 +84,41 @@ def make_rank(run: Path, rank: int, seconds: float, hz: float, segment_s: float,
     return n
 
 
+def analyze_once(run: Path, out: Path) -> tuple[float, float, int, str]:
+    """``charllm analyze --no-figures`` of ``run`` in a child process: (wall s, CPU s of the
+    child and the workers it reaped, the largest RSS among them in bytes, its first output line),
+    from the child's own rusage (``os.wait4``)."""
+    cmd = [sys.executable, "-m", "charllm_nemo.cli", "analyze", str(run), "--no-figures", "--out", str(out)]
+    with tempfile.TemporaryFile("w+") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        text = log.read()
+    if proc.returncode:
+        raise SystemExit(f"charllm analyze failed ({proc.returncode}):\n{text}")
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, first
+
+
+def files_in(run: Path) -> int:
+    return sum(1 for _ in run.rglob("*.parquet"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=3600.0)
     ap.add_argument("--hz", type=float, default=100.0)
-    ap.add_argument("--segment-s", type=float, default=60.0)
+    ap.add_argument(
+        "--segment-s",
+        type=float,
+        default=0.5,
+        help="seconds of samples per segment in the uncompacted store (the writer's flush: 0.5)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="analyses of each layout (the median is printed)")
     ap.add_argument("--dir", help="where to write the store (default: a temporary folder, removed after)")
     args = ap.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-analyze-"))
@@ -99,33 +132,29 @@ def main() -> int:
         gen_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in run.rglob("*.parquet"))
         print(f"store: {args.ranks} ranks x {args.seconds:g} s x {args.hz:g} Hz = {total:,} samples, "
-              f"{size / 2**20:.0f} MiB of Parquet, written in {gen_s:.1f} s")  # fmt: skip
-        cmd = [
-            sys.executable,
-            "-m",
-            "charllm_nemo.cli",
-            "analyze",
-            str(run),
-            "--no-figures",
-            "--out",
-            str(root / "out"),
-        ]
-        t1 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t1
-        if proc.returncode:
-            print(proc.stdout, proc.stderr)
-            return proc.returncode
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        rss = usage.ru_maxrss * 1024
-        cpu = usage.ru_utime + usage.ru_stime
-        in_memory = total * 25 * 8  # ~25 numeric columns x 8 bytes
-        print(f"charllm analyze: {wall:.2f} s, {total / wall / 1e6:.2f} M samples/s, "
-              f"peak RSS {rss / 2**20:.0f} MiB (data in memory ~{in_memory / 2**20:.0f} MiB: "
-              f"{rss / in_memory:.2f}x); CPU time {cpu:.2f} s (user+sys, all threads; on a "
-              f"loaded machine the wall time is the worse guide), "
-              f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-        print(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
+              f"{size / 2**20:.0f} MiB of Parquet in {files_in(run):,} files "
+              f"({args.segment_s:g} s segments), "
+              f"written in {gen_s:.1f} s")  # fmt: skip
+        results = {}
+        for layout in ("uncompacted", "compacted"):
+            if layout == "compacted":
+                t1 = time.perf_counter()
+                compact_run(run)
+                print(f"charllm compact: {time.perf_counter() - t1:.1f} s -> {files_in(run):,} files")
+            rows = [analyze_once(run, root / "out") for _ in range(args.repeats)]
+            for i, (wall, cpu, rss, _) in enumerate(rows):
+                print(f"  {layout} #{i + 1}: wall {wall:.2f} s, CPU {cpu:.2f} s, RSS {rss / 2**20:.0f} MiB, "
+                      f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+            wall = statistics.median(r[0] for r in rows)
+            cpu = statistics.median(r[1] for r in rows)
+            results[layout] = (wall, cpu, max(r[2] for r in rows))
+            print(f"{layout}: median of {args.repeats}: wall {wall:.2f} s "
+                  f"({total / wall / 1e6:.2f} M samples/s), CPU {cpu:.2f} s, peak RSS "
+                  f"{results[layout][2] / 2**20:.0f} MiB | {rows[0][3]}")  # fmt: skip
+        (uw, uc, _), (cw, cc, _) = results["uncompacted"], results["compacted"]
+        print(f"uncompacted / compacted: wall x{uw / cw:.2f}, CPU x{uc / cc:.2f}; "
+              f"load average now {os.getloadavg()[0]:.1f} (on a loaded machine the CPU time is the "
+              "better guide)")  # fmt: skip
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -150,6 +150,16 @@ RUN_CASES: dict[str, Callable[[Path], None]] = {
     "summary_fifo": lambda d: _replace(d / "summary.json", os.mkfifo),
     "summary_dev_zero": lambda d: _replace(d / "summary.json", lambda p: p.symlink_to("/dev/zero")),
     "steps_fifo": lambda d: os.mkfifo(d / "steps.jsonl"),
+    "alerts_hostile": lambda d: (d / "alerts.jsonl").write_bytes(
+        json.dumps(
+            {"kind": HOSTILE, "severity": 5, "step": "x", "rank": 1e300, "host": HOSTILE, "message": HOSTILE}
+        ).encode()
+        + b'\n[1]\n{"kind": "a", "message": "\xff\xfe"}\n'
+        + b"[" * 100_000
+        + b"\n"
+    ),
+    "alerts_fifo": lambda d: os.mkfifo(d / "alerts.jsonl"),
+    "alerts_dev_zero": lambda d: (d / "alerts.jsonl").symlink_to("/dev/zero"),
     "segment_link_outside": lambda d: _replace(_segments(d)[0], lambda p: p.symlink_to("/dev/zero")),
     "rank_folder_link": lambda d: (d / "rank=7").symlink_to(d / "rank=0"),
     "segment_fifo": lambda d: _replace(_segments(d)[0], os.mkfifo),
@@ -207,8 +217,10 @@ def test_run_readers(case: str, base_run: Path, tmp_path: Path, capsys: pytest.C
 
 
 @pytest.mark.parametrize(
-    "case", ["names_hostile", "config_types", "samples_nan_inf_overflow", "devices_30000", "energy_negative"]
-)
+    "case",
+    ["names_hostile", "config_types", "samples_nan_inf_overflow", "devices_30000", "energy_negative",
+     "alerts_hostile", "alerts_fifo", "alerts_dev_zero"],
+)  # fmt: skip
 def test_report_and_figures(
     case: str, base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -235,6 +247,7 @@ def test_report_runs_no_script_in_a_browser(base_run: Path, tmp_path: Path) -> N
     d = _case(base_run, tmp_path, lambda d: (
         _manifest(d, host=payload, config={"model": {"name": payload}}),
         (d / "summary.json").write_text(json.dumps({"status": payload, "model": payload, "device": payload})),
+        (d / "alerts.jsonl").write_text(json.dumps({"kind": payload, "message": payload, "host": payload})),
     ))  # fmt: skip
     html_path = tmp_path / "report.html"
     assert main(["report", str(d), "--out", str(tmp_path / "out"), "--html", str(html_path)]) == 0

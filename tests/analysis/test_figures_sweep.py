@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import matplotlib
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from charllm_nemo.analysis.analyze import analyze
 from charllm_nemo.analysis.figures import write_figures
@@ -78,3 +81,26 @@ def test_sweep_figures_are_written(tmp_path: Path) -> None:
     written = {p.name for p in write_figures(a, tmp_path / "fig")}
     assert {"configs.png", "configs_normalised.png", "heatmaps.png"} <= written
     assert isinstance(a.tables["runs"], pa.Table)
+
+
+def test_log_colour_bars_are_labelled_in_plain_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mathtext is off for names from the data, so a formatter's ``$10^{9}$`` would be drawn
+    raw: the traffic panel's log colour bar carries plain numbers."""
+    from charllm_nemo.analysis import figures_sweep
+
+    constant_run(tmp_path / "run=a", ranks=2)
+    kept: list[Any] = []
+    monkeypatch.setattr(figures_sweep, "save", lambda fig, stem: kept.append(fig) or [stem])
+    with matplotlib.rc_context({"text.parse_math": False}):
+        a = analyze(tmp_path)
+        figures_sweep.heatmaps_figure(a.tables["ranks"], a.tables["runs"], {}, tmp_path / "h")
+        (fig,) = kept
+        fig.canvas.draw()
+    labels = [
+        t.get_text()
+        for ax in fig.axes
+        for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True)
+    ]
+    assert any(label for label in labels) and not any("$" in label for label in labels), labels

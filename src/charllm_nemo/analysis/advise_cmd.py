@@ -15,7 +15,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.analysis.advise import (
     MBS_TOLERANCE,
@@ -28,6 +28,9 @@ from charllm_nemo.analysis.advise import (
 )
 from charllm_nemo.analysis.advise_placement import placement_advice
 from charllm_nemo.telemetry.filecheck import printable
+
+if TYPE_CHECKING:
+    from charllm_nemo.analysis.analyze import Analysis
 
 SECTIONS = ("model", "parallel", "optim", "batch", "data", "telemetry", "launch", "extra")
 """Config sections whose differing keys the re-run command carries."""
@@ -123,12 +126,15 @@ def advise(
     min_steps: int = MIN_STEPS,
     tolerance: float = MBS_TOLERANCE,
     commands: bool = True,
+    analysis: Analysis | None = None,
 ) -> AdviceReport:
     """Analyse ``path`` (a run or a sweep) and advise on every run in it. ``commands``: build
-    the whole re-run command (composes the Hydra config: needs the ``megatron`` extra's hydra)."""
+    the whole re-run command (composes the Hydra config: needs the ``megatron`` extra's hydra).
+    ``analysis``: ``path``'s analysis when the caller has it already (the report)."""
     from charllm_nemo.analysis.analyze import analyze
 
-    analysis = analyze(path)
+    if analysis is None:
+        analysis = analyze(path)
     rows = {name: t.to_pylist() for name, t in analysis.tables.items()}
     if analysis.windows is not None:
         per = analysis.windows.group_by(["run", "rank"]).aggregate([("host", "min")])

@@ -132,15 +132,36 @@ def cmd_report(args: argparse.Namespace) -> int:
     from charllm_nemo.analysis.analyze import analyze, write_tables
     from charllm_nemo.analysis.figures import write_figures
     from charllm_nemo.analysis.report import write_report
+    from charllm_nemo.analysis.report_sections import ReportOptions
+    from charllm_nemo.errors import ConfigError
 
+    try:
+        options = ReportOptions(compare=args.compare or [], grid=_grid(args), pue=args.pue)
+    except ConfigError as exc:
+        print(f"charllm report: {exc}", file=sys.stderr)
+        return 2
+    if len(options.compare) == 1:
+        print("charllm report: --compare needs at least two runs: BASELINE OTHER [...]", file=sys.stderr)
+        return 2
     out = _out_dir(args)
     analysis = analyze(args.path, out / "windows.parquet")
     write_tables(analysis, out)
     figures = write_figures(analysis, out / "figures")
     html = Path(args.html) if args.html else out / "report.html"
-    write_report(analysis, [f for f in figures if f.suffix == ".png"], html)
+    write_report(analysis, [f for f in figures if f.suffix == ".png"], html, str(args.path), options)
     print(f"report: {html}")
     return 0
+
+
+def _grid(args: argparse.Namespace) -> Any:
+    """The grid intensity of ``--grid-csv`` / ``--grid-g-per-kwh`` (None without either)."""
+    from charllm_nemo.analysis.energy import GridIntensity, read_grid_csv
+
+    if args.grid_csv:
+        return read_grid_csv(Path(args.grid_csv))
+    if args.grid_g_per_kwh is not None:
+        return GridIntensity(((0.0, args.grid_g_per_kwh),))
+    return None
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -155,16 +176,11 @@ def cmd_energy(args: argparse.Namespace) -> int:
     if not _imports_ok():
         return 2
     from charllm_nemo.analysis.analyze import analyze
-    from charllm_nemo.analysis.energy import GridIntensity, energy_reports, read_grid_csv, render
+    from charllm_nemo.analysis.energy import energy_reports, render
     from charllm_nemo.errors import ConfigError
 
     try:
-        grid = None
-        if args.grid_csv:
-            grid = read_grid_csv(Path(args.grid_csv))
-        elif args.grid_g_per_kwh is not None:
-            grid = GridIntensity(((0.0, args.grid_g_per_kwh),))
-        reports = energy_reports(analyze(args.path), grid=grid, pue=args.pue)
+        reports = energy_reports(analyze(args.path), grid=_grid(args), pue=args.pue)
     except ConfigError as exc:
         print(f"charllm energy: {exc}", file=sys.stderr)
         return 2
@@ -192,6 +208,20 @@ def finite_number(least: float) -> Any:
     return parse
 
 
+def _carbon_arguments(parser: argparse.ArgumentParser) -> None:
+    """The energy report's carbon inputs (``charllm energy`` and ``charllm report``)."""
+    grid = parser.add_mutually_exclusive_group()
+    grid.add_argument(
+        "--grid-g-per-kwh",
+        type=finite_number(0.0),
+        help="grid carbon intensity, g CO2e per kWh",
+    )
+    grid.add_argument("--grid-csv", help="grid carbon intensity over time: a CSV of time,g_per_kwh")
+    parser.add_argument(
+        "--pue", type=finite_number(1.0), default=1.0, help="power usage effectiveness (>= 1)"
+    )
+
+
 def add_commands(sub: Any) -> None:
     """Add ``analyze``, ``report``, ``compare`` and ``energy`` to the ``charllm`` sub-command parser."""
 
@@ -217,6 +247,13 @@ def add_commands(sub: Any) -> None:
     r.add_argument("path", help="a run directory or a tree of them (a sweep)")
     r.add_argument("--out", help="where tables and figures go (default: PATH/analysis)")
     r.add_argument("--html", help="the page to write (default: OUT/report.html)")
+    r.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="PATH",
+        help="runs or sweep configurations to compare in the report (the first is the baseline)",
+    )
+    _carbon_arguments(r)
     r.set_defaults(func=cmd_report)
     c = sub.add_parser(
         "compare",
@@ -234,13 +271,6 @@ def add_commands(sub: Any) -> None:
         "energy", help="energy to train with its uncertainty, optional carbon, MLPerf power rules"
     )
     e.add_argument("path", help="a run directory or a tree of them (a sweep)")
-    grid = e.add_mutually_exclusive_group()
-    grid.add_argument(
-        "--grid-g-per-kwh",
-        type=finite_number(0.0),
-        help="grid carbon intensity, g CO2e per kWh",
-    )
-    grid.add_argument("--grid-csv", help="grid carbon intensity over time: a CSV of time,g_per_kwh")
-    e.add_argument("--pue", type=finite_number(1.0), default=1.0, help="power usage effectiveness (>= 1)")
+    _carbon_arguments(e)
     e.add_argument("--format", choices=["text", "json"], default="text", help="json: the reports as JSON")
     e.set_defaults(func=cmd_energy)

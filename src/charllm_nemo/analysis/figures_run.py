@@ -26,11 +26,32 @@ MAX_TIMELINE_RANKS = 8
 MAX_TIMELINE_STEPS = 6
 """Steps shown: the first measured ones, so that windows stay visible."""
 
+POWER_COLOUR, TEMP_COLOUR, CLOCK_COLOUR = "tab:red", "tab:orange", "tab:blue"
+STEP_ALPHA = (0.25, 0.12)
+MICROBATCH_COLOURS = ("tab:green", "tab:purple")
+
+
+def timeline_legend() -> list[Any]:
+    """One legend entry for every encoding of the timeline: its three lines (each on its own
+    axis), the alternating step shading and the alternating microbatch bands."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    return [
+        Line2D([], [], color=POWER_COLOUR, label="power (W, left axis)"),
+        Line2D([], [], color=TEMP_COLOUR, label="GPU temperature (°C, right axis)"),
+        Line2D([], [], color=CLOCK_COLOUR, label="SM clock (MHz, outer right axis)"),
+        Patch(color="grey", alpha=STEP_ALPHA[0], label="training step (alternating shades)"),
+        Patch(color=MICROBATCH_COLOURS[0], alpha=0.8, label="microbatch (band at the bottom,"),
+        Patch(color=MICROBATCH_COLOURS[1], alpha=0.8, label="alternating colours)"),
+    ]
+
 
 def timeline_figure(run: Run, stem: Path) -> list[Path]:
-    """Power (W), GPU temperature (°C) and SM clock (MHz) against time for up to
-    :data:`MAX_TIMELINE_RANKS` ranks, over the first :data:`MAX_TIMELINE_STEPS` steps after the
-    first; steps shaded in alternating grey, microbatches as thin bands along the bottom."""
+    """The paper's Figure 8 for one run: power (W), GPU temperature (°C) and SM clock (MHz), each
+    on its own axis, against time for up to :data:`MAX_TIMELINE_RANKS` ranks, over the first
+    :data:`MAX_TIMELINE_STEPS` steps after the first; steps shaded in alternating grey,
+    microbatches as thin bands along the bottom, every encoding in the legend."""
     # islice: only the ranks drawn are ever loaded (a 32-rank hour would not fit at once).
     ranks = list(
         islice((ra for ra in iter_rank_arrays(run) if ra.samples["t_mono_ns"].size), MAX_TIMELINE_RANKS)
@@ -64,24 +85,24 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
             s["clock_sm_mhz"][keep],
         )
         t = t / 1e9
-        ax.plot(t, power, color="tab:red", linewidth=1, label="power (W)")
-        ax.set_ylabel(f"rank {ra.rank}\npower (W)", color="tab:red")
-        twin = ax.twinx()
-        twin.plot(t, temp, color="tab:orange", linewidth=1, label="GPU temp (°C)")
-        twin.set_ylabel("°C / MHz/20", fontsize=8)
-        twin.plot(t, clock / 20.0, color="tab:blue", linewidth=1, label="SM clock (MHz/20)")
+        ax.plot(t, power, color=POWER_COLOUR, linewidth=1)
+        ax.set_ylabel(f"rank {ra.rank}\npower (W)", color=POWER_COLOUR)
+        temp_ax = ax.twinx()
+        temp_ax.plot(t, temp, color=TEMP_COLOUR, linewidth=1)
+        temp_ax.set_ylabel("GPU temp (°C)", color=TEMP_COLOUR, fontsize=8)
+        clock_ax = ax.twinx()  # the clock on its own axis, offset to the right of the temperature's
+        clock_ax.spines["right"].set_position(("axes", 1.09))
+        clock_ax.plot(t, clock, color=CLOCK_COLOUR, linewidth=1)
+        clock_ax.set_ylabel("SM clock (MHz)", color=CLOCK_COLOUR, fontsize=8)
         for k, i in enumerate(np.flatnonzero(is_step & sel_w)):
             b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
-            ax.axvspan(b, e, color="grey", alpha=0.12 if k % 2 else 0.25, linewidth=0)
+            ax.axvspan(b, e, color="grey", alpha=STEP_ALPHA[k % 2], linewidth=0)
         mb = (w["kind"] == "microbatch") & sel_w
         for k, i in enumerate(np.flatnonzero(mb)):
             b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
-            ax.axvspan(
-                b, e, ymin=0, ymax=0.05, color="tab:purple" if k % 2 else "tab:green", alpha=0.8, linewidth=0
-            )
-    h1 = axes[0, 0].get_lines()[:1] + fig.axes[len(ranks)].get_lines()[:2]
-    fig.legend(h1, [h.get_label() for h in h1], loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.02))
-    axes[-1, 0].set_xlabel("time (s); steps shaded grey, microbatches as bands at the bottom")
+            ax.axvspan(b, e, ymin=0, ymax=0.05, color=MICROBATCH_COLOURS[k % 2], alpha=0.8, linewidth=0)
+    fig.legend(handles=timeline_legend(), loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.04), fontsize=8)
+    axes[-1, 0].set_xlabel("time (s)")
     fig.suptitle(run.key, y=1.05, fontsize=10)
     fig.tight_layout()
     return save(fig, stem)

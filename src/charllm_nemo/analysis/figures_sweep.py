@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pyarrow as pa
 from matplotlib.colors import LogNorm, Normalize
+from matplotlib.ticker import FuncFormatter
 
 from charllm_nemo.telemetry.write import write_with
 
@@ -279,6 +280,10 @@ def heatmaps_figure(
         cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
         cbar.set_label(unit, fontsize=8)
         cbar.ax.tick_params(labelsize=7)
+        if log:  # 5 plain labels: the log formatter writes mathtext, drawn raw with mathtext off
+            cbar.set_ticks(np.geomspace(lo, hi, 5).tolist())
+            cbar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+            cbar.ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         ax.set_yticks(range(len(run_keys)))
         ax.set_yticklabels(run_keys, fontsize=7)
         ax.set_xlabel("GPU (rank)", fontsize=8)

@@ -1,7 +1,9 @@
 """``charllm report``: one self-contained HTML page (no file or network reference: figures are
-inline ``data:`` URIs, styles inline) with the tables, each run's manifest and the caveats a
-reader must know before trusting a number: the sampling rate, a synthetic device, coverage,
-windows flagged as interpolated, and every problem met while reading."""
+inline ``data:`` URIs, styles inline) with the caveats a reader must know before trusting a
+number (the sampling rate, a synthetic device, coverage, windows flagged as interpolated, every
+problem met while reading), each run's alerts, the advice, the energy report, the comparison of
+the runs given, every figure with its paper figure and the data quality behind it, the tables
+and each run's manifest."""
 
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from charllm_nemo.analysis.analyze import Analysis
+from charllm_nemo.analysis.report_sections import (
+    ReportOptions,
+    advice_section,
+    alerts_section,
+    compare_section,
+    energy_section,
+    figure_quality,
+    figure_runs,
+)
 from charllm_nemo.telemetry.write import write_text
 
 STYLE = """
@@ -105,15 +116,22 @@ def caveats(analysis: Analysis) -> list[str]:
     return out
 
 
-def _img(path: Path) -> str:
+def _img(path: Path, analysis: Analysis) -> str:
+    from charllm_nemo.analysis.figures import paper_figure
+
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     name = html.escape(path.stem)
     img = f'<img alt="{name}" src="data:image/png;base64,{data}">'
-    return f"<figure>{img}<figcaption>{name}</figcaption></figure>"
+    paper = paper_figure(path.stem)
+    title = html.escape(f"{path.stem}: the paper's {paper[0]}, {paper[1]}" if paper else path.stem)
+    quality = html.escape(figure_quality(analysis, figure_runs(path.stem, analysis)))
+    return f"<figure>{img}<figcaption><b>{title}</b><br>{quality}</figcaption></figure>"
 
 
-def render(analysis: Analysis, pngs: list[Path]) -> str:
-    """The page as a string."""
+def render(analysis: Analysis, pngs: list[Path], path: str = "", options: ReportOptions | None = None) -> str:
+    """The page as a string. ``path``: what was analysed (for the advice); ``options``: runs to
+    compare and the energy report's carbon inputs."""
+    options = options or ReportOptions()
     head = f"<meta charset='utf-8'><title>charllm report</title><style>{STYLE}</style>"
     parts = [f"<!DOCTYPE html><html><head>{head}</head><body>"]
     runs = analysis.tables["runs"]
@@ -124,7 +142,12 @@ def render(analysis: Analysis, pngs: list[Path]) -> str:
     if analysis.problems:
         parts.append("<h2>Problems met while reading</h2>")
         parts += [f'<div class="problem">{html.escape(p)}</div>' for p in analysis.problems[:200]]
-    parts.append("<h2>Figures</h2>" + "".join(_img(p) for p in pngs))
+    parts.append("<h2>Alerts</h2>" + alerts_section(analysis, table_html))
+    parts.append("<h2>Advice</h2>" + advice_section(analysis, path))
+    parts.append("<h2>Energy</h2>" + energy_section(analysis, options))
+    if options.compare:
+        parts.append("<h2>Comparison</h2>" + compare_section(options.compare, table_html))
+    parts.append("<h2>Figures</h2>" + "".join(_img(p, analysis) for p in pngs))
     for name, table in analysis.tables.items():
         parts.append(f"<h2>Table: {html.escape(name)}</h2>{table_html(table)}")
     parts.append("<h2>Manifests</h2>")
@@ -138,6 +161,10 @@ def render(analysis: Analysis, pngs: list[Path]) -> str:
     return "\n".join(parts)
 
 
-def write_report(analysis: Analysis, pngs: list[Path], path: Path) -> Path:
-    """Write the page to ``path`` and return it."""
-    return write_text(path, render(analysis, pngs))  # no link followed (telemetry/write.py)
+def write_report(
+    analysis: Analysis, pngs: list[Path], path: Path, analysed: str = "", options: ReportOptions | None = None
+) -> Path:
+    """Write the page to ``path`` and return it (``analysed``, ``options``: as :func:`render`)."""
+    return write_text(
+        path, render(analysis, pngs, analysed, options)
+    )  # no link followed (telemetry/write.py)

@@ -104,6 +104,22 @@ SUMMARY_SPEC: Spec = {
 }
 """``summary.json``'s fields (docs/store.md)."""
 
+ALERT_SPEC: Spec = {
+    "kind": ("string",),
+    "severity": ("string",),
+    "step": ("int", "null"),
+    "rank": ("int", "null"),
+    "host": ("string", "null"),
+    "local_rank": ("int", "null"),
+    "gpu_index": ("int", "null"),
+    "gpu_uuid": ("string", "null"),
+    "pp_stage": ("int", "null"),
+    "message": ("string",),
+    "wall_ns": ("int", "null"),
+}
+"""The fields every ``alerts.jsonl`` line has (docs/alerts.md, "The alerts"); a kind's own
+fields are kept as they are."""
+
 _MEMORY_LISTS = ("peak_bytes", "plan_bytes", "activation_bytes", "pp_stage")
 
 
@@ -176,6 +192,16 @@ def validate_step(data: object, path: Path | str, problems: list[str], what: str
     """One step's figures (a ``steps.jsonl`` line, ``path`` then ending in ``:<line>``, or a
     ``per_step`` entry) checked against :data:`STEP_SPEC`."""
     return validate_object(data, path, STEP_SPEC, problems, what, whole="line")
+
+
+def validate_alert(data: object, path: Path | str, problems: list[str]) -> dict[str, Any]:
+    """One ``alerts.jsonl`` line checked against :data:`ALERT_SPEC`; ``{}`` (and a problem) when
+    it lacks its ``kind`` or ``message``."""
+    a = validate_object(data, path, ALERT_SPEC, problems, whole="line")
+    if a and not ("kind" in a and "message" in a):
+        problems.append(f"{path}: an alert without a kind or a message; ignored")
+        return {}
+    return a
 
 
 def validate_summary(data: object, path: Path | str, problems: list[str]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ it is taken on trust (docs/store.md, "What a reader accepts and rejects"):
   the writer writes it (``rank=0``, ``rank=12``; never ``rank=00``), segments
   ``samples-NNNNNN.parquet`` / ``windows-NNNNNN.parquet`` (six digits, or more without a
   leading zero), ``manifest.json``, and at the top ``config.yaml``, ``steps.jsonl``,
-  ``summary.json``;
+  ``summary.json``, ``alerts.jsonl``;
 * no symbolic link is followed, anywhere: a rank folder linked to another run, or a segment
   linked to a file outside the run, would mix foreign data into this one;
 * only regular files are read (a FIFO would block a reader forever, ``/dev/zero`` would never
@@ -41,10 +41,12 @@ SIZE_CAPS: dict[str, int] = {
     "steps": 4096 * MiB,
     "config": 16 * MiB,
     "segment": 1024 * MiB,
+    "alerts": 64 * MiB,
 }
 """Largest file, in bytes, a reader accepts of each kind. A manifest is a few KiB (its config
 and argv included); ``summary.json`` grows by ~0.5 KiB per step; ``steps.jsonl`` is read line by
-line (each line at most :data:`MAX_LINE_BYTES`); a segment holds half a second of samples."""
+line (each line at most :data:`MAX_LINE_BYTES`); a segment holds half a second of samples; an alert's
+line is ~1 KiB and the rate limit allows a few per rank and 100 steps."""
 
 MAX_SEGMENT_UNPACKED = 256 * MiB
 """Most bytes a segment's row groups (and any one column chunk) may unpack to, as its footer
@@ -57,7 +59,12 @@ a driver-buffered segment a few times that)."""
 MAX_LINE_BYTES = 1 * MiB
 """Longest ``steps.jsonl`` line read, in bytes (a step's line is ~0.5 KiB)."""
 
-TOP_FILES: dict[str, str] = {"config.yaml": "config", "steps.jsonl": "steps", "summary.json": "summary"}
+TOP_FILES: dict[str, str] = {
+    "config.yaml": "config",
+    "steps.jsonl": "steps",
+    "summary.json": "summary",
+    "alerts.jsonl": "alerts",
+}
 """Files at the top of a run directory that readers open, and their kind (for the size cap)."""
 
 _RANK_NAME = re.compile(r"^rank=(0|[1-9][0-9]{0,8})$")
@@ -114,6 +121,7 @@ class RunFiles:
     config: Path | None = None
     steps: Path | None = None
     summary: Path | None = None
+    alerts: Path | None = None
     ignored: tuple[Ignored, ...] = field(default=())
 
     @property
@@ -219,7 +227,7 @@ def scan_run(path: str | os.PathLike[str]) -> RunFiles:
         raise StoreError(f"run directory {root} {what}")
     ignored: list[Ignored] = []
     ranks: dict[int, RankFiles] = {}
-    top: dict[str, Path | None] = {"config": None, "steps": None, "summary": None}
+    top: dict[str, Path | None] = dict.fromkeys(TOP_FILES.values())
     try:
         names = sorted(os.listdir(root))
     except OSError as exc:
@@ -253,7 +261,7 @@ def scan_run(path: str | os.PathLike[str]) -> RunFiles:
             ignored.append(Ignored(p, "not a directory", "is not a directory"))
             continue
         ranks[int(m.group(1))] = _scan_rank(p, int(m.group(1)), ignored)
-    return RunFiles(root, ranks, top["config"], top["steps"], top["summary"], tuple(ignored))
+    return RunFiles(root, ranks, top["config"], top["steps"], top["summary"], top["alerts"], tuple(ignored))
 
 
 # -- bounded reads ---------------------------------------------------------------------------------
