@@ -10,7 +10,10 @@ import math
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from charllm_nemo.analysis.energy import GridIntensity
 
 _EXTRA_HINT = "the analysis needs the 'analysis' extra: pip install -e '.[analysis]' (duckdb, matplotlib)"
 
@@ -153,7 +156,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grid(args: argparse.Namespace) -> Any:
+def _grid(args: argparse.Namespace) -> GridIntensity | None:
     """The grid intensity of ``--grid-csv`` / ``--grid-g-per-kwh`` (None without either)."""
     from charllm_nemo.analysis.energy import GridIntensity, read_grid_csv
 
