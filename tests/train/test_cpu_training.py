@@ -196,9 +196,16 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     cfg.telemetry.collector_sched = "auto"  # (default normal) the loop passes its ranks and threads
     (r,) = run_ranks(cfg, 1, tmp_path)
     assert_finite_losses([r], 3)
-    # Every step gets its energy from the synthetic device (one step late, the last one waited for).
+    # Every step the samples bracket gets its energy from the synthetic device (one step late,
+    # the last one waited for); one they do not (a sampler started late on a loaded machine) has
+    # none, and says why: its sampling gap.
+    measured = [s for s in r["summaries"] if s["ranks_reporting"] == 1]
+    assert measured and measured[-1]["step"] == 2  # the sample taken at stop brackets the last
     for s in r["summaries"]:
-        assert s["ranks_reporting"] == 1
+        assert "sampling_gap" in s and "coverage" in s
+        if s["ranks_reporting"] != 1:
+            assert s["ranks_reporting"] == 0 and s["energy_j"] is None and s["sampling_gap"] is not False, s
+    for s in measured:
         assert s["energy_j"] is not None and s["energy_j"] > 0
         assert s["power_avg_w"] is not None and s["power_avg_w"] > 0
         # Energy is power x time: the average power over the step gives back its energy.

@@ -196,6 +196,10 @@ class Slowdown:
             self._last_s[i] = (time.monotonic_ns() - self._began[i]) / 1e9
             self._began[i] = 0
 
+    def last_length_s(self, name: str) -> float:
+        """The last measured length of compute phase ``name`` (s, after its sleep; 0 before one)."""
+        return self._last_s[_SLOWED[name]]
+
 
 class CpuActivity:
     """CPU use since the last call, as a fraction of one core (0..1).
