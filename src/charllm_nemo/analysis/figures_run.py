@@ -42,8 +42,8 @@ def timeline_legend() -> list[Any]:
         Line2D([], [], color=TEMP_COLOUR, label="GPU temperature (°C, right axis)"),
         Line2D([], [], color=CLOCK_COLOUR, label="SM clock (MHz, outer right axis)"),
         Patch(color="grey", alpha=STEP_ALPHA[0], label="training step (alternating shades)"),
-        Patch(color=MICROBATCH_COLOURS[0], alpha=0.8, label="microbatch (band at the bottom,"),
-        Patch(color=MICROBATCH_COLOURS[1], alpha=0.8, label="alternating colours)"),
+        Patch(color=MICROBATCH_COLOURS[0], alpha=0.8, label="a microbatch (band at the bottom)"),
+        Patch(color=MICROBATCH_COLOURS[1], alpha=0.8, label="the next microbatch (alternating)"),
     ]
 
 
