@@ -151,6 +151,10 @@ def test_timeline_draws_the_clock_on_its_own_axis_and_explains_every_encoding(
     assert not any("/20" in s for s in labels)
     clock_axes = [ax for ax in fig.axes if "SM clock" in ax.get_ylabel()]
     assert all(ax.get_ylim()[0] < 1300 < ax.get_ylim()[1] for ax in clock_axes)  # MHz, not MHz/20
+    # one range per quantity across ranks (rank 1 runs 10 MHz lower: it must look lower)
+    assert clock_axes[0].get_ylim() == clock_axes[1].get_ylim()
+    temp_axes = [ax for ax in fig.axes if "GPU temp" in ax.get_ylabel()]
+    assert len(temp_axes) == 2 and temp_axes[0].get_ylim() == temp_axes[1].get_ylim()
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     for words in ("power", "temperature", "SM clock", "training step", "microbatch"):
         assert any(words in t for t in legend), (words, legend)

@@ -49,9 +49,10 @@ def timeline_legend() -> list[Any]:
 
 def timeline_figure(run: Run, stem: Path) -> list[Path]:
     """The paper's Figure 8 for one run: power (W), GPU temperature (°C) and SM clock (MHz), each
-    on its own axis, against time for up to :data:`MAX_TIMELINE_RANKS` ranks, over the first
-    :data:`MAX_TIMELINE_STEPS` steps after the first; steps shaded in alternating grey,
-    microbatches as thin bands along the bottom, every encoding in the legend."""
+    on its own axis with one range for all ranks, against time for up to
+    :data:`MAX_TIMELINE_RANKS` ranks, over the first :data:`MAX_TIMELINE_STEPS` steps after the
+    first; steps shaded in alternating grey, microbatches as thin bands along the bottom, every
+    encoding in the legend."""
     # islice: only the ranks drawn are ever loaded (a 32-rank hour would not fit at once).
     ranks = list(
         islice((ra for ra in iter_rank_arrays(run) if ra.samples["t_mono_ns"].size), MAX_TIMELINE_RANKS)
@@ -59,6 +60,7 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
     if not ranks:
         return []
     fig, axes = plt.subplots(len(ranks), 1, figsize=(11, 2.3 * len(ranks) + 0.6), sharex=True, squeeze=False)
+    temp_axes, clock_axes = [], []
     origin = None
     for ax, ra in zip(axes[:, 0], ranks, strict=True):
         s, w = ra.samples, ra.windows
@@ -88,9 +90,11 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
         ax.plot(t, power, color=POWER_COLOUR, linewidth=1)
         ax.set_ylabel(f"rank {ra.rank}\npower (W)", color=POWER_COLOUR)
         temp_ax = ax.twinx()
+        temp_axes.append(temp_ax)
         temp_ax.plot(t, temp, color=TEMP_COLOUR, linewidth=1)
         temp_ax.set_ylabel("GPU temp (°C)", color=TEMP_COLOUR, fontsize=8)
         clock_ax = ax.twinx()  # the clock on its own axis, offset to the right of the temperature's
+        clock_axes.append(clock_ax)
         clock_ax.spines["right"].set_position(("axes", 1.09))
         clock_ax.plot(t, clock, color=CLOCK_COLOUR, linewidth=1)
         clock_ax.set_ylabel("SM clock (MHz)", color=CLOCK_COLOUR, fontsize=8)
@@ -101,11 +105,21 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
         for k, i in enumerate(np.flatnonzero(mb)):
             b, e = (w["t_begin_mono_ns"][i] - origin) / 1e9, (w["t_end_mono_ns"][i] - origin) / 1e9
             ax.axvspan(b, e, ymin=0, ymax=0.05, color=MICROBATCH_COLOURS[k % 2], alpha=0.8, linewidth=0)
+    for group in (list(axes[:, 0]), temp_axes, clock_axes):
+        _same_range(group)  # a throttled rank's lower clock and higher temperature read as such
     fig.legend(handles=timeline_legend(), loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.04), fontsize=8)
     axes[-1, 0].set_xlabel("time (s)")
     fig.suptitle(run.key, y=1.05, fontsize=10)
     fig.tight_layout()
     return save(fig, stem)
+
+
+def _same_range(group: list[Any]) -> None:
+    """One y range for every rank's axis of a quantity (the union of their own)."""
+    lims = [ax.get_ylim() for ax in group]
+    low, high = min(lo for lo, _ in lims), max(hi for _, hi in lims)
+    for ax in group:
+        ax.set_ylim(low, high)
 
 
 def broken_at_gaps(
