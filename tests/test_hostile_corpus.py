@@ -154,7 +154,8 @@ RUN_CASES: dict[str, Callable[[Path], None]] = {
         json.dumps(
             {"kind": HOSTILE, "severity": 5, "step": "x", "rank": 1e300, "host": HOSTILE, "message": HOSTILE}
         ).encode()
-        + b'\n[1]\n{"kind": "a", "message": "\xff\xfe"}\n'
+        + b'\n[1]\n{"kind": "a", "message": "\xff\xfe"}\n{"kind": "b", "message": "", "step": 1e30}\n'
+        + b'{"kind": "c", "message": "", "rank": 100000000000000000000000000000}\n'
         + b"[" * 100_000
         + b"\n"
     ),

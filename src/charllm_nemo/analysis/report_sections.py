@@ -44,6 +44,13 @@ def _pre(text: str) -> str:
     return f"<pre>{html.escape(text)}</pre>"
 
 
+def _fits(value: Any) -> Any:
+    """``value``, or None for a JSON integer outside int64 (the table's column type)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        return None
+    return value
+
+
 def run_alerts(run: Run, problems: list[str]) -> tuple[list[dict[str, Any]], int]:
     """The first :data:`MAX_ALERTS_PER_RUN` alerts of ``run`` (checked line by line through the
     hardened reader) and how many good lines the file holds."""
@@ -58,7 +65,7 @@ def run_alerts(run: Run, problems: list[str]) -> tuple[list[dict[str, Any]], int
             continue
         total += 1
         if len(kept) < MAX_ALERTS_PER_RUN:
-            kept.append({"run": run.key, **{c: alert.get(c) for c in ALERT_COLUMNS[1:]}})
+            kept.append({"run": run.key, **{c: _fits(alert.get(c)) for c in ALERT_COLUMNS[1:]}})
     return kept, total
 
 
