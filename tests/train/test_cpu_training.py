@@ -196,20 +196,29 @@ def test_single_process_with_synthetic_telemetry_session(tmp_path: Path) -> None
     cfg.telemetry.collector_sched = "auto"  # (default normal) the loop passes its ranks and threads
     (r,) = run_ranks(cfg, 1, tmp_path)
     assert_finite_losses([r], 3)
-    # Every step the samples bracket gets its energy from the synthetic device (one step late,
-    # the last one waited for); one they do not (a sampler started late on a loaded machine) has
-    # none, and says why: its sampling gap.
-    measured = [s for s in r["summaries"] if s["ranks_reporting"] == 1]
-    assert measured and measured[-1]["step"] == 2  # the sample taken at stop brackets the last
+    # Live figures come one step late, each waited for a bounded time (the last one longer): on a
+    # loaded machine some never come. A step either has them, consistent, or says it has none.
     for s in r["summaries"]:
         assert "sampling_gap" in s and "coverage" in s
         if s["ranks_reporting"] != 1:
-            assert s["ranks_reporting"] == 0 and s["energy_j"] is None and s["sampling_gap"] is not False, s
-    for s in measured:
+            assert s["ranks_reporting"] == 0 and s["energy_j"] is None, s
+            continue
         assert s["energy_j"] is not None and s["energy_j"] > 0
         assert s["power_avg_w"] is not None and s["power_avg_w"] > 0
         # Energy is power x time: the average power over the step gives back its energy.
         assert s["energy_j"] == pytest.approx(s["power_avg_w"] * s["step_time_s"], rel=0.05)
+    # The store has what the live path may have missed: every step the samples bracket has its
+    # energy (none made up for one they do not), and the sample taken at stop brackets its end.
+    from charllm_nemo.telemetry.join import attribute_run
+    from charllm_nemo.telemetry.reader import load_run
+
+    run = load_run(tmp_path / "run")
+    steps = attribute_run(run, ("step",)).to_pylist()
+    t = sorted(run.samples["t_mono_ns"].to_pylist())
+    assert [w["step"] for w in steps] == [0, 1, 2] and t[-1] >= max(w["t_end_mono_ns"] for w in steps)
+    bracketed = [w for w in steps if t[0] <= w["t_begin_mono_ns"]]
+    assert bracketed and all(w["energy_j"] > 0 for w in bracketed), steps
+    assert all(math.isnan(w["energy_j"]) for w in steps if w not in bracketed)
     rank_dir = tmp_path / "run" / "rank=0"
     sched = json.loads((rank_dir / "manifest.json").read_text())["collector_sched"]
     assert sched["setting"] == "auto" and "1 kept busy by 1 local rank(s)" in sched["why"]
