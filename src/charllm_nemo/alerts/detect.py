@@ -24,6 +24,7 @@ from typing import Any
 from charllm_nemo.alerts.config import AlertsConfig
 from charllm_nemo.alerts.evidence import StepView, median_without
 from charllm_nemo.alerts.evidence import finite as _f
+from charllm_nemo.alerts.node_checks import power_alerts, sampler_alerts, thermal_alerts
 from charllm_nemo.alerts.stages import StageLayout
 
 ALERT_KINDS: tuple[str, ...] = (
@@ -88,7 +89,7 @@ class AlertDetector:
         self._last: dict[tuple[str, Any], int] = {}
         self.suppressed = 0
         self.raised = 0
-        self._health_seen: dict[int, tuple[float, float, float]] = {}
+        self.health_seen: dict[int, tuple[float, float, float]] = {}  # per rank, the last counts
         self._reason_keys = [(r, f"throttle_{r}_s") for r in cfg.throttle_reasons]
         self._alerting = frozenset(cfg.throttle_reasons)
         self._clock_seen: dict[Any, tuple[int, float]] = {}  # device model -> (step, unthrottled clock)
@@ -119,16 +120,16 @@ class AlertDetector:
         alerts: list[dict[str, Any]] = []
         alerts += self._throttle(v, figs, timing)
         alerts += self._stragglers(v, figs, timing)
-        alerts += self._thermal(v.step, figs)
-        alerts += self._power(v.step, figs)
-        alerts += self._sampler(v.step, getattr(report, "per_rank_health", []))
+        alerts += thermal_alerts(self, v.step, figs)
+        alerts += power_alerts(self, v.step, figs)
+        alerts += sampler_alerts(self, v.step, getattr(report, "per_rank_health", []), self.health_seen)
         if len(alerts) > self.cfg.max_per_step:
             self.suppressed += len(alerts) - self.cfg.max_per_step
             alerts = alerts[: self.cfg.max_per_step]
         self.raised += len(alerts)
         return alerts
 
-    def _allow(self, kind: str, key: Any, step: int) -> bool:
+    def allow(self, kind: str, key: Any, step: int) -> bool:
         last = self._last.get((kind, key))
         if last is not None and step - last < self.cfg.repeat_after_steps:
             self.suppressed += 1
@@ -151,7 +152,7 @@ class AlertDetector:
         known = [s for r in range(len(self.infos)) if (s := self._stage(r)) is not None]
         return max(known) + 1 if known else None
 
-    def _who(self, rank: int) -> dict[str, Any]:
+    def who(self, rank: int) -> dict[str, Any]:
         info = self._info(rank)
         return {
             "rank": rank,
@@ -162,8 +163,8 @@ class AlertDetector:
             "pp_stage": self._stage(rank),
         }
 
-    def _where(self, rank: int) -> str:
-        w = self._who(rank)
+    def where(self, rank: int) -> str:
+        w = self.who(rank)
         gpu = "GPU ?" if w["gpu_index"] is None else f"GPU {w['gpu_index']}"
         if w["gpu_uuid"]:
             gpu += f" {w['gpu_uuid']}"
@@ -227,7 +228,7 @@ class AlertDetector:
                     base.append((step_s, v.compute[rank]))
                 continue
             if ep is None:
-                ep = self._episodes[rank] = _Episode(v.step, self._allow("throttle_onset", rank, v.step))
+                ep = self._episodes[rank] = _Episode(v.step, self.allow("throttle_onset", rank, v.step))
                 if ep.announced:
                     out.append(self._onset(v, rank, f, shares, share, step_s, base))
             if on:
@@ -287,14 +288,14 @@ class AlertDetector:
         text = ", ".join(f"{r} {100 * shares[r]:.0f}%" for r in reasons)
         cost_text = "" if cost is None or lost is None else f" {_pct(cost)} ({_ms(max(0.0, lost))} lost)"
         message = (
-            f"{self._where(rank)} throttled at step {step}: {text} of the step; compute "
+            f"{self.where(rank)} throttled at step {step}: {text} of the step; compute "
             f"{comp or math.nan:.3f} s{cost_text} against {said}"
         )
         return {
             "kind": "throttle_onset",
             "severity": "warning",
             "step": step,
-            **self._who(rank),
+            **self.who(rank),
             "reasons": reasons,
             "reason_shares": {r: shares[r] for r in reasons},
             "share": share,
@@ -324,13 +325,13 @@ class AlertDetector:
             "kind": "throttle_end",
             "severity": "info",
             "step": step,
-            **self._who(rank),
+            **self.who(rank),
             "reasons": reasons,
             "since_step": ep.start_step,
             "throttled_steps": ep.steps,
             "throttled_s": ep.throttled_s,
             "message": (
-                f"{self._where(rank)} no longer throttled at step {step} ({', '.join(reasons)} since step "
+                f"{self.where(rank)} no longer throttled at step {step} ({', '.join(reasons)} since step "
                 f"{ep.start_step}: {ep.steps} step(s), {ep.throttled_s:.3f} s under it)"
             ),
         }
@@ -371,7 +372,7 @@ class AlertDetector:
                 evidence = self._evidence(rank, v)
             hit = bool(over) or evidence is not None
             count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
-            if count == cfg.straggler_steps and self._allow("straggler", rank, v.step):
+            if count == cfg.straggler_steps and self.allow("straggler", rank, v.step):
                 out.append(self._straggler(v, rank, figs, over, evidence))
         return out
 
@@ -465,14 +466,14 @@ class AlertDetector:
                 None,
                 evidence["clock_excess"],
             )
-        message = f"{self._where(rank)} straggles at step {v.step}: {head}" + (
+        message = f"{self.where(rank)} straggles at step {v.step}: {head}" + (
             f"; {'; '.join(why)}" if why else ""
         )
         return {
             "kind": "straggler",
             "severity": "warning",
             "step": v.step,
-            **self._who(rank),
+            **self.who(rank),
             "compared_with": compared,
             "peers": peers,
             "metric": metric,
@@ -496,112 +497,3 @@ class AlertDetector:
             "peers_power_avg_w": peer_power,
             "message": message,
         }
-
-    # -- thermal imbalance, power ----------------------------------------------------------
-    def _thermal(self, step: int, figs: list[dict[str, float]]) -> list[dict[str, Any]]:
-        nodes: dict[Any, list[tuple[float, int]]] = {}
-        for rank, f in enumerate(figs):
-            t = _f(f.get("temp_gpu_peak_c"))
-            if t is not None:
-                nodes.setdefault(self._who(rank)["host"], []).append((t, rank))
-        out = []
-        for host, temps in nodes.items():
-            if len(temps) < 2:
-                continue
-            (cold, cold_rank), (hot, hot_rank) = min(temps), max(temps)
-            spread = hot - cold
-            if spread >= self.cfg.thermal_imbalance_c and self._allow("thermal_imbalance", host, step):
-                out.append(
-                    {
-                        "kind": "thermal_imbalance",
-                        "severity": "warning",
-                        "step": step,
-                        "host": host,
-                        "rank": hot_rank,
-                        "hottest_rank": hot_rank,
-                        "hottest_c": hot,
-                        "coolest_rank": cold_rank,
-                        "coolest_c": cold,
-                        "spread_c": spread,
-                        "ranks": len(temps),
-                        "gpu_index": self._who(hot_rank)["gpu_index"],
-                        "gpu_uuid": self._who(hot_rank)["gpu_uuid"],
-                        "message": (
-                            f"thermal imbalance on {host or 'host ?'} at step {step}: {spread:.0f} C between "
-                            f"{self._where(hot_rank)} at {hot:.0f} C and rank {cold_rank} at {cold:.0f} C"
-                        ),
-                    }
-                )
-        return out
-
-    def _power(self, step: int, figs: list[dict[str, float]]) -> list[dict[str, Any]]:
-        out = []
-        for rank, f in enumerate(figs):
-            info = self.infos[rank] if rank < len(self.infos) else {}
-            limit, power = _f(info.get("power_limit_w")), _f(f.get("power_avg_w"))
-            if limit is None or power is None or limit <= 0:
-                continue
-            if power > limit * (1 + self.cfg.power_over_limit) and self._allow(
-                "power_over_limit", rank, step
-            ):
-                out.append(
-                    {
-                        "kind": "power_over_limit",
-                        "severity": "warning",
-                        "step": step,
-                        **self._who(rank),
-                        "power_avg_w": power,
-                        "power_peak_w": _f(f.get("power_peak_w")),
-                        "power_limit_w": limit,
-                        "over": power / limit - 1,
-                        "message": (
-                            f"{self._where(rank)} drew {power:.0f} W on average at step {step}, "
-                            f"{100 * (power / limit - 1):.0f}% over its {limit:.0f} W limit"
-                        ),
-                    }
-                )
-        return out
-
-    # -- sampler health ---------------------------------------------------------------------
-    def _sampler(self, step: int, health: list[dict[str, float]]) -> list[dict[str, Any]]:
-        """A rank's sampler stopped (a device lost, an error), missed ``sampler_missed`` or more
-        deadlines since the last report, or read nulls of metrics its device supported."""
-        out = []
-        keys = ("sampler_deadlines_missed", "sampler_nulls", "sampler_stopped")
-        for rank, h in enumerate(health):
-            missed, nulls, stopped = (_f(h.get(k)) for k in keys)
-            if missed is None or nulls is None or stopped is None:
-                continue
-            before = self._health_seen.get(rank, (0.0, 0.0, 0.0))
-            self._health_seen[rank] = (missed, nulls, stopped)
-            problems = []
-            if stopped and not before[2]:
-                problems.append(("stopped", "error", "its sampler stopped (a device lost, or an error)"))
-            new_missed, new_nulls = missed - before[0], nulls - before[1]
-            if new_missed >= self.cfg.sampler_missed:
-                problems.append(
-                    ("deadlines_missed", "warning", f"its sampler missed {new_missed:.0f} deadlines")
-                )
-            if new_nulls > 0:
-                problems.append(
-                    ("nulls", "warning", f"{new_nulls:.0f} readings of supported metrics were null")
-                )
-            for problem, severity, text in problems:
-                if problem != "stopped" and not self._allow(f"sampler_{problem}", rank, step):
-                    continue
-                out.append(
-                    {
-                        "kind": "sampler_health",
-                        "severity": severity,
-                        "step": step,
-                        **self._who(rank),
-                        "problem": problem,
-                        "deadlines_missed": missed,
-                        "deadlines_missed_new": new_missed,
-                        "nulls": nulls,
-                        "nulls_new": new_nulls,
-                        "stopped": bool(stopped),
-                        "message": f"{self._where(rank)} at step {step}: {text}",
-                    }
-                )
-        return out

@@ -42,6 +42,9 @@ img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 pre { background: #f7f7f7; padding: 0.8em; font-size: 0.75em; max-height: 25em; overflow: auto; }
 """  # noqa: E501
 
+MAX_FIGURE_BYTES = 64 * 2**20
+"""Largest figure PNG inlined (a 150 dpi figure is well under 1 MiB)."""
+
 MAX_ROWS = 200
 """Rows shown per table (the Parquet and CSV files hold them all)."""
 
@@ -118,8 +121,10 @@ def caveats(analysis: Analysis) -> list[str]:
 
 def _img(path: Path, analysis: Analysis) -> str:
     from charllm_nemo.analysis.figures import paper_figure
+    from charllm_nemo.telemetry.layout import read_bounded
 
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    # Our own figure, but in a folder that may sit inside a run directory: no link followed.
+    data = base64.b64encode(read_bounded(path, MAX_FIGURE_BYTES)).decode("ascii")
     name = html.escape(path.stem)
     img = f'<img alt="{name}" src="data:image/png;base64,{data}">'
     paper = paper_figure(path.stem)
