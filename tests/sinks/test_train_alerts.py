@@ -150,10 +150,17 @@ def test_a_hot_device_in_a_pipeline_is_named_with_its_stage_reason_and_cost(tmp_
     # unthrottled step of its own in the warm-up, the unthrottled ranks' clock
     # (on a loaded host the warm-up can leave two unthrottled steps of its own: that baseline then)
     assert a["baseline"] in ("unthrottled_clock", "own_unthrottled_steps"), a
-    assert a["cost"] > 0.05 and a["lost_s"] > 0
-    assert "against the unthrottled clock" in a["message"] or a["baseline"] == "own_unthrottled_steps"
-    if hot == "from_the_first_step":
+    if a["baseline"] == "unthrottled_clock":
+        assert a["cost"] == a["cost_vs_clock"] and "against the unthrottled clock" in a["message"]
+    else:  # a timing: the onset step of a device heating up can be throttled for a sliver only,
+        # so its cost may sit within the host's noise (-0.6 % seen in CI); said as measured
+        assert a["cost"] == pytest.approx(a["compute_s"] / a["baseline_s"] - 1)
+        assert a["lost_s"] == pytest.approx(a["compute_s"] - a["baseline_s"])
+        assert "its own median compute" in a["message"]
+    if hot == "from_the_first_step":  # throttled the whole step at 0.6x the clock: a real cost
         assert a["step"] == 0 and a["cost_vs_own"] is None
+        assert a["cost"] > 0.05 and a["lost_s"] > 0
+    # (the cost of a device heating up is the straggler's, below: sw_thermal, time lost > 0)
     stragglers = [s for s in alerts if s["kind"] == "straggler"]
     assert [s["rank"] for s in stragglers] == [0], alerts  # the hot one, and no other
     s = stragglers[0]
