@@ -89,7 +89,7 @@ class AlertDetector:
         self._last: dict[tuple[str, Any], int] = {}
         self.suppressed = 0
         self.raised = 0
-        self.health_seen: dict[int, tuple[float, float, float]] = {}  # per rank, the last counts
+        self._health_seen: dict[int, tuple[float, float, float]] = {}  # per rank, the last counts
         self._reason_keys = [(r, f"throttle_{r}_s") for r in cfg.throttle_reasons]
         self._alerting = frozenset(cfg.throttle_reasons)
         self._clock_seen: dict[Any, tuple[int, float]] = {}  # device model -> (step, unthrottled clock)
@@ -122,7 +122,7 @@ class AlertDetector:
         alerts += self._stragglers(v, figs, timing)
         alerts += thermal_alerts(self, v.step, figs)
         alerts += power_alerts(self, v.step, figs)
-        alerts += sampler_alerts(self, v.step, getattr(report, "per_rank_health", []), self.health_seen)
+        alerts += sampler_alerts(self, v.step, getattr(report, "per_rank_health", []), self._health_seen)
         if len(alerts) > self.cfg.max_per_step:
             self.suppressed += len(alerts) - self.cfg.max_per_step
             alerts = alerts[: self.cfg.max_per_step]

@@ -39,6 +39,7 @@ def thermal_alerts(det: Detector, step: int, figs: list[dict[str, float]]) -> li
         (cold, cold_rank), (hot, hot_rank) = min(temps), max(temps)
         spread = hot - cold
         if spread >= det.cfg.thermal_imbalance_c and det.allow("thermal_imbalance", host, step):
+            hot_who = det.who(hot_rank)
             out.append(
                 {
                     "kind": "thermal_imbalance",
@@ -52,8 +53,8 @@ def thermal_alerts(det: Detector, step: int, figs: list[dict[str, float]]) -> li
                     "coolest_c": cold,
                     "spread_c": spread,
                     "ranks": len(temps),
-                    "gpu_index": det.who(hot_rank)["gpu_index"],
-                    "gpu_uuid": det.who(hot_rank)["gpu_uuid"],
+                    "gpu_index": hot_who["gpu_index"],
+                    "gpu_uuid": hot_who["gpu_uuid"],
                     "message": (
                         f"thermal imbalance on {host or 'host ?'} at step {step}: {spread:.0f} C between "
                         f"{det.where(hot_rank)} at {hot:.0f} C and rank {cold_rank} at {cold:.0f} C"
