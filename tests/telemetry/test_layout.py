@@ -259,3 +259,37 @@ def test_a_rank_with_thousands_of_device_ids_keeps_the_lowest(tmp_path: Path) ->
     got = bound_devices(t, tmp_path, problems)
     assert sorted(got.column("device_index").to_pylist()) == list(range(MAX_DEVICES_PER_RANK))
     assert f"{n} distinct device ids" in problems[0]
+
+
+def test_arrow_reads_a_segment_through_a_file_of_its_own_never_a_python_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a Python file object, Arrow's I/O and CPU pool threads hold buffers owned by Python;
+    # one released on such a thread after the interpreter began to exit aborted the process
+    # (SIGABRT, "terminate called without an active exception"; seen in CI after a complete run).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from charllm_nemo.telemetry import layout
+
+    sources: list[object] = []
+    real = pq.ParquetFile
+
+    def spy(source: object, *args: object, **kwargs: object) -> pq.ParquetFile:
+        sources.append(source)
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", spy)
+    run = _write_run(tmp_path, (0,), rows=200)
+    seg = scan_run(run).ranks[0].samples[0]
+    assert layout.read_parquet(seg, columns=["t_mono_ns"]).num_rows == 200
+    with layout.open_parquet(seg, layout.SIZE_CAPS["segment"]) as pf:
+        assert sum(b.num_rows for b in pf.iter_batches(batch_size=64)) == 200
+    assert len(sources) == 2
+    for source in sources:
+        assert isinstance(source, pa.NativeFile) and not isinstance(source, pa.PythonFile), source
+    # The file Arrow read is the one checked: a link in the segment's place is still refused.
+    seg.unlink()
+    seg.symlink_to(tmp_path / "elsewhere.parquet")
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        layout.read_parquet(seg)

@@ -31,7 +31,7 @@ from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.layout import RankFiles
+from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, open_parquet
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, write_text, write_with
 
@@ -266,21 +266,21 @@ def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = N
         written.append(write_with(out_dir / f"{name}.csv", partial(pacsv.write_csv, table)))
     path = analysis.windows_path
     if path is not None:
-        pf = pq.ParquetFile(path)
         written.append(path)
-        rows = pf.metadata.num_rows
-        if windows_csv is None:
-            windows_csv = rows <= WINDOWS_CSV_MAX_ROWS
-            if not windows_csv:
-                analysis.problems.append(
-                    f"windows.csv not written: {rows} windows (over {WINDOWS_CSV_MAX_ROWS}); "
-                    "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
-                )
-        if windows_csv:
-            with atomic_file(path.with_suffix(".csv")) as f, pacsv.CSVWriter(f, pf.schema_arrow) as w:
-                for batch in pf.iter_batches(batch_size=65536):
-                    w.write_batch(batch)
-            written.append(path.with_suffix(".csv"))
+        with open_parquet(path, SIZE_CAPS["table"]) as pf:
+            rows = pf.metadata.num_rows
+            if windows_csv is None:
+                windows_csv = rows <= WINDOWS_CSV_MAX_ROWS
+                if not windows_csv:
+                    analysis.problems.append(
+                        f"windows.csv not written: {rows} windows (over {WINDOWS_CSV_MAX_ROWS}); "
+                        "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
+                    )
+            if windows_csv:
+                with atomic_file(path.with_suffix(".csv")) as f, pacsv.CSVWriter(f, pf.schema_arrow) as w:
+                    for batch in pf.iter_batches(batch_size=65536):
+                        w.write_batch(batch)
+                written.append(path.with_suffix(".csv"))
     written.append(write_text(out_dir / "problems.txt", "".join(f"{p}\n" for p in analysis.problems)))
     return written
 

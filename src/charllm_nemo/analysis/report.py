@@ -27,6 +27,7 @@ from charllm_nemo.analysis.report_sections import (
     figure_quality,
     figure_runs,
 )
+from charllm_nemo.telemetry.layout import SIZE_CAPS, open_parquet
 from charllm_nemo.telemetry.write import write_text
 
 STYLE = """
@@ -97,9 +98,8 @@ def caveats(analysis: Analysis) -> list[str]:
         )
     full = analysis.windows_path
     if full is not None and full.exists():
-        import pyarrow.parquet as pq
-
-        interp = pq.read_table(full, columns=["interpolated", "coverage", "gap_max_s"])
+        with open_parquet(full, SIZE_CAPS["table"]) as pf:
+            interp = pf.read(columns=["interpolated", "coverage", "gap_max_s"])
         k = int(pc.sum(interp["interpolated"]).as_py() or 0)
         gapped = pc.less(interp["coverage"], 1.0)
         low = int(pc.sum(gapped).as_py() or 0)
