@@ -553,3 +553,24 @@ def test_a_request_waits_for_a_sample_past_the_window_end_on_every_device(block,
     answer = mark_ring.read_figures(block, 0)
     assert answer is not None and [d for d, _ in answer[2]] == [0, 1]
     c.close()
+
+
+def test_a_killed_rank_is_marked_in_its_manifest_but_never_through_a_link(tmp_path, caplog) -> None:
+    import json
+
+    from charllm_nemo.telemetry.process.collector import mark_manifest_killed
+
+    st = RankStore(tmp_path, 0, {"rank": 0, "backend": "synthetic", "status": "running"})
+    mark_manifest_killed(st.dir, {"segments_samples": 3}, {"killed_by": "SIGKILL"})
+    manifest = json.loads((st.dir / "manifest.json").read_text())
+    assert manifest["status"] == "killed" and manifest["killed_by"] == "SIGKILL"
+    assert manifest["segments_samples"] == 3
+
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"status": "mine"}')
+    (st.dir / "manifest.json").unlink()
+    (st.dir / "manifest.json").symlink_to(victim)
+    mark_manifest_killed(st.dir, {}, {})
+    assert victim.read_text() == '{"status": "mine"}'
+    assert (st.dir / "manifest.json").is_symlink()  # no manifest made of the linked file's content
+    assert "is a symbolic link; not followed" in caplog.text

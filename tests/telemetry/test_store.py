@@ -154,3 +154,19 @@ def test_any_columnar_engine_reads_a_whole_run_with_the_rank_from_the_path(tmp_p
     ).to_table()
     assert table.num_rows == 7
     assert sorted(table.column("rank").to_pylist()) == [0, 0, 0, 1, 1, 1, 1]
+
+
+def test_the_space_reserve_is_not_written_through_a_link_planted_in_its_place(tmp_path) -> None:
+    from charllm_nemo.telemetry.store import RESERVE_BYTES, RESERVE_NAME, reserve_space
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    folder = tmp_path / "rank=0"
+    folder.mkdir()
+    (folder / RESERVE_NAME).symlink_to(victim)
+    reserve_space(folder)  # best effort: holds nothing here, says nothing
+    assert victim.read_text() == "keep me\n"  # not truncated, not filled with zeros
+    assert (folder / RESERVE_NAME).is_symlink()
+    (folder / RESERVE_NAME).unlink()
+    reserve_space(folder)  # where nothing is planted, the reserve is held as before
+    assert (folder / RESERVE_NAME).stat().st_size == RESERVE_BYTES

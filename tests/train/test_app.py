@@ -637,3 +637,16 @@ def test_worker_usage_and_bad_target(
     monkeypatch.setenv("CHARLLM_WORKER_TARGET", "no_colon")
     assert worker_main([str(path)]) == 2
     assert "must be 'module:function'" in capsys.readouterr().err
+
+
+def test_a_config_file_is_read_through_the_hardened_reader(tmp_path: Path) -> None:
+    cfg = app.load(["model=tiny_gpt"])
+    path = save_train_config(cfg, tmp_path / "config.yaml")
+    link = tmp_path / "linked.yaml"
+    link.symlink_to(path)
+    with pytest.raises(ConfigError, match="is a symbolic link; not followed"):
+        load_train_config(link)
+    (tmp_path / "huge.yaml").write_bytes(b"#" * (16 * 2**20 + 1))
+    with pytest.raises(ConfigError, match="over the 16 MiB"):
+        load_train_config(tmp_path / "huge.yaml")
+    assert load_train_config(path) == cfg

@@ -203,3 +203,22 @@ def test_ranks_that_all_fail_before_the_first_poll_are_reported(
     # all gone. That is a failure, not a success.
     assert _spawn(tmp_path, "fail_now", nproc=nproc, port=free_port(29533)) == 3
     assert "rank 0 failed with exit code 3" in capsys.readouterr().err
+
+
+def test_a_failed_ranks_log_tail_reads_only_the_end_and_never_through_a_link(tmp_path: Path) -> None:
+    from charllm_nemo.train.launch import TAIL_BYTES, _tail
+
+    log = tmp_path / "rank0.log"
+    with log.open("w") as f:
+        f.write("x" * 200 + "\n")
+        f.write(("." * 1000 + "\n") * (4 * TAIL_BYTES // 1000))  # a log 4x what is read
+        f.write("".join(f"line {i}\n" for i in range(30)))
+    tail = _tail(log).splitlines()
+    assert [t.strip() for t in tail] == [f"line {i}" for i in range(10, 30)]
+    short = tmp_path / "short.log"
+    short.write_text("only\nthree\nlines\n")
+    assert _tail(short).split() == ["only", "three", "lines"]  # the first line of a short log kept
+    link = tmp_path / "linked.log"
+    link.symlink_to(log)
+    assert _tail(link) == ""  # not followed
+    assert _tail(tmp_path / "missing.log") == "" and _tail(None) == ""

@@ -315,6 +315,14 @@ def read_bounded(path: Path, cap: int) -> bytes:
     return data
 
 
+def read_tail(path: Path, max_bytes: int) -> bytes:
+    """The last ``max_bytes`` bytes of regular file ``path``, opened as :func:`open_regular` does
+    (a log of any size: only its end is read)."""
+    with open_regular(path, cap=2**62) as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - max_bytes))
+        return f.read(max_bytes)
+
+
 def _decode(data: bytes, path: Path, problems: list[str]) -> str:
     try:
         return data.decode("utf-8")

@@ -307,7 +307,8 @@ def reserve_space(folder: Path) -> None:
     filesystem cannot preallocate, or the disk is already full, nothing is held."""
     path = folder / RESERVE_NAME
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Not through a link planted in the rank folder: it would truncate and fill its target.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError:
         return
     try:

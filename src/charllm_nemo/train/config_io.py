@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.redact import redact_secrets
+from charllm_nemo.telemetry.layout import SIZE_CAPS, UnsafeFileError, read_bounded
 from charllm_nemo.telemetry.write import write_text
 from charllm_nemo.train.config import TrainConfig
 
@@ -145,10 +146,13 @@ def config_for_ranks(cfg: TrainConfig, record: Path) -> Iterator[Path]:
 def load_train_config(path: str | os.PathLike[str]) -> TrainConfig:
     """Read a config written by :func:`save_train_config` (YAML or JSON) back, type-checked."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else OmegaConf.load(p)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} not found") from None
+    if not p.exists() and not p.is_symlink():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:  # through the hardened reader: a link, a FIFO or a file over the cap is refused
+        text = read_bounded(p, SIZE_CAPS["config"]).decode("utf-8")
+        data = json.loads(text) if p.suffix == ".json" else OmegaConf.create(text)
+    except UnsafeFileError as exc:
+        raise ConfigError(f"config file: {exc}") from None
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML/JSON: {exc}") from None
     if isinstance(data, DictConfig):

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import ConfigError, StoreError
 
 # How long ranks get to exit (flush telemetry) after SIGTERM before they are killed.
 TERMINATE_GRACE_S = 20.0
@@ -279,12 +279,21 @@ def _describe(rc: int) -> str:
     return f"exit code {rc}"
 
 
+TAIL_BYTES = 64 * 1024
+"""Most bytes of a failed rank's log read for its last lines (the log itself may be gigabytes)."""
+
+
 def _tail(path: Path | None, lines: int = 20) -> str:
-    if path is None or not path.is_file():
+    from charllm_nemo.telemetry.layout import read_tail
+
+    if path is None:
         return ""
-    with contextlib.suppress(OSError):
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-        return "\n".join("    " + line for line in text)
+    with contextlib.suppress(OSError, StoreError):  # a log missing, a link, not a file: no tail
+        data = read_tail(path, TAIL_BYTES)
+        text = data.decode(errors="replace").splitlines()
+        if len(data) == TAIL_BYTES:  # begun inside a line (or at a log's first): not shown cut
+            text = text[1:]
+        return "\n".join("    " + line for line in text[-lines:])
     return ""
 
 

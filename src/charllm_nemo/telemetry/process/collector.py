@@ -31,6 +31,7 @@ import numpy as np
 
 from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows, sample_columns
 from charllm_nemo.telemetry.buffered import BufferedStore
+from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
 from charllm_nemo.telemetry.process.mark_ring import (
     figure_columns,
     mask_figures,
@@ -528,10 +529,10 @@ def salvage(block: Block, rank_dir: Path, *, source: str, names: list[str]) -> d
 def mark_manifest_killed(rank_dir: Path, counts: dict[str, Any], extra: dict[str, Any]) -> None:
     """The training process died without closing its telemetry: say so in its manifest."""
     path = rank_dir / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
-        log.exception("cannot read %s to mark it killed", path)
+    problems: list[str] = []
+    manifest = read_json(path, SIZE_CAPS["manifest"], problems)
+    if not isinstance(manifest, dict):
+        log.error("cannot mark %s killed: %s", path, "; ".join(problems) or "not a JSON object")
         return
     manifest.update(extra)
     finish_manifest(manifest, "killed", counts)
