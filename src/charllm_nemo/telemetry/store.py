@@ -303,24 +303,13 @@ def check_writable(folder: Path) -> None:
 
 def reserve_space(folder: Path) -> None:
     """Hold :data:`RESERVE_BYTES` back in ``folder`` (:data:`RESERVE_NAME`), allocated, not just
-    sized: a full disk then still has room for the final manifest. Best effort: where the
-    filesystem cannot preallocate, or the disk is already full, nothing is held."""
-    path = folder / RESERVE_NAME
-    try:
-        # Not through a link planted in the rank folder: it would truncate and fill its target.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError:
+    sized: a full disk then still has room for the final manifest. Best effort: where the disk is
+    already full, nothing is held. Written through the write layer: a link planted at that name is
+    replaced, never written through."""
+    try:  # zeros written take the blocks (fallocate would too), as train.disk_full's reserve does
+        write_bytes(folder / RESERVE_NAME, bytes(RESERVE_BYTES))
+    except (OSError, StoreError):  # DiskFull included: the temporary is gone, nothing held
         return
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-        else:  # pragma: no cover - macOS: written zeros take the blocks too
-            os.write(fd, bytes(RESERVE_BYTES))
-    except OSError:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        return
-    os.close(fd)
 
 
 def finish_manifest(manifest: dict[str, Any], status: str, counts: dict[str, Any]) -> None:
