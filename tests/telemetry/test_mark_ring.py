@@ -259,3 +259,33 @@ def test_a_sample_row_with_a_word_not_visible_yet_fails_its_check(block):
         ring.emit((1_000 + k, 2_000 + k, 10, 0, _reading(k)))
     assert shm.copy_rows(block, 0, 1)[1] == [False]
     assert all(shm.copy_rows(block, 4, 4 + lay.capacity)[1])
+
+
+def test_a_figure_request_reaches_the_collector_field_by_field(block, tmp_path):
+    # Every field a different value: a word read from the wrong position shows.
+    mark_ring.MarkWriter(block).request_figures(5, 1_000, 2_000, mask=0b101, batch=3)
+    c = _collector(block, tmp_path)
+    try:
+        c.take_marks()
+        assert list(c._requests) == [mark_ring.FigureRequest(5, 1_000, 2_000, 0b101, 3)]
+    finally:
+        c.close()
+
+
+def test_the_store_counts_round_trip_through_the_header(block):
+    counts = {
+        "segments": {"samples": 3, "windows": 4},
+        "rows": {"samples": 30, "windows": 40},
+        "bytes_written": 999,
+        "rows_unwritten": {"samples": 5, "windows": 6},
+        "disk_full": True,
+    }
+    assert shm.read_store_counts(block.q) == {
+        "segments": {"samples": 0, "windows": 0},
+        "rows": {"samples": 0, "windows": 0},
+        "bytes_written": 0,
+    }
+    shm.write_store_counts(block.q, counts)
+    assert shm.read_store_counts(block.q) == counts
+    words = [w for kind in shm.STORE_WORDS.values() for w in kind] + list(shm.COLLECTOR_COUNTERS.values())
+    assert len(set(words)) == len(words), "two named store words share a header word"

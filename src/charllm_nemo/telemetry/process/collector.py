@@ -33,43 +33,36 @@ from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows
 from charllm_nemo.telemetry.buffered import BufferedStore
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
 from charllm_nemo.telemetry.process.mark_ring import (
+    REC_KIND,
+    REC_NAME,
+    REC_TYPE,
+    STEP_LOG_HEAD,
+    STEP_LOG_SIZE,
+    FigureRequest,
     figure_columns,
     mask_figures,
+    read_figure_request,
     read_names,
+    step_log_records,
     valid_records,
     write_figures,
 )
 from charllm_nemo.telemetry.process.ring import (
+    COLLECTOR_COUNTERS,
     D_EXPORT_RATES,
     FLOAT_COLUMNS,
-    H_BYTES,
-    H_DISK_FULL,
-    H_FIGURES_SERVED,
-    H_FLUSH_ERRORS,
-    H_FLUSH_NS_MAX,
-    H_FLUSHES,
     H_MARK_WRITE,
-    H_MARKS_FLUSHED,
-    H_PENDING_MARKS,
-    H_PENDING_SAMPLES,
-    H_PENDING_SAMPLES_SEG,
-    H_PENDING_WINDOWS_SEG,
-    H_ROWS_LOST,
-    H_ROWS_SAMPLES,
-    H_ROWS_UNWRITTEN_SAMPLES,
-    H_ROWS_UNWRITTEN_WINDOWS,
-    H_ROWS_WINDOWS,
-    H_SAMPLES_FLUSHED,
-    H_SEG_SAMPLES,
-    H_SEG_WINDOWS,
     H_SLOT_T,
     INT_COLUMNS,
     N_FLOAT,
     N_INT,
+    STORE_WORDS,
     Block,
     newest_t,
+    read_store_counts,
     ring_span,
     still_valid,
+    write_store_counts,
 )
 from charllm_nemo.telemetry.sampler import columns_to_table
 from charllm_nemo.telemetry.steplog import step_records, unpack
@@ -161,19 +154,7 @@ class Collector:
         self.period_ns = period_ns
         self.flush_interval_ns = int(flush_interval_s * 1e9)
         self.live_window_ns = int(live_window_s * 1e9)
-        self.writer = SegmentWriter.continuing(
-            rank_dir,
-            {
-                "segments": {"samples": q[H_SEG_SAMPLES], "windows": q[H_SEG_WINDOWS]},
-                "rows": {"samples": q[H_ROWS_SAMPLES], "windows": q[H_ROWS_WINDOWS]},
-                "bytes_written": q[H_BYTES],
-                "rows_unwritten": {
-                    "samples": q[H_ROWS_UNWRITTEN_SAMPLES],
-                    "windows": q[H_ROWS_UNWRITTEN_WINDOWS],
-                },
-                "disk_full": bool(q[H_DISK_FULL]),
-            },
-        )
+        self.writer = SegmentWriter.continuing(rank_dir, read_store_counts(q))
         self._names_from_block = names is None
         self.names: list[str] = [] if names is None else names
         self.columns = figure_columns()
@@ -186,21 +167,21 @@ class Collector:
             block.mm, np.int64, RECORD_LEN * lay.mark_capacity, lay.marks0 * 8
         ).reshape(lay.mark_capacity, RECORD_LEN)
         self._checks = np.frombuffer(block.mm, np.int64, lay.mark_capacity, lay.checks0 * 8)
-        self._sample_idx = q[H_SAMPLES_FLUSHED]  # next ring row to take
-        self._mark_idx = q[H_MARKS_FLUSHED]  # next record to take
+        self._sample_idx = q[STORE_WORDS["samples"].flushed]  # next ring row to take
+        self._mark_idx = q[STORE_WORDS["windows"].flushed]  # next record to take
         self._pending_samples: list[Columns] = []
         self._pending_records: list[np.ndarray[Any, Any]] = []
         self._history: deque[Columns] = deque()
-        # seq, t_begin, t_end, mask, batch
-        self._requests: deque[tuple[int, int, int, int, int]] = deque()
+        self._requests: deque[FigureRequest] = deque()
         self._serve_at = _NEVER  # the newest sample time at which serve() would answer (has_work)
         self._last_t = 0
         self._next_flush = time.monotonic_ns() + self.flush_interval_ns
-        self.flushes = q[H_FLUSHES]
-        self.flush_errors = q[H_FLUSH_ERRORS]
-        self.flush_ns_max = q[H_FLUSH_NS_MAX]
-        self.figures_served = q[H_FIGURES_SERVED]
-        self.rows_lost = q[H_ROWS_LOST]
+        # COLLECTOR_COUNTERS, as the header holds them (a salvage goes on from a dead collector's)
+        self.flushes: int = q[COLLECTOR_COUNTERS["flushes"]]
+        self.flush_errors: int = q[COLLECTOR_COUNTERS["flush_errors"]]
+        self.flush_ns_max: int = q[COLLECTOR_COUNTERS["flush_ns_max"]]
+        self.figures_served: int = q[COLLECTOR_COUNTERS["figures_served"]]
+        self.rows_lost: int = q[COLLECTOR_COUNTERS["rows_lost"]]
         self.exporter: Any = None  # telemetry.export: fed the new samples and records every tick
 
     def close(self) -> None:
@@ -266,7 +247,7 @@ class Collector:
         recs = recs[:n]
         # Window records are stored as they are; a figure request is queued; a step log (several
         # records, its later ones holding arbitrary ints) becomes its windows' records.
-        types = recs[:, 0].tolist()
+        types = recs[:, REC_TYPE].tolist()
         i, run = 0, 0  # run: where the current run of window records began
         while i < n:
             kind = types[i]
@@ -276,16 +257,17 @@ class Collector:
             if i > run:
                 self._pending_records.append(recs[run:i])
             if kind == RECORD_FIGURES:
-                seq, mask, batch, t0, t1 = (int(v) for v in recs[i, [1, 2, 3, 7, 8]])
-                self._requests.append((seq, t0, t1, mask, max(1, batch)))
+                req = read_figure_request(recs[i].tolist())
+                self._requests.append(req._replace(batch=max(1, req.batch)))
                 i += 1
             elif kind == RECORD_STEP_LOG:
-                size = int(recs[i, 1])
-                rows = -(-(size + 2) // RECORD_LEN)
+                size = int(recs[i, STEP_LOG_SIZE])
+                rows = step_log_records(size)
                 if i + rows > n:  # its last records are not visible whole yet: next time
                     n = run = i
                     break
-                made, _ = step_records(unpack(recs[i : i + rows].ravel()[2 : 2 + size].tolist()))
+                payload = recs[i : i + rows].ravel()[STEP_LOG_HEAD : STEP_LOG_HEAD + size]
+                made, _ = step_records(unpack(payload.tolist()))
                 if made:
                     self._pending_records.append(np.array(made, np.int64))
                 i += rows
@@ -372,32 +354,37 @@ class Collector:
         reqs = self._requests
         if reqs and (final or self._last_t >= self._serve_time()):
             ready = 0  # the oldest requests whose windows the samples have passed
-            while ready < len(reqs) and (final or reqs[ready][2] <= self._last_t):
+            while ready < len(reqs) and (final or reqs[ready].t_end_mono_ns <= self._last_t):
                 ready += 1
-            by_mask: dict[int, list[tuple[int, int, int, int, int]]] = {}
+            by_mask: dict[int, list[FigureRequest]] = {}
             for _ in range(ready):
                 r = reqs.popleft()
-                by_mask.setdefault(r[3], []).append(r)
+                by_mask.setdefault(r.mask, []).append(r)
             for mask, group in by_mask.items():  # one mask in a training loop's requests
                 try:
                     wanted = mask_figures(mask)
-                    answers = self.figures_of_windows([(r[1], r[2]) for r in group], wanted)
-                    for (seq, t0, t1, _mask, _batch), per_device in zip(group, answers, strict=True):
-                        write_figures(self.block, seq, t0, t1, per_device)
+                    answers = self.figures_of_windows(
+                        [(r.t_begin_mono_ns, r.t_end_mono_ns) for r in group], wanted
+                    )
+                    for r, per_device in zip(group, answers, strict=True):
+                        t0, t1 = r.t_begin_mono_ns, r.t_end_mono_ns
+                        write_figures(self.block, r.seq, t0, t1, per_device)
                         self.figures_served += 1
                         if self.exporter is not None:  # a step's figures, not computed twice
                             self.exporter.served(t0, t1, per_device, wanted)
                 except Exception:
-                    log.exception("live figures of %d window(s) from t=%d failed", len(group), group[0][1])
+                    first = group[0].t_begin_mono_ns
+                    log.exception("live figures of %d window(s) from t=%d failed", len(group), first)
         self._serve_at = self._serve_time()
 
     def _serve_time(self) -> int:
         """The newest sample time from which :meth:`serve` answers the oldest request."""
         if not self._requests:
             return _NEVER
-        _seq, t0, t1, _mask, batch = self._requests[0]
+        oldest = self._requests[0]
+        t0, t1, batch = oldest.t_begin_mono_ns, oldest.t_end_mono_ns, oldest.batch
         held = t1 + min((batch + 1) * max(t1 - t0, self.period_ns), MAX_HOLD_NS)
-        whole = self._requests[batch - 1][2] if len(self._requests) >= batch else held
+        whole = self._requests[batch - 1].t_end_mono_ns if len(self._requests) >= batch else held
         return max(t1, min(whole, held))
 
     # -- storing ---------------------------------------------------------------------------
@@ -408,29 +395,31 @@ class Collector:
             # Each segment: its intent, the segment, the counts (its number: the commit), then the
             # ring index. A death anywhere in between loses nothing and stores nothing twice.
             q = self.block.q
+            samples, windows = STORE_WORDS["samples"], STORE_WORDS["windows"]
             if self._pending_samples:
                 chunks = self._pending_samples
                 cols = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
-                q[H_PENDING_SAMPLES] = self._sample_idx
-                q[H_PENDING_SAMPLES_SEG] = self.writer.counts()["segments"]["samples"] + 1
+                q[samples.pending] = self._sample_idx
+                q[samples.pending_seg] = self.writer.counts()["segments"]["samples"] + 1
                 self.writer.write_segment("samples", columns_to_table(cols, self.source))
                 self._pending_samples = []
                 self.publish()
-            q[H_SAMPLES_FLUSHED] = self._sample_idx
+            q[samples.flushed] = self._sample_idx
             names_whole = True
             if self._pending_records and self._names_from_block:
                 # A name not visible whole yet (mark_ring): its windows wait for the next flush.
                 names_whole = read_names(self.block, self.names)
             if self._pending_records and names_whole:
                 recs = np.concatenate(self._pending_records)
-                names = self.names + ["?"] * max(0, int(recs[:, 3:5].max(initial=0)) + 1 - len(self.names))
-                q[H_PENDING_MARKS] = self._mark_idx
-                q[H_PENDING_WINDOWS_SEG] = self.writer.counts()["segments"]["windows"] + 1
+                top_code = int(recs[:, [REC_KIND, REC_NAME]].max(initial=0))
+                names = self.names + ["?"] * max(0, top_code + 1 - len(self.names))
+                q[windows.pending] = self._mark_idx
+                q[windows.pending_seg] = self.writer.counts()["segments"]["windows"] + 1
                 self.writer.write_segment("windows", records_to_table(recs, names))
                 self._pending_records = []
                 self.publish()
             if not self._pending_records:  # else their ring slots stay theirs until stored
-                q[H_MARKS_FLUSHED] = self._mark_idx
+                q[windows.flushed] = self._mark_idx
             if self.buffered is not None:  # the driver buffers, drained now: their own segments
                 self.buffered.flush()
             self.flushes += 1
@@ -443,20 +432,9 @@ class Collector:
 
     def publish(self) -> None:
         q = self.block.q
-        c = self.writer.counts()
-        q[H_SEG_SAMPLES], q[H_SEG_WINDOWS] = c["segments"]["samples"], c["segments"]["windows"]
-        q[H_ROWS_SAMPLES], q[H_ROWS_WINDOWS] = c["rows"]["samples"], c["rows"]["windows"]
-        q[H_BYTES] = c["bytes_written"]
-        if self.writer.disk_full is not None:
-            q[H_DISK_FULL] = 1
-            q[H_ROWS_UNWRITTEN_SAMPLES] = self.writer.rows_unwritten["samples"]
-            q[H_ROWS_UNWRITTEN_WINDOWS] = self.writer.rows_unwritten["windows"]
-        q[H_FLUSHES], q[H_FLUSH_ERRORS], q[H_FLUSH_NS_MAX] = (
-            self.flushes,
-            self.flush_errors,
-            self.flush_ns_max,
-        )
-        q[H_FIGURES_SERVED], q[H_ROWS_LOST] = self.figures_served, self.rows_lost
+        write_store_counts(q, self.writer.counts())
+        for name, word in COLLECTOR_COUNTERS.items():
+            q[word] = getattr(self, name)
 
     def has_work(self) -> bool:
         """Whether a :meth:`tick` now would do more than flush: the training process wrote records
@@ -481,7 +459,7 @@ class Collector:
             log.exception("telemetry collector tick failed")
         # Records free their ring slots only once stored (so that a salvage finds them): flush
         # early when the mark ring fills faster than the flush interval drains it.
-        unflushed = self._mark_idx - self.block.q[H_MARKS_FLUSHED]
+        unflushed = self._mark_idx - self.block.q[STORE_WORDS["windows"].flushed]
         if time.monotonic_ns() >= self._next_flush or unflushed > self.block.layout.mark_capacity // 4:
             self._next_flush = time.monotonic_ns() + self.flush_interval_ns
             self.flush()
@@ -510,12 +488,9 @@ def salvage(block: Block, rank_dir: Path, *, source: str, names: list[str]) -> d
     q = block.q
     # A flush that died after its segment's counts were published but before the ring index
     # followed: what it stored starts after that segment, not before.
-    for flushed, pending, pending_seg, seg in (
-        (H_SAMPLES_FLUSHED, H_PENDING_SAMPLES, H_PENDING_SAMPLES_SEG, H_SEG_SAMPLES),
-        (H_MARKS_FLUSHED, H_PENDING_MARKS, H_PENDING_WINDOWS_SEG, H_SEG_WINDOWS),
-    ):
-        if q[pending_seg] == q[seg] and q[pending] > q[flushed]:
-            q[flushed] = q[pending]
+    for w in STORE_WORDS.values():
+        if q[w.pending_seg] == q[w.seg] and q[w.pending] > q[w.flushed]:
+            q[w.flushed] = q[w.pending]
     c = Collector(block, rank_dir, source=source, period_ns=1, names=names)
     try:
         c.take_samples()

@@ -60,6 +60,7 @@ import threading
 import zlib
 from array import array
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 from charllm_nemo.telemetry.process.ring import (
     FIG_HEAD,
@@ -71,9 +72,65 @@ from charllm_nemo.telemetry.process.ring import (
     NAMES_SIZE,
     Block,
 )
-from charllm_nemo.telemetry.windows import NULL, RECORD_FIGURES, RECORD_LEN, RECORD_STEP_LOG, Record
+from charllm_nemo.telemetry.windows import (
+    NULL,
+    RECORD_FIELDS,
+    RECORD_FIGURES,
+    RECORD_LEN,
+    RECORD_STEP_LOG,
+    Record,
+)
 
 RECORD_BYTES = RECORD_LEN * 8
+
+# -- the records' words, by name: declared once, for the writer here and the reader (collector.py) --
+REC_TYPE = RECORD_FIELDS.index("record_type")
+"""Every record's first word: RECORD_WINDOW, RECORD_FIGURES or RECORD_STEP_LOG."""
+REC_KIND, REC_NAME = RECORD_FIELDS.index("kind"), RECORD_FIELDS.index("name")
+"""A window record (RECORD_FIELDS): the words holding its kind's and name's name-table codes."""
+FIGURE_REQUEST_WORDS: dict[str, int] = {
+    "seq": 1,
+    "mask": 2,
+    "batch": 3,
+    "t_begin_mono_ns": RECORD_FIELDS.index("t_begin_mono_ns"),
+    "t_end_mono_ns": RECORD_FIELDS.index("t_end_mono_ns"),
+}
+"""A figure request (RECORD_FIGURES): where each of its fields sits; the other words are NULL."""
+STEP_LOG_SIZE = 1
+"""A step log (RECORD_STEP_LOG): the word holding its payload's length in ints ..."""
+STEP_LOG_HEAD = 2
+"""... and the words before its payload, which fills whole consecutive records."""
+
+
+class FigureRequest(NamedTuple):
+    """A request for one window's live figures (answered in figure slot ``seq``)."""
+
+    seq: int
+    t_begin_mono_ns: int
+    t_end_mono_ns: int
+    mask: int
+    batch: int
+
+
+def figure_request_record(req: FigureRequest) -> Record:
+    """The mark-ring record of ``req`` (:data:`FIGURE_REQUEST_WORDS`)."""
+    words = [NULL] * RECORD_LEN
+    words[REC_TYPE] = RECORD_FIGURES
+    for name, pos in FIGURE_REQUEST_WORDS.items():
+        words[pos] = getattr(req, name)
+    return tuple(words)
+
+
+def read_figure_request(record: Sequence[int]) -> FigureRequest:
+    """The request a RECORD_FIGURES record carries (:func:`figure_request_record` reversed)."""
+    return FigureRequest(**{name: int(record[pos]) for name, pos in FIGURE_REQUEST_WORDS.items()})
+
+
+def step_log_records(size: int) -> int:
+    """How many consecutive records a step log of ``size`` ints fills."""
+    return -(-(STEP_LOG_HEAD + size) // RECORD_LEN)
+
+
 _NAME_HEAD = struct.Struct("<HI")  # length, check
 NAME_HEAD_BYTES = _NAME_HEAD.size
 
@@ -146,7 +203,6 @@ def write_ring(q: memoryview, base: int, checks: int, cap: int, w: int, *parts: 
 
 
 _ZEROS = array("q", [0] * RECORD_LEN)
-_FIGURES_TAIL = (NULL,) * (RECORD_LEN - 9)  # a figure request's unused fields
 
 
 class MarkWriter:
@@ -180,7 +236,7 @@ class MarkWriter:
         its pieces) as one run of consecutive records; drop it (counting its records) if the ring
         lacks room for all of them."""
         size = sum(map(len, parts))
-        self._write(-(-(2 + size) // RECORD_LEN), ((RECORD_STEP_LOG, size), *parts), whole=True)
+        self._write(step_log_records(size), ((RECORD_STEP_LOG, size), *parts), whole=True)
 
     def _write(self, n: int, parts: Sequence[Sequence[int]], whole: bool) -> None:
         """Write ``n`` records' ints (``parts``, one after another; ``write_ring`` pads the last
@@ -234,8 +290,8 @@ class MarkWriter:
         those whose bit is set in ``mask`` (:func:`figure_mask`; NULL = every figure). ``batch``:
         the answer may wait until that many requests can be answered together (the collector's
         ``serve`` says how long at most)."""
-        head = (RECORD_FIGURES, seq, mask, batch, NULL, NULL, NULL, t_begin_mono_ns, t_end_mono_ns)
-        self._write(1, (head, _FIGURES_TAIL), whole=True)
+        record = figure_request_record(FigureRequest(seq, t_begin_mono_ns, t_end_mono_ns, mask, batch))
+        self._write(1, (record,), whole=True)
 
 
 def name_check(code: int, data: bytes) -> int:

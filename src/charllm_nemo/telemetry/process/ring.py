@@ -58,7 +58,7 @@ import secrets
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from charllm_nemo.telemetry.sample_loop import Row
 from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL, METRIC_INDEX, METRICS
@@ -120,6 +120,73 @@ H_SLOT_T = 73
 H_DISK_FULL = 74
 H_ROWS_UNWRITTEN_SAMPLES = 75
 H_ROWS_UNWRITTEN_WINDOWS = 76
+
+
+class StoreWords(NamedTuple):
+    """The header words of one kind of store segment (``samples`` or ``windows``)."""
+
+    seg: int  # next segment number
+    rows: int  # rows written
+    rows_unwritten: int  # rows not written after a full disk
+    flushed: int  # ring index up to which this kind is on disk
+    pending: int  # a flush's intent: the ring index it stores up to ...
+    pending_seg: int  # ... and the segment number that follows it
+
+
+STORE_WORDS: dict[str, StoreWords] = {
+    "samples": StoreWords(
+        H_SEG_SAMPLES,
+        H_ROWS_SAMPLES,
+        H_ROWS_UNWRITTEN_SAMPLES,
+        H_SAMPLES_FLUSHED,
+        H_PENDING_SAMPLES,
+        H_PENDING_SAMPLES_SEG,
+    ),
+    "windows": StoreWords(
+        H_SEG_WINDOWS,
+        H_ROWS_WINDOWS,
+        H_ROWS_UNWRITTEN_WINDOWS,
+        H_MARKS_FLUSHED,
+        H_PENDING_MARKS,
+        H_PENDING_WINDOWS_SEG,
+    ),
+}
+"""The store's words per segment kind, by name (the collector's, written by the telemetry process)."""
+COLLECTOR_COUNTERS: dict[str, int] = {
+    "flushes": H_FLUSHES,
+    "flush_errors": H_FLUSH_ERRORS,
+    "flush_ns_max": H_FLUSH_NS_MAX,
+    "figures_served": H_FIGURES_SERVED,
+    "rows_lost": H_ROWS_LOST,
+}
+"""The collector's own counters: its attribute names and their header words."""
+
+
+def read_store_counts(q: memoryview) -> dict[str, Any]:
+    """The store's counts as the header holds them, in ``SegmentWriter.counts()``'s shape
+    (``rows_unwritten`` and ``disk_full`` only after a full disk)."""
+    counts: dict[str, Any] = {
+        "segments": {kind: q[w.seg] for kind, w in STORE_WORDS.items()},
+        "rows": {kind: q[w.rows] for kind, w in STORE_WORDS.items()},
+        "bytes_written": q[H_BYTES],
+    }
+    if q[H_DISK_FULL]:
+        counts["rows_unwritten"] = {kind: q[w.rows_unwritten] for kind, w in STORE_WORDS.items()}
+        counts["disk_full"] = True
+    return counts
+
+
+def write_store_counts(q: memoryview, counts: dict[str, Any]) -> None:
+    """Publish ``SegmentWriter.counts()`` into the header (:func:`read_store_counts` reverses it)."""
+    for kind, w in STORE_WORDS.items():
+        q[w.seg], q[w.rows] = counts["segments"][kind], counts["rows"][kind]
+    q[H_BYTES] = counts["bytes_written"]
+    if counts.get("disk_full"):
+        q[H_DISK_FULL] = 1
+        for kind, w in STORE_WORDS.items():
+            q[w.rows_unwritten] = counts["rows_unwritten"][kind]
+
+
 # The sampling loop's null counts, one word per schema metric (SamplerHealth.nulls).
 H_NULLS0 = 80
 HEADER_WORDS = 128
