@@ -150,10 +150,10 @@ EXIT_INTERRUPTED = 128 + 2
 """``charllm telemetry``'s exit code after Ctrl-C (SIGINT), as a shell reports it."""
 
 
-def finite_number(least: float, *, inclusive: bool, most: float | None = None) -> Any:
+def finite_number(least: float, *, inclusive: bool) -> Any:
     """An argparse ``type`` for a float that must be finite and > ``least`` (>= when
-    ``inclusive``), and <= ``most`` if given: ``nan``, ``inf`` and out-of-range values are a
-    usage error naming the bound, not a run that never ends or ends at once."""
+    ``inclusive``): ``nan``, ``inf`` and out-of-range values are a usage error naming the bound,
+    not a run that never ends or ends at once."""
 
     def parse(text: str) -> float:
         try:
@@ -161,14 +161,28 @@ def finite_number(least: float, *, inclusive: bool, most: float | None = None) -
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         above = value >= least if inclusive else value > least
-        if not (math.isfinite(value) and above and (most is None or value <= most)):
-            lo = f">= {least:g}" if inclusive else f"> {least:g}"
-            hi = f" and <= {most:g}" if most is not None else ""
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {lo}{hi}")
+        if not (math.isfinite(value) and above):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be a finite number {'>=' if inclusive else '>'} {least:g}"
+            )
         return value
 
     parse.__name__ = "number"  # argparse names the type in its message
     return parse
+
+
+def sampling_rate(text: str) -> float:
+    """An argparse ``type`` for ``--hz``: the samplers' own range check (sample_loop.hz_problem)."""
+    from charllm_nemo.telemetry.sample_loop import hz_problem
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    problem = hz_problem(value, "--hz")
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def nonempty_path(text: str) -> str:
@@ -359,6 +373,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.telemetry.placement import SAMPLER_MODES
+    from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ, MAX_HZ, MIN_HZ
 
     parser = argparse.ArgumentParser(prog="charllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -370,9 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="device backend (default: auto)")
     t.add_argument(
         "--hz",
-        type=finite_number(1.0, inclusive=True, most=1000.0),
-        default=100.0,
-        help="sampling rate, 1-1000 Hz (default: 100)",
+        type=sampling_rate,
+        default=DEFAULT_HZ,
+        help=f"sampling rate, {MIN_HZ:g}-{MAX_HZ:g} Hz (default: {DEFAULT_HZ:g})",
     )
     t.add_argument(
         "--sampler",

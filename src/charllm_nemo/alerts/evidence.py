@@ -18,22 +18,11 @@ from typing import Any
 
 from charllm_nemo.alerts.stages import StageLayout
 from charllm_nemo.devices.contract import LIMITING_REASONS
+from charllm_nemo.telemetry.figures import finite_or_none
 
 ALL_REASON_KEYS: tuple[tuple[str, str], ...] = tuple((r, f"throttle_{r}_s") for r in LIMITING_REASONS)
 
-
-def finite(v: Any) -> float | None:
-    """``v`` when it is a finite number, else None. The figures arrive as floats (NaN for
-    unknown): ``v - v == 0`` holds for exactly the finite ones, the fast path."""
-    if type(v) is float:
-        return v if v - v == 0 else None
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
+finite = finite_or_none  # the one copy (telemetry/figures.py), under the name the alerts read it by
 
 
 def median_without(ordered: list[float], v: float | None) -> float | None:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any
 
+from charllm_nemo.telemetry.figures import finite_or_none as _f
+
 MIN_STEPS = 3
 """Fewest measured steps (warm-up excluded) a run needs for layout advice."""
 
@@ -206,10 +208,6 @@ def placement_note(stages: list[Stage], proposed: list[int]) -> str | None:
 
 
 # -- from the analysis tables -------------------------------------------------------------------
-
-
-def _f(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None
 
 
 def _layers_per_stage(summary: dict[str, Any], config: dict[str, Any], pp: int) -> list[int] | None:

@@ -32,7 +32,8 @@ import numpy as np
 
 from charllm_nemo.analysis.load import find_runs
 from charllm_nemo.errors import StoreError
-from charllm_nemo.telemetry.filecheck import finite_or_none, printable, validate_step, validate_summary
+from charllm_nemo.telemetry.figures import finite_or_none
+from charllm_nemo.telemetry.filecheck import printable, validate_step, validate_summary
 from charllm_nemo.telemetry.layout import SIZE_CAPS, iter_jsonl_numbered, read_json, scan_run
 
 

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.filecheck import finite_or_none, printable
+from charllm_nemo.telemetry.figures import finite_or_none
+from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
 
 MLPERF_MIN_HZ = 1.0

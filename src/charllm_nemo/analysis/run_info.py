@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.analysis.load import Run
-from charllm_nemo.telemetry.filecheck import finite_or_none
+from charllm_nemo.telemetry.figures import finite_or_none
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_bounded, read_json
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
@@ -86,7 +87,7 @@ def write_rank(
         "host": "node0",
         "backend": "synthetic",
         "synthetic": True,
-        "sampling_hz": 100.0,
+        "sampling_hz": DEFAULT_HZ,
         "devices": [
             {"index": 0, "name": "Synthetic accelerator (model, not hardware)", "vendor": "synthetic"}
         ],

@@ -31,8 +31,10 @@ from charllm_nemo.telemetry.figures import (
     aggregate,
     combine,
     figure_names,
-    finite,
     wandb_step_keys,
+)
+from charllm_nemo.telemetry.figures import (
+    finite_or_none as finite,  # re-exported to the W&B sink under its old name
 )
 
 __all__ = [

@@ -26,7 +26,6 @@ observers. :meth:`StepTelemetry.finish` waits (bounded) for the last steps' figu
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,6 +43,8 @@ from charllm_nemo.steps.session import StepSession
 from charllm_nemo.steps.timers import TimersAdapter
 from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
+from charllm_nemo.telemetry.figures import finite_or_none as _finite
+from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
 
@@ -89,16 +90,6 @@ class StepOutcome:
     step_time_s: float
     local_step_time_s: float
     grad_norm: float | None
-
-
-def _finite(v: Any) -> float | None:
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 class _Phase:
@@ -225,7 +216,7 @@ class StepTelemetry:
             publish(r.global_batch_size * r.seq_length, r.model_flops_per_step / max(1, r.world_size), peak)
         # How soon after a step's end its figures can be ready: a sampling period, or a counter
         # period where the backend reads its counters apart (telemetry.counter_hz).
-        hz = 100.0 if session is None else float(session.hz)
+        hz = DEFAULT_HZ if session is None else float(session.hz)
         every = 1 if session is None else int(session.counter_every)
         self._period_ns = 1e9 / max(hz, 1e-3) * every
         ready_s = 2 * (every - 1) / max(hz, 1e-3)  # 0 where every sample can answer a figure

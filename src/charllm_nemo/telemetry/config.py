@@ -93,7 +93,7 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     elsewhere skips it)."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
     from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES
-    from charllm_nemo.telemetry.sample_loop import MAX_HZ, MIN_HZ
+    from charllm_nemo.telemetry.sample_loop import hz_problem
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []
@@ -110,12 +110,8 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     one_of("collector_sched", COLLECTOR_SCHEDS)
     one_of("attention_flops", ATTENTION_FLOPS)
     # The rates matter only to a sampler: a disabled telemetry keeps whatever they read.
-    hz = cfg.hz
-    if cfg.enabled and (not _is_number(hz) or not MIN_HZ <= hz <= MAX_HZ):  # also nan and inf
-        problems.append(
-            f"telemetry.hz={hz!r} is not a sampling rate; use a rate in [{MIN_HZ:g}, {MAX_HZ:g}] Hz, e.g. "
-            "telemetry.hz=100 (1 kHz is the most a Python sampler holds reliably)"
-        )
+    if cfg.enabled and (hz := hz_problem(cfg.hz)) is not None:
+        problems.append(hz)
     c = cfg.counter_hz
     if cfg.enabled and c is not None and (not _is_number(c) or not math.isfinite(c) or c <= 0):
         problems.append(

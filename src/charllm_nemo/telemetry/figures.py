@@ -334,8 +334,13 @@ def wandb_step_keys() -> dict[str, str]:
     return {f.name: f.wandb for f in STEP_FIELDS if f.wandb is not None}
 
 
-def finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number, else None (None, NaN, inf, bool, text)."""
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None (None, NaN, inf, bool, text).
+    The one copy: the sinks, the step API, the alerts and the analysis all read numbers through
+    it. Figures mostly arrive as floats (NaN for unknown): ``v - v == 0`` holds for exactly the
+    finite ones, the fast path."""
+    if type(value) is float:
+        return value if value - value == 0 else None
     if value is None or isinstance(value, (bool, str, bytes)):
         return None
     try:

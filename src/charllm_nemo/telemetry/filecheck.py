@@ -9,7 +9,6 @@ indexes. Fields the schema does not name are kept as they are (newer writers add
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -235,10 +234,3 @@ def _memory_ok(memory: Mapping[str, Any]) -> bool:
         if not all(v is None or _KINDS["int"](v) for v in values):
             return False
     return True
-
-
-def finite_or_none(value: object) -> float | None:
-    """A number as float when finite, else None (NaN, inf, or not a number)."""
-    if _KINDS["number"](value) and math.isfinite(float(value)):  # type: ignore[arg-type]
-        return float(value)  # type: ignore[arg-type]
-    return None

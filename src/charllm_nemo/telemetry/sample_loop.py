@@ -25,26 +25,40 @@ log = logging.getLogger("charllm_nemo.sampler")
 
 MIN_HZ = 1.0
 MAX_HZ = 1000.0
+DEFAULT_HZ = 100.0
+"""The sampling rate when none is given (telemetry.hz, the callbacks' ``hz=``, ``charllm telemetry
+--hz``; the one declaration)."""
 
 Row = tuple[int, int, int, int, tuple[Any, ...]]  # t_mono_ns, t_wall_ns, read_ns, device_index, reading
 
 
+def hz_problem(hz: object, name: str = "telemetry.hz") -> str | None:
+    """Why ``hz`` is not a rate the sampler holds (a number from MIN_HZ to MAX_HZ; not a bool,
+    not text, not nan or inf), named ``name``; None when it is. The one range check: the config
+    checks, the samplers' constructors and ``charllm telemetry --hz`` all ask it."""
+    ok = False
+    if not isinstance(hz, (bool, str, bytes)):
+        try:
+            ok = MIN_HZ <= float(hz) <= MAX_HZ  # type: ignore[arg-type]  # nan compares False
+        except (TypeError, ValueError):
+            ok = False
+    if ok:
+        return None
+    return (
+        f"{name}={hz!r} is not a sampling rate; use a rate in [{MIN_HZ:g}, {MAX_HZ:g}] Hz, e.g. "
+        f"{name}={DEFAULT_HZ:g} (1 kHz is the most a Python sampler holds reliably; NVML's own power "
+        "average is 1 s)"
+    )
+
+
 def validate_hz(hz: float) -> float:
-    """Return ``hz`` as a float if within 1 Hz to 1 kHz, else raise ConfigError."""
-    try:
-        value = float(hz)
-    except (TypeError, ValueError):
-        raise ConfigError(f"telemetry.hz={hz!r} is not a number; use a rate in [1, 1000] Hz") from None
-    if not MIN_HZ <= value <= MAX_HZ:
-        raise ConfigError(
-            f"telemetry.hz={hz} is outside the supported range; use a rate in [{MIN_HZ:g}, {MAX_HZ:g}] Hz "
-            "(1 kHz is the most a Python sampler holds reliably; NVML's own power average is 1 s)"
-        )
-    return value
+    """Return ``hz`` as a float if :func:`hz_problem` finds none, else raise ConfigError."""
+    problem = hz_problem(hz)
+    if problem is not None:
+        raise ConfigError(problem)
+    return float(hz)
 
 
-DEFAULT_HZ = 100.0
-"""The sampling rate when none is given (telemetry.hz, the callbacks' ``hz=``; the one declaration)."""
 DEFAULT_COUNTER_HZ = 10.0
 """How often the cumulative counters are read where a device reads them apart (NVML): measured
 on an H200 (driver 580.159), the energy counter alone costs 2.4-3 ms a read and updates every

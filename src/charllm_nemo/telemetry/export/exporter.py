@@ -32,6 +32,7 @@ import numpy as np
 
 from charllm_nemo.telemetry.export.names import EXPORT_MODES
 from charllm_nemo.telemetry.export.state import CONTENT_TYPE, ExportState
+from charllm_nemo.telemetry.process.mark_ring import MAX_HOLD_NS
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
 from charllm_nemo.telemetry.windows import NULL, RECORD_FIELDS, RECORD_WINDOW
 
@@ -42,7 +43,6 @@ _KIND, _STEP = RECORD_FIELDS.index("kind"), RECORD_FIELDS.index("step")
 _T0, _T1 = RECORD_FIELDS.index("t_begin_mono_ns"), RECORD_FIELDS.index("t_end_mono_ns")
 _LABEL0 = RECORD_FIELDS.index(WINDOW_LABELS[0])
 _STEP_CODE = 0  # "step" is the first seeded name of every NameTable (telemetry/windows.py)
-MAX_HOLD_NS = 250_000_000  # = collector.MAX_HOLD_NS: the longest a request waits for its batch
 MAX_SERVED = 1024
 BATCH_NS = 500_000_000  # steps nobody asked figures for: computed together, at most this late
 PARALLEL_LABELS: tuple[str, ...] = tuple(x for x in WINDOW_LABELS if x != "vpp_chunk")

@@ -33,6 +33,7 @@ from charllm_nemo.telemetry.attribution import ENERGY_METHODS, attribute_windows
 from charllm_nemo.telemetry.buffered import BufferedStore
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_json
 from charllm_nemo.telemetry.process.mark_ring import (
+    MAX_HOLD_NS,
     REC_KIND,
     REC_NAME,
     REC_TYPE,
@@ -76,9 +77,6 @@ Columns = dict[str, np.ndarray[Any, Any]]
 AFTER_S = 1.0
 """How far past a window's end live figures look for samples."""
 _NEVER = 2**63 - 1
-MAX_HOLD_NS = 250_000_000
-"""The longest a figure request waits past its window's end for the rest of its batch (the
-training loop waits at least 2 s for its last steps' figures: train.loop.final_wait)."""
 
 
 def encode_figures(

@@ -102,6 +102,12 @@ STEP_LOG_HEAD = 2
 """... and the words before its payload, which fills whole consecutive records."""
 
 
+MAX_HOLD_NS = 250_000_000
+"""The longest a figure request waits past its window's end for the rest of its batch (the
+collector's ``serve``; the live exporter waits as long before it computes a step's figures itself; the
+training loop waits at least 2 s for its last steps' figures: train.loop.final_wait)."""
+
+
 class FigureRequest(NamedTuple):
     """A request for one window's live figures (answered in figure slot ``seq``)."""
 
