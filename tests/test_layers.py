@@ -30,9 +30,12 @@ LAYERS: dict[str, int] = {
 
 NARROW: dict[tuple[str, str], frozenset[str]] = {
     ("analysis", "train"): frozenset({"charllm_nemo.train.config", "charllm_nemo.train.config_io"}),
+    ("steps", "sinks"): frozenset(),
 }
 """(importer, imported package): the only modules of a lower package it may import. The analysis
-takes the training config (for the re-run command and the FLOP model), never its launcher."""
+takes the training config (for the re-run command and the FLOP model), never its launcher. The
+step API reads the figure layout beside the figure table (telemetry/rank_vector.py), never through the
+W&B keys: a sink is one of its observers, handed to it."""
 
 
 def _module_name(path: Path) -> str:

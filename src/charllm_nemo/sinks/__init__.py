@@ -7,9 +7,9 @@ The public API (what a user or an integration may import from here; docs/wandb.m
 * :class:`LoggerConfig`, :func:`validate_logger_config`, :func:`build_sink` (config.py): the
   ``logger.*`` settings and the sink they make.
 * :class:`WandbSink` (wandb.py): one W&B run per job, written by rank 0.
-* :class:`StepKeys`, :data:`STEP_KEY`, :data:`STEP_FIGURE_KEYS`, :func:`pack_step_figures`,
-  :func:`unpack_step_figures` (keys.py): the metric keys logged per step and the vector that
-  carries a rank's figures across ranks (energy J, power W, temperature °C, clocks MHz, throttle s).
+* :class:`StepKeys`, :data:`STEP_KEY` (keys.py): the metric keys logged per step. The vector
+  that carries a rank's figures across ranks (``STEP_FIGURE_KEYS``, ``pack_step_figures``) is
+  the figure table's: :mod:`charllm_nemo.telemetry` (rank_vector.py).
 * :func:`windows_table_rows`, :data:`WINDOW_TABLE_COLUMNS` (windows_table.py): the end-of-run
   per-window table.
 
@@ -33,9 +33,6 @@ _WHERE = {
     "WandbSink": "wandb",
     "StepKeys": "keys",
     "STEP_KEY": "keys",
-    "STEP_FIGURE_KEYS": "keys",
-    "pack_step_figures": "keys",
-    "unpack_step_figures": "keys",
     "windows_table_rows": "windows_table",
     "WINDOW_TABLE_COLUMNS": "windows_table",
 }

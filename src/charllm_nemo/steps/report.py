@@ -2,7 +2,7 @@
 
 Each rank sends, once a step, one float64 vector (:func:`pack_rank_vector`): its loss terms, its
 step time and the telemetry figures of an earlier step (the one due; charllm_nemo.steps.telemetry
-says which) in :data:`~charllm_nemo.sinks.keys.STEP_FIGURE_KEYS` order, NaN where unknown.
+says which) in :data:`~charllm_nemo.telemetry.rank_vector.STEP_FIGURE_KEYS` order, NaN where unknown.
 Every rank receives every vector (one ``all_gather``: all ranks must agree on the step time,
 which decides how late figures are reported); rank 0 turns them into the step's report
 (:func:`combine_rank_vectors`). Framework-free: plain floats, no torch.
@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from charllm_nemo.sinks.keys import STEP_FIGURE_KEYS, combine_devices
 from charllm_nemo.steps.marks import PHASE_GROUPS
 from charllm_nemo.telemetry.figures import RANK_FIGURES, combine
+from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_KEYS, combine_devices
 
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count", "step_time_s")
 """The first entries of a rank's vector: ``loss_sum`` / ``loss_tokens`` (a summed token loss and
@@ -140,7 +140,7 @@ def pack_rank_vector(
     """This rank's vector: :data:`HEAD_FIELDS`, its ``timing`` of the reported step
     (:data:`RANK_TIMING_FIELDS` values; None = not known, NaN), its sampler ``health``
     (:data:`HEALTH_FIELDS`; None: NaN), then its devices' figures
-    combined (:func:`~charllm_nemo.sinks.keys.combine_devices`; ``figures`` None = not known,
+    combined (:func:`~charllm_nemo.telemetry.rank_vector.combine_devices`; ``figures`` None = not known,
     all NaN). A ``loss`` that is not a finite number counts as none."""
     value = math.nan if loss is None else float(loss)
     has_loss = math.isfinite(value)

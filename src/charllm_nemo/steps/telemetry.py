@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.sinks.keys import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
@@ -44,6 +43,7 @@ from charllm_nemo.steps.timers import TimersAdapter
 from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.figures import finite_or_none as _finite
+from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
 from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -73,7 +73,7 @@ when ``phase_times`` is on (process mode computes every figure anyway)."""
 
 
 def figure_columns(figures: Sequence[str]) -> tuple[str, ...]:
-    """The attribution columns the step ``figures`` are read from (sinks.keys
+    """The attribution columns the step ``figures`` are read from (telemetry/rank_vector.py
     ``STEP_FIGURE_COLUMNS``), leaving out a column the attribution does not have: its figure
     travels as NaN, unknown, as any figure a device cannot give."""
     wanted = dict.fromkeys(STEP_FIGURE_COLUMNS[f] for f in figures)
@@ -246,7 +246,9 @@ class StepTelemetry:
             return STEP_FIGURE_KEYS if in_process else THREAD_MODE_FIGURES
         unknown = [f for f in figures if f not in STEP_FIGURE_KEYS]
         if unknown:
-            raise ConfigError(f"unknown step figure(s) {unknown}; use names of sinks.keys.STEP_FIGURE_KEYS")
+            raise ConfigError(
+                f"unknown step figure(s) {unknown}; use names of telemetry.rank_vector.STEP_FIGURE_KEYS"
+            )
         return tuple(figures)
 
     def _process_group(self, group: Any) -> tuple[Any, int, int]:

@@ -16,6 +16,9 @@ how the parts fit):
   status of a run whose store hit a full disk.
 * :class:`Engine`, :class:`ThreadEngine` (engine.py), :class:`ProcessEngine`
   (process/engine.py): where sampling, storing and live figures run.
+* :data:`STEP_FIGURE_KEYS`, :func:`pack_step_figures`, :func:`unpack_step_figures`
+  (rank_vector.py): the vector that carries a rank's figures of a step across ranks (energy J,
+  power W, temperature °C, clocks MHz, throttle s), derived from the figure table (figures.py).
 
 Imported lazily: ``import charllm_nemo.telemetry`` loads none of them (the telemetry process
 imports its light modules from here before numpy or pyarrow).
@@ -42,6 +45,9 @@ _WHERE = {
     "Engine": "engine",
     "ThreadEngine": "engine",
     "ProcessEngine": "process.engine",
+    "STEP_FIGURE_KEYS": "rank_vector",
+    "pack_step_figures": "rank_vector",
+    "unpack_step_figures": "rank_vector",
 }
 
 __all__ = sorted(_WHERE)

@@ -2,7 +2,7 @@
 across a rank's devices and across ranks, and where it appears.
 
 Everything else is derived from :data:`RANK_FIGURES` and :data:`STEP_FIELDS`, never listed again:
-the rank vector (charllm_nemo.sinks.keys ``STEP_FIGURE_KEYS``, ``pack_step_figures``), the
+the rank vector (telemetry/rank_vector.py ``STEP_FIGURE_KEYS``, ``pack_step_figures``), the
 ``steps.jsonl`` / ``summary.json`` schema and its reader checks (telemetry/filecheck.py
 ``STEP_SPEC``, ``SUMMARY_SPEC``'s medians), the medians of ``summary.json``
 (train/report.py ``SUMMARY_FIELDS``), the W&B keys (sinks/keys.py), rank 0's console line
