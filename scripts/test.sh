@@ -81,11 +81,13 @@ SETUPS=(venvs bridge browser prometheus java slurm)
 lane_ruff() { .venv/bin/ruff check src tests bench scripts; }
 lane_format() { .venv/bin/ruff format --check src tests bench scripts; }
 lane_mypy() { .venv/bin/mypy; }
-# Each pytest lane sees its own environment's bin first on PATH (subprocesses that run `charllm`).
+# Each pytest lane sees its own environment's bin first on PATH (subprocesses that run `charllm`),
+# and lists its 25 slowest tests (DURATIONS), so that a slow test shows in every CI log.
+DURATIONS=--durations=25
 lane_pytest() {
-  PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv" .venv/bin/python -m pytest "${NEMO_TESTS[@]/#/--ignore=}" "${PYTEST_ARGS[@]}"
+  PATH="$PWD/.venv/bin:$PATH" VIRTUAL_ENV="$PWD/.venv" .venv/bin/python -m pytest "$DURATIONS" "${NEMO_TESTS[@]/#/--ignore=}" "${PYTEST_ARGS[@]}"
 }
-lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "${NEMO_TESTS[@]}"; }
+lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "$DURATIONS" "${NEMO_TESTS[@]}"; }
 
 LANES=(ruff format mypy pytest nemo)
 
