@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,5 +16,8 @@ def load_script(relative: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as an import would: a dataclass defined in it looks its module
+    # up in sys.modules (its annotations are strings).
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
