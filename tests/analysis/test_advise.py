@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from charllm_nemo.analysis.advise import (
@@ -105,22 +106,35 @@ def _rows(
     throttle: list[float] | None = None,
     temps: list[float] | None = None,
     step_s: float = 1.0,
+    noise: float = 0.01,
+    seed: int = 0,
+    run: str = "r",
 ) -> dict[str, list[dict[str, Any]]]:
+    """The analysis rows of one run: per rank (= stage) its median forward + backward time
+    ``busy``, and per measured step (1..steps) each rank's busy time and the step time drawn with
+    ``noise`` (relative sd, independent per rank and step)."""
     n = len(busy)
+    rng = np.random.default_rng(seed)
+    per_step = [[b * (1 + rng.normal(0, noise)) for b in busy] for _ in range(steps)]
     return {
         "throttle_slowdown": [
             {
-                "run": "r",
+                "run": run,
                 "rank": k,
                 "pp_stage": k if pp_stage else None,
-                "busy_median_s": b,
+                "busy_median_s": float(np.median([row[k] for row in per_step])) if steps else b,
                 "throttle_any_limiting_share": (throttle or [0.0] * n)[k],
             }
             for k, b in enumerate(busy)
         ],
+        "busy_steps": [
+            {"run": run, "rank": k, "step": s + 1, "busy_s": row[k]}
+            for s, row in enumerate(per_step)
+            for k in range(n)
+        ],
         "ranks": [
             {
-                "run": "r",
+                "run": run,
                 "rank": str(k),
                 "device_index": k,
                 "temp_gpu_peak_c": (temps or [50.0] * n)[k],
@@ -129,8 +143,11 @@ def _rows(
             }
             for k in range(n)
         ],
-        "hosts": [{"run": "r", "rank": k, "host": "node0"} for k in range(n)],
-        "thermal_steps": [{"run": "r", "step": s + 1, "step_time_s": step_s} for s in range(steps)],
+        "hosts": [{"run": run, "rank": k, "host": "node0"} for k in range(n)],
+        "thermal_steps": [
+            {"run": run, "step": s + 1, "step_time_s": step_s * (1 + rng.normal(0, noise))}
+            for s in range(steps)
+        ],
     }
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
+
 from charllm_nemo.analysis.advise import (
     MIN_GAIN,
     MIN_STEPS,
@@ -21,25 +23,33 @@ from charllm_nemo.analysis.advise import (
     pipeline_time_s,
     run_evidence,
 )
+from charllm_nemo.analysis.advise_stats import Predict, gain_interval, repeats_text
 
 BRUTE_FORCE_STAGES = 8
 """Up to this many stages every assignment is tried (8! = 40,320); above, the slowest GPU is
 matched with the least work (sorted), which is optimal for the largest stage time alone."""
 
 
-def best_assignment(work: list[float], speed_s: list[float], microbatches: int) -> tuple[list[int], float]:
+def best_assignment(
+    work: list[float], speed_s: list[float], microbatches: int, throttled: list[bool] | None = None
+) -> tuple[list[int], float]:
     """(``order``, pipeline time s): stage ``t`` gets the GPU now on stage ``order[t]``,
     minimising :func:`pipeline_time_s` of ``work[t] x speed_s[order[t]]``; ties keep the
-    current placement (the identity is tried first)."""
+    current placement (the identity is tried first). A ``throttled`` GPU never moves to a stage
+    with more work than its own."""
     p = len(work)
     if p != len(speed_s) or p == 0:
         raise ValueError(f"work={work} and speed_s={speed_s} must be non-empty and of one length")
+    hot = throttled or [False] * p
 
     def cost(order: tuple[int, ...] | list[int]) -> float:
         return pipeline_time_s([work[t] * speed_s[order[t]] for t in range(p)], microbatches)
 
+    def allowed(order: tuple[int, ...] | list[int]) -> bool:
+        return all(not hot[g] or work[t] <= work[g] for t, g in enumerate(order))
+
     if p <= BRUTE_FORCE_STAGES:
-        best = min(itertools.permutations(range(p)), key=cost)  # identity first: kept on ties
+        best = min((o for o in itertools.permutations(range(p)) if allowed(o)), key=cost)
         return list(best), cost(best)
     by_work = sorted(range(p), key=lambda t: work[t])
     by_speed = sorted(range(p), key=lambda g: -speed_s[g])  # slowest GPU first
@@ -47,7 +57,9 @@ def best_assignment(work: list[float], speed_s: list[float], microbatches: int) 
     for t, g in zip(by_work, by_speed, strict=True):
         order[t] = g
     identity = list(range(p))
-    return (order, cost(order)) if cost(order) < cost(identity) else (identity, cost(identity))
+    if allowed(order) and cost(order) < cost(identity):
+        return order, cost(order)
+    return identity, cost(identity)
 
 
 def placement_advice(
@@ -78,19 +90,24 @@ def placement_advice(
         return no(f"the stages run on {len(hosts)} hosts: CUDA_VISIBLE_DEVICES reorders GPUs within one node")
     if len(set(indices)) != len(indices):
         return no(f"the stages share GPU indices {indices} (CPU ranks, or one GPU shared): nothing to move")
-    work = [s.layers + s.extra_layers for s in stages]
+    work = [s.work for s in stages]
     speed = [s.per_layer_s for s in stages]
     m = ms.microbatches
-    order, new_pipe = best_assignment(work, speed, m)
+    order, new_pipe = best_assignment(work, speed, m, [s.throttled for s in stages])
     old_pipe = pipeline_time_s([s.busy_s for s in stages], m)
     expected = max(ms.step_s - (old_pipe - new_pipe), new_pipe)
     gain = 1.0 - expected / ms.step_s
-    if order == list(range(len(stages))) or gain < min_gain:
-        return no(
-            "the GPUs already sit on the best stages for their measured speed"
-            if order == list(range(len(stages)))
-            else f"the best placement would gain {gain * 100:.1f}% (< {min_gain * 100:.0f}%)"
-        )
+    if order == list(range(len(stages))):
+        return no("the GPUs already sit on the best stages for their measured speed")
+    gi = gain_interval(ms.busy, ms.step, placement_predictor(work, order, m))
+    rests = (
+        f"expected gain {gi.point * 100:.1f}%, 95% interval [{gi.low * 100:+.1f}, {gi.high * 100:+.1f}]% "
+        f"over {gi.steps} steps of {gi.runs} run(s)"
+    )
+    if gi.low <= 0:
+        return no(f"no change: the expected gain is within the noise ({rests}); {repeats_text(gi)}")
+    if gain < min_gain:
+        return no(f"the best placement would gain {gain * 100:.1f}% (< {min_gain * 100:.0f}%)")
     visible = ",".join(indices[g] for g in order)
     moves = [f"stage {t} <- {gpus[g]} (now on stage {g})" for t, g in enumerate(order) if g != t]
     return Advice(
@@ -99,7 +116,7 @@ def placement_advice(
         current=[str(g) for g in gpus],
         proposed=[str(gpus[g]) for g in order],
         expected_gain=gain,
-        evidence=[*run_evidence(ms), "moves: " + "; ".join(moves)],
+        evidence=[*run_evidence(ms), rests, "moves: " + "; ".join(moves)],
         overrides=[f"CUDA_VISIBLE_DEVICES={visible}"],
         measured_step_s=ms.step_s,
         expected_step_s=expected,
@@ -107,4 +124,21 @@ def placement_advice(
             f"an environment setting, not a Hydra override: CUDA_VISIBLE_DEVICES={visible} charllm train "
             "... (launcher=local on that node; rank r uses the r-th listed GPU)"
         ),
+        gain_interval=[gi.low, gi.high],
+        confidence=0.95,
+        runs=[run],
     )
+
+
+def placement_predictor(work: list[float], order: list[int], microbatches: int) -> Predict:
+    """The expected step time (s) with stage ``t`` on the GPU now on stage ``order[t]``, from
+    measured stage busy times ``B`` (s) and step time ``T`` (s): a GPU's time per unit of work
+    ``B[g] / work[g]`` moves with it, the rest of the step is kept as measured."""
+
+    def predict(busy: np.ndarray[Any, Any], step_s: float) -> float:
+        b = [float(x) for x in busy]
+        new = [work[t] * b[g] / work[g] for t, g in enumerate(order)]
+        new_pipe = pipeline_time_s(new, microbatches)
+        return max(step_s - pipeline_time_s(b, microbatches) + new_pipe, new_pipe)
+
+    return predict
