@@ -14,7 +14,7 @@ import pytest
 from charllm_nemo.analysis.advise import Advice, Measured, NoAdvice, layout_advice, measure_run
 from charllm_nemo.analysis.advise_layout import layout_for
 from charllm_nemo.analysis.advise_stats import GainInterval, repeats_for_gain
-from tests.analysis.test_advise import _rows, _summary
+from tests.analysis.test_advise import _repeats, _rows, _summary
 
 pytest.importorskip("duckdb")
 
@@ -36,12 +36,24 @@ def test_a_gain_within_the_step_noise_gets_no_change_and_the_repeats_that_would_
     assert "95% interval" in got.reason and "over the 6 steps of one run" in got.reason
     assert re.search(r"about \d+ runs of this configuration would resolve it", got.reason)
     assert "the best re-deal would be [2,2]" in got.reason
-    # a real imbalance measured as noisily is advised, with its interval
-    slow = _rows([0.3 * 1.6, 0.1 * (1 + head)], step_s=0.8, steps=6, noise=0.10, seed=14)
-    real = layout_advice({"run": "r", "pp": 2}, _summary([3, 1], m=4), {"model": model}, slow)
+    # a real imbalance measured as noisily, three runs of it: advised, with its interval
+    runs = []
+    for k in range(3):
+        slow = _rows([0.3 * 1.6, 0.1 * (1 + head)], step_s=0.8, steps=8, noise=0.10, seed=14 + k, run=f"s{k}")
+        got = measure_run({"run": f"s{k}", "pp": 2}, _summary([3, 1], m=4), {"model": model}, slow)
+        assert isinstance(got, Measured)
+        runs.append(got)
+    real = layout_for(runs)
     assert isinstance(real, Advice) and real.proposed == [2, 2], real
     assert real.gain_interval is not None and 0 < real.gain_interval[0] <= real.expected_gain
     assert real.confidence == 0.95
+    # ... while one of them alone is not (its run-to-run variability is not measured)
+    alone = layout_for(runs[:1])
+    assert isinstance(alone, NoAdvice) and alone.reason.startswith("no change yet: one run shows the noise")
+    assert (
+        "the re-deal [2,2] is expected to gain" in alone.reason
+        and "runs of this configuration" in alone.reason
+    )
 
 
 def test_repeats_for_a_gain() -> None:
@@ -63,12 +75,13 @@ def _measured(seed: int, run: str, host: float = 1.0) -> Measured:
 
 def test_three_repeats_of_a_truly_imbalanced_layout_get_the_same_advice() -> None:
     runs = [_measured(seed, f"seed={seed}", host) for seed, host in ((1, 0.95), (2, 1.0), (3, 1.07))]
+    # each alone: the same "no change yet" with the same provisional re-deal
     each = [layout_for([ms]) for ms in runs]
-    assert all(isinstance(a, Advice) for a in each), each
-    proposals = {tuple(a.proposed) for a in each if isinstance(a, Advice)}
+    assert all(isinstance(a, NoAdvice) and a.reason.startswith("no change yet: one run") for a in each), each
+    proposals = {re.search(r"the re-deal (\[[0-9,]+\])", a.reason).group(1) for a in each}  # type: ignore[union-attr]
     assert len(proposals) == 1
     together = layout_for(runs)
-    assert isinstance(together, Advice) and tuple(together.proposed) in proposals
+    assert isinstance(together, Advice) and "[" + ",".join(map(str, together.proposed)) + "]" in proposals
     assert together.runs == ["seed=1", "seed=2", "seed=3"]
     assert together.proposed[0] < 4  # off the slow, throttled stage
     assert any("over 3 runs and their steps" in e for e in together.evidence)
@@ -84,7 +97,7 @@ def test_work_is_never_moved_onto_a_throttled_stage() -> None:
     assert isinstance(got, NoAdvice), got
     assert "throttled stage(s) [1] are not given more layers" in got.reason
     # without the throttle the same times are re-dealt onto stage 1
-    free = layout_advice({"run": "r", "pp": 2}, _summary([3, 1]), {}, _rows([0.6, 0.1], steps=8))
+    free = layout_for(_repeats([0.6, 0.1], [3, 1]))
     assert isinstance(free, Advice) and free.proposed[1] > 1
 
 
@@ -98,13 +111,12 @@ def test_a_throttled_gpu_is_never_placed_on_a_heavier_stage() -> None:
 
 
 def test_a_slow_device_is_told_from_a_heavy_stage() -> None:
-    slow = layout_advice({"run": "r", "pp": 2}, _summary([4, 4]), {},
-                         _rows([0.72, 0.40], throttle=[0.6, 0.0], steps=8))  # fmt: skip
+    slow = layout_for(_repeats([0.72, 0.40], [4, 4], throttle=[0.6, 0.0]))
     assert isinstance(slow, Advice)
     line = next(e for e in slow.evidence if e.startswith("stage 0 is a slow device"))
     assert re.search(r"(79|80|81)% more time per unit of work", line)
     assert "throttled 60%" in line and "not given more work" in line
-    heavy = layout_advice({"run": "r", "pp": 2}, _summary([6, 2]), {}, _rows([0.60, 0.20], steps=8))
+    heavy = layout_for(_repeats([0.60, 0.20], [6, 2]))
     assert isinstance(heavy, Advice) and heavy.proposed == [4, 4]
     assert any(e.startswith("stage 0 is a heavy stage: 6.00 layers of work") for e in heavy.evidence)
     assert not any("slow device" in e for e in heavy.evidence)
@@ -179,3 +191,27 @@ def test_the_rerun_command_of_a_sweep_run_runs_as_printed(
     assert main([*words[1:], "dry_run=true", f"telemetry.out_dir={tmp_path / 'again'}"]) == 0
     out = capsys.readouterr().out
     assert "valid; nothing started" in out and "layers/stage=[2, 2]" in out
+
+
+def test_one_run_must_hold_its_gain_in_each_quarter() -> None:
+    import numpy as np
+
+    from charllm_nemo.analysis.advise import layout_predictor
+    from charllm_nemo.analysis.advise_stats import with_drift
+
+    predict = layout_predictor([4.0, 4.0], [5.0, 3.0], 8)
+    steady = np.tile([0.4, 0.6], (16, 1))
+    drifting = steady.copy()
+    drifting[8:, 1] = 0.4  # stage 1 slow for the first half of the run only
+    step = np.full(16, 1.0)
+    g = 1 - predict(np.array([0.4, 0.6]), 1.0)  # 9.4 %: 0.6 s -> 0.5 s on the slower stage
+    narrow = GainInterval(g, g - 0.01, g + 0.01, runs=1, steps=16)
+    kept = with_drift(narrow, [steady], [step], predict)  # every quarter the same: unchanged
+    assert kept == narrow
+    wide = with_drift(narrow, [drifting], [step], predict)
+    assert wide is not None and wide.low < 0 < wide.high  # the quarters disagree
+    assert with_drift(narrow, [steady[:7]], [step[:7]], predict) is None  # < 2 steps a quarter
+    # a real imbalance in 6 measured steps: past the step noise, too short for its quarters
+    short = layout_advice({"run": "r", "pp": 2}, _summary([4, 4]), {}, _rows([0.72, 0.40], steps=6))
+    assert isinstance(short, NoAdvice) and short.reason.startswith("one run of 6 measured step(s): too few")
+    assert "batch.train_steps=10 or more" in short.reason

@@ -29,7 +29,7 @@ from charllm_nemo.analysis.advise import (
 )
 from charllm_nemo.analysis.advise_layout import layout_for
 from charllm_nemo.analysis.advise_mbs import mbs_advice
-from charllm_nemo.analysis.advise_placement import placement_advice
+from charllm_nemo.analysis.advise_placement import placement_for
 from charllm_nemo.telemetry.filecheck import printable
 
 if TYPE_CHECKING:
@@ -159,14 +159,13 @@ def advise(
             continue
         ms = measure_run(info, run.summary, run.config, rows, min_steps)
         if isinstance(ms, NoAdvice):
-            report.no_advice.append(ms)
+            report.no_advice += [ms, NoAdvice("rank_placement", ms.run, ms.reason)]
         else:  # repeats of one configuration are advised on together
             configurations.setdefault(configuration_key(run.config, ms), []).append(ms)
-        got = placement_advice(info, run.summary, run.config, rows, min_gain, min_steps)
-        (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     for group in configurations.values():
-        got = layout_for(group, min_gain)
-        (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
+        for advise_group in (layout_for, placement_for):
+            got = advise_group(group, min_gain)
+            (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     for got in mbs_advice(rows, min_gain, tolerance):
         (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     if commands:

@@ -23,13 +23,19 @@ from charllm_nemo.analysis.advise import (
     run_evidence,
 )
 from charllm_nemo.analysis.advise_stats import (
+    ONE_SHORT_RUN,
+    SEGMENTS,
     GainInterval,
     Resampled,
     interval,
+    one_run_text,
     repeats_text,
     resample,
+    with_drift,
 )
 from charllm_nemo.analysis.advise_work import WorkModel
+
+QUARTERS = f" and its {SEGMENTS} quarters"
 
 CANDIDATE_RESAMPLES = 200
 """Resamples whose own best re-deal joins the candidates of :func:`steadiest`."""
@@ -92,13 +98,19 @@ def layout_for(group: list[Measured], min_gain: float = MIN_GAIN) -> Advice | No
         )
     res = resample(ms.busy, ms.step)
     proposed, gi = steadiest(stages, proposed, res, m, ms.work)
+    if gi.low > 0:  # past the step noise: with one run, its quarters must agree too
+        now = [s.work for s in stages]
+        drift = with_drift(gi, ms.busy, ms.step, layout_predictor(now, _work(stages, proposed, ms.work), m))
+        if drift is None:
+            return no(ONE_SHORT_RUN.format(steps=gi.steps, least=2 * SEGMENTS, train=2 * SEGMENTS + 2))
+        gi = drift
     rests = (
         f"expected gain {gi.point * 100:.1f}%, 95% interval [{gi.low * 100:+.1f}, {gi.high * 100:+.1f}]% "
         + (
             f"over {gi.runs} runs and their steps (runs resampled, then steps within them)"
             if gi.runs > 1
-            else f"over the {gi.steps} steps of one run (run-to-run variability not measured: "
-            "repeat the run to include it)"
+            else f"over the {gi.steps} steps of one run{QUARTERS if gi.low > 0 else ''} (run-to-run "
+            "variability not measured: repeat the run to include it)"
         )
     )
     evidence.append(rests)
@@ -108,6 +120,8 @@ def layout_for(group: list[Measured], min_gain: float = MIN_GAIN) -> Advice | No
             f"no change: the expected gain is within the noise ({rests}); {more} "
             f"(the best re-deal would be {_list(proposed)}). " + " | ".join(evidence)
         )
+    if gi.runs == 1:
+        return no(one_run_text(f"the re-deal {_list(proposed)}", gi) + ". " + " | ".join(evidence))
     if gi.point < min_gain:
         return no(
             f"no change: the best re-deal {_list(proposed)} would gain {gi.point * 100:.1f}% "

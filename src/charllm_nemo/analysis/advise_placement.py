@@ -18,12 +18,21 @@ from charllm_nemo.analysis.advise import (
     MIN_GAIN,
     MIN_STEPS,
     Advice,
+    Measured,
     NoAdvice,
     measure_run,
     pipeline_time_s,
     run_evidence,
 )
-from charllm_nemo.analysis.advise_stats import Predict, gain_interval, repeats_text
+from charllm_nemo.analysis.advise_stats import (
+    ONE_SHORT_RUN,
+    SEGMENTS,
+    Predict,
+    gain_interval,
+    one_run_text,
+    repeats_text,
+    with_drift,
+)
 
 BRUTE_FORCE_STAGES = 8
 """Up to this many stages every assignment is tried (8! = 40,320); above, the slowest GPU is
@@ -74,10 +83,20 @@ def placement_advice(
     ms = measure_run(info, summary, config, rows, min_steps, kind="rank_placement")
     if isinstance(ms, NoAdvice):
         return ms
+    return placement_for([ms], min_gain)
+
+
+def placement_for(group: list[Measured], min_gain: float = MIN_GAIN) -> Advice | NoAdvice:
+    """Placement advice for the runs of one configuration (one or more), or why not: advised
+    only past the measured noise, as the layout (docs/advisor.md, "Noise")."""
+    from charllm_nemo.analysis.advise_layout import pool
+
+    ms = pool(group)
     run, stages = ms.run, ms.stages
+    label = run if len(ms.runs) == 1 else f"{run} (+{len(ms.runs) - 1} repeat(s))"
 
     def no(reason: str) -> NoAdvice:
-        return NoAdvice("rank_placement", run, reason)
+        return NoAdvice("rank_placement", label, reason)
 
     if any(len(s.ranks) != 1 for s in stages):
         return no("a stage has several ranks (TP or DP): moving one GPU alone does not move the stage")
@@ -99,13 +118,22 @@ def placement_advice(
     gain = 1.0 - expected / ms.step_s
     if order == list(range(len(stages))):
         return no("the GPUs already sit on the best stages for their measured speed")
-    gi = gain_interval(ms.busy, ms.step, placement_predictor(work, order, m))
+    predict = placement_predictor(work, order, m)
+    gi = gain_interval(ms.busy, ms.step, predict)
+    if gi.low > 0:  # past the step noise: with one run, its quarters must agree too
+        drift = with_drift(gi, ms.busy, ms.step, predict)
+        if drift is None:
+            return no(ONE_SHORT_RUN.format(steps=gi.steps, least=2 * SEGMENTS, train=2 * SEGMENTS + 2))
+        gi = drift
     rests = (
         f"expected gain {gi.point * 100:.1f}%, 95% interval [{gi.low * 100:+.1f}, {gi.high * 100:+.1f}]% "
         f"over {gi.steps} steps of {gi.runs} run(s)"
+        + (f" and its {SEGMENTS} quarters" if gi.runs == 1 and gi.low > 0 else "")
     )
     if gi.low <= 0:
         return no(f"no change: the expected gain is within the noise ({rests}); {repeats_text(gi)}")
+    if gi.runs == 1:
+        return no(one_run_text(f"the placement {[str(gpus[g]) for g in order]}", gi))
     if gain < min_gain:
         return no(f"the best placement would gain {gain * 100:.1f}% (< {min_gain * 100:.0f}%)")
     visible = ",".join(indices[g] for g in order)
@@ -126,7 +154,7 @@ def placement_advice(
         ),
         gain_interval=[gi.low, gi.high],
         confidence=0.95,
-        runs=[run],
+        runs=list(ms.runs),
     )
 
 

@@ -159,3 +159,47 @@ def repeats_text(gi: GainInterval) -> str:
     if n is None:
         return f"more than {MAX_REPEATS} runs of this configuration would be needed to resolve it"
     return f"about {n} runs of this configuration would resolve it"
+
+
+SEGMENTS = 4
+"""With one run, its measured steps in this many consecutive parts stand in for repeats."""
+
+ONE_SHORT_RUN = (
+    "one run of {steps} measured step(s): too few to tell a lasting imbalance from a passing one "
+    "(its quarters need {least} steps); train longer (batch.train_steps={train} or more) or repeat the run"
+)
+
+
+def with_drift(
+    gi: GainInterval, busy: Sequence[Array], step: Sequence[Array], predict: Predict
+) -> GainInterval | None:
+    """With one run, widen ``gi`` by the run's own drift: the gain computed on each of
+    :data:`SEGMENTS` consecutive parts of the run, as if they were repeats (their mean +- Student's
+    t interval); the union of both intervals. A lasting imbalance (a throttled GPU) holds
+    in every part, a passing one (a quiet minute on a shared host) does not. None when the run
+    has fewer than 2 steps a part; ``gi`` itself with several runs (their spread is measured)."""
+    if gi.runs > 1:
+        return gi
+    b, t = busy[0], step[0]
+    if t.size < 2 * SEGMENTS:
+        return None
+    parts = np.array_split(np.arange(t.size), SEGMENTS)
+    gains = [
+        1.0 - predict(np.median(b[i], axis=0), float(np.median(t[i]))) / float(np.median(t[i])) for i in parts
+    ]
+    centre, sd = float(np.mean(gains)), float(np.std(gains, ddof=1))
+    half = t975(SEGMENTS - 1) * sd / math.sqrt(SEGMENTS)
+    return GainInterval(gi.point, min(gi.low, centre - half), max(gi.high, centre + half), gi.runs, gi.steps)
+
+
+def one_run_text(what: str, gi: GainInterval) -> str:
+    """Why one run gets no advice even past its own noise, and what would decide it."""
+    n = repeats_for_gain(gi)
+    runs = f"about {n} runs" if n else f"{MIN_REPEATS} or more runs"
+    return (
+        "no change yet: one run shows the noise of its own steps, not the run-to-run variability "
+        f"that decides a re-run on a shared host; {what} is expected to gain {gi.point * 100:.1f}% "
+        f"(95% interval over its steps and its {SEGMENTS} quarters [{gi.low * 100:+.1f}, "
+        f"{gi.high * 100:+.1f}]%): repeat the run ({runs} of this configuration) and advise on their "
+        "folder, which pools the repeats"
+    )
