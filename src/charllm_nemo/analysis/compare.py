@@ -293,7 +293,7 @@ def judge(f: Figure, base: Group, other: Group, *, resamples: int = RESAMPLES, s
         return no("the baseline's median is 0: no relative difference")
     if min(ra, rb) < 2 and (f.time_like or trend is not None):
         side = "both sides" if max(ra, rb) < 2 else ("the baseline" if ra < 2 else "the compared side")
-        if trend is not None:
+        if not f.time_like:  # trending: a time-like figure gets the repeats below instead
             return no(
                 f"one run on {side}: where a figure trends, its level at a given time depends on how "
                 "the run started (a warm device, the room), which one run cannot show; repeat each side "
