@@ -81,8 +81,11 @@ def test_report_has_alerts_advice_energy_comparison_and_data_quality(tmp_path: P
     assert "holds a JSON list, not an object" in page and "field &#x27;step&#x27; is string" in page
     assert "charllm advise" in page  # the advice's own text
     assert "MLPerf Training power rules" in page and "g CO2e" in page and "PUE 1.2" in page
-    # The comparison: run b's 20 % longer steps found worse, with an interval.
+    # The comparison: run b's 20 % longer steps, one run a side: no verdict on a time-like
+    # figure, and the reason; the 200 W higher peak power is found worse.
     row = re.search(r"<tr>[^\n]*?step_time_s.*?</tr>", page)
+    assert row is not None and "no verdict" in row.group(0) and "one run on both sides" in row.group(0)
+    row = re.search(r"<tr>[^\n]*?power_peak_w.*?</tr>", page)
     assert row is not None and "worse" in row.group(0)
     # Every figure carries its paper figure and the data quality behind it.
     captions = re.findall(r"<figcaption>(.*?)</figcaption>", page)

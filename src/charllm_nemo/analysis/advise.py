@@ -20,10 +20,14 @@ Everything is plain Python over a few rows per run; the CLI side is :mod:`.advis
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any
 
+import numpy as np
+
+from charllm_nemo.analysis.advise_work import WorkModel
 from charllm_nemo.telemetry.figures import finite_or_none as _f
 
 MIN_STEPS = 3
@@ -31,6 +35,14 @@ MIN_STEPS = 3
 
 MIN_GAIN = 0.03
 """Smallest expected gain (fraction of step time or throughput) worth a re-run."""
+
+THROTTLED_SHARE = 0.05
+"""A stage is throttled when one of its ranks spent this share of its step time or more under a
+limiting throttle reason: the advisor never gives it more work (docs/advisor.md)."""
+
+SLOW_DEVICE = 0.10
+"""A stage whose time per unit of work is this much above the fastest stage's is called a slow
+device in the evidence (below: a heavy stage, if it is the slowest)."""
 
 MBS_TOLERANCE = 0.02
 """Micro batch sizes within this share of the best throughput count as equally fast; the one
@@ -59,9 +71,20 @@ class Stage:
     extra_layers: float = 0.0  # fixed work outside the layers, in layers' FLOPs (the logits)
 
     @property
+    def work(self) -> float:
+        """The stage's work in layers' FLOPs (its layers, recomputation, the output layer)."""
+        return self.layers + self.extra_layers
+
+    @property
     def per_layer_s(self) -> float:
         """Forward + backward seconds per layer (per layer's FLOPs) per step on this stage."""
-        return self.busy_s / (self.layers + self.extra_layers)
+        return self.busy_s / self.work
+
+    @property
+    def throttled(self) -> bool:
+        """Whether a rank of the stage spent :data:`THROTTLED_SHARE` or more of its step time
+        under a limiting throttle reason (power, thermal, ...)."""
+        return self.throttle_share is not None and self.throttle_share >= THROTTLED_SHARE
 
 
 @dataclass
@@ -84,6 +107,9 @@ class Advice:
     expected_step_s: float | None = None
     placement: str | None = None
     stages: list[dict[str, Any]] = field(default_factory=list)
+    gain_interval: list[float] | None = None
+    confidence: float | None = None
+    runs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -126,45 +152,95 @@ def pipeline_time_s(stage_busy_s: list[float], microbatches: int) -> float:
 
 
 def balance_layers(
-    num_layers: int, per_layer_s: list[float], current: list[int], extra: list[float] | None = None
+    num_layers: int,
+    per_layer_s: list[float],
+    current: list[int],
+    extra: list[float] | None = None,
+    work: Callable[[int, int], float] | None = None,
+    caps: list[int] | None = None,
 ) -> list[int]:
     """Layers per stage (each >= 1, summing to ``num_layers``) minimising the largest stage
-    time ``(layers + extra) x per_layer_s`` (``extra``: a stage's fixed work in layers, 0 where
-    None): every stage starts with one layer, then each further layer goes where the stage's
-    time after it is smallest (greedy, optimal for this min-max); a tie goes to the stage that
-    holds more layers in ``current``, so a balanced run keeps its layout."""
+    time ``work(stage, layers) x per_layer_s`` (``work`` default: ``layers + extra``, ``extra``
+    0 where None): every stage starts with one layer, then each further layer goes where the
+    stage's time after it is smallest (greedy, optimal for this min-max with work growing in the
+    layers); a tie goes to the stage that holds more layers in ``current``, so a balanced run
+    keeps its layout. ``caps``: the most layers each stage may hold (a throttled stage: its
+    current count); when the caps leave nowhere to go, ``current`` is returned."""
     p = len(per_layer_s)
     e = extra or [0.0] * p
     if p < 1 or num_layers < p:
         raise ValueError(f"cannot deal {num_layers} layers over {p} stages (each needs >= 1)")
     if any(not math.isfinite(u) or u <= 0 for u in per_layer_s):
         raise ValueError(f"per_layer_s={per_layer_s} must be finite and > 0")
+    limit = caps or [num_layers] * p
+
+    def cost(i: int, n: int) -> float:
+        return (work(i, n) if work is not None else n + e[i]) * per_layer_s[i]
+
     layers = [1] * p
     for _ in range(num_layers - p):
-        s = min(range(p), key=lambda i: ((layers[i] + 1 + e[i]) * per_layer_s[i], -current[i], i))
+        room = [i for i in range(p) if layers[i] < limit[i]]
+        if not room:
+            return list(current)
+        s = min(room, key=lambda i: (cost(i, layers[i] + 1), -current[i], i))
         layers[s] += 1
     return layers
 
 
+def layout_predictor(
+    work_now: list[float], work_new: list[float], microbatches: int
+) -> Callable[[np.ndarray[Any, Any], float], float]:
+    """The expected step time (s) with the work per stage ``work_new`` from measured stage busy
+    times ``B`` (s) and step time ``T`` (s) at ``work_now``: each stage's time per unit of work
+    ``B / work_now`` kept, the pipeline's compute re-estimated, everything outside it (optimizer,
+    gradient syncs, waits the model does not see) kept as measured:
+    ``max(T - pipeline(B) + pipeline(B_new), pipeline(B_new))``."""
+
+    def predict(busy: np.ndarray[Any, Any], step_s: float) -> float:
+        b = [float(x) for x in busy]
+        new = [w1 * bi / w0 for bi, w0, w1 in zip(b, work_now, work_new, strict=True)]
+        new_pipe = pipeline_time_s(new, microbatches)
+        return max(step_s - pipeline_time_s(b, microbatches) + new_pipe, new_pipe)
+
+    return predict
+
+
 def propose_layout(
-    stages: list[Stage], microbatches: int, step_s: float, min_gain: float = MIN_GAIN
+    stages: list[Stage],
+    microbatches: int,
+    step_s: float,
+    min_gain: float = MIN_GAIN,
+    work: WorkModel | None = None,
 ) -> tuple[list[int], float, float]:
     """(proposed layers per stage, expected step time s, expected gain as a fraction of
-    ``step_s``). The proposal is the current layout when no re-deal gains ``min_gain``. The
-    step time outside the pipeline's compute (optimizer, gradient syncs, waits the model does not
-    see) is kept as measured: ``expected = step_s - pipeline(old) + pipeline(new)``."""
+    ``step_s``). The proposal is the current layout when no re-deal gains ``min_gain``. A
+    throttled stage (:attr:`Stage.throttled`) never gets more layers than it has. ``work``: how
+    a stage's work grows with its layers (default: each stage's ``extra_layers`` kept fixed)."""
     current = [s.layers for s in stages]
-    per_layer = [s.per_layer_s for s in stages]
-    extra = [s.extra_layers for s in stages]
-    new = balance_layers(sum(current), per_layer, current, extra)
-    old_pipe = pipeline_time_s([s.busy_s for s in stages], microbatches)
-    new_busy = [(n + x) * u for n, x, u in zip(new, extra, per_layer, strict=True)]
-    new_pipe = pipeline_time_s(new_busy, microbatches)
-    expected = max(step_s - (old_pipe - new_pipe), new_pipe)
+    p = len(stages)
+    new = balance_layers(
+        sum(current),
+        [s.per_layer_s for s in stages],
+        current,
+        [s.extra_layers for s in stages],
+        (lambda i, n: work.stage(i, n, p)) if work is not None and work.known else None,
+        [s.layers if s.throttled else sum(current) for s in stages],
+    )
+    work_new = _work(stages, new, work)
+    expected = layout_predictor([s.work for s in stages], work_new, microbatches)(
+        np.array([s.busy_s for s in stages]), step_s
+    )
     gain = 1.0 - expected / step_s
     if new == current or gain < min_gain:
         return current, step_s, 0.0 if new == current else gain
     return new, expected, gain
+
+
+def _work(stages: list[Stage], layers: list[int], work: WorkModel | None) -> list[float]:
+    """The work of each stage holding ``layers`` (the work model's, else layers + fixed extra)."""
+    if work is not None and work.known:
+        return work.stages(layers)
+    return [n + s.extra_layers for s, n in zip(stages, layers, strict=True)]
 
 
 def stage_evidence(stages: list[Stage]) -> list[str]:
@@ -314,8 +390,11 @@ def run_stages(
 
 @dataclass
 class Measured:
-    """What the layout and placement models need of one run: its stages, microbatches per
-    step, the measured step times (s) and their median, the output layer's work in layers."""
+    """What the layout and placement models need of one run, or of the runs of one
+    configuration pooled: the stages, microbatches per step, the measured step times (s) and
+    their median, the output layer's work in layers; ``busy`` (steps x stages, s) and ``step``
+    (s) per run: each measured step's stage busy times (the slowest rank of each stage) and its
+    step time, for the noise (:mod:`.advise_stats`); ``runs``: the run keys."""
 
     run: str
     stages: list[Stage]
@@ -323,6 +402,34 @@ class Measured:
     times: list[float]
     step_s: float
     head: float | None
+    busy: list[np.ndarray[Any, Any]] = field(default_factory=list)
+    step: list[np.ndarray[Any, Any]] = field(default_factory=list)
+    work: WorkModel = field(default_factory=WorkModel)
+    runs: list[str] = field(default_factory=list)
+
+
+def _per_step(
+    run: str, rows: dict[str, list[dict[str, Any]]], stages: list[Stage]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(steps x stages busy s, steps step time s) over the measured steps every stage and the
+    step time are known for (``busy_steps`` and ``thermal_steps`` rows)."""
+    stage_of = {rk: s.stage for s in stages for rk in s.ranks}
+    per: dict[int, dict[int, float]] = {}
+    for r in rows.get("busy_steps", []):
+        b, step, rank = _f(r.get("busy_s")), r.get("step"), r.get("rank")
+        if r.get("run") != run or b is None or not isinstance(step, int) or rank is None:
+            continue
+        k = stage_of.get(int(rank))
+        if k is not None:
+            per.setdefault(step, {})[k] = max(b, per.get(step, {}).get(k, 0.0))
+    times = {
+        int(r["step"]): t
+        for r in rows.get("thermal_steps", [])
+        if r.get("run") == run and isinstance(r.get("step"), int) and (t := _f(r.get("step_time_s")))
+    }
+    keep = sorted(st for st, by in per.items() if len(by) == len(stages) and st in times)
+    busy = np.array([[per[st][s.stage] for s in stages] for st in keep], dtype=np.float64)
+    return busy.reshape(len(keep), len(stages)), np.array([times[st] for st in keep], dtype=np.float64)
 
 
 def measure_run(
@@ -335,6 +442,8 @@ def measure_run(
 ) -> Measured | NoAdvice:
     """A run's :class:`Measured` (``info``: its ``runs`` row), or why the data cannot support
     advice of ``kind`` (one stage, interleaving, too few steps, no phase windows, ...)."""
+    from charllm_nemo.analysis.advise_work import work_model
+
     run = str(info["run"])
 
     def no(reason: str) -> NoAdvice:
@@ -356,35 +465,71 @@ def measure_run(
     layers = _layers_per_stage(summary, config, pp)
     if layers is None:
         return no("layers per stage unknown: neither summary.json's layout nor the config gives them")
-    head = head_layers(config)
-    stages, why = run_stages(run, rows, layers, head or 0.0)
+    work = work_model(config)
+    stages, why = run_stages(run, rows, layers, 0.0)
     if stages is None:
         return no(str(why))
+    for st in stages:
+        st.extra_layers = work.stage(st.stage, st.layers, len(stages)) - st.layers if work.known else 0.0
     m = (summary.get("layout") or {}).get("num_microbatches") or summary.get("num_microbatches")
     if not isinstance(m, int) or m < 1:
         return no("the number of microbatches per step is unknown (summary.json has no num_microbatches)")
-    return Measured(run, stages, m, times, median(times), head)
+    busy, step = _per_step(run, rows, stages)
+    if step.size < min_steps:
+        return no(
+            f"{step.size} measured step(s) with every stage's forward/backward time; need at least "
+            f"{min_steps} to measure the step-to-step noise"
+        )
+    head = work.head if work.known else None
+    return Measured(run, stages, m, times, median(times), head, [busy], [step], work, [run])
 
 
 def run_evidence(ms: Measured) -> list[str]:
     """The evidence lines every piece of layout or placement advice carries."""
     stages, m, step_s = ms.stages, ms.microbatches, ms.step_s
     evidence = stage_evidence(stages)
+    evidence += stage_diagnosis(stages)
+    runs = f"{len(ms.runs)} runs of this configuration, " if len(ms.runs) > 1 else ""
     evidence.append(
-        f"step time {step_s * 1e3:.1f} ms (median of {len(ms.times)} measured steps), {m} microbatches; "
+        f"step time {step_s * 1e3:.1f} ms (median of {runs}{len(ms.times)} measured steps), "
+        f"{m} microbatches; "
         f"1F1B pipeline compute {pipeline_time_s([s.busy_s for s in stages], m) * 1e3:.1f} ms of it"
     )
     spread = median([abs(t - step_s) for t in ms.times]) / step_s
-    evidence.append(
-        f"step times vary by {spread * 100:.1f}% step to step (median absolute deviation): a "
-        "measured change smaller than that needs more steps or runs to show"
-    )
-    evidence.append(
-        f"the last stage's output layer counted as {ms.head:.2f} layers of work (logits FLOPs / a layer's)"
-        if ms.head is not None
-        else "the output layer's work is unknown (no model shape in the config): counted as 0 layers"
-    )
+    evidence.append(f"step times vary by {spread * 100:.1f}% step to step (median absolute deviation)")
+    evidence.append(ms.work.describe())
     return evidence
+
+
+def stage_diagnosis(stages: list[Stage]) -> list[str]:
+    """Tell a slow device from a heavy stage: the slowest stage's time per unit of work against
+    the fastest stage's (a slow device: :data:`SLOW_DEVICE` or more above, with its clock and
+    throttling), or its share of the work (a heavy stage: at the others' speed, more work)."""
+    fastest = min(s.per_layer_s for s in stages)
+    slowest = max(stages, key=lambda s: s.busy_s)
+    mean_work = sum(s.work for s in stages) / len(stages)
+    lines = []
+    for s in stages:
+        above = s.per_layer_s / fastest - 1
+        if above >= SLOW_DEVICE:
+            why = []
+            if s.throttled:
+                why.append(f"throttled {s.throttle_share * 100:.0f}% of step time")  # type: ignore[operator]
+            clocks = [x.clock_avg_mhz for x in stages if x.clock_avg_mhz is not None]
+            if s.clock_avg_mhz is not None and clocks and s.clock_avg_mhz < max(clocks) * 0.95:
+                why.append(f"SM clock {s.clock_avg_mhz:.0f} MHz against {max(clocks):.0f}")
+            lines.append(
+                f"stage {s.stage} is a slow device: {above * 100:.0f}% more time per unit of work than the "
+                "fastest stage"
+                + (f" ({', '.join(why)})" if why else "")
+                + (": it is not given more work" if s.throttled else "")
+            )
+    if not any(line.startswith(f"stage {slowest.stage} ") for line in lines) and slowest.work > mean_work:
+        lines.append(
+            f"stage {slowest.stage} is a heavy stage: {slowest.work:.2f} layers of work against a mean of "
+            f"{mean_work:.2f}, at the others' speed (within {SLOW_DEVICE * 100:.0f}% per unit of work)"
+        )
+    return lines
 
 
 def layout_advice(
@@ -396,150 +541,18 @@ def layout_advice(
     min_steps: int = MIN_STEPS,
 ) -> Advice | NoAdvice:
     """Layout advice for one run (``info``: its ``runs`` row), or why there is none."""
+    from charllm_nemo.analysis.advise_layout import layout_for
+
     ms = measure_run(info, summary, config, rows, min_steps)
     if isinstance(ms, NoAdvice):
         return ms
-    run, stages, step_s = ms.run, ms.stages, ms.step_s
-    layers = [s.layers for s in stages]
-
-    def no(reason: str) -> NoAdvice:
-        return NoAdvice("pipeline_layout", run, reason)
-
-    if sum(layers) < len(layers) + 1:
-        return no(f"{sum(layers)} layers over {len(layers)} stages: every stage needs >= 1, nothing can move")
-    m = ms.microbatches
-    proposed, expected, gain = propose_layout(stages, m, step_s, min_gain)
-    evidence = run_evidence(ms)
-    if proposed == layers:
-        best = balance_layers(
-            sum(layers), [s.per_layer_s for s in stages], layers, [s.extra_layers for s in stages]
-        )
-        what = (
-            "the measured layout is already the best split"
-            if best == layers
-            else f"the best re-deal {best} would gain {gain * 100:.1f}% (< {min_gain * 100:.0f}%)"
-        )
-        return no(
-            f"stages are balanced: {what}; keep parallel.pipeline_layout={_list(layers)}. "
-            + " | ".join(evidence)
-        )
-    return Advice(
-        kind="pipeline_layout",
-        run=run,
-        current=layers,
-        proposed=proposed,
-        expected_gain=gain,
-        evidence=evidence,
-        overrides=[f"parallel.pipeline_layout={_list(proposed)}", "parallel.pipeline_layout_scheme=null"],
-        measured_step_s=step_s,
-        expected_step_s=expected,
-        placement=placement_note(stages, proposed),
-        stages=[
-            {**asdict(s), "per_layer_s": s.per_layer_s, "proposed_layers": n}
-            for s, n in zip(stages, proposed, strict=True)
-        ],
-    )
+    return layout_for([ms], min_gain)
 
 
 def _list(v: list[int]) -> str:
     return "[" + ",".join(str(n) for n in v) + "]"
 
 
-MBS_GROUP = ("sweep", "model", "layout", "global_batch_size", "seq_length", "world_size")
-"""Runs equal in these (and differing in micro_batch_size) are compared for the micro batch size."""
-
-
-def mbs_advice(
-    rows: dict[str, list[dict[str, Any]]], min_gain: float = MIN_GAIN, tolerance: float = MBS_TOLERANCE
-) -> list[Advice | NoAdvice]:
-    """Micro batch size advice per group of runs that differ only in it (``runs`` rows with a
-    throughput), judged with the ``excursions`` and ``throttle_slowdown`` rows."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for r in rows.get("runs", []):
-        if _f(r.get("samples_per_s")) and isinstance(r.get("micro_batch_size"), int):
-            groups.setdefault(tuple(r.get(k) for k in MBS_GROUP), []).append(r)
-    exc = {r["run"]: r for r in rows.get("excursions", [])}
-    thr: dict[str, list[float]] = {}
-    for r in rows.get("throttle_slowdown", []):
-        s = _f(r.get("throttle_any_limiting_share"))
-        if s is not None:
-            thr.setdefault(r["run"], []).append(s)
-    out: list[Advice | NoAdvice] = []
-    if not groups:
-        return [NoAdvice("micro_batch_size", "-", "no run has a measured throughput and a micro batch size")]
-    for key, runs in groups.items():
-        label = " ".join(f"{k}={v}" for k, v in zip(MBS_GROUP, key, strict=True) if v is not None)
-        sizes = sorted({r["micro_batch_size"] for r in runs})
-        if len(sizes) < 2:
-            out.append(
-                NoAdvice(
-                    "micro_batch_size",
-                    label,
-                    (
-                        f"one micro batch size measured ({sizes[0]}): compare sizes with a sweep, e.g. "
-                        "charllm train -m batch.micro_batch_size=1,2,4 ... (or +sweep=cpu_microbatch)"
-                    ),
-                )
-            )
-            continue
-        best: dict[int, dict[str, Any]] = {}
-        for r in runs:  # several runs of one size: the faster
-            if (
-                r["micro_batch_size"] not in best
-                or r["samples_per_s"] > best[r["micro_batch_size"]]["samples_per_s"]
-            ):
-                best[r["micro_batch_size"]] = r
-        top = max(r["samples_per_s"] for r in best.values())
-
-        def risk(r: dict[str, Any]) -> tuple[float, float, float]:
-            e = exc.get(r["run"], {})
-            return (
-                _f(e.get("time_above_limit_share")) or 0.0,
-                _f(e.get("peak_to_avg_p95")) or 0.0,
-                max(thr.get(r["run"], [0.0])),
-            )
-
-        near = [r for r in best.values() if r["samples_per_s"] >= top * (1 - tolerance)]
-        pick = min(near, key=lambda r: (*risk(r), -r["samples_per_s"]))
-        worst = min(best.values(), key=lambda r: r["samples_per_s"])
-        evidence = []
-        for mbs in sorted(best):
-            r = best[mbs]
-            a, p, t = risk(r)
-            evidence.append(
-                f"micro batch {mbs} ({r['run']}): {r['samples_per_s']:.3g} samples/s "
-                f"({(r['samples_per_s'] / top - 1) * 100:+.1f}% vs the best), power at/above the limit "
-                f"{a * 100:.1f}% of microbatch time, peak/avg p95 {p:.2f}, "
-                f"throttled {t * 100:.0f}% of step time"
-            )
-        if len(near) > 1:
-            evidence.append(
-                f"sizes within {tolerance * 100:.0f}% of the best throughput: "
-                f"{sorted(r['micro_batch_size'] for r in near)}; the one with the fewest "
-                "excursions and least throttling is proposed"
-            )
-        gain = pick["samples_per_s"] / worst["samples_per_s"] - 1
-        if gain < min_gain:
-            out.append(
-                NoAdvice(
-                    "micro_batch_size",
-                    label,
-                    (
-                        f"micro batch sizes {sorted(best)} are within {gain * 100:.1f}% in throughput "
-                        f"(< {min_gain * 100:.0f}%): any will do. " + " | ".join(evidence)
-                    ),
-                )
-            )
-            continue
-        out.append(
-            Advice(
-                kind="micro_batch_size",
-                run=pick["run"],
-                current=sorted(best),
-                proposed=pick["micro_batch_size"],
-                expected_gain=gain,
-                evidence=[*evidence, f"gain is against micro batch {worst['micro_batch_size']}"],
-                overrides=[f"batch.micro_batch_size={pick['micro_batch_size']}"],
-            )
-        )
-    return out
+# The micro batch size advice lives in its own module; imported here for the callers of old.
+from charllm_nemo.analysis.advise_mbs import MBS_GROUP as MBS_GROUP  # noqa: E402
+from charllm_nemo.analysis.advise_mbs import mbs_advice as mbs_advice  # noqa: E402

@@ -23,10 +23,13 @@ from charllm_nemo.analysis.advise import (
     MIN_STEPS,
     Advice,
     AdviceReport,
-    layout_advice,
-    mbs_advice,
+    Measured,
+    NoAdvice,
+    measure_run,
 )
-from charllm_nemo.analysis.advise_placement import placement_advice
+from charllm_nemo.analysis.advise_layout import layout_for
+from charllm_nemo.analysis.advise_mbs import mbs_advice
+from charllm_nemo.analysis.advise_placement import placement_for
 from charllm_nemo.telemetry.filecheck import printable
 
 if TYPE_CHECKING:
@@ -35,8 +38,15 @@ if TYPE_CHECKING:
 SECTIONS = ("model", "parallel", "optim", "batch", "data", "telemetry", "launch", "extra")
 """Config sections whose differing keys the re-run command carries."""
 
-SKIPPED = {"telemetry.out_dir", "telemetry.overwrite", "launch.dry_run", "launch.master_port"}
-"""Keys the re-run leaves to their defaults: a new run directory, a free port, a real run."""
+SKIPPED = {
+    "telemetry.out_dir", "telemetry.overwrite", "launch.dry_run", "launch.master_port", "launch.launcher",
+}  # fmt: skip
+"""Keys the re-run leaves to their defaults: a new run directory, a free port, a real run, and
+the local launcher: a sweep's ``launch.launcher=slurm`` outside an allocation exits 2, so the
+printed command runs here as pasted (inside an allocation add ``launcher=slurm``)."""
+
+REPEAT_KEYS = {"data.seed"}
+"""Keys in which repeats of one configuration may differ (besides :data:`SKIPPED`)."""
 
 PRESETS = ("model", "parallel", "optim")
 
@@ -139,14 +149,22 @@ def advise(
     if analysis.windows is not None:
         per = analysis.windows.group_by(["run", "rank"]).aggregate([("host", "min")])
         rows["hosts"] = [{"run": r["run"], "rank": r["rank"], "host": r["host_min"]} for r in per.to_pylist()]
+        rows["busy_steps"] = busy_steps(analysis.windows)
     report = AdviceReport(str(path), problems=list(analysis.problems))
     by_key = {r.key: r for r in analysis.runs}
+    configurations: dict[str, list[Measured]] = {}
     for info in rows.get("runs", []):
         run = by_key.get(info["run"])
         if run is None:  # a sweep gap (out of memory, failed): no figures
             continue
-        for advise_one in (layout_advice, placement_advice):
-            got = advise_one(info, run.summary, run.config, rows, min_gain, min_steps)
+        ms = measure_run(info, run.summary, run.config, rows, min_steps)
+        if isinstance(ms, NoAdvice):
+            report.no_advice += [ms, NoAdvice("rank_placement", ms.run, ms.reason)]
+        else:  # repeats of one configuration are advised on together
+            configurations.setdefault(configuration_key(run.config, ms), []).append(ms)
+    for group in configurations.values():
+        for advise_group in (layout_for, placement_for):
+            got = advise_group(group, min_gain)
             (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
     for got in mbs_advice(rows, min_gain, tolerance):
         (report.advice if isinstance(got, Advice) else report.no_advice).append(got)  # type: ignore[arg-type]
@@ -171,6 +189,45 @@ def advise(
             if problem:
                 report.problems.append(f"{a.run}: {problem}")
     return report
+
+
+def busy_steps(windows: Any) -> list[dict[str, Any]]:
+    """Each rank's forward + backward time per measured step (s): ``run``, ``rank``, ``step``,
+    ``busy_s`` rows from the analysis's window table (the step-to-step noise of a stage)."""
+    import pyarrow.compute as pc
+
+    keep = pc.and_(
+        pc.and_(
+            pc.equal(windows["kind"], "phase"), pc.is_in(windows["name"], pa_array(["forward", "backward"]))
+        ),
+        pc.fill_null(windows["measured"], False),
+    )
+    phases = windows.filter(keep)
+    if phases.num_rows == 0:
+        return []
+    per = phases.group_by(["run", "rank", "step"]).aggregate([("duration_s", "sum")])
+    return [
+        {"run": r["run"], "rank": r["rank"], "step": r["step"], "busy_s": r["duration_s_sum"]}
+        for r in per.to_pylist()
+    ]
+
+
+def pa_array(values: list[str]) -> Any:
+    import pyarrow as pa
+
+    return pa.array(values)
+
+
+def configuration_key(config: dict[str, Any], ms: Measured) -> str:
+    """What makes runs repeats of one configuration: their config (the sections the re-run
+    command carries, less :data:`SKIPPED` and :data:`REPEAT_KEYS`) and their measured layout;
+    a run without a config is its own configuration."""
+    if not config:
+        return f"run:{ms.run}"
+    flat = _flatten({k: v for k, v in config.items() if k in SECTIONS})
+    kept = {k: v for k, v in flat.items() if k not in SKIPPED | REPEAT_KEYS}
+    layout = [s.layers for s in ms.stages]
+    return json.dumps([kept, layout, ms.microbatches], sort_keys=True, default=str)
 
 
 def render(report: AdviceReport) -> str:

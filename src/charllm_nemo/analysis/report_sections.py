@@ -130,12 +130,15 @@ def compare_section(paths: list[str], table_html: TableHtml) -> str:
                     "interval_low": None if iv is None else iv[0],
                     "interval_high": None if iv is None else iv[1],
                     "verdict": f["verdict"],
+                    "why": f.get("reason"),
                 }
             )
     head = (
         f"<p>Baseline: {html.escape(result['baseline'])}; {int(result['confidence'] * 100)} % "
-        f"bootstrap intervals over steps ({result['resamples']} resamples); a verdict only where the "
-        "interval excludes zero (docs/compare-energy.md).</p>"
+        f"hierarchical bootstrap intervals (runs, then steps within runs; {result['resamples']} "
+        "resamples); a verdict only where the interval clears zero and the measurement's resolution, "
+        "time-like figures only with two or more runs a side, a figure that trends through a run "
+        "compared at equal time; otherwise the reason (docs/compare-energy.md).</p>"
     )
     problems = "".join(f'<div class="problem">{html.escape(p)}</div>' for p in result["problems"])
     return head + table_html(pa.Table.from_pylist(rows)) + problems
