@@ -15,11 +15,11 @@ from charllm_nemo.analysis.advise import (
     NoAdvice,
     Stage,
     balance_layers,
-    layout_advice,
-    mbs_advice,
     pipeline_time_s,
     propose_layout,
 )
+from charllm_nemo.analysis.advise_layout import layout_advice
+from charllm_nemo.analysis.advise_mbs import mbs_advice
 
 pytest.importorskip("duckdb")
 

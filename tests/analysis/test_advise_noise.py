@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from charllm_nemo.analysis.advise import Advice, Measured, NoAdvice, layout_advice, measure_run
-from charllm_nemo.analysis.advise_layout import layout_for
+from charllm_nemo.analysis.advise import Advice, Measured, NoAdvice, measure_run
+from charllm_nemo.analysis.advise_layout import layout_advice, layout_for
 from charllm_nemo.analysis.advise_stats import GainInterval, repeats_for_gain
 from tests.analysis.test_advise import _repeats, _rows, _summary
 

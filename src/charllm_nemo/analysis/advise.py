@@ -532,27 +532,5 @@ def stage_diagnosis(stages: list[Stage]) -> list[str]:
     return lines
 
 
-def layout_advice(
-    info: dict[str, Any],
-    summary: dict[str, Any],
-    config: dict[str, Any],
-    rows: dict[str, list[dict[str, Any]]],
-    min_gain: float = MIN_GAIN,
-    min_steps: int = MIN_STEPS,
-) -> Advice | NoAdvice:
-    """Layout advice for one run (``info``: its ``runs`` row), or why there is none."""
-    from charllm_nemo.analysis.advise_layout import layout_for
-
-    ms = measure_run(info, summary, config, rows, min_steps)
-    if isinstance(ms, NoAdvice):
-        return ms
-    return layout_for([ms], min_gain)
-
-
 def _list(v: list[int]) -> str:
     return "[" + ",".join(str(n) for n in v) + "]"
-
-
-# The micro batch size advice lives in its own module; imported here for the callers of old.
-from charllm_nemo.analysis.advise_mbs import MBS_GROUP as MBS_GROUP  # noqa: E402
-from charllm_nemo.analysis.advise_mbs import mbs_advice as mbs_advice  # noqa: E402

@@ -11,6 +11,7 @@ import numpy as np
 
 from charllm_nemo.analysis.advise import (
     MIN_GAIN,
+    MIN_STEPS,
     Advice,
     Measured,
     NoAdvice,
@@ -18,6 +19,7 @@ from charllm_nemo.analysis.advise import (
     _list,
     _work,
     layout_predictor,
+    measure_run,
     placement_note,
     propose_layout,
     run_evidence,
@@ -177,3 +179,18 @@ def steadiest(
     near = [c for c, g in scored.items() if g.point >= top.point - top.half_width]
     pick = min(near, key=lambda c: (moved(c), -scored[c].point, c))
     return list(pick), scored[pick]
+
+
+def layout_advice(
+    info: dict[str, Any],
+    summary: dict[str, Any],
+    config: dict[str, Any],
+    rows: dict[str, list[dict[str, Any]]],
+    min_gain: float = MIN_GAIN,
+    min_steps: int = MIN_STEPS,
+) -> Advice | NoAdvice:
+    """Layout advice for one run (``info``: its ``runs`` row), or why there is none."""
+    ms = measure_run(info, summary, config, rows, min_steps)
+    if isinstance(ms, NoAdvice):
+        return ms
+    return layout_for([ms], min_gain)
