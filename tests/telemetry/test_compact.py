@@ -142,6 +142,7 @@ def test_sigkill_at_any_point_of_a_compaction_loses_nothing(tmp_path: Path, kill
 def test_live_compaction_bounds_the_file_count(tmp_path: Path) -> None:
     st = RankStore(tmp_path, 0, {"rank": 0, "backend": "test"})
     st.segments.compact_every = 3
+    st.segments.compact_period_s = 0.0  # (by count alone here; by time: the test below)
     for k in range(7):
         st.write_segment("samples", rows_to_table(_rows(2, 100 * k), "test"))
     names = sorted(p.name for p in st.dir.glob("samples-*.parquet"))
@@ -170,3 +171,28 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "24 segment file(s) -> 4" in capsys.readouterr().out
     assert main(["compact", str(tmp_path / "nope")]) == 2
     assert json.loads((tmp_path / "rank=0" / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_live_compaction_makes_one_file_a_period_however_fast_segments_come(tmp_path: Path) -> None:
+    # Issue 48: windows flushed faster than every 0.5 s made a compacted file per 120 segments,
+    # more than 60 a rank-hour. Scaled down tenfold here (12 segments, 6 s, at most 48 waiting):
+    # segments twice as fast as the flush interval still make one file a period.
+    st = RankStore(tmp_path, 0, {"rank": 0, "backend": "test"})
+    w = st.segments
+    w.compact_every, w.compact_period_s, w.compact_max = 12, 6.0, 48
+    clock = [0.0]
+    w.clock = lambda: clock[0]
+    w._since = 0.0
+    for k in range(96):  # four periods, a segment every 0.25 s
+        clock[0] = (k + 1) * 0.25
+        st.write_segment("samples", rows_to_table(_rows(1, k), "test"))
+    compacted = sorted(p.name for p in st.dir.glob("samples-*-*.parquet"))
+    assert len(compacted) == 4  # one a period, not 8 (one per 12 segments)
+    # ... and never more than compact_max segments wait, however fast they come
+    w.compact_period_s = 1e9
+    for k in range(96, 96 + 49):
+        st.write_segment("samples", rows_to_table(_rows(1, k), "test"))
+    waiting = [p for p in st.dir.glob("samples-*.parquet") if p.name.count("-") == 1]
+    assert len(waiting) < 48 and len(list(st.dir.glob("samples-*-*.parquet"))) == 5
+    st.close("complete")
+    assert len(times(tmp_path)) == 96 + 49

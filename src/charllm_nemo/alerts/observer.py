@@ -13,6 +13,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +30,9 @@ ALERTS_FILE = "alerts.jsonl"
 """Rank 0's alerts, one JSON object per line, in the run directory (docs/store.md, docs/alerts.md)."""
 
 AlertHook = Callable[[dict[str, Any]], object]
+
+ALERTS_KEPT = 1000
+"""Alerts an observer keeps in memory (the last ones): its memory does not grow with the run."""
 
 QUEUE_STEPS = 256
 """Reports the alert thread may fall behind by before new ones are dropped (and counted)."""
@@ -59,7 +63,8 @@ class AlertObserver:
     queue put; None: no W&B). ``hooks``: functions called with each alert's dict (after
     ``cfg.hook``); one that raises is logged once and dropped. ``stream``: the console (default
     stderr). ``stages``: the run's pipeline layout (which ranks do the same work; None: no
-    pipeline, or not known). :attr:`alerts` keeps every alert raised.
+    pipeline, or not known). :attr:`alerts` keeps the last :data:`ALERTS_KEPT` alerts raised
+    (``alerts.jsonl`` has them all; the detector counts them: ``detector.raised``).
 
     Detection and delivery run on the thread ``charllm-alerts``, started at the first call: the
     detector's cost grows with the ranks (measured ~17 us a rank a step on a loaded 2-core VM:
@@ -85,7 +90,7 @@ class AlertObserver:
         self.sink = sink if cfg.wandb else None
         self.hooks: list[AlertHook] = ([load_hook(cfg.hook)] if cfg.hook else []) + list(hooks)
         self.stream = stream
-        self.alerts: list[dict[str, Any]] = []
+        self.alerts: deque[dict[str, Any]] = deque(maxlen=ALERTS_KEPT)  # a run of weeks: bounded
         self.dropped = 0
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=QUEUE_STEPS)
         self._thread: threading.Thread | None = None

@@ -28,7 +28,6 @@ API's (charllm_nemo.steps); this class only says where things begin and end.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -324,15 +323,18 @@ class _LoggedGradNorm:
 
 class _SummaryRows:
     """Rank 0's step reports, kept for ``summary.json`` (what ``charllm train`` writes when
-    training ends, docs/store.md; medians by train/report.py's :func:`run_summary`, the atomic
-    write by train/disk_full.py's :func:`write_summary`). An observer: the training thread only
-    appends the report; rows are made at the end."""
+    training ends, docs/store.md): the medians and the last reports in bounded memory
+    (charllm_nemo.steps.summary :class:`RunSummary`), the atomic write by its
+    :func:`write_summary`. An observer: the training thread only adds the report; rows are made
+    at the end."""
 
     def __init__(self, trainer: Any, pl_module: Any, placement: Any, device: str, megatron: bool) -> None:
         import time
 
+        from charllm_nemo.steps.summary import RunSummary
+
         self._t0 = time.monotonic()
-        self.reports: list[Any] = []
+        self.rows = RunSummary(int(placement.world_size))
         self.meta: dict[str, Any] = {
             "model": type(pl_module).__name__,
             "layout": {"world_size": int(placement.world_size), **dict(placement.labels)},
@@ -348,11 +350,7 @@ class _SummaryRows:
             self.meta["num_microbatches"] = n
 
     def on_step(self, report: Any) -> None:
-        # a shallow copy without every rank's vector (world_size x figures a step): the rows
-        # of summary.json are made at the end, not on the training thread
-        kept = copy.copy(report)
-        kept.rank_vectors = None
-        self.reports.append(kept)
+        self.rows.on_step(report)  # a copy without every rank's vectors; rows made at the end
 
     def close(self, status: str) -> None:
         pass  # written by the callback after the session closed (its status is final then)
@@ -361,16 +359,13 @@ class _SummaryRows:
         import time
         from pathlib import Path
 
-        from charllm_nemo.steps.summary import SUMMARY_FILE, run_summary, write_summary
+        from charllm_nemo.steps.summary import SUMMARY_FILE, write_summary
 
-        rows = [r.to_dict() for r in self.reports]
-        world = self.meta["world_size"]
         data = {
             "status": status,
             **self.meta,
             "wall_s": time.monotonic() - self._t0,
-            **run_summary(rows, world_size=world),
-            "per_step": rows,
+            **self.rows.summary(),
         }
         try:
             if write_summary(Path(run_dir) / SUMMARY_FILE, data) == "compact":

@@ -92,7 +92,7 @@ class StepsFile:
                     os.ftruncate(self._fd, self._size)
             log.error(
                 "cannot write %s (%s): per-step lines stop here, the %d before are whole; summary.json "
-                "gets them all if it can be written",
+                "gets the last 1,000 if it can be written",
                 self.path,
                 exc.strerror or exc,
                 self.lines,

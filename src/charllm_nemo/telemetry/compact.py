@@ -19,11 +19,11 @@ file and ignore every segment (or smaller compacted file) inside its range
 (:func:`charllm_nemo.telemetry.layout.scan_run` lists them as ``superseded``), and the next
 compaction removes them. Either way every row is read exactly once.
 
-Three callers: the store's writer compacts closed segments as a run goes
-(:data:`LIVE_EVERY` segments of a kind at a time, in the process that writes the store, never the
-training thread), the store compacts the whole rank folder when it closes, and
-``charllm compact RUN`` does it on demand (a run copied from an older version, or one killed
-before its close).
+Three callers: the store's writer compacts closed segments as a run goes (at least
+:data:`LIVE_EVERY` segments of a kind at a time, at most once a :data:`LIVE_PERIOD_S` unless
+:data:`LIVE_MAX` wait; in the process that writes the store, never the training thread), the
+store compacts the whole rank folder when it closes, and ``charllm compact RUN`` does it on
+demand (a run copied from an older version, or one killed before its close).
 """
 
 from __future__ import annotations
@@ -55,9 +55,19 @@ MAX_FILE_ROWS = 8_388_608
 is 2.9 M rows, so a day of one rank is a handful of files."""
 
 LIVE_EVERY = 120
-"""Closed segments of a kind the writer compacts at a time while a run goes (one minute at the
-0.5 s flush interval): a rank-hour is then at most 60 compacted files and 120 segments per
-kind, not 7,200, until the close compacts it into one."""
+"""Closed segments of a kind the writer compacts at the fewest while a run goes (one minute at
+the 0.5 s flush interval)."""
+
+LIVE_PERIOD_S = 60.0
+"""The writer compacts a kind at most once this often while fewer than :data:`LIVE_MAX` of its
+segments wait: a rank-hour is at most 60 compacted files per kind however often the store
+flushes (a windows flush comes early when more than 4,096 window records wait), not 7,200 (or
+more) segments, until the close compacts it into one."""
+
+LIVE_MAX = 4 * LIVE_EVERY
+"""Segments of a kind that never wait longer for compaction: the store holds at most this many
+uncompacted segments per kind; past 8 flushes a second (480 a minute) a rank-hour holds
+``segments an hour / 480`` compacted files per kind instead of 60 (docs/store.md)."""
 
 
 def compacted_name(kind: str, first: int, last: int) -> str:

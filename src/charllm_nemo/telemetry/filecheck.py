@@ -99,6 +99,8 @@ SUMMARY_SPEC: Spec = {
     "steps": ("int",),
     "steps_in_medians": ("int",),
     "per_step": ("list",),
+    "per_step_dropped": ("int",),
+    "medians": ("object",),
     **{f"{k}_median": _NUMBER_OR_NULL for k in median_fields()},
 }
 """``summary.json``'s fields (docs/store.md)."""

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from charllm_nemo.errors import DiskFull, StoreError
-from charllm_nemo.telemetry.compact import LIVE_EVERY, compact_files, compact_rank
+from charllm_nemo.telemetry.compact import LIVE_EVERY, LIVE_MAX, LIVE_PERIOD_S, compact_files, compact_rank
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
 from charllm_nemo.telemetry.windows import (
     NULL,
@@ -201,9 +201,17 @@ class SegmentWriter:
         self._lock = threading.Lock()
         self._compacted = dict(self._seq)  # per kind: the first segment number not compacted yet
         self.compact_every: int | None = LIVE_EVERY
-        """Compact every this many closed segments of a kind as the run goes (telemetry/compact.py;
-        None: never). Samples and windows only: driver-buffer segments are read back by a writer
-        that takes over, and are compacted at close."""
+        """Compact at least this many closed segments of a kind at a time as the run goes
+        (telemetry/compact.py; None: never). Samples and windows only: driver-buffer segments
+        are read back by a writer that takes over, and are compacted at close."""
+        self.compact_period_s = LIVE_PERIOD_S
+        """...and at most once this often (s) per kind, unless :attr:`compact_max` wait: the
+        compacted files per hour do not grow with the flush rate (a fast step rate flushes
+        windows early)."""
+        self.compact_max = LIVE_MAX
+        self.clock: Callable[[], float] = time.monotonic
+        self._compacted_at: dict[str, float] = {}  # per kind: when it was last compacted
+        self._since = self.clock()
 
     @classmethod
     def continuing(cls, folder: Path, counts: dict[str, Any]) -> SegmentWriter:
@@ -250,6 +258,12 @@ class SegmentWriter:
         first, nxt = self._compacted.get(kind, 0), self._seq[kind]
         if every is None or kind == "buffered" or nxt - first < every:
             return
+        now = self.clock()
+        if (
+            nxt - first < self.compact_max
+            and now - self._compacted_at.get(kind, self._since) < self.compact_period_s
+        ):
+            return  # segments come faster than one a 0.5 s: one file a period all the same
         paths = [self.dir / f"{kind}-{n:06d}.parquet" for n in range(first, nxt)]
         try:
             compact_files(self.dir, kind, [p for p in paths if p.exists()])
@@ -262,6 +276,7 @@ class SegmentWriter:
             )
             return
         self._compacted[kind] = nxt
+        self._compacted_at[kind] = now
 
     def _stop_writing(self, why: str) -> None:
         self.disk_full = why

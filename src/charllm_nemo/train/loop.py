@@ -25,12 +25,13 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from charllm_nemo.steps.summary import write_summary
+from charllm_nemo.steps.summary import RunSummary, write_summary
 from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull
@@ -41,22 +42,33 @@ from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 log = logging.getLogger("charllm_nemo.train")
 
 
+RESULT_STEPS_KEPT = 1000
+"""Steps whose loss, step times and gradient norm a :class:`RankResult` keeps (the last ones):
+a run of weeks holds the same memory as one of minutes (steps.jsonl has every step)."""
+
+
+def _ring() -> deque[Any]:
+    return deque(maxlen=RESULT_STEPS_KEPT)
+
+
 @dataclass
 class RankResult:
-    """What one rank ran. ``losses[i]`` is step i's loss over the global batch (None only if the
-    loss could not be reduced); ``step_times_s`` are max over ranks; ``summaries`` hold the
-    per-step reports (charllm_nemo.steps ``StepReport.to_dict()``), kept on
-    rank 0 only (empty elsewhere): it writes them to summary.json."""
+    """What one rank ran. ``losses[i]`` is the loss over the global batch of the i-th of the
+    last :data:`RESULT_STEPS_KEPT` steps (None only if the loss could not be reduced);
+    ``step_times_s`` are max over ranks (the same steps); ``steps`` counts them all.
+    ``summary`` (rank 0 only; None elsewhere) gathers summary.json's medians and its last
+    per-step reports (:class:`~charllm_nemo.steps.summary.RunSummary`, bounded);
+    :meth:`to_dict` gives its ``per_step`` rows as ``summaries`` (empty elsewhere)."""
 
     rank: int
     world_size: int
     device: str
     steps: int = 0
-    losses: list[float | None] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    local_step_times_s: list[float] = field(default_factory=list)
-    grad_norms: list[float | None] = field(default_factory=list)
-    summaries: list[dict[str, Any]] = field(default_factory=list)
+    losses: deque[float | None] = field(default_factory=_ring)
+    step_times_s: deque[float] = field(default_factory=_ring)
+    local_step_times_s: deque[float] = field(default_factory=_ring)
+    grad_norms: deque[float | None] = field(default_factory=_ring)
+    summary: RunSummary | None = None
     num_parameters: int = 0
     num_matrix_parameters: int = 0  # GEMM weights and embeddings (train/model.py ModelBundle)
     num_microbatches: int = 0
@@ -66,8 +78,21 @@ class RankResult:
     memory: dict[str, Any] | None = None  # every rank's peak and plan (train/plan.py memory_report)
     setup_s: dict[str, float] = field(default_factory=dict)  # init, telemetry, model (seconds)
 
+    def record(self, out: Any) -> None:
+        """A step ended on this rank (its StepOutcome: ``StepTelemetry.last``)."""
+        self.steps += 1
+        self.losses.append(out.loss)
+        self.grad_norms.append(out.grad_norm)
+        self.step_times_s.append(out.step_time_s)
+        self.local_step_times_s.append(out.local_step_time_s)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "summary"}
+        for name, value in out.items():
+            if isinstance(value, deque):
+                out[name] = list(value)
+        out["summaries"] = [] if self.summary is None else self.summary.per_step
+        return out
 
 
 def _loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
@@ -298,8 +323,6 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
     ends (``status``: complete, interrupted, terminated, failed; schema in docs/store.md)."""
     from dataclasses import asdict, is_dataclass
 
-    from charllm_nemo.train.report import run_summary
-
     out = Path(cfg.telemetry.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = {
@@ -315,8 +338,7 @@ def _write_summary(cfg: TrainConfig, layout: Any, result: RankResult, status: st
         "wall_s": result.wall_s,
         "setup_s": result.setup_s,
         "memory": result.memory,
-        **run_summary(result.summaries, world_size=result.world_size),
-        "per_step": result.summaries,
+        **(result.summary or RunSummary(result.world_size)).summary(),
     }
     if write_summary(out / SUMMARY_FILE, data) == "compact":
         log.error("the disk is full: summary.json written without its per-step rows (steps.jsonl has them)")
@@ -453,13 +475,8 @@ def _train(
         for step in range(b.train_steps):
             with profiler.step(step):  # telemetry.profile_steps: PyTorch profiler traces
                 train_step(st, step, bundle, forward_backward, data_iter, model, n_micro, cfg, reports_loss)
-            out = st.last
-            assert out is not None
-            result.steps += 1
-            result.losses.append(out.loss)
-            result.grad_norms.append(out.grad_norm)
-            result.step_times_s.append(out.step_time_s)
-            result.local_step_times_s.append(out.local_step_time_s)
+            assert st.last is not None
+            result.record(st.last)
             if disk is not None:  # every rank: telemetry's store; rank 0: steps.jsonl too
                 disk.check(session, steps_file, step)
         # The last steps' figures (one more gather each, within one bounded wait); the session
@@ -498,7 +515,6 @@ def _step_telemetry(
 
     from charllm_nemo.steps import (
         ConsoleObserver,
-        FunctionObserver,
         Observer,
         StepsFileObserver,
         StepTelemetry,
@@ -521,7 +537,8 @@ def _step_telemetry(
     )
     observers: list[Observer] = []
     if dist.rank == 0:
-        observers.append(FunctionObserver(lambda r: result.summaries.append(r.to_dict())))
+        result.summary = RunSummary(dist.world_size)  # summary.json's medians and last rows, bounded
+        observers.append(result.summary)
         observers.append(StepsFileObserver(Path(cfg.telemetry.out_dir) / STEPS_FILE))
         if print_steps:
             synthetic = getattr(session, "source", None) == "synthetic"
