@@ -20,13 +20,12 @@ import pyarrow.compute as pc
 from charllm_nemo.analysis.analyze import Analysis
 from charllm_nemo.analysis.report_sections import (
     ReportOptions,
-    advice_section,
     alerts_section,
     compare_section,
-    energy_section,
     figure_quality,
     figure_runs,
 )
+from charllm_nemo.analysis.report_tables import advice_tables, energy_tables
 from charllm_nemo.analysis.timeline_choice import choose_timelines, timelines_note
 from charllm_nemo.telemetry.layout import SIZE_CAPS, open_parquet
 from charllm_nemo.telemetry.write import write_text
@@ -175,8 +174,8 @@ def render(analysis: Analysis, pngs: list[Path], path: str = "", options: Report
         parts.append("<h2>Problems met while reading</h2>")
         parts += [f'<div class="problem">{html.escape(p)}</div>' for p in analysis.problems[:200]]
     parts.append("<h2>Alerts</h2>" + alerts_section(analysis, table_html))
-    parts.append("<h2>Advice</h2>" + advice_section(analysis, path))
-    parts.append("<h2>Energy</h2>" + energy_section(analysis, options))
+    parts.append("<h2>Advice</h2>" + advice_tables(analysis, path, table_html))
+    parts.append("<h2>Energy</h2>" + energy_tables(analysis, options.grid, options.pue, table_html))
     if options.compare:
         parts.append("<h2>Comparison</h2>" + compare_section(options.compare, table_html))
     choice = choose_timelines(analysis)
