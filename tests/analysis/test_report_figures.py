@@ -102,6 +102,8 @@ def test_timelines_go_to_the_runs_worth_one_and_the_others_are_listed_with_how_t
     # the run with alerts first, the hottest next: the first by name ("a") had one before
     assert list(choice.chosen) == ["sweep=s/run=zz_alerted", "sweep=s/run=hot"]
     assert "1 alert(s)" in choice.why("sweep=s/run=zz_alerted") and "hottest" in choice.why("sweep=s/run=hot")
+    # the lowest, not the highest: the hot run's clock is the lowest (constant_run: 1800 - 10 x temp)
+    assert "lowest average SM clock" in choice.why("sweep=s/run=hot")
     assert sorted(choice.left_out) == [f"sweep=s/run={k}" for k in "ab"]
     page_path = tmp_path / "report.html"
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "out"), "--html", str(page_path)]) == 0

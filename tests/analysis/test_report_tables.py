@@ -21,7 +21,10 @@ def test_advice_puts_the_verdict_first_and_folds_runs_without_advice_by_reason()
         + [{"kind": "placement", "run": "s/run=a", "reason": "one node"}],
         "problems": [],
     }  # fmt: skip
+    report["advice"].append({**report["advice"][0], "kind": "pipeline_layout", "current": [2, 2],
+                             "proposed": [3, 1]})  # fmt: skip
     advice, none = advice_rows(report)
+    assert advice[1]["advice"] == "pipeline_layout: [2,2] -> [3,1]"
     assert next(iter(advice[0])) == "advice" and advice[0]["advice"] == "micro_batch_size: 1 -> 4"
     assert (
         advice[0]["expected_gain_pct"] == 12.0

@@ -47,6 +47,13 @@ def _table(rows: list[dict[str, Any]], table_html: TableHtml) -> str:
     return table_html(pa.table(arrays))
 
 
+def _value(v: Any) -> str | None:
+    """A current / proposed value as the advice states it: a list as ``[3,1]``."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return None if v is None else str(v)
+
+
 def advice_rows(report: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(one row per piece of advice, the verdict first; one row per (kind, reason) of the runs
     given none, with how many and which) from ``AdviceReport.to_json()``."""
@@ -55,7 +62,7 @@ def advice_rows(report: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
         gain = a.get("expected_gain")
         advice.append(
             {
-                "advice": f"{a.get('kind')}: {_text(a.get('current'))} -> {_text(a.get('proposed'))}",
+                "advice": f"{a.get('kind')}: {_value(a.get('current'))} -> {_value(a.get('proposed'))}",
                 "expected_gain_pct": None if gain is None else 100.0 * float(gain),
                 "run": a.get("run"),
                 "measured_step_s": a.get("measured_step_s"),

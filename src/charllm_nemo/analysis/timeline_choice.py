@@ -92,9 +92,11 @@ def choose_timelines(analysis: Analysis, limit: int | None = None) -> TimelineCh
                 if isinstance(v, (int, float)) and v == v:
                     values[k] = float(v)
             if len(set(values.values())) > 1:  # an extreme only where the runs differ
-                pick = (max if highest else min)(
-                    values, key=lambda k: (values[k] if highest else -values[k], k)
-                )
+                # ties go to the first by name either way
+                if highest:
+                    pick = max(values, key=lambda k: (values[k], [-ord(c) for c in k]))
+                else:
+                    pick = min(values, key=lambda k: (values[k], k))
                 reasons[pick].append(why)
                 ranked.append(pick)
     ranked += sorted(keys)
