@@ -16,9 +16,7 @@ from charllm_nemo.analysis.analyze import Analysis
 from charllm_nemo.analysis.figures_run import excursions_figure, timeline_figure
 from charllm_nemo.analysis.figures_sweep import configs_figure, heatmaps_figure, save
 from charllm_nemo.analysis.kernels import CATEGORIES
-
-MAX_TIMELINES = 4
-"""Runs that get a timeline figure (the first ones in path order)."""
+from charllm_nemo.analysis.timeline_choice import choose_timelines
 
 PAPER_FIGURES: dict[str, tuple[str, str]] = {
     "configs": ("Fig. 4", "per configuration: throughput, energy per token, efficiency, GPU power, "
@@ -152,7 +150,8 @@ def _write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
         out += throttle_slowdown_figure(t["throttle_slowdown"], out_dir / "throttle_slowdown")
     if analysis.windows is not None:
         out += excursions_figure(analysis.windows, t["runs"], out_dir / "excursions")
-    for run in analysis.runs[:MAX_TIMELINES]:
+    chosen = choose_timelines(analysis).chosen  # by interest, not the first by name (issue #47)
+    for run in sorted((r for r in analysis.runs if r.key in chosen), key=lambda r: list(chosen).index(r.key)):
         out += timeline_figure(run, out_dir / f"timeline_{figure_slug(run.key)}")
     kt = analysis.tables.get("kernels")
     if kt is not None and kt.num_rows:

@@ -107,10 +107,16 @@ def timeline_figure(run: Run, stem: Path) -> list[Path]:
             ax.axvspan(b, e, ymin=0, ymax=0.05, color=MICROBATCH_COLOURS[k % 2], alpha=0.8, linewidth=0)
     for group in (list(axes[:, 0]), temp_axes, clock_axes):
         _same_range(group)  # a throttled rank's lower clock and higher temperature read as such
-    fig.legend(handles=timeline_legend(), loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.04), fontsize=8)
+    legend = fig.legend(
+        handles=timeline_legend(), loc="lower center", ncol=3, bbox_to_anchor=(0.5, 1.0), fontsize=8
+    )
     axes[-1, 0].set_xlabel("time (s)")
-    fig.suptitle(run.key, y=1.05, fontsize=10)
     fig.tight_layout()
+    # The title above the legend, placed from the legend's drawn extent (it sat at a fixed
+    # height that the legend, taller with more entries, covered: issue #47).
+    fig.canvas.draw()
+    top = legend.get_window_extent().transformed(fig.transFigure.inverted()).y1
+    fig.suptitle(run.key, y=top + 0.005, va="bottom", fontsize=10)
     return save(fig, stem)
 
 

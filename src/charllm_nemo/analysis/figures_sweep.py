@@ -123,12 +123,19 @@ def configurations(rows: list[dict[str, Any]], by_microbatch: bool) -> list[Conf
 
 def config_labels(configs: list[Config]) -> list[str]:
     """One label a configuration: the layout, then each :data:`LABEL_FIELDS` field in which its
-    model's configurations differ, then ``n=<repeats>`` when there are several."""
+    model's configurations differ (a gap's unknown field is no difference), then ``n=<runs>``
+    (``n=1`` included) unless it is a gap."""
     varies: dict[str, set[str]] = {}
     for c in configs:
         model = str(c.fields.get("model"))
         for name, _ in LABEL_FIELDS:
-            values = {str(d.fields.get(name)) for d in configs if str(d.fields.get("model")) == model}
+            # a field a gap's row cannot know (None) is no difference; a run's None is a value
+            values = {
+                str(v)
+                for d in configs
+                if str(d.fields.get("model")) == model
+                and ((v := d.fields.get(name)) is not None or not d.gap)
+            }
             if len(values) > 1:
                 varies.setdefault(model, set()).add(name)
     labels = []
@@ -138,10 +145,40 @@ def config_labels(configs: list[Config]) -> list[str]:
             if name in varies.get(str(c.fields.get("model")), set()):
                 v = c.fields.get(name)
                 parts.append("-" if v is None else fmt.format(v))
-        if len(c.runs) > 1:
+        if c.runs:  # n=1 too: a single run's bar has no spread, and must not look exact
             parts.append(f"n={len(c.runs)}")
         labels.append("\n".join(parts))
     return labels
+
+
+def bars_caption(configs: list[Config], by_microbatch: bool = False) -> str:
+    """The configuration figure's x-axis caption: what a bar is, and how many runs the bars hold
+    (each label's ``n=``; hatched: one run, no whisker)."""
+    counts = sorted({len(c.runs) for c in configs if c.runs})
+    ones = sum(1 for c in configs if len(c.runs) == 1)
+    if not counts:
+        held = "no runs"
+    elif len(counts) == 1:
+        held = f"{counts[0]} run" + ("s" if counts[0] > 1 else "")
+    else:
+        held = f"{counts[0]}-{counts[-1]} runs"
+    order = " (ordered by micro batch size)" if by_microbatch else ""
+    single = f"; hatched: a single run ({ones} of {len(configs)}), its spread unknown" if ones else ""
+    return (
+        f"configuration{order}; bars: median of the n runs under each label ({held} a bar), "
+        f"whiskers: min-max{single}"
+    )
+
+
+def _by_microbatch(rows: list[dict[str, Any]], normalise: bool) -> bool:
+    return normalise and len({r.get("micro_batch_size") for r in rows}) > 1
+
+
+def configs_caption(runs: pa.Table, normalise: bool = False) -> str:
+    """:func:`bars_caption` of the configuration figure drawn from ``runs`` (the report's)."""
+    rows = runs.to_pylist()
+    by_mb = _by_microbatch(rows, normalise)
+    return bars_caption(configurations(rows, by_mb), by_mb)
 
 
 def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[Path]:
@@ -153,7 +190,7 @@ def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[
     rows = runs.to_pylist()
     if not rows:
         return []
-    by_mb = normalise and len({r.get("micro_batch_size") for r in rows}) > 1
+    by_mb = _by_microbatch(rows, normalise)
     configs = configurations(rows, by_mb)
     n = len(configs)
     x = np.arange(n)
@@ -161,6 +198,7 @@ def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[
     fig, axes = plt.subplots(
         len(PANELS), 1, figsize=(max(6.0, 0.9 * n + 3), 2.0 * len(PANELS) + 1.2), sharex=True
     )
+    single = np.array([len(c.runs) == 1 for c in configs])
     for ax, (label, series) in zip(axes, PANELS, strict=True):
         width = 0.8 / len(series)
         for j, (col, name) in enumerate(series):
@@ -175,9 +213,18 @@ def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[
                     med[sel], lo[sel], hi[sel] = med[sel] / scale, lo[sel] / scale, hi[sel] / scale
             pos = x + (j - (len(series) - 1) / 2) * width
             colour = SERIES_COLOURS.get(name, "tab:green" if col == EFFICIENCY else "tab:purple")
-            err = np.vstack((med - lo, hi - med))
-            ax.bar(pos, med, width * 0.95, color=colour, label=name, yerr=np.where(np.isfinite(err), err, 0),
-                   capsize=3, error_kw={"elinewidth": 1})  # fmt: skip
+            # A single run has no spread: hatched and without a whisker (a zero-length one looks
+            # like repeats that agree; repeats on a loaded CPU varied up to 5 x).
+            bars = ax.bar(pos, med, width * 0.95, color=colour, label=name)
+            for bar, one in zip(bars, single, strict=True):
+                if one:
+                    bar.set_hatch("///")
+                    bar.set_edgecolor("white")
+            many = ~single & np.isfinite(med)
+            err = np.vstack((med - lo, hi - med))[:, many]
+            if many.any():
+                ax.errorbar(pos[many], med[many], yerr=np.where(np.isfinite(err), err, 0), fmt="none",
+                            ecolor="black", capsize=3, elinewidth=1)  # fmt: skip
         ax.set_ylabel(label + (" (norm.)" if normalise else ""), fontsize=8)
         ax.grid(True, axis="y", linestyle="--", alpha=0.5)
         if len(series) > 1:
@@ -196,11 +243,7 @@ def configs_figure(runs: pa.Table, stem: Path, normalise: bool = False) -> list[
     axes[-1].set_xticks(x)
     axes[-1].set_xticklabels(config_labels(configs), fontsize=7)
     axes[-1].set_xlim(-0.5, n - 0.5)
-    axes[-1].set_xlabel(
-        "configuration (ordered by micro batch size); bars: median of repeats, whiskers: min-max"
-        if by_mb
-        else "configuration; bars: median of repeats, whiskers: min-max"
-    )
+    axes[-1].set_xlabel(bars_caption(configs, by_mb), fontsize=8)
     fig.tight_layout()
     return save(fig, stem)
 

@@ -20,13 +20,13 @@ import pyarrow.compute as pc
 from charllm_nemo.analysis.analyze import Analysis
 from charllm_nemo.analysis.report_sections import (
     ReportOptions,
-    advice_section,
     alerts_section,
     compare_section,
-    energy_section,
     figure_quality,
     figure_runs,
 )
+from charllm_nemo.analysis.report_tables import advice_tables, energy_tables
+from charllm_nemo.analysis.timeline_choice import choose_timelines, timelines_note
 from charllm_nemo.telemetry.layout import SIZE_CAPS, open_parquet
 from charllm_nemo.telemetry.write import write_text
 
@@ -119,7 +119,7 @@ def caveats(analysis: Analysis) -> list[str]:
     return out
 
 
-def _img(path: Path, analysis: Analysis) -> str:
+def _img(path: Path, analysis: Analysis, chosen: dict[str, list[str]] | None = None) -> str:
     from charllm_nemo.analysis.figures import paper_figure
     from charllm_nemo.telemetry.layout import read_bounded
 
@@ -128,9 +128,35 @@ def _img(path: Path, analysis: Analysis) -> str:
     name = html.escape(path.stem)
     img = f'<img alt="{name}" src="data:image/png;base64,{data}">'
     paper = paper_figure(path.stem)
-    title = html.escape(f"{path.stem}: the paper's {paper[0]}, {paper[1]}" if paper else path.stem)
+    what = paper[1] if paper else ""
+    if path.stem.startswith("kernels_") and _kernel_source(analysis, path.stem) == "cpu_op":
+        what = what.replace("GPU time", "CPU time (CPU operator events: no GPU kernel was traced)")
+    title = html.escape(f"{path.stem}: the paper's {paper[0]}, {what}" if paper else path.stem)
     quality = html.escape(figure_quality(analysis, figure_runs(path.stem, analysis)))
-    return f"<figure>{img}<figcaption><b>{title}</b><br>{quality}</figcaption></figure>"
+    note = _figure_note(path.stem, analysis, chosen or {})
+    extra = f"<br>{html.escape(note)}" if note else ""
+    return f"<figure>{img}<figcaption><b>{title}</b><br>{quality}{extra}</figcaption></figure>"
+
+
+def _kernel_source(analysis: Analysis, stem: str) -> str | None:
+    """The kernels figure's event source for its run (``kernel`` / ``cpu_op``; None: unknown)."""
+    kt = analysis.tables.get("kernels")
+    runs = figure_runs(stem, analysis)
+    sources = {r["source"] for r in (kt.to_pylist() if kt is not None else []) if r["run"] in runs}
+    return sources.pop() if len(sources) == 1 else None
+
+
+def _figure_note(stem: str, analysis: Analysis, chosen: dict[str, list[str]]) -> str:
+    """What a figure's caption adds beyond its paper figure: how many runs each configuration
+    bar holds, why a run got its timeline."""
+    from charllm_nemo.analysis.figures_sweep import configs_caption
+
+    if stem in ("configs", "configs_normalised"):
+        return "Bars: " + configs_caption(analysis.tables["runs"], stem == "configs_normalised") + "."
+    if stem.startswith("timeline_"):
+        why = "; ".join(w for k in figure_runs(stem, analysis) for w in chosen.get(k, []))
+        return f"Drawn for: {why}." if why else ""
+    return ""
 
 
 def render(analysis: Analysis, pngs: list[Path], path: str = "", options: ReportOptions | None = None) -> str:
@@ -148,11 +174,14 @@ def render(analysis: Analysis, pngs: list[Path], path: str = "", options: Report
         parts.append("<h2>Problems met while reading</h2>")
         parts += [f'<div class="problem">{html.escape(p)}</div>' for p in analysis.problems[:200]]
     parts.append("<h2>Alerts</h2>" + alerts_section(analysis, table_html))
-    parts.append("<h2>Advice</h2>" + advice_section(analysis, path))
-    parts.append("<h2>Energy</h2>" + energy_section(analysis, options))
+    parts.append("<h2>Advice</h2>" + advice_tables(analysis, path, table_html))
+    parts.append("<h2>Energy</h2>" + energy_tables(analysis, options.grid, options.pue, table_html))
     if options.compare:
         parts.append("<h2>Comparison</h2>" + compare_section(options.compare, table_html))
-    parts.append("<h2>Figures</h2>" + "".join(_img(p, analysis) for p in pngs))
+    choice = choose_timelines(analysis)
+    note = timelines_note(choice, {r.key: str(r.path) for r in analysis.runs})
+    figures = "".join(_img(p, analysis, choice.chosen) for p in pngs)
+    parts.append(f"<h2>Figures</h2><p>{html.escape(note)}</p>{figures}")
     for name, table in analysis.tables.items():
         parts.append(f"<h2>Table: {html.escape(name)}</h2>{table_html(table)}")
     parts.append("<h2>Manifests</h2>")

@@ -1,6 +1,6 @@
-"""The report's sections beyond the tables: each run's alerts (``alerts.jsonl``), the advice
-(``charllm advise``), the energy report (``charllm energy``), the comparison of runs given with
-``--compare`` (``charllm compare``) and, under every figure, the data quality of what it draws.
+"""The report's sections beyond the tables: each run's alerts (``alerts.jsonl``), the comparison
+of runs given with ``--compare`` (``charllm compare``) and, under every figure, the data quality
+of what it draws (the advice and energy tables: :mod:`.report_tables`).
 
 Each function returns HTML with every string from a run directory escaped; the page itself is
 put together in :mod:`.report`."""
@@ -38,10 +38,6 @@ class ReportOptions:
     compare: list[str] = field(default_factory=list)
     grid: GridIntensity | None = None
     pue: float = 1.0
-
-
-def _pre(text: str) -> str:
-    return f"<pre>{html.escape(text)}</pre>"
 
 
 def _fits(value: Any) -> Any:
@@ -87,21 +83,6 @@ def alerts_section(analysis: Analysis, table_html: TableHtml) -> str:
         parts.append(table_html(pa.Table.from_pylist(rows, schema=schema)))
     parts += [f'<div class="problem">{html.escape(n)}</div>' for n in notes + problems[:50]]
     return "".join(parts)
-
-
-def advice_section(analysis: Analysis, path: str) -> str:
-    """``charllm advise``'s text for the analysed runs (layout, placement, micro batch size)."""
-    from charllm_nemo.analysis.advise_cmd import advise, render
-
-    return _pre(render(advise(path, analysis=analysis)))
-
-
-def energy_section(analysis: Analysis, options: ReportOptions) -> str:
-    """``charllm energy``'s text: energy to train with its uncertainty, carbon when a grid
-    intensity is given, MLPerf's power rules."""
-    from charllm_nemo.analysis.energy import energy_reports, render
-
-    return _pre(render(energy_reports(analysis, grid=options.grid, pue=options.pue)))
 
 
 def compare_section(paths: list[str], table_html: TableHtml) -> str:

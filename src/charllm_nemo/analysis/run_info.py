@@ -219,7 +219,14 @@ def gap_row(sweep: str, run: str, state: str, over: dict[str, str], problems: li
     layout_preset = _preset("layout", over.get("layout"), problems)
     sweep_preset = _preset("sweep", sweep, problems)
     model = over.get("model") or layout_preset.get("model") or sweep_preset.get("model")
-    parallel_name = over.get("parallel") or layout_preset.get("parallel") or sweep_preset.get("parallel")
+    # A sweep that names no parallelism runs train.yaml's default one (``parallel: single``,
+    # dp = the world size): without it the gap had no layout and was labelled by its path.
+    parallel_name = (
+        over.get("parallel")
+        or layout_preset.get("parallel")
+        or sweep_preset.get("parallel")
+        or _preset(".", "train", problems).get("parallel")
+    )
     par = _preset("parallel", parallel_name if isinstance(parallel_name, str) else None, problems)
     par.update(
         {k.split(".", 1)[1]: _int(v) for k, v in over.items() if k.startswith("parallel.") and _int(v)}
@@ -239,7 +246,7 @@ def gap_row(sweep: str, run: str, state: str, over: dict[str, str], problems: li
         "model": model if isinstance(model, str) else None,
         "layout": layout_label({**fields, "fsdp": bool(par.get("fsdp"))})
         if par
-        else (over.get("layout") or run),
+        else over.get("layout"),  # unknown: "?" in the figures, never the run's path
         **fields,
         "micro_batch_size": mb if mb is not None else batch.get("micro_batch_size"),
         "global_batch_size": _int(over.get("batch.global_batch_size")) or batch.get("global_batch_size"),

@@ -14,6 +14,12 @@ The model (defaults loosely follow an H200 SXM):
 * the die temperature follows power through a first-order thermal model
   ``T -> T_amb + R * P`` with time constant ``tau_s``; HBM follows with its own R and tau;
   above ``temp_limit_c`` the clock drops by ``thermal_clock_factor`` and ``sw_thermal`` is set;
+  at ``slowdown_c`` the clock is cut as far as it takes to hold the die there (the cut
+  ``g <= 1`` that makes ``T_amb + R * P`` equal ``slowdown_c``), down to ``min_clock_factor``;
+  where even that floor cannot hold it, ``hw_slowdown`` and ``hw_thermal`` are set, and at
+  ``shutdown_c`` the device shuts down: ``read()`` raises DeviceLost, and it never reports a
+  temperature above ``shutdown_c`` (docs/devices.md has the numbers: a device cooled 0.15 x
+  holds at 90 C, one cooled under ~0.095 x shuts down);
 * the energy counter integrates delivered power, published every ``energy_update_ms`` like
   real counters (so windows shorter than that need the power timeline, as on hardware);
 * PCIe traffic grows with activity, so the 64-bit counter path is exercised end to end.
@@ -28,7 +34,6 @@ sampling process, the marks cross over as one shared float64 (:class:`SharedActi
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,13 +43,19 @@ from typing import Any
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.devices.contract import METRIC_NAMES, THROTTLE_BITS, Reading
 from charllm_nemo.devices.factory import ProcessPlan
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.devices.synthetic_activity import CpuActivity, SharedActivity, _rss_bytes
+from charllm_nemo.errors import ConfigError, DeviceLost
 
 ActivitySpec = str | float | Callable[[int], float]
 Injection = tuple[str, float, float, int, float]
 """An injected throttle window: (``steps`` | ``seconds``, begin, end, reason bits, clock
 factor); devices/synthetic_config.py's ``injection_tuples`` makes them from the config."""
 _THERMAL_BITS = THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["sw_thermal"] | THROTTLE_BITS["hw_thermal"]
+_HW_THERMAL = THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["hw_thermal"]
+_MAX_SEGMENTS = 16
+"""Pieces one advance is cut into at the temperatures where the model changes (slowdown_c,
+shutdown_c): each crossing moves to a higher one, so a few are ever needed; the cap only bounds
+a pathological case (the rest of the interval is then left out of the integration)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,11 @@ class SyntheticParams:
     tau_hbm_s: float = 40.0
     temp_limit_c: float = 87.0
     thermal_clock_factor: float = 0.8
+    # An H100's own thresholds are of this order (nvidia-smi -q: "GPU Max Operating Temp" 87 C,
+    # "GPU Slowdown Temp", "GPU Shutdown Temp" a few degrees above it, all below 100 C).
+    slowdown_c: float = 90.0
+    min_clock_factor: float = 0.25
+    shutdown_c: float = 92.0
     clock_max_mhz: float = 1980.0
     clock_idle_mhz: float = 345.0
     clock_mem_mhz: float = 2619.0
@@ -201,72 +217,6 @@ class Slowdown:
         return self._last_s[_SLOWED[name]]
 
 
-class CpuActivity:
-    """CPU use since the last call, as a fraction of one core (0..1).
-
-    ``pid=None``: this process (``time.process_time_ns``, ns resolution, every call). ``pid=N``:
-    process N's user + system time from ``/proc/N/stat`` (the sampling process observing the
-    training process). Those count in clock ticks (10 ms), so the level is refreshed at most
-    every ``_PROC_REFRESH_NS`` and held in between; a process that is gone reads as idle.
-    """
-
-    def __init__(self, pid: int | None = None) -> None:
-        self._stat = None if pid is None else f"/proc/{pid}/stat"
-        self._last_cpu = 0
-        self._last_cpu = self._cpu_ns()
-        self._last_t = time.monotonic_ns()
-        self._level = 0.0
-
-    def _cpu_ns(self) -> int:
-        if self._stat is None:
-            return time.process_time_ns()
-        try:
-            with open(self._stat, "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            # after "(comm)": state is field 3, utime field 14 and stime field 15 (proc(5))
-            return (int(fields[11]) + int(fields[12])) * _TICK_NS
-        except (OSError, ValueError, IndexError):
-            return self._last_cpu  # gone or unreadable: no new CPU time, i.e. idle
-
-    def level(self, t_ns: int) -> float:
-        dt = t_ns - self._last_t
-        if dt <= 0 or (self._stat is not None and dt < _PROC_REFRESH_NS):
-            return self._level if self._stat is not None else 0.0
-        cpu = self._cpu_ns()
-        frac = (cpu - self._last_cpu) / dt
-        self._last_cpu, self._last_t = cpu, t_ns
-        self._level = min(1.0, max(0.0, frac))
-        return self._level
-
-
-class SharedActivity:
-    """Activity written by another process: the sampling process's side of window marks.
-
-    In process mode (``telemetry.sampler=process``) the window marks happen in the training
-    process and the synthetic device is read in the sampling process. The training process
-    writes ``MarkActivity.level()`` into one float64 of the shared block on every mark; this
-    reads it back through ``read_level()``. NaN means no mark has arrived yet: the level then
-    comes from ``fallback`` (``auto``: the training process's CPU use; ``marks``: idle). With
-    injected throttle windows the word is ``level + 2 * window`` (:meth:`MarkActivity.injected`).
-    """
-
-    def __init__(self, read_level: Callable[[], float], fallback: Callable[[int], float]) -> None:
-        self._read = read_level
-        self._fallback = fallback
-
-    def level(self, t_ns: int) -> float:
-        value = self._read()
-        if value != value:
-            return self._fallback(t_ns)
-        return value - 2.0 * (value // 2.0) if value > 1.0 else value
-
-    def injected(self, t_ns: int) -> int:
-        """The injected throttle window the training process published (1 + its index; 0:
-        none). The published word is ``level + 2 * window`` (level in [0, 1])."""
-        value = self._read()
-        return 0 if value != value or value <= 1.0 else int(value // 2.0)
-
-
 class SyntheticDevice:
     """One modelled accelerator. ``read()`` advances the model to now and reports it."""
 
@@ -299,7 +249,10 @@ class SyntheticDevice:
         )
         now = clock()
         self._t = now
-        self._temp = p.ambient_c + p.r_gpu_c_per_w * p.idle_w
+        # Idle's steady temperature, but no hotter than the limit: a device too poorly cooled
+        # for even its idle power heats to its shutdown during the run, not before it.
+        self._temp = min(p.ambient_c + p.r_gpu_c_per_w * p.idle_w, max(p.temp_limit_c, p.ambient_c))
+        self._shutdown: str | None = None  # why the device shut down (None: running)
         self._temp_hbm = p.ambient_c + p.r_hbm_c_per_w * p.idle_w
         self._power = p.idle_w
         self._power_avg = p.idle_w
@@ -351,21 +304,77 @@ class SyntheticDevice:
             reasons |= bits
             thermal_held |= bool(bits & _THERMAL_BITS)
             power_held |= bool(bits & ~_THERMAL_BITS)
+        if self._temp >= p.slowdown_c and power > p.idle_w:
+            # Harder throttling: the clock is cut to what holds the die at slowdown_c (its
+            # steady temperature there), down to min_clock_factor; past that, the hardware's
+            # own slowdown is on record and the die goes on heating towards shutdown_c.
+            hold_w = (p.slowdown_c - p.ambient_c) / p.r_gpu_c_per_w
+            if power > hold_w:
+                cut = ((max(hold_w, p.idle_w) - p.idle_w) / (power - p.idle_w)) ** (1.0 / 3.0)
+                if cut < p.min_clock_factor:
+                    cut = p.min_clock_factor
+                    reasons |= _HW_THERMAL
+                clock *= cut
+                power = p.idle_w + (power - p.idle_w) * cut**3
+                reasons |= THROTTLE_BITS["sw_thermal"]
+                thermal_held = True
         return power, clock, reasons, power_held, thermal_held
 
     def _advance(self, now: int) -> None:
         p = self.params
         dt_ns = now - self._t
-        if dt_ns <= 0:
+        if dt_ns <= 0 or self._shutdown is not None:
             return
-        dt = dt_ns / 1e9
         a = min(1.0, max(0.0, float(self._activity(now))))
         self._activity_level = a
-        power, clock, reasons, power_held, thermal_held = self._operating_point(a, now)
+        # The interval is cut where the die reaches slowdown_c (the hold starts there) or
+        # shutdown_c (the device stops there), found exactly from the first-order response, so
+        # no sampling interval, however long against tau, carries the die past either.
+        left = dt_ns
+        for _ in range(_MAX_SEGMENTS):
+            power, clock, reasons, power_held, thermal_held = self._operating_point(a, now)
+            t_inf = p.ambient_c + p.r_gpu_c_per_w * power
+            seg, reached = left, None
+            for mark in (p.slowdown_c, p.shutdown_c):
+                if self._temp < mark < t_inf:
+                    to_mark = int(1e9 * p.tau_gpu_s * math.log((t_inf - self._temp) / (t_inf - mark)))
+                    if to_mark < seg:
+                        seg, reached = to_mark, mark
+                    break
+            self._integrate(seg, power, a, power_held, thermal_held)
+            if reached is not None:
+                self._temp = reached
+            self._power, self._clock_sm, self._reasons = power, clock, reasons
+            left -= seg
+            if self._temp >= p.shutdown_c:
+                self._shutdown = self._shutdown_message(power)
+                break
+            if left <= 0:
+                break
+        if now >= self._next_energy_pub:
+            self._energy_pub_mj = int(self._energy_true_mj)
+            step_ns = int(p.energy_update_ms * 1e6)
+            self._next_energy_pub = now - (now - self._next_energy_pub) % step_ns + step_ns
+        self._t = now
+
+    def _shutdown_message(self, power: float) -> str:
+        p = self.params
+        return (
+            f"synthetic device {self.identity.index} shut down: its die reached its shutdown "
+            f"temperature {p.shutdown_c:g} C with the clock cut to its floor ({p.min_clock_factor:g} x): "
+            f"its cooling is too weak (thermal resistance {p.r_gpu_c_per_w:g} C/W) for even "
+            f"{power:.0f} W; raise it (telemetry.synthetic.devices.<rank>.cooling)"
+        )
+
+    def _integrate(self, dt_ns: int, power: float, a: float, power_held: bool, thermal_held: bool) -> None:
+        """``dt_ns`` at constant ``power`` and activity ``a``: temperatures, average power,
+        energy, violation time and PCIe counters."""
+        p = self.params
         if power_held:
             self._viol_power_ns += dt_ns
         if thermal_held:
             self._viol_thermal_ns += dt_ns
+        dt = dt_ns / 1e9
         # First-order thermal response, exact for piecewise-constant power.
         t_inf = p.ambient_c + p.r_gpu_c_per_w * power
         self._temp = t_inf + (self._temp - t_inf) * math.exp(-dt / p.tau_gpu_s)
@@ -374,16 +383,8 @@ class SyntheticDevice:
         alpha = 1.0 - math.exp(-dt / p.avg_window_s)
         self._power_avg += (power - self._power_avg) * alpha
         self._energy_true_mj += power * dt * 1e3
-        if now >= self._next_energy_pub:
-            self._energy_pub_mj = int(self._energy_true_mj)
-            step_ns = int(p.energy_update_ms * 1e6)
-            self._next_energy_pub = now - (now - self._next_energy_pub) % step_ns + step_ns
         self._pcie_tx += p.pcie_bytes_per_s_at_full * a * dt
         self._pcie_rx += 0.5 * p.pcie_bytes_per_s_at_full * a * dt
-        self._power = power
-        self._clock_sm = clock
-        self._reasons = reasons
-        self._t = now
 
     def advance_now(self) -> None:
         """Bring the model up to now (the training process's copy does this at every mark
@@ -395,12 +396,20 @@ class SyntheticDevice:
         """The SM clock at activity ``level``, now, as a fraction of the maximum clock (power
         cap, thermal limit and injected windows included): what :class:`Slowdown` runs at."""
         with self._lock:
+            if self._shutdown is not None:
+                return 0.0  # shut down: Slowdown adds nothing (its clock says nothing any more)
             now = self._clock()
             return self._operating_point(level, now)[1] / self.params.clock_max_mhz
 
     def read(self) -> Reading:
         with self._lock:
             self._advance(self._clock())
+            if self._shutdown is None and self._temp >= self.params.shutdown_c:
+                self._shutdown = self._shutdown_message(self._power)  # e.g. an ambient above it
+            if self._shutdown is not None:
+                # As a GPU that shut down falls off the bus: the sampler logs this once and
+                # stops sampling the device; nothing above shutdown_c is ever reported.
+                raise DeviceLost(self._shutdown)
             p = self.params
             return (
                 self._power,  # power_instant_w
@@ -424,27 +433,6 @@ class SyntheticDevice:
                 None,  # nvlink_tx_bytes
                 None,  # nvlink_rx_bytes
             )
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_TICK_NS = 1_000_000_000 // (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-_PROC_REFRESH_NS = 100_000_000  # /proc CPU times tick every 10 ms: average over >= 100 ms
-_RSS_REFRESH_NS = 200_000_000  # reading /proc costs ~20 us: refresh 5x a second, not per sample
-_rss_cache: dict[str, tuple[int, int | None]] = {}
-
-
-def _rss_bytes(statm: str = "/proc/self/statm") -> int | None:
-    now = time.monotonic_ns()
-    cached = _rss_cache.get(statm)
-    if cached is not None and now - cached[0] < _RSS_REFRESH_NS:
-        return cached[1]
-    try:
-        with open(statm, "rb") as f:
-            value: int | None = int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        value = None
-    _rss_cache[statm] = (now, value)
-    return value
 
 
 class SyntheticBackend:
