@@ -170,6 +170,29 @@ def test_no_hot_device_a_late_rank_with_no_host_reading_is_held_not_blamed():
     assert "the evidence cannot say why" in det.held_last and "rank 0 held its peers" in det.held_last
 
 
+def test_steps_the_host_decided_count_neither_for_nor_against_a_hot_rank():
+    # rank 1 is hot (its device costs it ~28 ms a step) and arrives last, except in the steps where
+    # the host holds rank 0 back far longer (run queue 300 ms): there rank 1 waits, and that says
+    # nothing of its device; it stays the straggler of 3 steps it held its peers
+    late = _rank(**HOT, fwd=0.042, bwd=0.07, opt=0.014, sync=0.001, run_delay=0.01)
+    peer = _rank(sync=0.037, run_delay=0.01)
+    hot_waits = _rank(**HOT, fwd=0.042, bwd=0.07, opt=0.014, sync=0.25, run_delay=0.01)
+    queued = _rank(fwd=0.35, sync=0.001, run_delay=0.3)
+    steps = [[peer, late], [peer, late], [queued, hot_waits], [peer, late], [queued, hot_waits], [peer, late]]
+    (s,) = _alerts(_detector(), steps, "straggler")
+    assert s["rank"] == 1 and s["step"] == 5 and s["timing"] == "held"
+    # without the host's readings the steps rank 1 waited reset it: no straggler
+    hot = dict(**HOT, fwd=0.042, bwd=0.07, opt=0.014)
+    plain = [[_rank(sync=0.037), _rank(**hot, sync=0.001)]] * 2
+    plain += [[_rank(fwd=0.35, sync=0.001), _rank(**hot, sync=0.25)]]
+    assert _alerts(_detector(), plain * 2, "straggler") == []
+    # and a straggler whose own times the host stretched says so
+    steps = [[_rank(sync=0.037, run_delay=0.0), _rank(**hot, sync=0.001, run_delay=0.02)]] * 4
+    (s,) = _alerts(_detector(), steps, "straggler")
+    assert "its host also held it: 20 ms more than its peers waiting for a CPU" in s["message"]
+    assert s["run_delay_beyond_peers_s"] == pytest.approx(0.02)
+
+
 def test_a_throttled_rank_measured_faster_than_its_peers_costs_the_clock_not_a_negative():
     # The throttle's onset step: the peers' compute held host noise; timing says -20 %
     det = _detector()

@@ -19,10 +19,16 @@ numbers:
 * :func:`host_verdict`: for a rank that held its peers with its device running like theirs,
   whether the host's CPUs were contended (steps/host.py: PSI, run-queue delay, steal), and the
   facts that say so; None when nothing shows it (the alert is then held, not guessed).
+* :func:`host_masks`: whether the host held a throttled rank's peers back longer than its
+  device cost it, so that the step's timing can show nothing either way (on a busy host the
+  run queue, hundreds of ms, decides who arrives last more than a clock 20 % low does).
+* :func:`throttle_cost`: a throttled rank's cost against the first baseline that exists, never
+  negative.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -163,6 +169,29 @@ def host_verdict(
     }
 
 
+def host_masks(
+    rank: int, peers: Sequence[int], timing: Sequence[Mapping[str, float]], lost_s: float, min_s: float
+) -> bool:
+    """Whether the host held ``rank``'s peers back (their median run-queue wait beyond its own,
+    at least ``min_s``) for at least half of what its device cost it this step (``lost_s``): then
+    the step's timing cannot show its device's loss, and counts neither for it nor against it."""
+    mine = finite(timing[rank].get("run_delay_s"))
+    theirs = [d for p in peers if (d := finite(timing[p].get("run_delay_s"))) is not None]
+    if mine is None or not theirs:
+        return False
+    beyond = statistics.median(theirs) - mine
+    return beyond >= min_s and beyond >= 0.5 * lost_s
+
+
+def run_delay_beyond_peers(
+    rank: int, peers: Sequence[int], timing: Sequence[Mapping[str, float]]
+) -> float | None:
+    """``rank``'s run-queue wait over its peers' median (s; None when not known)."""
+    mine = finite(timing[rank].get("run_delay_s"))
+    theirs = [d for p in peers if (d := finite(timing[p].get("run_delay_s"))) is not None]
+    return None if mine is None or not theirs else mine - statistics.median(theirs)
+
+
 def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -215,12 +244,13 @@ def host_alert(
     clock, temp = finite(f.get("clock_sm_avg_mhz")), finite(f.get("temp_gpu_peak_c"))
     peer_clock = _med([x for p in pf if (x := finite(p.get("clock_sm_avg_mhz"))) is not None])
     peer_temp = _med([x for p in pf if (x := finite(p.get("temp_gpu_peak_c"))) is not None])
+    base = v.unthrottled_clock(rank)
     device = []
-    if clock is not None and peer_clock is not None:
-        device.append(f"clock {clock:.0f} vs {peer_clock:.0f} MHz")
+    if clock is not None:
+        device.append(f"clock {clock:.0f} MHz" + ("" if base is None else f" vs the unthrottled {base:.0f}"))
     if temp is not None and peer_temp is not None:
-        device.append(f"{temp:.0f} vs {peer_temp:.0f} C")
-    device.append("no throttle reason beyond theirs")
+        device.append(f"{temp:.0f} C vs its peers' {peer_temp:.0f}")
+    device.append("no throttle reason beyond its peers'")
     said = facts.pop("said")
     return {
         "kind": "host_contention",
@@ -234,12 +264,61 @@ def host_alert(
         "timing": "held" if arr is not None and arr.last == rank else "over",
         **facts,
         "clock_sm_avg_mhz": clock,
+        "unthrottled_clock_mhz": base,
         "peers_clock_sm_avg_mhz": peer_clock,
         "temp_gpu_peak_c": temp,
         "peers_temp_gpu_peak_c": peer_temp,
         "message": (
             f"{det.where(rank)} held its peers at step {v.step} for {cfg.straggler_steps} steps ({how}) "
-            f"with its device like theirs ({', '.join(device)}): not the device; host CPU contention: "
-            + "; ".join(said)
+            f"with its device running unthrottled ({', '.join(device)}): not the device; host CPU "
+            "contention: " + "; ".join(said)
         ),
     }
+
+
+def throttle_cost(
+    comp: float | None,
+    cool: list[float],
+    base_comp: float | None,
+    base_steps: int,
+    loss: Mapping[str, Any] | None,
+    clock: float | None,
+) -> tuple[str | None, float | None, float | None, float | None, str, str | None]:
+    """A throttled rank's cost this step (docs/alerts.md, ``throttle_onset``): ``(baseline,
+    baseline_s, cost, lost_s, said, note)``. ``comp``: its compute (s); ``cool``: its
+    unthrottled peers' compute (empty where their phases hold waits for it); ``base_comp``: its
+    own median unthrottled compute over ``base_steps`` steps; ``loss``: its clock's loss
+    (AlertDetector._loss) and ``clock`` its clock (MHz). The first baseline that exists, in the
+    order peers, own steps, clock; a timing baseline that makes the cost negative (it measured
+    faster: that timing holds the others' waits or the host's noise, not its device) is set
+    aside for the clock, and ``note`` says why. Never a negative cost or loss."""
+    baseline = ref = cost = lost = note = None
+    if comp is not None and cool and statistics.median(cool) > 0:
+        baseline, ref = "same_stage_peers", statistics.median(cool)
+        said = f"its stage's {len(cool)} unthrottled rank(s)' median compute {ref:.3f} s"
+    elif comp is not None and base_comp:
+        baseline, ref = "own_unthrottled_steps", base_comp
+        said = f"its own median compute {ref:.3f} s over {base_steps} unthrottled steps"
+    else:
+        said = "no unthrottled baseline yet (no unthrottled peer, own step or clock)"
+    if ref is not None and comp is not None:
+        cost, lost = comp / ref - 1, comp - ref
+        if cost < 0:
+            note = (
+                f"measured {100 * -cost:.0f}% faster than {said}, which holds the other "
+                f"ranks' waits or the host's noise, not its device: cost from the clock instead"
+            )
+            baseline = ref = cost = lost = None
+    if baseline is None and comp is not None and loss is not None:
+        baseline = "unthrottled_clock"
+        cost, lost = max(0.0, loss["clock_excess"]), loss["lost_s"]
+        said = (
+            f"the unthrottled clock (its {clock or math.nan:.0f} MHz vs "
+            f"{loss['baseline_clock_mhz']:.0f} MHz, {loss['clock_baseline']})"
+        )
+        if loss["clock_excess"] < 0:
+            note = (note + "; " if note else "") + "its clock is not below the unthrottled ranks'"
+    elif baseline is None and note is not None:
+        said = "no clock baseline"
+        note += " (none known: no cost)"
+    return baseline, ref, cost, lost, said, note

@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charllm_nemo.alerts.config import AlertsConfig
-from charllm_nemo.alerts.culprit import Arrival, arrival, collective_wait, host_alert, timing_verdict
+from charllm_nemo.alerts.culprit import (
+    Arrival,
+    arrival,
+    collective_wait,
+    host_alert,
+    host_masks,
+    run_delay_beyond_peers,
+    throttle_cost,
+    timing_verdict,
+)
 from charllm_nemo.alerts.evidence import StepView, median_without
 from charllm_nemo.alerts.evidence import finite as _f
 from charllm_nemo.alerts.node_checks import power_alerts, sampler_alerts, thermal_alerts
@@ -279,35 +288,9 @@ class AlertDetector:
         # collective inside the phases: data parallel replicas, a pipeline stage's replicas).
         cool = [] if self.coupled else [c for c, p in same if not v.throttled[p]]
         loss = self._loss(rank, v)
-        baseline = ref = cost = lost = note = None
-        if comp is not None and cool and statistics.median(cool) > 0:
-            baseline, ref = "same_stage_peers", statistics.median(cool)
-            said = f"its stage's {len(cool)} unthrottled rank(s)' median compute {ref:.3f} s"
-        elif comp is not None and base_comp:
-            baseline, ref = "own_unthrottled_steps", base_comp
-            said = f"its own median compute {ref:.3f} s over {len(base)} unthrottled steps"
-        else:
-            said = "no unthrottled baseline yet (no unthrottled peer, own step or clock)"
-        if ref is not None and comp is not None:
-            cost, lost = comp / ref - 1, comp - ref
-            if cost < 0:  # measured faster: the timing holds others' waits or the host's noise
-                note = (
-                    f"measured {100 * -cost:.0f}% faster than {said}, which holds the other "
-                    f"ranks' waits or the host's noise, not its device: cost from the clock instead"
-                )
-                baseline = ref = cost = lost = None
-        if baseline is None and comp is not None and loss is not None:
-            baseline = "unthrottled_clock"
-            cost, lost = max(0.0, loss["clock_excess"]), loss["lost_s"]
-            said = (
-                f"the unthrottled clock (its {v.clock[rank]:.0f} MHz vs "
-                f"{loss['baseline_clock_mhz']:.0f} MHz, {loss['clock_baseline']})"
-            )
-            if loss["clock_excess"] < 0:
-                note = (note + "; " if note else "") + "its clock is not below the unthrottled ranks'"
-        elif baseline is None and note is not None:
-            said = "no clock baseline"
-            note += " (none known: no cost)"
+        baseline, ref, cost, lost, said, note = throttle_cost(
+            comp, cool, base_comp, len(base), loss, v.clock[rank]
+        )
         reasons = sorted(shares, key=lambda r: -shares[r])
         text = ", ".join(f"{r} {100 * shares[r]:.0f}%" for r in reasons)
         cost_text = "" if cost is None or lost is None else f" {_pct(cost)} ({_ms(max(0.0, lost))} lost)"
@@ -390,7 +373,7 @@ class AlertDetector:
         for rank in range(n):
             over: dict[str, dict[str, float]] = {}
             evidence = verdict = arr = None
-            culprit = False
+            culprit = masked = False
             g = v.group[rank]
             if len(v.members[g]) > 1:
                 for m, vs in values.items():
@@ -404,7 +387,10 @@ class AlertDetector:
                 verdict = timing_verdict(rank, arr, bool(over), self.coupled, cfg.straggler_threshold, floor)
                 evidence = device[rank]
                 if evidence is not None and verdict not in ("held", "over", "unmeasured"):
-                    evidence = None  # it waited for another, or nobody waited: throttled, not straggling
+                    # it waited for another, or nobody waited: throttled, not straggling; unless
+                    # the host held its peers back longer than its device cost it (no verdict)
+                    masked = host_masks(rank, v.peers(rank), timing, evidence["lost_s"], floor)
+                    evidence = None
                 # late with no device evidence of its own: the host, or held. Its phases over its
                 # peers' (no arrival seen) may be a slow peer's doing: only where none has evidence.
                 culprit = evidence is None and (
@@ -413,9 +399,11 @@ class AlertDetector:
             else:
                 evidence = self._evidence(rank, v)
             hit = evidence is not None
-            count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
+            if not masked:  # a step the host's noise decided counts neither way
+                self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
+            count = self._straggling.get(rank, 0)
             if count == cfg.straggler_steps and self.allow("straggler", rank, v.step):
-                out.append(self._straggler(v, rank, figs, over, evidence, verdict, arr))
+                out.append(self._straggler(v, rank, figs, over, evidence, verdict, arr, timing))
             held = self._culprit[rank] = self._culprit.get(rank, 0) + 1 if culprit else 0
             if held == cfg.straggler_steps:
                 alert = host_alert(self, v, rank, figs, timing, over, arr)
@@ -469,6 +457,7 @@ class AlertDetector:
         evidence: dict[str, Any] | None,
         verdict: str | None = None,
         arr: Arrival | None = None,
+        timing: Sequence[Mapping[str, float]] = (),
     ) -> dict[str, Any]:
         f = figs[rank]
         tel = self._telemetry(f)
@@ -493,6 +482,9 @@ class AlertDetector:
             why.append("throttled: " + ", ".join(f"{r} {100 * s:.0f}%" for r, s in shares.items()))
         if tel["temp_gpu_peak_c"] is not None and peer_temp is not None:
             why.append(f"{tel['temp_gpu_peak_c']:.0f} C vs peers' {peer_temp:.0f}")
+        host = run_delay_beyond_peers(rank, peers, timing) if timing else None
+        if host is not None and host >= self.cfg.straggler_min_s:  # its times hold this too
+            why.append(f"its host also held it: {_ms(host)} more than its peers waiting for a CPU")
         excess_work = v.excess_vs_work(rank)
         steps = self.cfg.straggler_steps
         held = None
@@ -587,6 +579,7 @@ class AlertDetector:
             "pp_wait_s": v.wait[rank],
             "peers_pp_wait_s": v.others_wait(rank),
             "timing": verdict,
+            "run_delay_beyond_peers_s": host,
             "arrived_last": None if arr is None else arr.last == rank,
             "held_peers_s": arr.held_s if arr is not None and arr.last == rank else None,
             "excess_vs_work": excess_work,
