@@ -155,7 +155,9 @@ def test_the_cool_rank_that_waits_is_never_named_and_a_busy_host_is_said_to_be()
     held_back = _rank(fwd=0.10, sync=0.001, run_delay=0.04, psi=0.1, load=3.0)
     hot_waiting = _rank(**HOT, fwd=0.035, sync=0.066, run_delay=0.002, psi=0.1)
     alerts = _alerts(_detector(), [[held_back, hot_waiting]] * 5)
-    assert not [a for a in alerts if a["kind"] == "straggler"], alerts
+    # the hot rank waits only because the host held rank 0 longer than its clock cost it: its
+    # device (sw_thermal, -24 % clock) names it; the cool rank is never a device straggler
+    assert [(a["rank"], a["timing"]) for a in alerts if a["kind"] == "straggler"] == [(1, "masked")]
     (h,) = [a for a in alerts if a["kind"] == "host_contention"]
     assert (h["rank"], h["cause"], h["step"], h["host"]) == (0, "host_cpu", 3, "node0")
     assert h["run_delay_s"] == 0.04 and h["held_s"] == pytest.approx(0.065)
@@ -170,17 +172,20 @@ def test_no_hot_device_a_late_rank_with_no_host_reading_is_held_not_blamed():
     assert "the evidence cannot say why" in det.held_last and "rank 0 held its peers" in det.held_last
 
 
-def test_steps_the_host_decided_count_neither_for_nor_against_a_hot_rank():
-    # rank 1 is hot (its device costs it ~28 ms a step) and arrives last, except in the steps where
-    # the host holds rank 0 back far longer (run queue 300 ms): there rank 1 waits, and that says
-    # nothing of its device; it stays the straggler of 3 steps it held its peers
+def test_in_steps_the_host_decided_the_hot_ranks_device_decides():
+    # rank 1 is hot (its device costs it ~28 ms a step) and arrives last, until the host holds
+    # rank 0 back far longer (run queue 300 ms): then rank 1 waits, which says nothing of its
+    # device; its device's evidence decides, as where no arrival can be seen
     late = _rank(**HOT, fwd=0.042, bwd=0.07, opt=0.014, sync=0.001, run_delay=0.01)
     peer = _rank(sync=0.037, run_delay=0.01)
     hot_waits = _rank(**HOT, fwd=0.042, bwd=0.07, opt=0.014, sync=0.25, run_delay=0.01)
     queued = _rank(fwd=0.35, sync=0.001, run_delay=0.3)
-    steps = [[peer, late], [peer, late], [queued, hot_waits], [peer, late], [queued, hot_waits], [peer, late]]
-    (s,) = _alerts(_detector(), steps, "straggler")
-    assert s["rank"] == 1 and s["step"] == 5 and s["timing"] == "held"
+    (s,) = _alerts(_detector(), [[peer, late]] * 2 + [[queued, hot_waits]] * 2, "straggler")
+    assert (s["rank"], s["step"], s["timing"], s["arrived_last"]) == (1, 3, "masked", False)
+    assert "who arrived last was the host's doing this step" in s["message"]
+    alerts = _alerts(_detector(), [[queued, hot_waits]] * 4)
+    named = {(a["kind"], a["rank"]) for a in alerts if a["kind"] in ("straggler", "host_contention")}
+    assert named == {("straggler", 1), ("host_contention", 0)}  # what held the group: rank 0's host
     # without the host's readings the steps rank 1 waited reset it: no straggler
     hot = dict(**HOT, fwd=0.042, bwd=0.07, opt=0.014)
     plain = [[_rank(sync=0.037), _rank(**hot, sync=0.001)]] * 2

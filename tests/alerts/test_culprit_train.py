@@ -67,7 +67,7 @@ def test_the_hot_rank_is_the_culprit_and_a_busy_host_is_no_device_straggler(tmp_
     if layout == "tp2":  # its peer waits for it inside the phases: its device's evidence decides
         assert s["timing"] == "unmeasured" and s["compared_with"] == "unthrottled_clock"
     else:  # it arrives last at the gradient all-reduce, or its phases are over its peer's
-        assert s["timing"] in ("held", "over", "unmeasured"), s
+        assert s["timing"] in ("held", "over", "masked"), s  # masked: the host decided the step
     for a in alerts:
         assert all(v >= 0 for v in _costs(a).values()), a  # no negative cost anywhere
         if a["kind"] == "host_contention":  # said as the host's, with what showed it

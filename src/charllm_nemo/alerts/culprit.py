@@ -20,8 +20,9 @@ numbers:
   whether the host's CPUs were contended (steps/host.py: PSI, run-queue delay, steal), and the
   facts that say so; None when nothing shows it (the alert is then held, not guessed).
 * :func:`host_masks`: whether the host held a throttled rank's peers back longer than its
-  device cost it, so that the step's timing can show nothing either way (on a busy host the
-  run queue, hundreds of ms, decides who arrives last more than a clock 20 % low does).
+  device cost it, so that the step's timing can show nothing either way and the device's
+  evidence decides (on a busy host the run queue, hundreds of ms, decides who arrives last
+  more than a clock 20 % low does).
 * :func:`throttle_cost`: a throttled rank's cost against the first baseline that exists, never
   negative.
 """
@@ -37,7 +38,8 @@ from typing import Any
 from charllm_nemo.alerts.evidence import finite
 
 VERDICTS: tuple[str, ...] = ("held", "waited", "over", "unmeasured", "none")
-"""What :func:`timing_verdict` may say of a rank."""
+"""What :func:`timing_verdict` may say of a rank (the detector adds ``masked``: a step whose
+arrival the host decided, :func:`host_masks`)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def host_masks(
 ) -> bool:
     """Whether the host held ``rank``'s peers back (their median run-queue wait beyond its own,
     at least ``min_s``) for at least half of what its device cost it this step (``lost_s``): then
-    the step's timing cannot show its device's loss, and counts neither for it nor against it."""
+    the step's timing cannot show its device's loss, and its device's evidence decides alone."""
     mine = finite(timing[rank].get("run_delay_s"))
     theirs = [d for p in peers if (d := finite(timing[p].get("run_delay_s"))) is not None]
     if mine is None or not theirs:

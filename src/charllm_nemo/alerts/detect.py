@@ -373,7 +373,7 @@ class AlertDetector:
         for rank in range(n):
             over: dict[str, dict[str, float]] = {}
             evidence = verdict = arr = None
-            culprit = masked = False
+            culprit = False
             g = v.group[rank]
             if len(v.members[g]) > 1:
                 for m, vs in values.items():
@@ -388,9 +388,12 @@ class AlertDetector:
                 evidence = device[rank]
                 if evidence is not None and verdict not in ("held", "over", "unmeasured"):
                     # it waited for another, or nobody waited: throttled, not straggling; unless
-                    # the host held its peers back longer than its device cost it (no verdict)
-                    masked = host_masks(rank, v.peers(rank), timing, evidence["lost_s"], floor)
-                    evidence = None
+                    # the host held its peers back longer than its device cost it: then timing
+                    # can show nothing, and its device's evidence decides (as where unmeasured)
+                    if host_masks(rank, v.peers(rank), timing, evidence["lost_s"], floor):
+                        verdict = "masked"
+                    else:
+                        evidence = None
                 # late with no device evidence of its own: the host, or held. Its phases over its
                 # peers' (no arrival seen) may be a slow peer's doing: only where none has evidence.
                 culprit = evidence is None and (
@@ -399,9 +402,7 @@ class AlertDetector:
             else:
                 evidence = self._evidence(rank, v)
             hit = evidence is not None
-            if not masked:  # a step the host's noise decided counts neither way
-                self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
-            count = self._straggling.get(rank, 0)
+            count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
             if count == cfg.straggler_steps and self.allow("straggler", rank, v.step):
                 out.append(self._straggler(v, rank, figs, over, evidence, verdict, arr, timing))
             held = self._culprit[rank] = self._culprit.get(rank, 0) + 1 if culprit else 0
@@ -482,6 +483,11 @@ class AlertDetector:
             why.append("throttled: " + ", ".join(f"{r} {100 * s:.0f}%" for r, s in shares.items()))
         if tel["temp_gpu_peak_c"] is not None and peer_temp is not None:
             why.append(f"{tel['temp_gpu_peak_c']:.0f} C vs peers' {peer_temp:.0f}")
+        if verdict == "masked":
+            why.append(
+                "who arrived last was the host's doing this step (its peers waited longer for a CPU "
+                "than its clock cost it): its device's evidence decides"
+            )
         host = run_delay_beyond_peers(rank, peers, timing) if timing else None
         if host is not None and host >= self.cfg.straggler_min_s:  # its times hold this too
             why.append(f"its host also held it: {_ms(host)} more than its peers waiting for a CPU")
@@ -521,13 +527,18 @@ class AlertDetector:
                 self._median(others),
                 arr.held_excess,
             )
-        elif verdict == "unmeasured" and evidence is not None:
+        elif verdict in ("unmeasured", "masked") and evidence is not None:
             comp = v.compute[rank] or 0.0
             head = (
                 f"compute {comp:.4f} s a step at a clock that makes it "
                 f"{100 * evidence['clock_excess']:+.0f}% over the same work at the unthrottled clock, "
-                f"for {steps} steps; its peers wait for it "
-                f"inside the phases (collectives of tensor / expert parallel layers, not marked)"
+                f"for {steps} steps"
+                + (
+                    "; its peers wait for it inside the phases (collectives of tensor / expert "
+                    "parallel layers, not marked)"
+                    if verdict == "unmeasured"
+                    else ""
+                )
             )
             compared, metric, value, med, excess = (
                 "unthrottled_clock",
