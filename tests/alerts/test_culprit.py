@@ -95,6 +95,9 @@ def test_what_the_timing_says_of_each_rank():
     # no verdict from the marks: the phases, unless the layout puts collectives inside them
     assert timing_verdict(0, None, True, False, 0.15, 0.002) == "over"
     assert timing_verdict(0, None, True, True, 0.15, 0.002) == "unmeasured"
+    # collectives inside the phases: the ranks met there; who was last at the gradient all-reduce
+    # after them is noise
+    assert timing_verdict(1, arr, False, True, 0.15, 0.002) == "unmeasured"
     assert timing_verdict(0, None, False, False, 0.15, 0.002) == "none"
 
 

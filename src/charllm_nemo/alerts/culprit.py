@@ -13,9 +13,8 @@ numbers:
   it. No verdict when the waits are unknown or equal within the noise (collectives inside the
   phases, as tensor and expert parallel layers have them, are not marked).
 * :func:`timing_verdict`: what the timing says of one rank: it ``held`` its peers, it ``waited``
-  for another, its compute is ``over`` its peers' (only where the waits give no verdict and the
-  layout puts no collective inside the phases), the collectives are ``unmeasured`` (inside the
-  phases), or ``none``.
+  for another, its compute is ``over`` its peers' (only where the waits give no verdict), or
+  ``none``; where the layout puts collectives inside the phases, always ``unmeasured``.
 * :func:`host_verdict`: for a rank that held its peers with its device running like theirs,
   whether the host's CPUs were contended (steps/host.py: PSI, run-queue delay, steal), and the
   facts that say so; None when nothing shows it (the alert is then held, not guessed).
@@ -110,14 +109,16 @@ def timing_verdict(
     """What one step's timing says of ``rank`` (one of :data:`VERDICTS`). ``arr``: its group's
     :func:`arrival`; ``over``: its compute or a phase exceeds its peers' median by ``threshold``
     and ``min_s``; ``coupled``: the layout has collectives inside the phases (tensor, expert or
-    context parallel), where phase times hold the waits and say nothing of who was late."""
+    context parallel), where phase times hold the waits and say nothing of who was late, and
+    the marked collectives' arrival says only who finished the tail after the last collective
+    inside the phases (the ranks met there): nothing either."""
+    if coupled:
+        return "unmeasured"
     if arr is not None:
         if rank == arr.last:
             return "held" if arr.held_s >= min_s and arr.held_excess >= threshold else "none"
         waited, comp = arr.waited_s(rank), arr.compute.get(rank)
         return "waited" if waited >= min_s and comp and waited >= threshold * comp else "none"
-    if coupled:
-        return "unmeasured"
     return "over" if over else "none"
 
 
