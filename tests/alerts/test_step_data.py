@@ -4,6 +4,7 @@ static facts once."""
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 
@@ -115,3 +116,18 @@ def test_the_sampler_health_travels_with_phase_times():
     assert reports and reports[0].per_rank_health == [
         {"sampler_deadlines_missed": 7.0, "sampler_nulls": 2.0, "sampler_stopped": 0.0}
     ]
+
+
+def test_each_rank_sends_its_hosts_cpu_pressure_with_phase_times():
+    # issue #41: host contention is told from a slow device by these (steps/host.py)
+    reports, _ = _run(True, False)
+    for r in reports:
+        (t,) = r.per_rank_timing
+        if os.path.exists("/proc/self/schedstat"):  # Linux with schedstats: the run queue, s
+            assert 0.0 <= t["run_delay_s"] < 10
+        if os.path.exists("/proc/pressure/cpu"):
+            assert 0.0 <= t["cpu_pressure_s"] < 10
+        assert math.isnan(t["load_1m"]) or t["load_1m"] >= 0
+    reports, _ = _run(False, False, steps=2)
+    (t,) = reports[0].per_rank_timing
+    assert math.isnan(t["run_delay_s"]) and math.isnan(t["cpu_pressure_s"])  # not read without alerts

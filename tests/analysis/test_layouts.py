@@ -47,6 +47,19 @@ def test_a_hot_data_parallel_rank_shows_by_its_clock_and_its_compute_time(tmp_pa
     assert rows[0]["slowdown_vs_fastest"] == pytest.approx(0.0)
 
 
+def test_the_cool_replica_held_back_by_its_host_gets_no_slowdown(tmp_path: Path) -> None:
+    # Issue #41: rank 0 (cool, 2000 MHz) was held back by its host's CPUs (its forward and
+    # backward 2.74x its replica's), rank 1 is hot (1800 MHz). Compute time alone gave the cool
+    # rank +174 %; its device runs at its replicas' highest clock, so its slowdown is 0, as the
+    # alerts say (host contention, not its device); the time as measured stays in busy_vs_dp_peers.
+    phased_run(tmp_path / "run", DP2, clocks=[2000.0, 1800.0], busy_scale=[2.74, 1.0])
+    rows = _rows(analyze(tmp_path / "run").tables["throttle_slowdown"])
+    assert rows[0]["busy_vs_dp_peers"] == pytest.approx(1.74)
+    assert rows[0]["slowdown_vs_dp_peers"] == 0.0 and rows[0]["slowdown_vs_fastest"] == pytest.approx(0.0)
+    assert rows[1]["slowdown_vs_dp_peers"] == pytest.approx(0.0)  # the fastest busy time of the two
+    assert rows[1]["slowdown_vs_fastest"] == pytest.approx(2000 / 1800 - 1)
+
+
 def test_without_clock_readings_the_data_parallel_replicas_are_the_baseline(tmp_path: Path) -> None:
     phased_run(tmp_path / "run", DP2, clocks=[float("nan")] * 2, busy_scale=[1.0, 1.63])
     rows = _rows(analyze(tmp_path / "run").tables["throttle_slowdown"])

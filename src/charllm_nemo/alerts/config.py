@@ -41,6 +41,7 @@ class AlertsConfig:
     straggler_steps: int = 3  # ... for this many steps in a row
     straggler_min_s: float = 0.002  # ... and by at least this many seconds
     warmup_steps: int = 2  # steps not judged for stragglers (first-step compiles, caches)
+    host_pressure: float = 0.1  # share of a step the host's CPUs held a rank that says host contention
     # thermal imbalance (per node), power
     thermal_imbalance_c: float = 15.0  # hottest minus coolest rank of a node
     power_over_limit: float = 0.05  # a rank's average power above its limit by this share
@@ -74,6 +75,7 @@ def alerts_problems(cfg: AlertsConfig) -> list[str]:
         ("throttle_min_share", 0.0, 1.0),
         ("straggler_threshold", 0.0, 10.0),
         ("straggler_min_s", 0.0, 3600.0),
+        ("host_pressure", 0.0, 1.0),
         ("thermal_imbalance_c", 0.0, 200.0),
         ("power_over_limit", 0.0, 10.0),
     ):

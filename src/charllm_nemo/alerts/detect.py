@@ -22,6 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charllm_nemo.alerts.config import AlertsConfig
+from charllm_nemo.alerts.culprit import (
+    Arrival,
+    arrival,
+    collective_wait,
+    host_alert,
+    host_masks,
+    run_delay_beyond_peers,
+    throttle_cost,
+    timing_verdict,
+)
 from charllm_nemo.alerts.evidence import StepView, median_without
 from charllm_nemo.alerts.evidence import finite as _f
 from charllm_nemo.alerts.node_checks import power_alerts, sampler_alerts, thermal_alerts
@@ -34,6 +44,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "thermal_imbalance",
     "power_over_limit",
     "sampler_health",
+    "host_contention",
 )
 """Every ``kind`` an alert may have (docs/alerts.md)."""
 
@@ -76,12 +87,21 @@ class AlertDetector:
     ``set_rank_info(infos)`` gives the ranks' static facts (index = rank; a ``pp_stage`` there
     is each rank's stage where ``stages`` is not given). ``stages``: the run's pipeline layout
     (None: no pipeline, or one whose stages are not known: then, once the ranks report pipeline
-    waits, no rank is compared with another by time alone). ``suppressed`` counts the alerts the
-    rate limit held back."""
+    waits, no rank is compared with another by time alone). ``collectives_in_phases``: the
+    layout has collectives inside the forward and backward phases (tensor, expert or context
+    parallel), so a rank's phase times hold its waits for its peers and are compared with no
+    one's. ``suppressed`` counts the alerts the rate limit held back; ``held`` the straggler
+    verdicts the evidence could not decide (``held_last`` says the last one's why)."""
 
-    def __init__(self, cfg: AlertsConfig, stages: StageLayout | None = None) -> None:
+    def __init__(
+        self, cfg: AlertsConfig, stages: StageLayout | None = None, *, collectives_in_phases: bool = False
+    ) -> None:
         self.cfg = cfg
         self.stages = stages
+        self.coupled = collectives_in_phases
+        self.held = 0  # straggler verdicts held: timing alone, the device alike, no host contention seen
+        self.held_last: str | None = None
+        self._culprit: dict[int, int] = {}  # per rank, steps in a row it held its peers, device alike
         self.infos: list[Mapping[str, Any]] = []
         self._episodes: dict[int, _Episode] = {}
         self._baseline: dict[int, deque[tuple[float, float | None]]] = {}
@@ -264,32 +284,19 @@ class AlertDetector:
         same = [(c, p) for p in v.peers(rank) if (c := v.compute[p]) is not None]
         fastest = min(same, default=None)  # the fastest rank doing the same work
         vs_fastest = comp / fastest[0] - 1 if comp is not None and fastest and fastest[0] > 0 else None
-        cool = [c for c, p in same if not v.throttled[p]]
+        # Peers' compute is a baseline only where their phases hold no wait for this rank (no
+        # collective inside the phases: data parallel replicas, a pipeline stage's replicas).
+        cool = [] if self.coupled else [c for c, p in same if not v.throttled[p]]
         loss = self._loss(rank, v)
-        baseline = ref = cost = lost = None
-        if comp is not None and cool and statistics.median(cool) > 0:
-            baseline, ref = "same_stage_peers", statistics.median(cool)
-            said = f"its stage's {len(cool)} unthrottled rank(s)' median compute {ref:.3f} s"
-        elif comp is not None and base_comp:
-            baseline, ref = "own_unthrottled_steps", base_comp
-            said = f"its own median compute {ref:.3f} s over {len(base)} unthrottled steps"
-        elif comp is not None and loss is not None:
-            baseline = "unthrottled_clock"
-            cost, lost = loss["clock_excess"], loss["lost_s"]
-            said = (
-                f"the unthrottled clock (its {v.clock[rank]:.0f} MHz vs "
-                f"{loss['baseline_clock_mhz']:.0f} MHz, {loss['clock_baseline']})"
-            )
-        else:
-            said = "no unthrottled baseline yet (no unthrottled peer, own step or clock)"
-        if ref is not None and comp is not None:
-            cost, lost = comp / ref - 1, comp - ref
+        baseline, ref, cost, lost, said, note = throttle_cost(
+            comp, cool, base_comp, len(base), loss, v.clock[rank]
+        )
         reasons = sorted(shares, key=lambda r: -shares[r])
         text = ", ".join(f"{r} {100 * shares[r]:.0f}%" for r in reasons)
         cost_text = "" if cost is None or lost is None else f" {_pct(cost)} ({_ms(max(0.0, lost))} lost)"
         message = (
             f"{self.where(rank)} throttled at step {step}: {text} of the step; compute "
-            f"{comp or math.nan:.3f} s{cost_text} against {said}"
+            f"{comp or math.nan:.3f} s{cost_text} against {said}" + (f" ({note})" if note else "")
         )
         return {
             "kind": "throttle_onset",
@@ -303,6 +310,7 @@ class AlertDetector:
             "baseline_s": ref,
             "cost": cost,
             "lost_s": lost,
+            "cost_note": note,
             "baseline_clock_mhz": None if loss is None else loss["baseline_clock_mhz"],
             "clock_baseline": None if loss is None else loss["clock_baseline"],
             "cost_vs_clock": None if loss is None else loss["clock_excess"],
@@ -340,8 +348,11 @@ class AlertDetector:
     def _stragglers(
         self, v: StepView, figs: list[dict[str, float]], timing: list[dict[str, float]]
     ) -> list[dict[str, Any]]:
-        """Ranks with peers (the same stage) are judged on time against them; a rank alone in
-        its stage on evidence (:meth:`_evidence`)."""
+        """A rank with peers (the same stage) straggles on its device's evidence
+        (:meth:`_device`) with the timing not against it (it held its peers at the step's
+        collectives, or its compute is over theirs, or the collectives sit inside the phases);
+        a rank that held its peers with its device like theirs is the host's (host contention)
+        or held. A rank alone in its stage on evidence (:meth:`_evidence`). docs/alerts.md."""
         cfg = self.cfg
         n = len(figs)
         if n < 2 or not timing or v.step < cfg.warmup_steps:
@@ -355,37 +366,79 @@ class AlertDetector:
                 for m, vs in values.items():
                     known[(g, m)] = sorted(x for r in ranks if (x := vs[r]) is not None)
         thr, floor = 1 + cfg.straggler_threshold, cfg.straggler_min_s
+        waits = [collective_wait(t) for t in timing]
+        arrivals = {g: arrival(rs, waits, v.compute, floor) for g, rs in v.members.items() if len(rs) > 1}
+        device = [self._device(r, v) if len(v.members[v.group[r]]) > 1 else None for r in range(n)]
         out: list[dict[str, Any]] = []
         for rank in range(n):
             over: dict[str, dict[str, float]] = {}
-            evidence = None
+            evidence = verdict = arr = None
+            culprit = False
             g = v.group[rank]
             if len(v.members[g]) > 1:
                 for m, vs in values.items():
                     x = vs[rank]
                     med = None if x is None else median_without(known[(g, m)], x)  # the peers'
-                    if x is None or med is None or med <= 0:
+                    if x is None or med is None or med <= 0 or self.coupled:
                         continue
                     if x > med * thr and x - med >= floor:
                         over[m] = {"value_s": x, "peers_median_s": med, "excess": x / med - 1}
+                arr = arrivals[g]
+                verdict = timing_verdict(rank, arr, bool(over), self.coupled, cfg.straggler_threshold, floor)
+                evidence = device[rank]
+                if evidence is not None and verdict not in ("held", "over", "unmeasured"):
+                    # it waited for another, or nobody waited: throttled, not straggling; unless
+                    # the host held its peers back longer than its device cost it: then timing
+                    # can show nothing, and its device's evidence decides (as where unmeasured)
+                    if host_masks(rank, v.peers(rank), timing, evidence["lost_s"], floor):
+                        verdict = "masked"
+                    else:
+                        evidence = None
+                # late with no device evidence of its own: the host, or held. Its phases over its
+                # peers' (no arrival seen) may be a slow peer's doing: only where none has evidence.
+                culprit = evidence is None and (
+                    verdict == "held" or (verdict == "over" and not any(device[p] for p in v.members[g]))
+                )
             else:
                 evidence = self._evidence(rank, v)
-            hit = bool(over) or evidence is not None
+            hit = evidence is not None
             count = self._straggling[rank] = self._straggling.get(rank, 0) + 1 if hit else 0
             if count == cfg.straggler_steps and self.allow("straggler", rank, v.step):
-                out.append(self._straggler(v, rank, figs, over, evidence))
+                out.append(self._straggler(v, rank, figs, over, evidence, verdict, arr, timing))
+            held = self._culprit[rank] = self._culprit.get(rank, 0) + 1 if culprit else 0
+            if held == cfg.straggler_steps:
+                alert = host_alert(self, v, rank, figs, timing, over, arr)
+                if alert is not None:
+                    out.append(alert)
         return out
+
+    def _device(self, rank: int, v: StepView) -> dict[str, Any] | None:
+        """The device evidence that ``rank`` is slow: a limiting reason its peers lack (by
+        ``throttle_min_share`` of the step) and a clock that makes its compute exceed the
+        unthrottled clock's by ``straggler_threshold`` and ``straggler_min_s`` (its loss)."""
+        loss = self._loss(rank, v)
+        cfg = self.cfg
+        if loss is None or not loss["reasons_beyond_peers"]:
+            return None
+        if loss["clock_excess"] < cfg.straggler_threshold or loss["lost_s"] < cfg.straggler_min_s:
+            return None
+        return loss
+
+    def device_alike(self, rank: int, v: StepView) -> bool:
+        """``rank``'s device runs like its peers': no limiting reason beyond theirs, and a clock
+        (where known) within ``straggler_threshold`` of the unthrottled ranks'."""
+        if v.reasons_beyond_others(rank, self.cfg.throttle_min_share):
+            return False
+        c, base = v.clock[rank], v.unthrottled_clock(rank)
+        return c is None or base is None or c * (1 + self.cfg.straggler_threshold) >= base
 
     def _evidence(self, rank: int, v: StepView) -> dict[str, Any] | None:
         """A rank alone in its stage straggles when all hold: a limiting reason its peers lack
         (by ``throttle_min_share`` of the step), a clock that makes its compute exceed the
         unthrottled clock's by ``straggler_threshold`` and ``straggler_min_s``, and it is busy
         while the other stages wait (its pipeline wait at most theirs)."""
-        loss = self._loss(rank, v)
-        cfg = self.cfg
-        if loss is None or not loss["reasons_beyond_peers"]:
-            return None
-        if loss["clock_excess"] < cfg.straggler_threshold or loss["lost_s"] < cfg.straggler_min_s:
+        loss = self._device(rank, v)
+        if loss is None:
             return None
         wait, others = v.wait[rank], v.others_wait(rank)
         if wait is not None and others is not None and wait > others:
@@ -403,10 +456,13 @@ class AlertDetector:
         figs: list[dict[str, float]],
         over: dict[str, dict[str, float]],
         evidence: dict[str, Any] | None,
+        verdict: str | None = None,
+        arr: Arrival | None = None,
+        timing: Sequence[Mapping[str, float]] = (),
     ) -> dict[str, Any]:
         f = figs[rank]
         tel = self._telemetry(f)
-        peers = v.peers(rank) if over else [r for r in range(len(figs)) if r != rank]
+        peers = v.peers(rank) if verdict is not None else [r for r in range(len(figs)) if r != rank]
         pf = [figs[p] for p in peers]
         peer_clock = self._median([x for p in pf if (x := _f(p.get("clock_sm_avg_mhz"))) is not None])
         peer_temp = self._median([x for p in pf if (x := _f(p.get("temp_gpu_peak_c"))) is not None])
@@ -427,19 +483,31 @@ class AlertDetector:
             why.append("throttled: " + ", ".join(f"{r} {100 * s:.0f}%" for r, s in shares.items()))
         if tel["temp_gpu_peak_c"] is not None and peer_temp is not None:
             why.append(f"{tel['temp_gpu_peak_c']:.0f} C vs peers' {peer_temp:.0f}")
+        if verdict == "masked":
+            why.append(
+                "who arrived last was the host's doing this step (its peers waited longer for a CPU "
+                "than its clock cost it): its device's evidence decides"
+            )
+        host = run_delay_beyond_peers(rank, peers, timing) if timing else None
+        if host is not None and host >= self.cfg.straggler_min_s:  # its times hold this too
+            why.append(f"its host also held it: {_ms(host)} more than its peers waiting for a CPU")
         excess_work = v.excess_vs_work(rank)
         steps = self.cfg.straggler_steps
+        held = None
+        if arr is not None and verdict == "held":
+            held = (
+                f"arrived last at the step's collectives: its {len(peers)} peer(s) waited "
+                f"{_ms(arr.held_s)} for it (median)"
+            )
+        med: float | None
+        staged = v.stage[rank] is not None and (self._num_stages() or 1) > 1
+        what = "its stage's peers'" if staged else "its peers'"
         if over:
             worst = max(over, key=lambda m: over[m]["excess"])
             w = over[worst]
-            what = (
-                "its stage's peers'"
-                if v.stage[rank] is not None and (self._num_stages() or 1) > 1
-                else "its peers'"
-            )
             head = (
                 f"{worst} {w['value_s']:.4f} s, {100 * w['excess']:+.0f}% over {what} median "
-                f"{w['peers_median_s']:.4f} s for {steps} steps"
+                f"{w['peers_median_s']:.4f} s for {steps} steps" + (f"; {held}" if held else "")
             )
             compared, metric, value, med, excess = (
                 "same_stage_peers",
@@ -448,8 +516,39 @@ class AlertDetector:
                 w["peers_median_s"],
                 w["excess"],
             )
+        elif held is not None and arr is not None:
+            comp = v.compute[rank] or 0.0
+            head = f"{held}, busy {comp:.4f} s a step computing, for {steps} steps"
+            others = [arr.waits[p] for p in peers if p in arr.waits]
+            compared, metric, value, med, excess = (
+                "arrival",
+                "collective_wait_s",
+                arr.waits[rank],
+                self._median(others),
+                arr.held_excess,
+            )
+        elif verdict in ("unmeasured", "masked") and evidence is not None:
+            comp = v.compute[rank] or 0.0
+            head = (
+                f"compute {comp:.4f} s a step at a clock that makes it "
+                f"{100 * evidence['clock_excess']:+.0f}% over the same work at the unthrottled clock, "
+                f"for {steps} steps"
+                + (
+                    "; its peers wait for it inside the phases (collectives of tensor / expert "
+                    "parallel layers, not marked)"
+                    if verdict == "unmeasured"
+                    else ""
+                )
+            )
+            compared, metric, value, med, excess = (
+                "unthrottled_clock",
+                "compute_s",
+                comp,
+                None,
+                evidence["clock_excess"],
+            )
         else:
-            assert evidence is not None
+            assert evidence is not None and "peers_pp_wait_s" in evidence
             comp = v.compute[rank] or 0.0
             waits = evidence["peers_pp_wait_s"]
             head = (
@@ -474,6 +573,7 @@ class AlertDetector:
             "severity": "warning",
             "step": v.step,
             **self.who(rank),
+            "cause": "device",
             "compared_with": compared,
             "peers": peers,
             "metric": metric,
@@ -489,6 +589,10 @@ class AlertDetector:
             "clock_baseline": None if loss is None else loss["clock_baseline"],
             "pp_wait_s": v.wait[rank],
             "peers_pp_wait_s": v.others_wait(rank),
+            "timing": verdict,
+            "run_delay_beyond_peers_s": host,
+            "arrived_last": None if arr is None else arr.last == rank,
+            "held_peers_s": arr.held_s if arr is not None and arr.last == rank else None,
             "excess_vs_work": excess_work,
             **tel,
             "throttle_shares": shares,

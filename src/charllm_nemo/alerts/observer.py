@@ -63,8 +63,9 @@ class AlertObserver:
     queue put; None: no W&B). ``hooks``: functions called with each alert's dict (after
     ``cfg.hook``); one that raises is logged once and dropped. ``stream``: the console (default
     stderr). ``stages``: the run's pipeline layout (which ranks do the same work; None: no
-    pipeline, or not known). :attr:`alerts` keeps the last :data:`ALERTS_KEPT` alerts raised
-    (``alerts.jsonl`` has them all; the detector counts them: ``detector.raised``).
+    pipeline, or not known); ``collectives_in_phases``: as :func:`alert_observer`.
+    :attr:`alerts` keeps the last :data:`ALERTS_KEPT` alerts raised (``alerts.jsonl`` has them
+    all; the detector counts them: ``detector.raised``).
 
     Detection and delivery run on the thread ``charllm-alerts``, started at the first call: the
     detector's cost grows with the ranks (measured ~17 us a rank a step on a loaded 2-core VM:
@@ -82,9 +83,10 @@ class AlertObserver:
         hooks: Sequence[AlertHook] = (),
         stream: TextIO | None = None,
         stages: StageLayout | None = None,
+        collectives_in_phases: bool = False,
     ) -> None:
         self.cfg = cfg
-        self.detector = AlertDetector(cfg, stages)
+        self.detector = AlertDetector(cfg, stages, collectives_in_phases=collectives_in_phases)
         self.path = None if run_dir is None or not cfg.file else Path(run_dir) / ALERTS_FILE
         self._file: StepsFile | None = None
         self.sink = sink if cfg.wandb else None
@@ -169,6 +171,13 @@ class AlertObserver:
             )
         if self._file is not None:
             self._file.close()
+        if self.detector.held and self.cfg.console:
+            print(
+                f"charllm: {self.detector.held} straggler verdict(s) held, the evidence could not say "
+                f"why a rank held its peers (last: {self.detector.held_last})",
+                file=self.stream or sys.stderr,
+                flush=True,
+            )
         if self.detector.suppressed and self.cfg.console:
             print(
                 f"charllm: {self.detector.raised} alert(s) raised, {self.detector.suppressed} held back "
@@ -187,14 +196,25 @@ def alert_observer(
     hooks: Sequence[AlertHook] = (),
     stream: TextIO | None = None,
     stages: StageLayout | None = None,
+    collectives_in_phases: bool = False,
 ) -> AlertObserver | None:
     """The alert observer for rank 0, or None when ``cfg`` is None or disabled (then pass
     ``phase_times=False, rank_info=False`` to StepTelemetry: alerts off cost nothing).
-    ``stages``: the run's :class:`StageLayout` where it has a pipeline. Raises
+    ``stages``: the run's :class:`StageLayout` where it has a pipeline;
+    ``collectives_in_phases``: its layout has tensor, expert or context parallel collectives
+    inside the forward and backward phases (docs/alerts.md, "Culprit or victim"). Raises
     ConfigError listing every problem of ``cfg``."""
     if cfg is None or not cfg.enabled:
         return None
     problems = alerts_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
-    return AlertObserver(cfg, run_dir=run_dir, sink=sink, hooks=hooks, stream=stream, stages=stages)
+    return AlertObserver(
+        cfg,
+        run_dir=run_dir,
+        sink=sink,
+        hooks=hooks,
+        stream=stream,
+        stages=stages,
+        collectives_in_phases=collectives_in_phases,
+    )

@@ -66,6 +66,10 @@ SELECT * FROM corr_step LEFT JOIN corr_rank USING (run) ORDER BY run
 """
 
 
+CLOCK_TOLERANCE = 0.01
+"""A rank's compute clock within this share of its replicas' highest runs as fast as theirs."""
+
+
 def _throttle_sql() -> str:
     shares = ",\n       ".join(
         f"sum(throttle_{name}_s) / sum(duration_s) AS throttle_{name}_share" for name, _ in THROTTLE_REASONS
@@ -98,15 +102,23 @@ WITH steps AS (
     SELECT s.*, b.busy_median_s, c.compute_clock_mhz,
        count(b.busy_median_s) OVER (PARTITION BY s.run, s.pp_stage, s.tp_rank) AS dp_peers,
        min(b.busy_median_s) OVER (PARTITION BY s.run, s.pp_stage, s.tp_rank) AS peers_busy_min_s,
+       max(c.compute_clock_mhz) OVER (PARTITION BY s.run, s.pp_stage, s.tp_rank) AS peers_clock_max_mhz,
        max(c.compute_clock_mhz) OVER (PARTITION BY s.run) AS fastest_clock_mhz
     FROM steps s LEFT JOIN busy b USING (run, rank) LEFT JOIN clock c USING (run, rank)
 ), measures AS (
     SELECT *,
-       CASE WHEN dp_peers >= 2 THEN busy_median_s / peers_busy_min_s - 1 END AS slowdown_vs_dp_peers,
+       CASE WHEN dp_peers >= 2 THEN busy_median_s / peers_busy_min_s - 1 END AS busy_vs_dp_peers,
        fastest_clock_mhz / compute_clock_mhz - 1 AS slowdown_vs_fastest_clock
     FROM joined
 )
-SELECT * EXCLUDE (dp_peers, peers_busy_min_s),
+SELECT * EXCLUDE (dp_peers, peers_busy_min_s, peers_clock_max_mhz, busy_vs_dp_peers),
+       busy_vs_dp_peers,
+       -- as the alerts (docs/alerts.md): a rank whose device clock is its replicas' highest is
+       -- not slowed by its device; its longer busy time is the host's or a wait, not a slowdown
+       CASE WHEN busy_vs_dp_peers IS NULL THEN NULL
+            WHEN compute_clock_mhz IS NOT NULL AND peers_clock_max_mhz IS NOT NULL
+                 AND compute_clock_mhz >= peers_clock_max_mhz * {1 - CLOCK_TOLERANCE} THEN 0.0
+            ELSE busy_vs_dp_peers END AS slowdown_vs_dp_peers,
        coalesce(slowdown_vs_fastest_clock, slowdown_vs_dp_peers, 0) AS slowdown_vs_fastest,
        CASE WHEN slowdown_vs_fastest_clock IS NOT NULL THEN 'fastest_device_clock'
             WHEN slowdown_vs_dp_peers IS NOT NULL THEN 'dp_peers_compute_time'

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from charllm_nemo.steps.host import HOST_FIELDS
 from charllm_nemo.steps.marks import PHASE_GROUPS
 from charllm_nemo.telemetry.figures import RANK_FIGURES, combine
 from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_KEYS, combine_devices
@@ -24,9 +25,11 @@ HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count",
 its token count, 0 where the rank has none), ``loss`` / ``loss_count`` (an already averaged loss
 and 1, or 0 and 0), the rank's own ``step_time_s`` of the step that just ended; then
 :data:`RANK_TIMING_FIELDS` and :data:`STEP_FIGURE_KEYS` of the step being reported."""
-RANK_TIMING_FIELDS: tuple[str, ...] = ("step_time_s", *PHASE_GROUPS)
-"""The rank's own timing of the step being reported (s): its step window, and its phase time by
-group (NaN unless its StepTelemetry sums phases: ``phase_times=True``, which alerts ask for).
+RANK_TIMING_FIELDS: tuple[str, ...] = ("step_time_s", *PHASE_GROUPS, *HOST_FIELDS)
+"""The rank's own timing of the step being reported (s): its step window, its phase time by
+group, and how much its host's CPUs held it back since its previous step
+(:data:`~charllm_nemo.steps.host.HOST_FIELDS`; all NaN unless its StepTelemetry sums phases:
+``phase_times=True``, which alerts ask for).
 Held on each rank until the step's figures are due, so one row holds one step."""
 HEALTH_FIELDS: tuple[str, ...] = ("sampler_deadlines_missed", "sampler_nulls", "sampler_stopped")
 """The rank's sampler health when it sent the vector (NaN unless its StepTelemetry was made with

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.steps.host import HostPressure
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
@@ -196,6 +197,8 @@ class StepTelemetry:
             cuda=self.cuda,
         )
         self.marker.sum_phases = bool(phase_times)
+        # the host's CPU contention per step, beside the phases (alerts: host contention)
+        self._host = HostPressure() if phase_times else None
         self._timings: dict[int, tuple[float, ...]] = {}  # step -> its RANK_TIMING_FIELDS, until due
         self._rank_info = bool(rank_info)
         self.rank_infos: list[dict[str, Any]] | None = None
@@ -361,7 +364,8 @@ class StepTelemetry:
             raise RuntimeError("end_step() without begin_step()")
         step, self._step = self._step, None
         timing = self.marker.end_step()
-        self._timings[step] = (timing.seconds, *(timing.phases or ()))
+        host = self._host.sample() if self._host is not None and timing.phases is not None else ()
+        self._timings[step] = (timing.seconds, *(timing.phases or ()), *host)
         if self._rank_info and self.rank_infos is None:
             self._exchange_rank_info()
         self._request(timing, step)

@@ -552,7 +552,12 @@ def _step_telemetry(
         from charllm_nemo.alerts import alert_observer
 
         stages = _stage_layout(cfg, dist, layout)
-        obs = alert_observer(cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink, stages=stages)
+        p = cfg.parallel
+        # tensor / expert / context parallel collectives sit inside the forward and backward
+        coupled = any((size or 1) > 1 for size in (p.tp, p.ep, p.cp))
+        obs = alert_observer(
+            cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink, stages=stages, collectives_in_phases=coupled
+        )
         if obs is not None:  # first: closed first, its last queued alerts reach the others open
             observers.insert(0, obs)
     config = bundle.config
