@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +133,12 @@ def test_loggers_observer_gives_numbers_under_the_prefix_at_the_reports_step() -
     assert all(v is not None for v in metrics.values())
 
 
-def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # log_to="wandb": charllm's W&B sink is an observer (offline here); the trainer's loggers get nothing
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, wandb_env: dict[str, str]) -> None:
+    # log_to="wandb": charllm's W&B sink is an observer (offline here); the trainer's loggers
+    # get nothing. #40: the sink was built but never started, so W&B got nothing: read the
+    # offline run back and find every step's per-rank and cross-rank keys
+    from tests.sinks.wandb_steps import assert_every_step_in_wandb
+
     opts = IntegrationOptions(
         backend="synthetic", sampler="thread", out_dir=str(tmp_path / "run"), log_to="wandb"
     )
@@ -144,12 +147,17 @@ def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, monkeypatch: pytest
         kinds = [type(o) for o in st.observers]
         assert WandbObserver in kinds and StepsFileObserver in kinds
         assert LoggersObserver not in kinds
-        st.begin_step(0)
-        st.end_step(loss=1.0)
+        for step in range(3):
+            st.begin_step(step)
+            time.sleep(0.02)  # a few samples a step at 100 Hz
+            st.end_step(loss=1.0 + step)
     finally:
         st.finish("complete")
     assert run_dir == str(tmp_path / "run")
-    assert (tmp_path / "run" / "steps.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "run" / "steps.jsonl").read_text().count("\n") == 3
+    run = assert_every_step_in_wandb(tmp_path / "run")
+    assert run.config["integration"]["framework"] == "test"  # the run's config: the options
+    assert run.config["manifest"]["backend"] == "synthetic"
 
 
 def test_alerts_reach_the_trainer_loggers_and_the_users_function(tmp_path: Path) -> None:

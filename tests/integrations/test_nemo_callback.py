@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.conftest import require
+from tests.sinks.wandb_steps import assert_every_step_in_wandb
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -251,14 +252,16 @@ def test_recipe_run_reports_nemos_grad_norm_and_writes_summary_json_for_inspect(
         assert key in result["tb_tags"], result["tb_tags"]
 
 
-def test_tiny_mixtral_moe(tmp_path: Path) -> None:
+def test_tiny_mixtral_moe_logs_to_charllms_wandb_run(tmp_path: Path, wandb_env: dict[str, str]) -> None:
+    # log_to="wandb" (offline): #40, the sink was never started and W&B got nothing
     result = _run_child(
         tmp_path,
         """
         from nemo import lightning as nl
         from nemo.collections import llm
         out = os.path.join(os.getcwd(), "run")
-        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread",
+                                  log_to="wandb")
         model = llm.MixtralModel(nemo_cpu.tiny_mixtral_config(), optim=nemo_cpu.cpu_optimizer(),
                                  tokenizer=nemo_cpu.ByteTokenizer())
         data = nemo_cpu.MaskedMockDataModule(seq_length=32, micro_batch_size=1, global_batch_size=2)
@@ -271,9 +274,10 @@ def test_tiny_mixtral_moe(tmp_path: Path) -> None:
     )
     _assert_megatron_windows(result, steps=2, microbatches=2)
     _assert_step_figures(result, steps=2)
+    assert_every_step_in_wandb(tmp_path / "run")  # every step's per-rank and all/* keys
 
 
-def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
+def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path, wandb_env: dict[str, str]) -> None:
     result = _run_child(
         tmp_path,
         """
@@ -298,9 +302,17 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
                              logger=CSVLogger("csv"), enable_checkpointing=False,
                              enable_progress_bar=False, log_every_n_steps=1)
         trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
-        json.dump(summary(out, "csv"), open(os.environ["RESULT"], "w"))
+        res = summary(out, "csv")
+        # again with log_to="wandb" (offline): charllm's W&B run instead of the trainer's loggers
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out + "-wandb", sampler="thread",
+                                  log_to="wandb")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        json.dump(res, open(os.environ["RESULT"], "w"))
         """,
     )
+    assert_every_step_in_wandb(tmp_path / "run-wandb")
     kinds = Counter((k, n) for k, n, _s, _m in result["windows"])
     assert kinds[("step", "step")] == 5
     assert kinds[("phase", "optimizer")] == 5

@@ -255,7 +255,7 @@ def open_step_telemetry(
         if opts.console:
             obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
-            obs.append(_wandb_observer(wandb_config, out_dir))
+            obs.append(_wandb_observer(wandb_config, out_dir, config, session))
     alerts_on = bool(opts.alerts)
     if alerts_on and placement.rank == 0:
         from charllm_nemo.alerts import AlertsConfig, alert_observer
@@ -293,9 +293,14 @@ def open_step_telemetry(
     return st, out_dir
 
 
-def _wandb_observer(wandb_config: Any, out_dir: str) -> Any:
-    """Our W&B sink (charllm_nemo.sinks) as an observer; ``wandb_config``: a LoggerConfig (None:
-    the defaults with name ``wandb``)."""
+def _wandb_observer(wandb_config: Any, out_dir: str, config: Mapping[str, Any], session: Any) -> Any:
+    """Our W&B sink (charllm_nemo.sinks), started, as an observer; ``wandb_config``: a
+    LoggerConfig (None: the defaults with name ``wandb``). ``start`` gets the run's config (the
+    integration's options, the telemetry config) and this rank's manifest as it stands: a copy,
+    since ``wandb.init`` runs later on the sink's thread while the session goes on writing it.
+    Without ``start`` every later call is refused (``start() has not run``): nothing reaches W&B."""
+    import copy
+
     from charllm_nemo.sinks.config import LoggerConfig, build_sink
     from charllm_nemo.steps import WandbObserver
 
@@ -303,6 +308,7 @@ def _wandb_observer(wandb_config: Any, out_dir: str) -> Any:
     sink = build_sink(cfg, 0, run_dir=out_dir)
     if sink is None:
         raise ConfigError("log_to='wandb' but the logger config builds no W&B sink; set its name to 'wandb'")
+    sink.start(copy.deepcopy(dict(config)), copy.deepcopy(dict(session.manifest)))
     return WandbObserver(sink, run_dir=out_dir)
 
 
