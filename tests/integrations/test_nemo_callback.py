@@ -454,3 +454,41 @@ def test_llama3_recipe_refuses_each_bad_option_before_a_model_is_built(tmp_path:
         # after our one line, only Fiddle's one line of where (no traceback wall)
         assert all(line.startswith("Fiddle context:") for line in fiddles), message
         assert models_built == 0, f"{name}: NeMo configured the model before refusing"
+
+
+def test_after_sigterm_the_manifest_and_summary_json_say_the_same_word(tmp_path: Path) -> None:
+    # #40: the session's SIGTERM handler closed the manifest as "terminated", then Lightning's
+    # handler raised and on_exception wrote summary.json as "failed"
+    result = _run_child(
+        tmp_path,
+        """
+        import signal
+        import torch
+        import lightning.pytorch as pl
+
+        class Killed(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 1)
+            def training_step(self, batch, batch_idx):
+                if self.global_step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends before the end
+                return self.lin(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        try:
+            trainer.fit(Killed(), torch.utils.data.DataLoader(data, batch_size=4))
+        except BaseException as exc:
+            print("fit raised", type(exc).__name__)
+        res = {"manifest": load_run(out).manifests[0]["status"],
+               "summary": json.load(open(os.path.join(out, "summary.json")))["status"]}
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result["manifest"] == result["summary"] == "terminated", result

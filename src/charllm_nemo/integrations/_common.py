@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.telemetry.config import TelemetryConfig
 
 if TYPE_CHECKING:
@@ -247,7 +249,10 @@ def open_step_telemetry(
         "telemetry": asdict(cfg),
         **(dict(run_config) if run_config else {}),
     }
-    session = open_session(cfg, placement, run_config=config)
+    try:
+        session = open_session(cfg, placement, run_config=config)
+    except CharllmError as exc:
+        raise in_keywords(exc, OWNERS.get(framework, "open_step_telemetry")) from exc
     obs: list[Any] = list(observers)
     if placement.rank == 0:
         if opts.steps_file:
@@ -291,6 +296,77 @@ def open_step_telemetry(
         session.close("failed")
         raise
     return st, out_dir
+
+
+OWNERS = {
+    "nemo": "PowerThermalCallback",
+    "lightning": "PowerThermalCallback",
+    "megatron-bridge": "PowerThermalBridgeCallback",
+    "megatron-lm": "MegatronLMTelemetry",
+}
+"""The class a user wrote for each ``framework`` of :func:`open_step_telemetry`: its errors say so."""
+
+# How the store and the session name an option for `charllm train` / `charllm telemetry`, and
+# how a user of the integrations wrote it (the keyword).
+_CLI_SPELLINGS = (
+    (re.compile(r"telemetry\.out_dir=\.\.\. / --out DIR"), "out_dir=..."),
+    (re.compile(r"telemetry\.overwrite=true / --overwrite"), "overwrite=True"),
+    (re.compile(r"--out / telemetry\.out_dir|telemetry\.out_dir / --out"), "out_dir"),
+    (re.compile(r"--out DIR"), "out_dir=..."),
+    (re.compile(r"--overwrite\b"), "overwrite=True"),
+    (re.compile(r"telemetry\.(\w+)=true\b"), r"\1=True"),
+    (re.compile(r"telemetry\.(\w+)=false\b"), r"\1=False"),
+    (re.compile(r"telemetry\.(\w+)"), r"\1"),
+)
+
+
+def in_keywords(exc: CharllmError, owner: str) -> CharllmError:
+    """``exc`` again (same class), its message in the integration's words: ``<owner>: ``
+    first, and the options named as the keywords the user gave (``out_dir=...``,
+    ``overwrite=True``), not as ``charllm train``'s ``telemetry.out_dir`` or the CLI's ``--out``,
+    which the store and the session say. ``exc`` itself when its class takes no plain message."""
+    message = str(exc)
+    for pattern, keyword in _CLI_SPELLINGS:
+        message = pattern.sub(keyword, message)
+    if not message.startswith(f"{owner}: "):
+        message = f"{owner}: {message}"
+    try:
+        return type(exc)(message)
+    except TypeError:
+        return exc
+
+
+TRACEBACK_ENV = "CHARLLM_TRACEBACK"
+"""Set to 1 to see the traceback of a refused option (:func:`quiet_option_errors`)."""
+
+
+def quiet_option_errors() -> None:
+    """Make an integration's refused option, left uncaught, print its message alone.
+
+    A bad keyword of ``run.Config(PowerThermalCallback, hz=0)`` fails when NeMo-Run / Fiddle
+    builds the recipe; uncaught, Python printed ~90 lines of Fiddle's and NeMo-Run's frames
+    above the one line that says what to change. Installed once (when an integration module is
+    imported), this ``sys.excepthook`` prints only a :class:`ConfigError` whose message starts
+    with an integration's name (:data:`OWNERS`), with the notes a framework added (Fiddle's
+    one line of where), then how to see the traceback (``CHARLLM_TRACEBACK=1``); every other
+    exception goes to the hook that was there before, untouched."""
+    previous = sys.excepthook
+    if getattr(previous, "charllm_quiet", False):
+        return
+
+    def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        ours = isinstance(value, ConfigError) and str(value).startswith(
+            tuple(f"{o}: " for o in {*OWNERS.values(), "open_step_telemetry"})
+        )
+        if not ours or os.environ.get(TRACEBACK_ENV) == "1":
+            previous(etype, value, tb)
+            return
+        notes = [n for n in getattr(value, "__notes__", ()) if isinstance(n, str)]
+        lines = [f"{etype.__name__}: {value}", *notes, f"({TRACEBACK_ENV}=1 shows the traceback)"]
+        sys.stderr.write("\n".join(lines) + "\n")
+
+    hook.charllm_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _wandb_observer(wandb_config: Any, out_dir: str, config: Mapping[str, Any], session: Any) -> Any:

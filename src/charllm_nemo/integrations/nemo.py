@@ -38,6 +38,7 @@ from charllm_nemo.integrations._common import (
     loss_of,
     open_step_telemetry,
     options_signature,
+    quiet_option_errors,
 )
 from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
@@ -210,7 +211,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._loggers = None  # closed (its last reports logged) by st.finish
         if st is not None:
             try:
-                st.finish(status)
+                # the manifest's word (``terminated`` after a SIGTERM, whatever Lightning's
+                # exception made of it): summary.json says the same
+                status = st.finish(status) or status
             finally:
                 summary, self._summary = self._summary, None
                 if summary is not None and self.run_dir is not None:
@@ -392,3 +395,4 @@ def _observers_off_thread(st: Any) -> None:
 
 
 PowerThermalCallback.__signature__ = options_signature(PowerThermalCallback.__init__)
+quiet_option_errors()  # a refused option, left uncaught, prints its message alone
