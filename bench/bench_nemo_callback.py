@@ -8,13 +8,20 @@ recipe's ``llm.pretrain``. Two parts:
 
 a. **training thread** (one process, the callback ON and OFF in ABBA blocks of one step; the
    telemetry session open in both arms): wall and CPU time (``time.thread_time``) inside the
-   callback's step hooks (begin_step, optimizer phase, end_step, the loggers' queue put), the
-   whole step's ON/OFF ratio, and the paired ABBA differences.
-b. **whole step** (``--pairs K``): K pairs of processes, one with the callback (its telemetry
-   process included), one without, alternating which goes first; each pair's ratio of median
-   steps, their geometric mean and a bootstrap interval over pairs.
+   callback's step hooks (begin_step, optimizer phase, end_step, the loggers' queue put), and
+   in megatron-core's ``config.timers`` calls (the callback's timers adapter in the ON steps,
+   NeMo's own Timers in the OFF steps, both behind the same timing proxy: the difference is
+   what the adapter adds); **hooks + adapter** a step; the whole step's ON/OFF ratio, and the
+   paired ABBA differences.
+b. **whole step across processes** (``--pairs K``): K rounds of processes, one with the
+   callback (its telemetry process included) and one without (with ``--compare-threads`` also
+   one with the callback's threads as before #40: an observer thread woken every report and an
+   alert thread of its own), the order rotated each round; each round's ratio of median steps,
+   the median over rounds with a bootstrap interval (and the geometric mean); per thread of
+   the training process, wakeups a second (voluntary context switches, /proc/self/task/*/status,
+   over the measured steps: bench/thread_wakeups.py) and CPU, and the telemetry process's CPU.
 
-    .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400 --pairs 4
+    .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400 --pairs 4 --compare-threads
     .venv-nemo/bin/python bench/bench_nemo_callback.py --steps 400 --stop-child   # a. with the
         # telemetry process stopped in the OFF steps: its CPU counted in the ON arm only
     .venv-nemo/bin/python bench/bench_nemo_callback.py --device cuda --steps 200  # GPU (gpu_check)
@@ -94,9 +101,9 @@ def tiny_recipe(tmp: str, steps: int, global_batch: int, seq: int, device: str =
     return recipe
 
 
-def clocks(times: dict[str, list[float]], warmup: int, arm: Any) -> tuple[Any, Any]:
+def clocks(times: dict[str, list[float]], warmup: int, arm: Any, after_step: Any = None) -> tuple[Any, Any]:
     """First and last callbacks: a step from the first one's on_train_batch_start to the last
-    one's on_train_batch_end, into ``times[arm(step)]``."""
+    one's on_train_batch_end, into ``times[arm(step)]``; ``after_step(step)`` then, if given."""
     import lightning.pytorch as pl
 
     class StartClock(pl.Callback):  # type: ignore[misc]
@@ -111,9 +118,53 @@ def clocks(times: dict[str, list[float]], warmup: int, arm: Any) -> tuple[Any, A
             step = trainer.global_step - 1  # global_step counts the step just done
             if step >= warmup:
                 times[arm(step)].append(dt)
+            if after_step is not None:
+                after_step(step)
 
     start = StartClock()
     return start, EndClock()
+
+
+class TimedTimers:
+    """megatron-core's ``config.timers`` behind a proxy that adds the wall and training-thread
+    CPU time of every call (``timers(name)``, the timer's ``start`` / ``stop``) to ``acc``. Put
+    around the adapter in the ON steps and around NeMo's Timers in the OFF steps: the proxy
+    costs both arms the same, so the difference is the adapter's."""
+
+    def __init__(self, target: Any, acc: list[float]) -> None:
+        self._target, self._acc = target, acc
+
+    def __call__(self, name: str, *a: Any, **k: Any) -> Any:
+        t, c = time.perf_counter(), time.thread_time()
+        timer = self._target(name, *a, **k)
+        self._acc[0] += time.perf_counter() - t
+        self._acc[1] += time.thread_time() - c
+        return _TimedTimer(timer, self._acc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+class _TimedTimer:
+    def __init__(self, timer: Any, acc: list[float]) -> None:
+        self._timer, self._acc = timer, acc
+
+    def start(self, *a: Any, **k: Any) -> Any:
+        t, c = time.perf_counter(), time.thread_time()
+        out = self._timer.start(*a, **k)
+        self._acc[0] += time.perf_counter() - t
+        self._acc[1] += time.thread_time() - c
+        return out
+
+    def stop(self, *a: Any, **k: Any) -> Any:
+        t, c = time.perf_counter(), time.thread_time()
+        out = self._timer.stop(*a, **k)
+        self._acc[0] += time.perf_counter() - t
+        self._acc[1] += time.thread_time() - c
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._timer, name)
 
 
 def interleaved_callback(
@@ -143,8 +194,9 @@ def interleaved_callback(
             on = is_on(trainer.global_step)
             if self.child is not None:  # the telemetry process runs in the ON steps only
                 os.kill(self.child, signal.SIGCONT if on else signal.SIGSTOP)
-            for config, inner in self._timers_patched:
-                config.timers = self._adapters[id(config)] if on else inner
+            for config, _inner in self._timers_patched:
+                config.timers = self._timed[id(config)][0 if on else 1]
+            self.timers_acc[0] = self.timers_acc[1] = 0.0
             if on:
                 t, c = clock(), cpu()
                 on_prof()
@@ -169,10 +221,18 @@ def interleaved_callback(
             if on and trainer.global_step - 1 >= warmup:
                 times["hooks"].append(self.wall + clock() - t)
                 times["hooks_cpu"].append(self.busy + cpu() - c)
+            if trainer.global_step - 1 >= warmup:
+                arm = "on" if on else "off"
+                times[f"timers_{arm}"].append(self.timers_acc[0])
+                times[f"timers_cpu_{arm}"].append(self.timers_acc[1])
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             super().on_train_start(trainer, pl_module)
-            self._adapters = {id(c): c.timers for c, _inner in self._timers_patched}
+            self.timers_acc = [0.0, 0.0]
+            self._timed = {
+                id(c): (TimedTimers(c.timers, self.timers_acc), TimedTimers(inner, self.timers_acc))
+                for c, inner in self._timers_patched
+            }
             if stop_child:
                 self.child = self.telemetry.session.engine.pid
                 self.telemetry.max_figure_wait_s = 0.0  # a stopped process answers late: never wait
@@ -208,7 +268,19 @@ def setup(tmp: str, device: str = "cpu") -> None:
 def part_a(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="bench-nemo-")
     setup(tmp, args.device)
-    times: dict[str, list[float]] = {"on": [], "off": [], "hooks": [], "hooks_cpu": []}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "on",
+            "off",
+            "hooks",
+            "hooks_cpu",
+            "timers_on",
+            "timers_off",
+            "timers_cpu_on",
+            "timers_cpu_off",
+        )
+    }
     profile = None
     if args.profile:
         import cProfile
@@ -232,46 +304,133 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         "pairs": pairs,
         "hooks": times["hooks"],
         "hooks_cpu": times["hooks_cpu"],
+        **{k: times[k] for k in ("timers_on", "timers_off", "timers_cpu_on", "timers_cpu_off")},
         "load": os.getloadavg()[0],
     }
 
 
 def part_b_child(args: argparse.Namespace) -> None:
-    """One process of a pair: the recipe with the callback (``--arm on``) or without."""
+    """One process of a round: the recipe with the callback (``--arm on``; ``on-before``: its
+    threads as before #40) or without (``off``); its step times, and per thread of this process
+    the wakeups and CPU over the measured steps (and the telemetry process's CPU)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import thread_wakeups
+
     tmp = tempfile.mkdtemp(prefix="bench-nemo-")
     setup(tmp, args.device)
     times: dict[str, list[float]] = {"step": []}
-    start, end = clocks(times, args.warmup, lambda s: "step")
+    marks: dict[str, Any] = {}
+    cb: Any = None
+
+    def after_step(step: int) -> None:
+        # from the first measured step to the last: the callback's threads are alive in between
+        if step in (args.warmup - 1, args.steps - 1):
+            key = "before" if step == args.warmup - 1 else "after"
+            marks[key] = thread_wakeups.snapshot()
+            pid = getattr(getattr(getattr(cb, "telemetry", None), "session", None), "engine", None)
+            pid = getattr(pid, "pid", None)
+            marks[f"child_{key}"] = _process_cpu_s(pid) if pid else None
+
+    start, end = clocks(times, args.warmup, lambda s: "step", after_step)
     extra: list[Any] = [start]
-    if args.arm == "on":
+    if args.arm in ("on", "on-before"):
+        from charllm_nemo.integrations import _observer_thread
+        from charllm_nemo.integrations import nemo as nemo_callback
         from charllm_nemo.integrations.nemo import PowerThermalCallback
 
-        extra.append(PowerThermalCallback(backend="synthetic", out_dir=os.path.join(tmp, "run"), hz=100))
+        if args.arm == "on-before":  # the threads as they were: woken every report, two of them
+            _observer_thread.BATCH = 1
+            nemo_callback.MERGE_ALERTS = False
+        cb = PowerThermalCallback(backend="synthetic", out_dir=os.path.join(tmp, "run"), hz=100)
+        extra.append(cb)
     extra.append(end)
     run_recipe(args, tmp, extra)
-    Path(args.json).write_text(json.dumps({"step": times["step"], "load": os.getloadavg()[0]}))
+    rows = thread_wakeups.rates(marks["before"], marks["after"])
+    wall = marks["after"][0] - marks["before"][0]
+    child = None
+    if marks.get("child_before") is not None and marks.get("child_after") is not None:
+        child = (marks["child_after"] - marks["child_before"]) / wall
+    Path(args.json).write_text(
+        json.dumps({"step": times["step"], "load": os.getloadavg()[0], "threads": rows, "child_cpu": child})
+    )
 
 
-def part_b(args: argparse.Namespace) -> list[tuple[float, float, float]]:
-    """(ratio, median ON, median OFF) per pair."""
-    out = []
+def _process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (/proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_DIST_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
+
+
+def part_b(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Per arm, one result per round (the arms' order rotated each round)."""
+    arms = ["off", "on-before", "on"] if args.compare_threads else ["off", "on"]
+    out: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     tmp = tempfile.mkdtemp(prefix="bench-nemo-pairs-")
     for i in range(args.pairs):
-        medians = {}
-        for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
+        for arm in order:
             path = os.path.join(tmp, f"{i}-{arm}.json")
             cmd = [sys.executable, __file__, "--arm", arm, "--json", path]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             cmd += ["--global-batch", str(args.global_batch), "--seq", str(args.seq), "--device", args.device]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-            medians[arm] = statistics.median(json.loads(Path(path).read_text())["step"])
-        out.append((medians["on"] / medians["off"], medians["on"], medians["off"]))
+            # a fresh process: none of part a's process-group variables (its port is still held)
+            env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{arm} process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            got = json.loads(Path(path).read_text())
+            got["median"] = statistics.median(got["step"])
+            out[arm].append(got)
+        line = ", ".join(f"{a} {out[a][-1]['median'] * 1e3:.2f} ms" for a in arms)
         print(
-            f"  pair {i}: ON {medians['on'] * 1e3:.2f} ms, OFF {medians['off'] * 1e3:.2f} ms, "
-            f"ratio {out[-1][0]:.4f}",
+            f"  round {i} ({' > '.join(order)}): median step {line}; load {out[arms[-1]][-1]['load']:.1f}",
             flush=True,
         )
     return out
+
+
+def report_b(args: argparse.Namespace, rounds: dict[str, list[dict[str, Any]]]) -> None:
+    off = rounds["off"]
+    for arm in [a for a in rounds if a != "off"]:
+        ratios = [r["median"] / o["median"] for r, o in zip(rounds[arm], off, strict=True)]
+        lo, hi = bootstrap(ratios, statistics.median)
+        glo, ghi = bootstrap(ratios, geomean)
+        print(
+            f"whole step {arm}/off over {len(ratios)} rounds: median {statistics.median(ratios):.4f} "
+            f"[{lo:.4f}, {hi:.4f}], geometric mean {geomean(ratios):.4f} [{glo:.4f}, {ghi:.4f}]; "
+            f"per round {', '.join(f'{x:.3f}' for x in ratios)}"
+        )
+    for arm, results in rounds.items():
+        names = sorted({row["name"] for r in results for row in r["threads"]})
+        print(f"threads of the training process, {arm} (median over rounds):")
+        total = [sum(row["wakeups_per_s"] for row in r["threads"]) for r in results]
+        for name in names:
+            ws = [sum(x["wakeups_per_s"] for x in r["threads"] if x["name"] == name) for r in results]
+            cpu = [sum(x["cpu_share"] for x in r["threads"] if x["name"] == name) for r in results]
+            if statistics.median(ws) >= 1 or statistics.median(cpu) >= 0.002 or name.startswith("charllm"):
+                print(
+                    f"    {name:<32} {statistics.median(ws):8.1f} wakeups/s  "
+                    f"{100 * statistics.median(cpu):6.2f} % of a core"
+                )
+        print(f"    {'all threads':<32} {statistics.median(total):8.1f} wakeups/s")
+        child = [r["child_cpu"] for r in results if r.get("child_cpu") is not None]
+        if child:
+            print(f"    telemetry process: {100 * statistics.median(child):.2f} % of a core")
 
 
 def bootstrap(values: list[float], stat: Any, n: int = 4000) -> tuple[float, float]:
@@ -289,6 +448,17 @@ def bootstrap_ratio(on: list[float], off: list[float], n: int = 2000) -> tuple[f
         ratios.append(statistics.median(a) / statistics.median(b))
     ratios.sort()
     return ratios[int(0.025 * n)], ratios[int(0.975 * n)]
+
+
+def bootstrap_diff(on: list[float], off: list[float], n: int = 2000) -> tuple[float, float]:
+    """95 % bootstrap interval of median(on) - median(off)."""
+    rng = random.Random(0)
+    diffs = sorted(
+        statistics.median([on[rng.randrange(len(on))] for _ in on])
+        - statistics.median([off[rng.randrange(len(off))] for _ in off])
+        for _ in range(n)
+    )
+    return diffs[int(0.025 * n)], diffs[int(0.975 * n)]
 
 
 def geomean(xs: list[float]) -> float:
@@ -311,6 +481,17 @@ def report_a(args: argparse.Namespace, a: dict[str, Any]) -> None:
             f"inside the callback's step hooks, {what}: median {statistics.median(xs) * 1e3:.3f} ms "
             f"[{lo * 1e3:.3f}, {hi * 1e3:.3f}] a step, mean {statistics.fmean(xs) * 1e3:.3f} ms, "
             f"p90 {xs[int(0.9 * len(xs))] * 1e3:.3f} ms"
+        )
+    for suffix, what in (("", "wall"), ("cpu_", "training-thread CPU")):
+        t_on, t_off = a[f"timers_{suffix}on"], a[f"timers_{suffix}off"]
+        hooks = a["hooks" if not suffix else "hooks_cpu"]
+        adapter = statistics.median(t_on) - statistics.median(t_off)
+        lo, hi = bootstrap_diff(t_on, t_off)
+        print(
+            f"in config.timers calls, {what}: adapter ON {statistics.median(t_on) * 1e3:.3f} ms, NeMo's "
+            f"Timers OFF {statistics.median(t_off) * 1e3:.3f} ms a step: the adapter adds "
+            f"{adapter * 1e3:.3f} ms [{lo * 1e3:.3f}, {hi * 1e3:.3f}]; hooks + adapter "
+            f"{(statistics.median(hooks) + adapter) * 1e3:.3f} ms a step"
         )
     med_on, med_off = statistics.median(on), statistics.median(off)
     lo, hi = bootstrap_ratio(on, off)
@@ -339,7 +520,12 @@ def main() -> None:
         help="part a: SIGSTOP the telemetry process in the OFF steps (its CPU in the ON arm only)",
     )
     ap.add_argument("--skip-a", action="store_true", help="part b only")
-    ap.add_argument("--arm", choices=["on", "off"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--compare-threads",
+        action="store_true",
+        help="part b: also the callback with its threads as before #40 (woken every report, two)",
+    )
+    ap.add_argument("--arm", choices=["on", "on-before", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.arm:
@@ -349,16 +535,13 @@ def main() -> None:
         report_a(args, part_a(args))
     if args.pairs:
         print(
-            f"b. whole step, {args.pairs} process pairs (callback with its telemetry process / none), "
-            f"{args.steps} steps each"
+            f"b. whole step across processes, {args.pairs} rounds of "
+            + ("3 processes (off / on-before / on)" if args.compare_threads else "2 processes (off / on)")
+            + f", {args.steps} steps each, {args.warmup} warm-up; load average {os.getloadavg()[0]:.1f} "
+            f"on {os.cpu_count()} CPUs at start"
         )
-        rows = part_b(args)
-        ratios = [r for r, _a, _b in rows]
-        lo, hi = bootstrap(ratios, geomean)
-        print(
-            f"ratio ON/OFF over process pairs: geometric mean {geomean(ratios):.4f} [{lo:.4f}, {hi:.4f}]; "
-            f"load average {os.getloadavg()[0]:.1f}"
-        )
+        report_b(args, part_b(args))
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

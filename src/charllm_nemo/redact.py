@@ -20,7 +20,8 @@ What counts as a secret:
 * in lists (an argv): the item after a ``--api-key``-style flag.
 
 Names that merely contain "key" are not secrets when the word before makes it an index
-(``run_key``, ``sort_keys``) or the word after a layer (``key_value_channels``). Names that
+(``run_key``, ``sort_keys``) or the word after a layer (``key_value_channels``) or a part of
+a key (``key_prefix``). Names that
 merely contain "token" are not secrets: a key is split into words (at ``_ - .``,
 spaces and camelCase) and ``token`` counts only as the last word, and not after a word that
 makes it a tokenizer or model term (``pad_token``, ``max_token``): ``moe_token_dispatcher_type``,
@@ -67,7 +68,9 @@ _KEY_TERMS = frozenset(
     {"run", "sort", "sweep", "group", "cache", "dict", "primary", "foreign", "partition", "query", "lookup",
      "row", "table", "join", "step", "window", "dropped", "shorthand", "env", "full", "hash", "sequence"}
 )  # fmt: skip
-_KEY_AFTER = frozenset({"value", "values", "layer", "padding", "channels", "func", "fn", "order"})
+# ... and "key" before one of these names a part of a key, not a secret: key_value_channels, and
+# key_prefix (the integrations' prefix of metric keys, "charllm/")
+_KEY_AFTER = frozenset({"value", "values", "layer", "padding", "channels", "func", "fn", "order", "prefix"})
 _SAFE_KEYS = frozenset({"moe_token_dispatcher_type", "keyboard", "passes", "num_passes", "bypass"})
 _SECRET_PAIRS = frozenset(
     {("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"), ("session", "key")}

@@ -1,6 +1,7 @@
 """Training loops shaped like Megatron-LM's and Megatron-Bridge's, over megatron-core's real
 schedules on CPU, with our integrations attached: ``python _mcore_loops.py MODE <out_dir> <steps>
-<result.json> [callbacks.py]``, MODE one of megatron-lm, megatron-lm-explicit, bridge.
+<result.json> [callbacks.py]``, MODE one of megatron-lm, megatron-lm-explicit, bridge;
+``CHARLLM_TEST_LOG_TO`` (default ``trainer``): the integration's ``log_to``.
 
 megatron-core's wheel does not ship Megatron-LM's ``megatron/training`` (0.16.1: only
 ``megatron/core``), and Megatron-Bridge needs Python >= 3.12, megatron-core >= 0.18 and CUDA. So
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 MBS, GBS = 1, 4
+LOG_TO = os.environ.get("CHARLLM_TEST_LOG_TO", "trainer")
 
 
 def _setup() -> dict[str, Any]:
@@ -120,7 +123,9 @@ def megatron_lm(out_dir: str, steps: int, explicit: bool) -> dict[str, Any]:
     from charllm_nemo.integrations.megatron_lm import MegatronLMTelemetry
 
     s = _setup()
-    telemetry = MegatronLMTelemetry(hz=200, backend="synthetic", out_dir=out_dir, sampler="thread")
+    telemetry = MegatronLMTelemetry(
+        hz=200, backend="synthetic", out_dir=out_dir, sampler="thread", log_to=LOG_TO
+    )
     timers = telemetry.install(
         timers=s["timers"],
         model_config=s["config"],
@@ -176,7 +181,9 @@ def bridge(out_dir: str, steps: int, callbacks_py: str) -> dict[str, Any]:
             return self._timers
 
     state = GlobalState()
-    cb = PowerThermalBridgeCallback(hz=200, backend="synthetic", out_dir=out_dir, sampler="thread")
+    cb = PowerThermalBridgeCallback(
+        hz=200, backend="synthetic", out_dir=out_dir, sampler="thread", log_to=LOG_TO
+    )
     manager = callbacks.normalize_callbacks([cb])  # what pretrain(callbacks=[...]) does
 
     def context(**kw: Any) -> Any:

@@ -26,3 +26,6 @@ def require_or_skip(reason: str) -> None:
     if os.environ.get("CHARLLM_REQUIRE_NEMO") == "1":
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+from tests.sinks.conftest import wandb_env  # noqa: E402, F401  (offline, keyless W&B for log_to="wandb")

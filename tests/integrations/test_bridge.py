@@ -43,10 +43,10 @@ def bridge_callbacks_py() -> Path:
     return target
 
 
-def test_bridge_callback_manager_drives_the_callback(tmp_path: Path) -> None:
+def test_bridge_callback_manager_drives_the_callback(tmp_path: Path, wandb_env: dict[str, str]) -> None:
     callbacks_py = bridge_callbacks_py()
     steps, microbatches = 3, 4
-    result = run_loop(tmp_path, "bridge", steps, str(callbacks_py))
+    result = run_loop(tmp_path, "bridge", steps, str(callbacks_py), log_to="wandb")
     # Bridge's CallbackManager.add found our hooks by their event names (no subclassing)
     assert result["registered"] == [
         "on_train_end",
@@ -70,3 +70,8 @@ def test_bridge_callback_manager_drives_the_callback(tmp_path: Path) -> None:
     assert all(r["energy_j"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     manifest = load_run(tmp_path / "run").manifests[0]
     assert manifest["config"]["integration"]["framework"] == "megatron-bridge"
+    # log_to="wandb" (#40: the sink was never started): every step's per-rank and cross-rank
+    # keys, read back from the offline W&B run
+    from tests.sinks.wandb_steps import assert_every_step_in_wandb
+
+    assert_every_step_in_wandb(tmp_path / "run")

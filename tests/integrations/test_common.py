@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +133,12 @@ def test_loggers_observer_gives_numbers_under_the_prefix_at_the_reports_step() -
     assert all(v is not None for v in metrics.values())
 
 
-def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # log_to="wandb": charllm's W&B sink is an observer (offline here); the trainer's loggers get nothing
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, wandb_env: dict[str, str]) -> None:
+    # log_to="wandb": charllm's W&B sink is an observer (offline here); the trainer's loggers
+    # get nothing. #40: the sink was built but never started, so W&B got nothing: read the
+    # offline run back and find every step's per-rank and cross-rank keys
+    from tests.sinks.wandb_steps import assert_every_step_in_wandb
+
     opts = IntegrationOptions(
         backend="synthetic", sampler="thread", out_dir=str(tmp_path / "run"), log_to="wandb"
     )
@@ -144,12 +147,17 @@ def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, monkeypatch: pytest
         kinds = [type(o) for o in st.observers]
         assert WandbObserver in kinds and StepsFileObserver in kinds
         assert LoggersObserver not in kinds
-        st.begin_step(0)
-        st.end_step(loss=1.0)
+        for step in range(3):
+            st.begin_step(step)
+            time.sleep(0.02)  # a few samples a step at 100 Hz
+            st.end_step(loss=1.0 + step)
     finally:
         st.finish("complete")
     assert run_dir == str(tmp_path / "run")
-    assert (tmp_path / "run" / "steps.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "run" / "steps.jsonl").read_text().count("\n") == 3
+    run = assert_every_step_in_wandb(tmp_path / "run")
+    assert run.config["integration"]["framework"] == "test"  # the run's config: the options
+    assert run.config["manifest"]["backend"] == "synthetic"
 
 
 def test_alerts_reach_the_trainer_loggers_and_the_users_function(tmp_path: Path) -> None:
@@ -213,3 +221,101 @@ def test_a_rate_that_cannot_be_computed_is_said_once(caplog: pytest.LogCaptureFi
             assert report.mfu is None
     said = [r for r in caplog.records if r.name == "charllm_nemo.steps.rates"]
     assert len(said) == 1 and "from step 0" in said[0].getMessage()
+
+
+def test_an_out_dir_the_file_system_refuses_is_refused_at_construction(tmp_path: Path) -> None:
+    # #40: as root, os.access says /proc is writable; the run's first folder then failed after
+    # the model was built. The check asks the file system (an empty folder made and removed)
+    for cls in _entry_points():
+        with pytest.raises(
+            ConfigError, match=r"out_dir='/proc/charllm-run/\d+-\d+' cannot be written: '/proc' refuses"
+        ):
+            cls(out_dir="/proc/charllm-run/{time}")  # {time}: made at once
+    IntegrationOptions.from_keywords("X", {"out_dir": str(tmp_path / "run")})
+    assert list(tmp_path.iterdir()) == []  # the probe left nothing
+
+
+def test_a_late_error_names_the_keywords_the_user_wrote(tmp_path: Path) -> None:
+    # #40: a run directory that already holds a run is found when training starts; the store's
+    # message named `charllm train`'s telemetry.out_dir / --out / telemetry.overwrite=true
+    from charllm_nemo.errors import StoreError
+
+    opts = IntegrationOptions(
+        backend="synthetic", sampler="thread", out_dir=str(tmp_path / "run"), alerts=False
+    )
+    st, _ = open_step_telemetry(opts, Placement(), framework="nemo", sources={"step": "test"})
+    st.finish("complete")
+    with pytest.raises(StoreError) as info:
+        open_step_telemetry(opts, Placement(), framework="nemo", sources={"step": "test"})
+    message = str(info.value)
+    assert message.startswith("PowerThermalCallback: ") and "overwrite=True" in message, message
+    assert "telemetry." not in message and "--out" not in message and "--overwrite" not in message
+
+
+def test_mfu_that_cannot_be_computed_on_this_device_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # #40: on a CPU the peak is unknown, so MFU is null on every step: the docs promise a warning
+    from charllm_nemo.metrics.flops import ModelShape
+
+    shape = ModelShape(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        vocab_size=256,
+        seq_length=32,
+    )
+    for peak, said in ((None, 1), (10.0, 0)):
+        opts = IntegrationOptions(
+            backend="synthetic", sampler="thread", out_dir=str(tmp_path / f"run-{peak}"), alerts=False,
+            peak_tflops_per_gpu=peak, steps_file=False,
+        )  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            st, _ = open_step_telemetry(
+                opts, Placement(), framework="test", sources={"step": "test"}, model=shape,
+                global_batch_size=4, seq_length=32,
+            )  # fmt: skip
+            for step in range(2):
+                st.begin_step(step)
+                st.end_step(loss=1.0)
+            st.finish("complete")
+        warned = [r.getMessage() for r in caplog.records if "no MFU" in r.getMessage()]
+        assert len(warned) == said, warned
+        if said:
+            assert "peak_tflops_per_gpu=" in warned[0] and "CPU" in warned[0]
+
+
+QUIET = """
+import sys
+from charllm_nemo.integrations.megatron_lm import MegatronLMTelemetry
+if sys.argv[1] == "ours":
+    MegatronLMTelemetry(hz=0)
+from charllm_nemo.errors import ConfigError
+raise ConfigError("hz=0 from elsewhere")  # not an integration's: the hook leaves it alone
+"""
+
+
+@pytest.mark.parametrize("case", ["ours", "ours-traceback", "other"])
+def test_a_refused_option_left_uncaught_prints_its_message_alone(tmp_path: Path, case: str) -> None:
+    # #40: a bad option printed ~100 lines of framework frames above its one line
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CHARLLM_TRACEBACK="1" if case == "ours-traceback" else "0")
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET, case.split("-")[0]], capture_output=True, text=True, env=env,
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    if case == "ours":
+        assert lines == [
+            "ConfigError: MegatronLMTelemetry: hz=0 is not a sampling rate; use a rate in [1, 1000] Hz, "
+            "e.g. hz=100 (1 kHz is the most a Python sampler holds reliably)",
+            "(CHARLLM_TRACEBACK=1 shows the traceback)",
+        ], proc.stderr
+    else:  # asked for, or not one of ours: the traceback as Python prints it
+        assert lines[0] == "Traceback (most recent call last):", proc.stderr

@@ -31,10 +31,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_loop(tmp_path: Path, mode: str, steps: int, *extra: str) -> dict[str, Any]:
-    """Run tests/integrations/_mcore_loops.py ``mode`` in a fresh process (one gloo rank)."""
+def run_loop(tmp_path: Path, mode: str, steps: int, *extra: str, log_to: str = "trainer") -> dict[str, Any]:
+    """Run tests/integrations/_mcore_loops.py ``mode`` in a fresh process (one gloo rank), the
+    integration with ``log_to``."""
     out = tmp_path / "result.json"
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["CHARLLM_TEST_LOG_TO"] = log_to
     env["MASTER_PORT"] = str(_free_port())
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -56,9 +58,14 @@ def windows(run_dir: Path) -> Counter[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("mode", ["timers", "explicit"])
-def test_megatron_lm_loop_gets_step_microbatch_and_phase_windows(tmp_path: Path, mode: str) -> None:
+def test_megatron_lm_loop_gets_step_microbatch_and_phase_windows(
+    tmp_path: Path, mode: str, wandb_env: dict[str, str]
+) -> None:
     steps, microbatches = 3, 4
-    result = run_loop(tmp_path, "megatron-lm-explicit" if mode == "explicit" else "megatron-lm", steps)
+    # the explicit loop logs to charllm's W&B sink (offline): #40, it was never started
+    log_to = "wandb" if mode == "explicit" else "trainer"
+    mode_name = "megatron-lm-explicit" if mode == "explicit" else "megatron-lm"
+    result = run_loop(tmp_path, mode_name, steps, log_to=log_to)
     kinds = windows(tmp_path / "run")
     assert kinds[("step", "step")] == steps
     assert kinds[("microbatch", "microbatch")] == steps * microbatches
@@ -78,3 +85,9 @@ def test_megatron_lm_loop_gets_step_microbatch_and_phase_windows(tmp_path: Path,
         assert all(r["loss"] is None for r in rows)
     manifest = load_run(tmp_path / "run").manifests[0]
     assert manifest["config"]["integration"]["framework"] == "megatron-lm"
+    if log_to == "wandb":  # every step's per-rank and cross-rank keys, read back from the W&B run
+        from tests.sinks.wandb_steps import assert_every_step_in_wandb
+
+        assert_every_step_in_wandb(tmp_path / "run")
+    else:
+        assert not (tmp_path / "run" / "wandb").exists()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.conftest import require
+from tests.sinks.wandb_steps import assert_every_step_in_wandb
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -251,14 +252,16 @@ def test_recipe_run_reports_nemos_grad_norm_and_writes_summary_json_for_inspect(
         assert key in result["tb_tags"], result["tb_tags"]
 
 
-def test_tiny_mixtral_moe(tmp_path: Path) -> None:
+def test_tiny_mixtral_moe_logs_to_charllms_wandb_run(tmp_path: Path, wandb_env: dict[str, str]) -> None:
+    # log_to="wandb" (offline): #40, the sink was never started and W&B got nothing
     result = _run_child(
         tmp_path,
         """
         from nemo import lightning as nl
         from nemo.collections import llm
         out = os.path.join(os.getcwd(), "run")
-        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread",
+                                  log_to="wandb")
         model = llm.MixtralModel(nemo_cpu.tiny_mixtral_config(), optim=nemo_cpu.cpu_optimizer(),
                                  tokenizer=nemo_cpu.ByteTokenizer())
         data = nemo_cpu.MaskedMockDataModule(seq_length=32, micro_batch_size=1, global_batch_size=2)
@@ -271,9 +274,10 @@ def test_tiny_mixtral_moe(tmp_path: Path) -> None:
     )
     _assert_megatron_windows(result, steps=2, microbatches=2)
     _assert_step_figures(result, steps=2)
+    assert_every_step_in_wandb(tmp_path / "run")  # every step's per-rank and all/* keys
 
 
-def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
+def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path, wandb_env: dict[str, str]) -> None:
     result = _run_child(
         tmp_path,
         """
@@ -298,9 +302,17 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path) -> None:
                              logger=CSVLogger("csv"), enable_checkpointing=False,
                              enable_progress_bar=False, log_every_n_steps=1)
         trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
-        json.dump(summary(out, "csv"), open(os.environ["RESULT"], "w"))
+        res = summary(out, "csv")
+        # again with log_to="wandb" (offline): charllm's W&B run instead of the trainer's loggers
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out + "-wandb", sampler="thread",
+                                  log_to="wandb")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        json.dump(res, open(os.environ["RESULT"], "w"))
         """,
     )
+    assert_every_step_in_wandb(tmp_path / "run-wandb")
     kinds = Counter((k, n) for k, n, _s, _m in result["windows"])
     assert kinds[("step", "step")] == 5
     assert kinds[("phase", "optimizer")] == 5
@@ -442,3 +454,41 @@ def test_llama3_recipe_refuses_each_bad_option_before_a_model_is_built(tmp_path:
         # after our one line, only Fiddle's one line of where (no traceback wall)
         assert all(line.startswith("Fiddle context:") for line in fiddles), message
         assert models_built == 0, f"{name}: NeMo configured the model before refusing"
+
+
+def test_after_sigterm_the_manifest_and_summary_json_say_the_same_word(tmp_path: Path) -> None:
+    # #40: the session's SIGTERM handler closed the manifest as "terminated", then Lightning's
+    # handler raised and on_exception wrote summary.json as "failed"
+    result = _run_child(
+        tmp_path,
+        """
+        import signal
+        import torch
+        import lightning.pytorch as pl
+
+        class Killed(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 1)
+            def training_step(self, batch, batch_idx):
+                if self.global_step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends before the end
+                return self.lin(batch[0]).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+        out = os.path.join(os.getcwd(), "run")
+        cb = PowerThermalCallback(hz=200, backend="synthetic", out_dir=out, sampler="thread")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False)
+        try:
+            trainer.fit(Killed(), torch.utils.data.DataLoader(data, batch_size=4))
+        except BaseException as exc:
+            print("fit raised", type(exc).__name__)
+        res = {"manifest": load_run(out).manifests[0]["status"],
+               "summary": json.load(open(os.path.join(out, "summary.json")))["status"]}
+        json.dump(res, open(os.environ["RESULT"], "w"))
+        """,
+    )
+    assert result["manifest"] == result["summary"] == "terminated", result

@@ -87,3 +87,74 @@ def test_a_stuck_logger_drops_beyond_the_bound_and_close_waits_for_the_rest() ->
     release.set()
     obs.close("complete")
     assert seen == sorted(seen) and len(seen) == 10 - obs.dropped
+
+
+class Seen:
+    """An observer that records the steps it saw and the thread it saw them on."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.threads: set[int] = set()
+        self.infos: list[Any] = []
+        self.got = threading.Event()
+        self.got_info = threading.Event()
+
+    def on_step(self, report: Any) -> None:
+        self.steps.append(report.step)
+        self.threads.add(threading.get_ident())
+        self.got.set()
+
+    def on_rank_info(self, infos: Any) -> None:
+        self.infos.append(infos)
+        self.got_info.set()
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def test_the_thread_is_woken_once_a_batch_not_once_a_step() -> None:
+    # #40: the observer thread (and the alert thread) woke on every report; each wake costs the
+    # training thread a GIL hand-over. Now one signal for `batch` reports (no timer runs)
+    require("lightning.pytorch")
+    from charllm_nemo.integrations._observer_thread import ObserverThread
+
+    seen = Seen()
+    obs = ObserverThread([seen], batch=4, max_delay_s=3600.0)
+    for step in range(3):
+        obs.on_step(_report(step))
+    assert obs.wakes == 0 and not seen.got.wait(0.2)  # three waiting: not woken for them
+    obs.on_step(_report(3))
+    assert obs.wakes == 1 and seen.got.wait(30)
+    for step in range(4, 10):
+        obs.on_step(_report(step))
+    assert obs.wakes == 2  # 10 reports: 2 batches of 4
+    obs.on_rank_info([{"rank": 0}])  # passed on at once
+    assert obs.wakes == 3
+    obs.close("complete")  # the two left are taken at close
+    assert seen.steps == list(range(10)) and seen.infos == [[{"rank": 0}]]
+    assert threading.get_ident() not in seen.threads
+
+
+def test_the_alert_checks_run_on_the_observer_thread_first_in_line(tmp_path: Path) -> None:
+    require("lightning.pytorch")
+    from types import SimpleNamespace
+
+    from charllm_nemo.alerts import AlertsConfig, alert_observer
+    from charllm_nemo.integrations._observer_thread import ObserverThread
+    from charllm_nemo.integrations.nemo import _observers_off_thread
+    from charllm_nemo.steps import StepsFileObserver
+
+    alerter = alert_observer(AlertsConfig(), run_dir=tmp_path)
+    on_training_thread, steps_file = Seen(), StepsFileObserver(tmp_path / "steps.jsonl")
+    st = SimpleNamespace(observers=[alerter, on_training_thread, steps_file])
+    _observers_off_thread(st)
+    thread, rest = st.observers[0], st.observers[1:]
+    assert isinstance(thread, ObserverThread) and thread.observers == [alerter, steps_file]
+    assert rest == [on_training_thread]  # closed after the alerts' last ones reached W&B / loggers
+    for step in range(3):
+        for obs in st.observers:
+            obs.on_step(_report(step))
+    for obs in st.observers:
+        obs.close("complete")
+    assert alerter._thread is None  # no thread of its own: checked on the observer thread
+    assert (tmp_path / "steps.jsonl").read_text().count("\n") == 3

@@ -103,8 +103,19 @@ class AlertObserver:
     def on_step(self, report: Any) -> None:
         self._put(("step", report))
 
+    def run_inline(self) -> None:
+        """Check and deliver on the calling thread from now on, with no thread of its own: for
+        a caller that already calls it off the training thread (the integrations' observer
+        thread, integrations/_observer_thread.py), so that one thread wakes, not two."""
+        self._inline = True
+
+    _inline = False
+
     def _put(self, item: tuple[str, Any]) -> None:
         """The training thread's whole part: queue the item (the report is final once given)."""
+        if self._inline:
+            self._handle(item)
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="charllm-alerts", daemon=True)
             self._thread.start()
@@ -121,15 +132,18 @@ class AlertObserver:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            kind, payload = item
-            try:
-                if kind == "rank_info":
-                    self.detector.set_rank_info(payload)
-                else:
-                    for alert in self.detector.check(payload):
-                        self._deliver(alert)
-            except Exception:  # alerts never stop training; the next step is checked as usual
-                log.exception("charllm: alert check of a %s failed", kind)
+            self._handle(item)
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        try:
+            if kind == "rank_info":
+                self.detector.set_rank_info(payload)
+            else:
+                for alert in self.detector.check(payload):
+                    self._deliver(alert)
+        except Exception:  # alerts never stop training; the next step is checked as usual
+            log.exception("charllm: alert check of a %s failed", kind)
 
     def _deliver(self, alert: dict[str, Any]) -> None:
         alert["wall_ns"] = time.time_ns()

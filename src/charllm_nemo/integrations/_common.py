@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import CharllmError, ConfigError
 from charllm_nemo.telemetry.config import TelemetryConfig
 
 if TYPE_CHECKING:
@@ -247,7 +249,10 @@ def open_step_telemetry(
         "telemetry": asdict(cfg),
         **(dict(run_config) if run_config else {}),
     }
-    session = open_session(cfg, placement, run_config=config)
+    try:
+        session = open_session(cfg, placement, run_config=config)
+    except CharllmError as exc:
+        raise in_keywords(exc, OWNERS.get(framework, "open_step_telemetry")) from exc
     obs: list[Any] = list(observers)
     if placement.rank == 0:
         if opts.steps_file:
@@ -255,7 +260,7 @@ def open_step_telemetry(
         if opts.console:
             obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
-            obs.append(_wandb_observer(wandb_config, out_dir))
+            obs.append(_wandb_observer(wandb_config, out_dir, config, session))
     alerts_on = bool(opts.alerts)
     if alerts_on and placement.rank == 0:
         from charllm_nemo.alerts import AlertsConfig, alert_observer
@@ -293,9 +298,85 @@ def open_step_telemetry(
     return st, out_dir
 
 
-def _wandb_observer(wandb_config: Any, out_dir: str) -> Any:
-    """Our W&B sink (charllm_nemo.sinks) as an observer; ``wandb_config``: a LoggerConfig (None:
-    the defaults with name ``wandb``)."""
+OWNERS = {
+    "nemo": "PowerThermalCallback",
+    "lightning": "PowerThermalCallback",
+    "megatron-bridge": "PowerThermalBridgeCallback",
+    "megatron-lm": "MegatronLMTelemetry",
+}
+"""The class a user wrote for each ``framework`` of :func:`open_step_telemetry`: its errors say so."""
+
+# How the store and the session name an option for `charllm train` / `charllm telemetry`, and
+# how a user of the integrations wrote it (the keyword).
+_CLI_SPELLINGS = (
+    (re.compile(r"telemetry\.out_dir=\.\.\. / --out DIR"), "out_dir=..."),
+    (re.compile(r"telemetry\.overwrite=true / --overwrite"), "overwrite=True"),
+    (re.compile(r"--out / telemetry\.out_dir|telemetry\.out_dir / --out"), "out_dir"),
+    (re.compile(r"--out DIR"), "out_dir=..."),
+    (re.compile(r"--overwrite\b"), "overwrite=True"),
+    (re.compile(r"telemetry\.(\w+)=true\b"), r"\1=True"),
+    (re.compile(r"telemetry\.(\w+)=false\b"), r"\1=False"),
+    (re.compile(r"telemetry\.(\w+)"), r"\1"),
+)
+
+
+def in_keywords(exc: CharllmError, owner: str) -> CharllmError:
+    """``exc`` again (same class), its message in the integration's words: ``<owner>: ``
+    first, and the options named as the keywords the user gave (``out_dir=...``,
+    ``overwrite=True``), not as ``charllm train``'s ``telemetry.out_dir`` or the CLI's ``--out``,
+    which the store and the session say. ``exc`` itself when its class takes no plain message."""
+    message = str(exc)
+    for pattern, keyword in _CLI_SPELLINGS:
+        message = pattern.sub(keyword, message)
+    if not message.startswith(f"{owner}: "):
+        message = f"{owner}: {message}"
+    try:
+        return type(exc)(message)
+    except TypeError:
+        return exc
+
+
+TRACEBACK_ENV = "CHARLLM_TRACEBACK"
+"""Set to 1 to see the traceback of a refused option (:func:`quiet_option_errors`)."""
+
+
+def quiet_option_errors() -> None:
+    """Make an integration's refused option, left uncaught, print its message alone.
+
+    A bad keyword of ``run.Config(PowerThermalCallback, hz=0)`` fails when NeMo-Run / Fiddle
+    builds the recipe; uncaught, Python printed ~90 lines of Fiddle's and NeMo-Run's frames
+    above the one line that says what to change. Installed once (when an integration module is
+    imported), this ``sys.excepthook`` prints only a :class:`ConfigError` whose message starts
+    with an integration's name (:data:`OWNERS`), with the notes a framework added (Fiddle's
+    one line of where), then how to see the traceback (``CHARLLM_TRACEBACK=1``); every other
+    exception goes to the hook that was there before, untouched."""
+    previous = sys.excepthook
+    if getattr(previous, "charllm_quiet", False):
+        return
+
+    def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        ours = isinstance(value, ConfigError) and str(value).startswith(
+            tuple(f"{o}: " for o in {*OWNERS.values(), "open_step_telemetry"})
+        )
+        if not ours or os.environ.get(TRACEBACK_ENV) == "1":
+            previous(etype, value, tb)
+            return
+        notes = [n for n in getattr(value, "__notes__", ()) if isinstance(n, str)]
+        lines = [f"{etype.__name__}: {value}", *notes, f"({TRACEBACK_ENV}=1 shows the traceback)"]
+        sys.stderr.write("\n".join(lines) + "\n")
+
+    hook.charllm_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _wandb_observer(wandb_config: Any, out_dir: str, config: Mapping[str, Any], session: Any) -> Any:
+    """Our W&B sink (charllm_nemo.sinks), started, as an observer; ``wandb_config``: a
+    LoggerConfig (None: the defaults with name ``wandb``). ``start`` gets the run's config (the
+    integration's options, the telemetry config) and this rank's manifest as it stands: a copy,
+    since ``wandb.init`` runs later on the sink's thread while the session goes on writing it.
+    Without ``start`` every later call is refused (``start() has not run``): nothing reaches W&B."""
+    import copy
+
     from charllm_nemo.sinks.config import LoggerConfig, build_sink
     from charllm_nemo.steps import WandbObserver
 
@@ -303,6 +384,7 @@ def _wandb_observer(wandb_config: Any, out_dir: str) -> Any:
     sink = build_sink(cfg, 0, run_dir=out_dir)
     if sink is None:
         raise ConfigError("log_to='wandb' but the logger config builds no W&B sink; set its name to 'wandb'")
+    sink.start(copy.deepcopy(dict(config)), copy.deepcopy(dict(session.manifest)))
     return WandbObserver(sink, run_dir=out_dir)
 
 

@@ -20,14 +20,19 @@ What they cost the training thread otherwise (NeMo's llama3 recipe shrunk,
 
 The thread still takes the training process's GIL while it works; on a GPU the training thread
 spends most of a step outside the GIL (waiting for CUDA), on a CPU-bound tiny model it does not
-(docs/integrations.md, "Overhead").
+(docs/integrations.md, "Overhead"). So it wakes seldom: the training thread appends the report
+to a deque and signals the thread only once :data:`BATCH` reports wait or :data:`MAX_DELAY_S`
+passed since the last signal (checked at the append: no timer runs), and the thread then takes
+them all. Every wake of a thread costs the training thread a GIL hand-over and a context
+switch; the alert checks (charllm_nemo.alerts) run on this same thread (:meth:`AlertObserver.
+run_inline`) rather than on a second one that woke every step too.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -39,7 +44,16 @@ MAX_QUEUED = 4096
 """Reports waiting for the logging thread beyond which a report is dropped (and counted): a
 logger stuck for that many steps must not grow the training process's memory without bound."""
 
+BATCH = 8
+"""Reports that wait before the training thread wakes the observer thread."""
+MAX_DELAY_S = 0.5
+"""... or seconds since it last woke it, whichever comes first: with slow steps a report still
+reaches steps.jsonl and the loggers within about a step plus this (a rank killed outright,
+SIGKILL, loses from steps.jsonl the reports still waiting: at most BATCH steps or this long;
+their windows and samples are in the store)."""
+
 _STOP = object()
+_RANK_INFO = "rank_info"
 
 
 def thread_safe_logger(logger: Any) -> bool:
@@ -96,30 +110,59 @@ class ThreadedLoggersObserver(LoggersObserver):
 
 
 class ObserverThread:
-    """Observers run on a thread of their own, in order; ``on_step`` is one queue put.
-    ``close(status)`` waits for the queued reports (up to 30 s), then closes each observer on
+    """Observers run on a thread of their own, in order; ``on_step`` is a deque append (and, once
+    every :data:`BATCH` reports or :data:`MAX_DELAY_S`, an event set: module doc).
+    ``on_rank_info`` is passed on, in order, to the observers that take it. ``close(status)``
+    wakes the thread, waits for the queued reports (up to 30 s), then closes each observer on
     the calling thread. Beyond ``max_queued`` waiting reports (an observer stuck), a report is
-    dropped and counted; an observer that raises is logged once and counted, the others go on."""
+    dropped and counted; an observer that raises is logged once and counted, the others go on.
+    ``batch`` / ``max_delay_s``: None takes the module's values (read when made)."""
 
-    def __init__(self, observers: list[Any], max_queued: int = MAX_QUEUED) -> None:
+    def __init__(
+        self,
+        observers: list[Any],
+        max_queued: int = MAX_QUEUED,
+        batch: int | None = None,
+        max_delay_s: float | None = None,
+    ) -> None:
         self.observers = list(observers)
         self.max_queued = max_queued
+        self.batch = max(1, int(BATCH if batch is None else batch))
+        self.max_delay_s = float(MAX_DELAY_S if max_delay_s is None else max_delay_s)
         self.dropped = 0
         self.failed = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.wakes = 0  # times the training thread woke the thread (for the benchmark)
+        self._pending: deque[Any] = deque()  # append / popleft: safe across two threads
+        self._wake = threading.Event()
+        self._last_wake = time.monotonic()
+        self._since = 0
         self._thread = threading.Thread(target=self._run, name="charllm-observers", daemon=True)
         self._thread.start()
 
     def on_step(self, report: Any) -> None:
-        if self._queue.qsize() >= self.max_queued:
+        if len(self._pending) >= self.max_queued:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("charllm: step observers fell %d steps behind; reports dropped", self.max_queued)
             return
-        self._queue.put(report)
+        self._pending.append(report)
+        self._since += 1  # reports since the last signal (not the deque's length: the thread may lag)
+        if self._since >= self.batch or time.monotonic() - self._last_wake >= self.max_delay_s:
+            self._signal()
+
+    def on_rank_info(self, infos: list[dict[str, Any]]) -> None:
+        self._pending.append((_RANK_INFO, infos))
+        self._signal()
+
+    def _signal(self) -> None:
+        self._since = 0
+        self._last_wake = time.monotonic()
+        self.wakes += 1
+        self._wake.set()
 
     def close(self, status: str) -> None:
-        self._queue.put(_STOP)
+        self._pending.append(_STOP)
+        self._wake.set()
         self._thread.join(timeout=30.0)
         if self._thread.is_alive():
             log.warning("charllm: step observers did not take the last reports within 30 s; left open")
@@ -136,13 +179,25 @@ class ObserverThread:
 
     def _run(self) -> None:
         while True:
-            report = self._queue.get()
-            if report is _STOP:
-                return
-            for obs in self.observers:
-                try:
-                    obs.on_step(report)
-                except Exception:
-                    self.failed += 1
-                    if self.failed == 1:
-                        log.exception("charllm: observer %s failed on a step report", type(obs).__name__)
+            self._wake.wait()
+            self._wake.clear()  # before draining: a report appended from now on wakes it again
+            while self._pending:
+                item = self._pending.popleft()
+                if item is _STOP:
+                    return
+                self._dispatch(item)
+
+    def _dispatch(self, item: Any) -> None:
+        rank_info = isinstance(item, tuple) and len(item) == 2 and item[0] == _RANK_INFO
+        for obs in self.observers:
+            try:
+                if rank_info:
+                    fn = getattr(obs, "on_rank_info", None)
+                    if fn is not None:
+                        fn(item[1])
+                else:
+                    obs.on_step(item)
+            except Exception:
+                self.failed += 1
+                if self.failed == 1:
+                    log.exception("charllm: observer %s failed on a step report", type(obs).__name__)

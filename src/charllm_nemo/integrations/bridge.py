@@ -35,6 +35,7 @@ from charllm_nemo.integrations._common import (
     loss_of,
     open_step_telemetry,
     options_signature,
+    quiet_option_errors,
 )
 from charllm_nemo.integrations.megatron_lm import StepBoundaryTimers, _default_device, _num_microbatches
 
@@ -202,3 +203,4 @@ def _wandb_log(run: Any) -> Any:
 
 
 PowerThermalBridgeCallback.__signature__ = options_signature(PowerThermalBridgeCallback.__init__)  # type: ignore[attr-defined]
+quiet_option_errors()  # a refused option, left uncaught, prints its message alone

@@ -40,7 +40,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from charllm_nemo.integrations._common import IntegrationOptions, open_step_telemetry, options_signature
+from charllm_nemo.integrations._common import (
+    IntegrationOptions,
+    open_step_telemetry,
+    options_signature,
+    quiet_option_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -349,3 +354,4 @@ def _default_device() -> str:
 
 
 MegatronLMTelemetry.__signature__ = options_signature(MegatronLMTelemetry.__init__)  # type: ignore[attr-defined]
+quiet_option_errors()  # a refused option, left uncaught, prints its message alone

@@ -37,6 +37,7 @@ from charllm_nemo.integrations._common import (
     loss_of,
     open_step_telemetry,
     options_signature,
+    quiet_option_errors,
 )
 from charllm_nemo.integrations._observer_thread import ObserverThread, ThreadedLoggersObserver
 
@@ -209,7 +210,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._loggers = None  # closed (its last reports logged) by st.finish
         if st is not None:
             try:
-                st.finish(status)
+                # the manifest's word (``terminated`` after a SIGTERM, whatever Lightning's
+                # exception made of it): summary.json says the same
+                status = st.finish(status) or status
             finally:
                 summary, self._summary = self._summary, None
                 if summary is not None and self.run_dir is not None:
@@ -374,16 +377,31 @@ class _SummaryRows:
             log.error("charllm: could not write summary.json in %s: %s", run_dir, exc.strerror or exc)
 
 
+MERGE_ALERTS = True
+"""Run the alert checks on the observer thread (not a thread of their own): one thread wakes."""
+
+
 def _observers_off_thread(st: Any) -> None:
-    """Rank 0's ``steps.jsonl`` and trainer's-loggers observers onto one :class:`ObserverThread`
-    (their write and scalars off the training thread; integrations/_observer_thread.py), after
-    the others (the alert observer stays first: closed first, its last alerts reach the loggers
-    open)."""
+    """Rank 0's ``steps.jsonl``, trainer's-loggers and alert observers onto one
+    :class:`ObserverThread` (their work off the training thread, and one thread to wake, seldom:
+    integrations/_observer_thread.py), where the first of them was (the alert observer is
+    first: closed first, its last alerts reach the loggers and the W&B sink still open)."""
+    from charllm_nemo.alerts import AlertObserver
     from charllm_nemo.steps import StepsFileObserver
 
-    moved = [o for o in st.observers if isinstance(o, (StepsFileObserver, ThreadedLoggersObserver))]
-    if moved:
-        st.observers = [o for o in st.observers if all(o is not m for m in moved)] + [ObserverThread(moved)]
+    kinds: tuple[type, ...] = (StepsFileObserver, ThreadedLoggersObserver)
+    if MERGE_ALERTS:
+        kinds += (AlertObserver,)
+    moved = [o for o in st.observers if isinstance(o, kinds)]
+    if not moved:
+        return
+    for o in moved:
+        if isinstance(o, AlertObserver):
+            o.run_inline()
+    at = next(i for i, o in enumerate(st.observers) if o is moved[0])
+    rest = [o for o in st.observers if all(o is not m for m in moved)]
+    st.observers = [*rest[:at], ObserverThread(moved), *rest[at:]]
 
 
 PowerThermalCallback.__signature__ = options_signature(PowerThermalCallback.__init__)
+quiet_option_errors()  # a refused option, left uncaught, prints its message alone

@@ -237,6 +237,7 @@ class StepTelemetry:
         self._phases: dict[str, _Phase] = {}
         self._step: int | None = None
         self._finished = False
+        self._final_status = "running"  # how the run ended, once finish() has said it
         self.last: StepOutcome | None = None
         """Every rank: its last ended step (:class:`StepOutcome`)."""
         self.steps_ended = 0
@@ -288,7 +289,7 @@ class StepTelemetry:
             props = self._torch.cuda.get_device_properties(self._torch.cuda.current_device())
             name, units = props.name, props.multi_processor_count
         try:
-            return StepRates.for_model(
+            rates = StepRates.for_model(
                 model,
                 global_batch_size,
                 self._global_world_size(),
@@ -302,6 +303,15 @@ class StepTelemetry:
         except ConfigError as exc:  # a rate error must not stop training; the rates stay absent
             log.warning("charllm: no throughput or MFU: %s", exc)
             return None
+        if rates.peak_tflops_per_gpu is None and self.is_reporting_rank:  # MFU null: said once, how to fix
+            log.warning(
+                "charllm: no MFU: the peak TFLOP/s of %s at %s is not known; tokens/s and TFLOP/s "
+                "are reported, MFU stays null. Give peak_tflops_per_gpu=<TFLOP/s of one device> "
+                "to compute it",
+                repr(name) if name else f"this {'CUDA device' if self.cuda else 'CPU'}",
+                precision,
+            )
+        return rates
 
     # -- what a training loop calls ----------------------------------------------------------
     def timers(self, inner: Any = None) -> Any:
@@ -407,30 +417,35 @@ class StepTelemetry:
 
     def finish(
         self, status: str = "complete", timeout_s: float | None = None, *, close_session: bool = True
-    ) -> None:
+    ) -> str:
         """Training ended. ``complete``: wait for the last steps' figures (all within
         ``timeout_s``; None: a few sampling periods, 2-5 s), one more gather each, report them.
         Any other status (``interrupted``, ``terminated``, ``failed``) reports nothing more and
         gathers nothing (another rank may be gone). Then the session is closed with ``status``
         (``close_session``; its files are final before the observers' close uploads them), and
-        the observers. Idempotent."""
+        the observers. Returns how the run ended as the manifest says it: the session's word,
+        which wins over ``status`` (``terminated`` after a SIGTERM, ``disk_full``), so that a
+        caller's own files (summary.json) say the same. Idempotent: a second call returns the
+        first one's."""
         if self._finished:
-            return
+            return self._final_status
         self._finished = True
+        self._final_status = status
         try:
             if status == "complete":
                 self._drain(self._final_wait_s if timeout_s is None else max(0.0, float(timeout_s)))
         finally:
             try:
                 if close_session and self.session is not None:
-                    self.session.close(status)
+                    self._final_status = self.session.close(status) or status
             finally:
                 for i, obs in enumerate(self.observers):
                     try:
-                        obs.close(status)
+                        obs.close(self._final_status)
                     except Exception:
                         log.exception("charllm: observer %s failed to close", type(obs).__name__)
                         self._broken.add(i)
+        return self._final_status
 
     @property
     def unmatched_marks(self) -> int:

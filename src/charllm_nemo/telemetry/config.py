@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
@@ -261,6 +262,16 @@ def _out_dir_path_problem(out_dir: str) -> str | None:
         return (
             f"telemetry.out_dir={out_dir!r} cannot be written: {str(existing)!r} is not writable by this "
             "user; give another directory, or fix its permissions"
+        )
+    # os.access answers for the permission bits only: root may "write" /proc or a read-only
+    # mount, which then refuses the run's first folder after the model is built. One empty
+    # folder made and removed at once asks the file system itself.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".charllm-probe-", dir=existing))
+    except OSError as exc:
+        return (
+            f"telemetry.out_dir={out_dir!r} cannot be written: {str(existing)!r} refuses a new folder "
+            f"({exc.strerror or exc}); give a directory on a writable file system"
         )
     return None
 
