@@ -320,3 +320,30 @@ def test_a_refused_option_left_uncaught_prints_its_message_alone(tmp_path: Path,
         assert lines[1] == "(CHARLLM_TRACEBACK=1 shows the traceback)", proc.stderr
     else:  # asked for, or not one of ours: the traceback as Python prints it
         assert lines[0] == "Traceback (most recent call last):", proc.stderr
+
+
+def test_the_integrations_judge_tensor_expert_context_layouts_as_coupled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # #41: in tp/ep/cp layouts the collectives sit inside the phases, so the alerts must not
+    # compare ranks by time alone; the integrations read that from megatron-core's parallel state
+    import sys
+    from types import SimpleNamespace
+
+    from charllm_nemo.integrations._common import collectives_in_phases
+
+    def state(tp: int, cp: int, ep: int, ready: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_parallel_is_initialized=lambda: ready,
+            get_tensor_model_parallel_world_size=lambda: tp,
+            get_context_parallel_world_size=lambda: cp,
+            get_expert_model_parallel_world_size=lambda: ep,
+        )
+
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    assert collectives_in_phases() is False  # no megatron-core loaded: data parallel as before
+    for sizes, want in [((1, 1, 1), False), ((2, 1, 1), True), ((1, 2, 1), True), ((1, 1, 2), True)]:
+        monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state(*sizes))
+        assert collectives_in_phases() is want, sizes
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state(2, 1, 1, ready=False))
+    assert collectives_in_phases() is False

@@ -214,6 +214,24 @@ class LoggersObserver:
             )
 
 
+def collectives_in_phases() -> bool:
+    """Whether this job's tensor, expert or context parallel collectives sit inside the forward
+    and backward phases (docs/alerts.md, "Culprit or victim"): read from megatron-core's
+    parallel state when the framework has initialised it (never imported here: a framework that
+    did not load it has none of these groups), else False."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return False
+    try:
+        if not ps.model_parallel_is_initialized():
+            return False
+        sizes = [ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()]
+        sizes.append(ps.get_expert_model_parallel_world_size())
+    except Exception:  # an older or partial megatron-core: judge as data parallel, as before
+        return False
+    return any(int(n or 1) > 1 for n in sizes)
+
+
 def open_step_telemetry(
     opts: IntegrationOptions,
     placement: Placement,
@@ -270,7 +288,13 @@ def open_step_telemetry(
         hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
         if on_alert is not None:
             hooks.append(on_alert)
-        alerter = alert_observer(alerts_config or AlertsConfig(), run_dir=out_dir, sink=sink, hooks=hooks)
+        alerter = alert_observer(
+            alerts_config or AlertsConfig(),
+            run_dir=out_dir,
+            sink=sink,
+            hooks=hooks,
+            collectives_in_phases=collectives_in_phases(),
+        )
         if alerter is not None:  # first: closed first, its last queued alerts reach the others open
             obs.insert(0, alerter)
     try:
