@@ -72,9 +72,10 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
     import pyarrow.parquet as pq
 
     from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import write_with
 
-    progress.stage(f"starting Spark (master {args.spark_master or 'local[*]'})")
+    progress.stage(f"starting Spark (master {printable(args.spark_master or 'local[*]')})")
     try:
         session = spark_session(args.spark_master)
     except ImportError as exc:
