@@ -16,6 +16,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "redact": 0,
     "_exports": 0,
+    "progress": 0,
     "devices": 1,
     "metrics": 1,
     "telemetry": 2,

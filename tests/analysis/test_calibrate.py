@@ -84,3 +84,24 @@ def test_calibrate_refuses_a_linked_table(tmp_path: Path, capsys: pytest.Capture
     link.symlink_to(target)
     assert main(["calibrate-energy", str(sweep(tmp_path / "sweep")), "--write", str(link)]) == 2
     assert json.loads(target.read_text()) == {"keep": True}
+
+
+def test_calibrate_changes_the_package_table_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from charllm_nemo.analysis import calibrate
+
+    # The real path is recognised (a source checkout's tracked file) ...
+    real = calibrate.package_table_path()
+    assert real.name == "energy_calibration.json" and calibrate._is_package_table(real)
+    # ... and a stand-in for it is left alone without --update-package-table.
+    own = tmp_path / "pkg" / "energy_calibration.json"
+    own.parent.mkdir()
+    own.write_text(json.dumps({"platforms": {}}))
+    monkeypatch.setattr(calibrate, "package_table_path", lambda: own)
+    runs = str(sweep(tmp_path / "sweep"))
+    assert main(["calibrate-energy", runs, "--write", str(own)]) == 2
+    assert "--update-package-table" in capsys.readouterr().err
+    assert json.loads(own.read_text()) == {"platforms": {}}
+    assert main(["calibrate-energy", runs, "--write", str(own), "--update-package-table"]) == 0
+    assert SYNTH in energy_model.load_table(own.read_text())

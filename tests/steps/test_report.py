@@ -55,3 +55,11 @@ def test_mfu_says_how_it_counted_attention_on_the_console_and_in_the_rows() -> N
     unknown_peak = StepReport(step=0, loss=None, step_time_s=0.5)
     StepRates(4e12, 4, 1024, 2).fill(unknown_peak)
     assert unknown_peak.mfu is None and "MFU n/a" in format_report(unknown_peak, None, 2)
+
+
+def test_the_console_numbers_steps_from_0_as_the_files_do() -> None:
+    # steps.jsonl, windows, alerts and inspect say step 2; the console says it too, then the count done
+    r = StepReport(step=2, loss=1.0, step_time_s=0.5)
+    assert format_report(r, 5, 1).startswith("step 2 (3/5) | ")
+    assert format_report(r, None, 1).startswith("step 2 | ")
+    assert r.to_dict()["step"] == 2

@@ -209,3 +209,54 @@ def test_an_attempt_that_never_reached_a_scheduler_runs_again(tmp_path: Path, fa
     assert app.main(args) == 0
     assert _attempts(sweep)["micro_batch_size-1"] == [(1, "done"), (2, "pending"), (3, "done")]
     assert _attempts(sweep)["micro_batch_size-2"] == [(1, "done")]
+
+
+def test_the_wait_for_a_sweeps_jobs_says_how_many_ended_and_how_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The launchers' own poll loop (SLURM's and submitit_local's are one) over two jobs that end on
+    # the 2nd and 4th poll: progress lines name the stage, the count ended and the states left.
+    import submitit
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import JobReturn
+
+    from hydra_plugins.charllm_sweeps import launchers
+
+    class Job:
+        def __init__(self, job_id: str, ends_after: int) -> None:
+            self.job_id, self.polls, self.ends_after = job_id, 0, ends_after
+
+        @property
+        def state(self) -> str:
+            return "RUNNING" if self.polls else "PENDING"
+
+        def done(self) -> bool:
+            self.polls += 1
+            return self.polls >= self.ends_after
+
+        def results(self) -> list[JobReturn]:
+            return [JobReturn()]
+
+    def fake_map_array(executor: Any, fn: Any, *iterables: Any) -> list[Any]:
+        return [Job("7_0", 2), Job("7_1", 4)]
+
+    monkeypatch.setenv("CHARLLM_PROGRESS_EVERY_S", "0")  # every stage and count, at once
+    monkeypatch.setattr(launchers, "POLL_S", 0.0)
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", fake_map_array)
+    app.register_resolvers()
+    overrides = ["+sweep=cpu_microbatch", "hydra/launcher=local_2ranks", f"sweep.dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(app.find_conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    params: dict[str, Any] = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)  # type: ignore[assignment]
+    params.pop("_target_")
+    params["submitit_folder"] = str(tmp_path / "submitit" / "%j")
+    launcher = launchers.CharllmLocalLauncher(**params)
+    launcher.config = cfg
+    launcher.launch([["batch.micro_batch_size=1"], ["batch.micro_batch_size=2"]], initial_job_idx=0)
+    err = capsys.readouterr().err
+    assert "charllm sweep: submitting 2 job(s) to submitit_local" in err
+    assert "charllm sweep: waiting for the jobs on submitit_local: 0/2 ended" in err
+    assert "waiting for the jobs on submitit_local: 1/2 ended (RUNNING 1)" in err
+    assert "waiting for the jobs on submitit_local: 2/2 ended" in err and "so far" in err

@@ -72,6 +72,12 @@ def test_overrides_reach_every_section() -> None:
     assert (cfg.launch.nproc, cfg.batch.global_batch_size, cfg.data.seed) == (2, 8, 7)
 
 
+def test_the_dry_runs_energy_platform_is_a_key_of_the_command_line() -> None:
+    # docs/compare-energy.md's `launch.platform="NVIDIA H200"`: Hydra refused the key (not in struct)
+    assert app.load([]).launch.platform is None
+    assert app.load(["launch.platform=NVIDIA H200"]).launch.platform == "NVIDIA H200"
+
+
 def test_nproc_shorthand_and_launcher_group() -> None:
     assert app.load(["nproc=4"]).launch.nproc == 4
     assert app.load(["launch.nproc=3"]).launch.nproc == 3

@@ -718,3 +718,14 @@ def test_a_float_step_count_from_the_command_line_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"batch\.train_steps"):
         app.load(["model=tiny_gpt", "batch.train_steps=1e23"])
+
+
+def test_profile_steps_the_loop_never_reaches_are_refused_with_the_range_that_runs() -> None:
+    # 5 steps run as 0..4: steps 5 and 6 would be traced by nobody, silently (the docs' old example)
+    cfg = cfg_for(train_steps=5)
+    cfg.telemetry.profile_steps = [5, 6]
+    found = one(cfg, device="cpu")
+    assert "telemetry.profile_steps=[5, 6]" in found and "runs steps 0..4" in found
+    assert "batch.train_steps=7" in found
+    cfg.telemetry.profile_steps = [3, 4]  # the last two steps of five: valid
+    assert validate(cfg, world_size=1, device="cpu").world_size == 1

@@ -31,6 +31,7 @@ from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
+from charllm_nemo.progress import Progress
 from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, open_parquet
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, write_text, write_with
@@ -126,12 +127,17 @@ def _with(table: pa.Table, **consts: Any) -> pa.Table:
     return table
 
 
-def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> Analysis:
+def analyze(
+    path: str | os.PathLike[str], windows_out: Path | None = None, progress: Progress | None = None
+) -> Analysis:
     """Analyse every run at or below ``path``. ``windows_out``: where the full per-window table
-    (Parquet) is streamed; None keeps nothing but the columns the findings need. Raises
-    StoreError only when there is no run at all; anything else becomes a line of ``problems``."""
+    (Parquet) is streamed; None keeps nothing but the columns the findings need; ``progress``:
+    told how many runs are read (charllm_nemo/progress.py). Raises StoreError only when there is
+    no run at all; anything else becomes a line of ``problems``."""
     root = Path(path)
     run_dirs = find_runs(root)
+    if progress is not None:
+        progress.stage("reading and attributing the runs", total=len(run_dirs), unit="runs")
     runs: list[Run] = []
     problems: list[str] = []
     infos, devices, spans, kept = [], [], [], []
@@ -169,6 +175,8 @@ def analyze(path: str | os.PathLike[str], windows_out: Path | None = None) -> An
             if n_ranks == 0:
                 run.problems.append(f"{run.path}: no rank has samples; the run has no figures")
             problems.extend(run.problems)
+            if progress is not None:
+                progress.update(len(runs))
     except BaseException:
         if out_file is not None:
             out_file.discard()

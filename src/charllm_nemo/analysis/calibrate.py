@@ -104,7 +104,7 @@ def calibrate(path: str | Path, fitted_from: str | None = None) -> tuple[dict[st
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Print the fitted models; with ``--write FILE`` merge them into that table (the package's
-    own: src/charllm_nemo/metrics/energy_calibration.json)."""
+    own, src/charllm_nemo/metrics/energy_calibration.json, only with ``--update-package-table``)."""
     from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
     from charllm_nemo.telemetry.write import write_bytes
 
@@ -128,6 +128,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     if args.write:
         out = Path(args.write)
+        if _is_package_table(out) and not args.update_package_table:
+            # the installed package's own file (tracked in git in a checkout): never changed by accident
+            print(
+                f"charllm calibrate-energy: --write {printable(out)} is the package's own table, which "
+                "every dry run reads; write a file of your own (--write my-calibration.json), or add "
+                "--update-package-table to refit the package's table on purpose",
+                file=sys.stderr,
+            )
+            return 2
         try:
             merged = load_table(read_bounded(out, 16 * 2**20).decode()) if out.exists() else {}
         except (ValueError, UnsafeFileError) as exc:
@@ -142,11 +151,33 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_table_path() -> Path:
+    """The package's own calibration table, metrics/energy_calibration.json (what dry runs read)."""
+    from importlib import resources
+
+    return Path(str(resources.files("charllm_nemo.metrics").joinpath(TABLE_FILE)))
+
+
+def _is_package_table(path: Path) -> bool:
+    try:
+        return path.resolve() == package_table_path().resolve()
+    except OSError:
+        return False
+
+
 def add_command(sub: Any) -> None:
     c = sub.add_parser("calibrate-energy", help="fit the dry run's energy model on measured runs (a sweep)")
     c.add_argument("path", help="a sweep directory or any folder of runs")
     c.add_argument(
-        "--write", metavar="FILE", help=f"merge the fit into this table (the package's: metrics/{TABLE_FILE})"
+        "--write",
+        metavar="FILE",
+        help="merge the fit into this table (a file of your own; the package's own table, "
+        f"metrics/{TABLE_FILE}, only with --update-package-table)",
+    )
+    c.add_argument(
+        "--update-package-table",
+        action="store_true",
+        help=f"allow --write to change the package's own metrics/{TABLE_FILE}, which dry runs read",
     )
     c.add_argument("--label", help="what the fit was made from, kept in the table (default: PATH)")
     c.set_defaults(func=cmd_calibrate)

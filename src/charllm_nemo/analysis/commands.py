@@ -12,6 +12,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from charllm_nemo.progress import Progress
+
 if TYPE_CHECKING:
     from charllm_nemo.analysis.energy import GridIntensity
 
@@ -39,14 +41,17 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from charllm_nemo.analysis.analyze import analyze, to_jsonable, write_tables
 
     out = _out_dir(args)
-    if args.engine == "spark":
-        return _analyze_on_spark(args, out)
-    analysis = analyze(args.path, out / "windows.parquet")
-    written = write_tables(analysis, out, True if args.windows_csv else None)
-    if not args.no_figures:
-        from charllm_nemo.analysis.figures import write_figures
+    with Progress("charllm analyze") as progress:
+        if args.engine == "spark":
+            return _analyze_on_spark(args, out, progress)
+        analysis = analyze(args.path, out / "windows.parquet", progress)
+        progress.stage("writing the tables")
+        written = write_tables(analysis, out, True if args.windows_csv else None)
+        if not args.no_figures:
+            from charllm_nemo.analysis.figures import write_figures
 
-        written += write_figures(analysis, out / "figures")
+            progress.stage("drawing the figures")
+            written += write_figures(analysis, out / "figures")
     if args.format == "json":
         json.dump(to_jsonable(analysis), sys.stdout, indent=1, default=str)
         print()
@@ -60,22 +65,27 @@ MAX_PRINTED_PROBLEMS = 50
 """Problems printed to the terminal (20,000 empty rank folders make 20,000; the file has all)."""
 
 
-def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
+def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -> int:
     """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
     (analysis/spark.py), written as Parquet and CSV into ``out``."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
     from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import write_with
 
+    progress.stage(f"starting Spark (master {printable(args.spark_master or 'local[*]')})")
     try:
         session = spark_session(args.spark_master)
     except ImportError as exc:
         print(f"charllm analyze: {exc}", file=sys.stderr)
         return 2
+    progress.stage("listing the store's segments for Spark")
     tables = spark_tables(session, args.path)
-    for name in ("ranks", "nodes", "runs"):
+    for i, name in enumerate(("ranks", "nodes", "runs")):
+        # Spark computes lazily: each table's job runs here, the longest wait of the command
+        progress.stage(f"Spark computes the {name} table ({i + 1} of 3)")
         table = to_arrow(getattr(tables, name))
         write_with(out / f"{name}.parquet", partial(pq.write_table, table))
         write_with(out / f"{name}.csv", partial(pacsv.write_csv, table))
@@ -147,11 +157,15 @@ def cmd_report(args: argparse.Namespace) -> int:
         print("charllm report: --compare needs at least two runs: BASELINE OTHER [...]", file=sys.stderr)
         return 2
     out = _out_dir(args)
-    analysis = analyze(args.path, out / "windows.parquet")
-    write_tables(analysis, out)
-    figures = write_figures(analysis, out / "figures")
     html = Path(args.html) if args.html else out / "report.html"
-    write_report(analysis, [f for f in figures if f.suffix == ".png"], html, str(args.path), options)
+    with Progress("charllm report") as progress:
+        analysis = analyze(args.path, out / "windows.parquet", progress)
+        progress.stage("writing the tables")
+        write_tables(analysis, out)
+        progress.stage("drawing the figures")
+        figures = write_figures(analysis, out / "figures")
+        progress.stage("writing the page")
+        write_report(analysis, [f for f in figures if f.suffix == ".png"], html, str(args.path), options)
     print(f"report: {html}")
     return 0
 

@@ -126,11 +126,14 @@ def format_report(r: StepReport, total_steps: int | None, world_size: int, *, sy
     """Rank 0's console line for one step: the step, then the part of every field of
     charllm_nemo.telemetry.figures ``STEP_FIELDS`` that has one, in that order (MFU says how it
     counts attention: ``full attn`` / ``causal attn``, telemetry.attention_flops);
-    ``synthetic``: power is modelled, and the line says so."""
+    ``synthetic``: power is modelled, and the line says so.
+
+    Steps are numbered from 0, as in steps.jsonl, windows, alerts and ``charllm inspect``; the
+    ``(n/total)`` after the number counts the steps done, so the last of 5 reads ``step 4 (5/5)``."""
     row = r.to_dict()
     row["world_size"] = world_size
     row["synthetic"] = synthetic
-    parts = [f"step {r.step + 1}" + ("" if total_steps is None else f"/{total_steps}")]
+    parts = [f"step {r.step}" + ("" if total_steps is None else f" ({r.step + 1}/{total_steps})")]
     parts.extend(p for f in STEP_FIELDS if f.console is not None and (p := f.console(row)) is not None)
     return " | ".join(parts)
 

@@ -325,6 +325,8 @@ class _Checker(ModelChecks):
             ]
         )
         self.one_of("batch.precision", b.precision, PRECISIONS)
+        if ok:
+            self.profile_steps(b.train_steps)
         if p.cp > 1 and m.seq_length % (2 * p.cp):
             ok_cp = [1] + [c for c in divisors(m.seq_length) if c > 1 and m.seq_length % (2 * c) == 0]
             self.add(
@@ -355,6 +357,20 @@ class _Checker(ModelChecks):
                 " or parallel.vpp=null"
             )
         return n
+
+    def profile_steps(self, train_steps: int) -> None:
+        # A step the loop never reaches would be traced by nobody, silently: refuse it instead.
+        chosen = self.cfg.telemetry.profile_steps or []
+        late = sorted({s for s in chosen if isinstance(s, int) and s >= train_steps})
+        if not late:
+            return
+        fit = [s for s in range(max(0, train_steps - 2), train_steps)]
+        self.add(
+            f"telemetry.profile_steps={list(chosen)} names step(s) {late} that never run: "
+            f"batch.train_steps={train_steps} runs steps 0..{train_steps - 1} (steps count from 0); "
+            f"choose steps below {train_steps} (e.g. telemetry.profile_steps={fit}) or set "
+            f"batch.train_steps={max(late) + 1} or more"
+        )
 
     # -- FSDP ----------------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as base
 
+from charllm_nemo.progress import Progress
+
 Submitted = Callable[[list[tuple[list[str], str, str]]], None]
 POLL_S = 3.0
 RESULT_GRACE_S = 3
@@ -41,24 +43,30 @@ class _Reporting:
         original_map_array = executor_cls.map_array
 
         def map_array(executor: Any, fn: Any, *iterables: Any) -> Any:
-            jobs = original_map_array(executor, fn, *iterables)
-            jobs_seen.extend(jobs)
-            if self.on_submitted is not None:
-                overrides = iterables[0]
-                scheduler = "slurm" if self._EXECUTOR == "slurm" else "local"
-                self.on_submitted(
-                    [(list(o), str(j.job_id), scheduler) for o, j in zip(overrides, jobs, strict=True)]
-                )
-            waiting = list(jobs)
-            while waiting:
-                # One sacct call for every job submitted (the watcher is shared), then the cached
-                # states: done(force_check=True) does not pass the force on to a multi-task
-                # job's tasks, which would wait for submitit's own, ever slower, schedule.
-                if jobs and hasattr(jobs[0], "watcher"):
-                    jobs[0].watcher.update()
-                waiting = [j for j in waiting if not j.done()]
-                if waiting:
-                    time.sleep(POLL_S)
+            where = "SLURM" if self._EXECUTOR == "slurm" else "submitit_local"
+            with Progress("charllm sweep") as progress:
+                # A sweep's submission and wait last minutes: say what it does and how far
+                progress.stage(f"submitting {len(iterables[0])} job(s) to {where}")
+                jobs = original_map_array(executor, fn, *iterables)
+                jobs_seen.extend(jobs)
+                if self.on_submitted is not None:
+                    overrides = iterables[0]
+                    scheduler = "slurm" if self._EXECUTOR == "slurm" else "local"
+                    self.on_submitted(
+                        [(list(o), str(j.job_id), scheduler) for o, j in zip(overrides, jobs, strict=True)]
+                    )
+                progress.stage(f"waiting for the jobs on {where}", total=len(jobs), unit="ended")
+                waiting = list(jobs)
+                while waiting:
+                    # One sacct call for every job submitted (the watcher is shared), then the cached
+                    # states: done(force_check=True) does not pass the force on to a multi-task
+                    # job's tasks, which would wait for submitit's own, ever slower, schedule.
+                    if jobs and hasattr(jobs[0], "watcher"):
+                        jobs[0].watcher.update()
+                    waiting = [j for j in waiting if not j.done()]
+                    progress.update(len(jobs) - len(waiting), job_states(waiting))
+                    if waiting:
+                        time.sleep(POLL_S)
             for job in jobs:
                 for one in [job, *getattr(job, "_sub_jobs", [])]:
                     one._results_timeout_s = RESULT_GRACE_S
@@ -84,6 +92,18 @@ class _Reporting:
                 ret._return_value = exc
             returns.append(ret)
         return returns
+
+
+def job_states(jobs: Sequence[Any]) -> str:
+    """``RUNNING 2, PENDING 1`` for the jobs still waited for (submitit's cached states)."""
+    counts: dict[str, int] = {}
+    for job in jobs:
+        try:
+            state = str(job.state)
+        except Exception:  # a state submitit cannot tell yet
+            state = "UNKNOWN"
+        counts[state] = counts.get(state, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 class CharllmSlurmLauncher(_Reporting, base.SlurmLauncher):  # type: ignore[misc]
