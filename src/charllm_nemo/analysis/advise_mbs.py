@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from charllm_nemo.analysis.advise import MBS_TOLERANCE, MIN_GAIN, Advice, NoAdvice, _f
+from charllm_nemo.analysis.advise import MBS_TOLERANCE, MIN_GAIN, Advice, NoAdvice
+from charllm_nemo.telemetry.figures import finite_or_none as _f
 
 MBS_GROUP = ("sweep", "model", "layout", "global_batch_size", "seq_length", "world_size")
 """Runs equal in these (and differing in micro_batch_size) are compared for the micro batch size."""
