@@ -175,22 +175,62 @@ class _Series:
             out[zero] = self.value_at(t0[zero])
         return out
 
-    def extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
-        """ufunc (np.maximum / np.minimum) of the curve over [t0, t1]: the samples with
-        t0 <= t < t1 and the two interpolated edge values. The curve's mean over the window
-        (:meth:`mean`) therefore always lies between its minimum and its maximum: both come from
-        the same piecewise-linear curve. NaN where not covered."""
+    def sampled_extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
+        """ufunc (np.maximum / np.minimum) of the values actually sampled with t0 <= t < t1; NaN
+        where no sample lies inside. Never an interpolated edge: a peak is a value a sensor
+        reported (an edge between a 100 W and a 300 W sample is a guess the device never
+        showed), and a window that holds no sample has no peak. A window reaching outside the
+        sampled span has none either (part of it was not observed at all)."""
+        out = np.full(t0.shape, np.nan)
+        if self.t.size == 0:
+            return out
+        lo = np.searchsorted(self.t, t0, side="left")
+        hi = np.searchsorted(self.t, t1, side="left")
+        inside = (hi > lo) & self.covers(t0, t1)
+        if inside.any():
+            out[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
+        return out
+
+    def trapezoid_bound(self, t0: IntArray, t1: IntArray, gap_ns: float) -> FloatArray:
+        """A bound on |true integral - :meth:`integral`| over each [t0, t1] (value x s).
+
+        Assumes the true curve stays between the values of the two samples around it (no
+        excursion shorter than a sample period: a step or a ramp between two samples). Then over
+        a whole segment the trapezoid errs by at most ``|dv| x dt / 2`` (the truth lies in
+        [min, max] x dt, the trapezoid in the middle), over a part of one by at most
+        ``|dv| x part``. A segment longer than ``gap_ns`` (a sampling gap: the curve there is
+        unknown) makes the bound +inf. NaN where the samples do not bracket the window."""
         out = np.full(t0.shape, np.nan)
         ok = self.covers(t0, t1)
         if not ok.any():
             return out
         a, b = t0[ok], t1[ok]
-        lo = np.searchsorted(self.t, a, side="left")
-        hi = np.searchsorted(self.t, b, side="left")
-        res = ufunc(self.value_at(a, "right"), self.value_at(b, "left"))
-        inside = hi > lo
-        if inside.any():
-            res[inside] = ufunc(res[inside], _range_reduce(ufunc, self.v, lo[inside], hi[inside]))
+        t, v = self.t, self.v
+        dt = np.diff(t).astype(np.float64)
+        dv = np.abs(np.diff(v))
+        gap = dt > gap_ns
+        whole = np.where(gap, 0.0, dv * dt / NS_PER_S * 0.5)
+        cum = np.concatenate(([0.0], np.cumsum(whole)))
+        gaps = np.concatenate(([0], np.cumsum(gap)))
+        i0, f0 = _segment(t, a, "right")
+        i1, f1 = _segment(t, b, "left")
+        ns = float(NS_PER_S)
+
+        def part(i: IndexArray, length: npt.NDArray[np.int64], full: BoolArray) -> FloatArray:
+            return np.asarray(dv[i] * length.astype(np.float64) / ns * np.where(full, 0.5, 1.0))
+
+        same = i0 == i1
+        res = np.empty(a.shape)
+        res[same] = part(i0[same], b[same] - a[same], (f0[same] == 0) & (f1[same] == 1))
+        d = ~same
+        if d.any():
+            j0, j1 = i0[d], i1[d]
+            head = part(j0, t[j0 + 1] - a[d], f0[d] == 0)
+            tail = part(j1, b[d] - t[j1], f1[d] == 1)
+            res[d] = head + (cum[j1] - cum[j0 + 1]) + tail
+        unknown = gaps[i1 + 1] - gaps[i0] > 0
+        res[unknown] = np.inf
+        res[b == a] = 0.0
         out[ok] = res
         return out
 
@@ -247,65 +287,94 @@ that at least one whole counter interval (20-100 ms on NVML) is measured by the 
 def _counter_energy(
     t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int = 2, edges: _Series | None = None
 ) -> FloatArray:
-    """Energy (J) from the counter. With ``edges`` (a power timeline): the counter's exact delta
-    between the first and the last tick inside the window, plus the power timeline's integral
-    from the window's begin to the first tick and from the last tick to its end; this needs no
-    tick outside the window, so a live figure equals the one computed later. Where the edges
-    cannot be integrated (no power timeline): the line through the ticks, interpolated at both
-    ends, which needs a tick at or before the begin and one at or after the end. NaN where
-    fewer than ``min_ticks`` ticks lie inside or the counter decreases (reset) across them."""
-    tt, te = _ticks(*_int_timeline(t, e_mj))
+    """Energy (J) from the counter: :func:`_counter_energy_bounded` without the bound."""
+    return _counter_energy_bounded(t, e_mj, t0, t1, min_ticks, edges)[0]
+
+
+def _counter_energy_bounded(
+    t: IntArray,
+    e_mj: IntArray,
+    t0: IntArray,
+    t1: IntArray,
+    min_ticks: int = 2,
+    edges: _Series | None = None,
+    gap_ns: float = np.inf,
+) -> tuple[FloatArray, FloatArray]:
+    """Energy (J) from the counter, and a bound on its error (J). With ``edges`` (a power
+    timeline): the counter's exact delta between the first and the last tick inside the window,
+    plus the power timeline's integral from the window's begin to the first tick and from the
+    last tick to its end; this needs no tick outside the window, so a live figure equals the one
+    computed later. Where the edges cannot be integrated (no power timeline): the line through
+    the ticks, interpolated at both ends, which needs a tick at or before the begin and one at or
+    after the end. NaN where fewer than ``min_ticks`` ticks lie inside or the counter decreases
+    (reset) across them.
+
+    The bound (docs/attribution.md, *Energy bounds*): a tick is seen at the first read after the
+    counter moved, so the value it shows was published up to one read interval ``g`` before
+    (never more than the counter's update period, and the reads are what is known): the delta
+    between two ticks misses up to ``g x p`` at its start and counts up to ``g x p`` too much at
+    its end, errors of opposite sign, so ``max`` of the two plus 1 mJ of resolution; plus the
+    edges' trapezoid bound (:meth:`_Series.trapezoid_bound`, ``gap_ns``: a longer stretch
+    without a power sample is unbounded). ``p`` is the highest power sampled at the two reads
+    around the tick (the counter's mean over the window where no power is sampled). Without a
+    power timeline each edge may hold anything from 0 to its whole tick interval's delta."""
+    tc, ec = _int_timeline(t, e_mj)
+    tt, te = _ticks(tc, ec)
     out = np.full(t0.shape, np.nan)
+    bound = np.full(t0.shape, np.nan)
     if tt.size < 2:
-        return out
+        return out, bound
     lo = np.searchsorted(tt, t0, side="left")
     hi = np.searchsorted(tt, t1, side="right")  # ticks inside: tt[lo:hi]
     use = (hi - lo) >= max(2, min_ticks)
     if not use.any():
-        return out
+        return out, bound
     first, last = lo[use], hi[use] - 1
     drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
     inner = (te[last] - te[first]).astype(np.float64) / MJ_PER_J  # int64 first, then float
     inner[drops[last] - drops[first] > 0] = np.nan
+    # Timing of each tick: the read before it (in the counter's own non-null reads).
+    prev_t = tc[np.maximum(np.searchsorted(tc, tt, side="left") - 1, 0)]
+    g_f = (tt[first] - prev_t[first]).astype(np.float64) / NS_PER_S
+    g_l = (tt[last] - prev_t[last]).astype(np.float64) / NS_PER_S
+    span_s = (tt[last] - tt[first]).astype(np.float64) / NS_PER_S
+    counted_w: FloatArray = np.divide(inner, span_s, out=np.full(inner.shape, np.nan), where=span_s > 0)
+
+    def power_near(a: IntArray, b: IntArray) -> FloatArray:
+        if edges is None or edges.t.size < 2:
+            return counted_w
+        pa_, pb = (
+            edges.value_at(np.clip(a, edges.t[0], edges.t[-1])),
+            edges.value_at(np.clip(b, edges.t[0], edges.t[-1])),
+        )
+        return np.asarray(np.fmax(np.fmax(pa_, pb), counted_w))
+
+    timing = np.fmax(g_f * power_near(prev_t[first], tt[first]), g_l * power_near(prev_t[last], tt[last]))
     res = np.full(first.shape, np.nan)
+    res_bound = np.full(first.shape, np.nan)
     if edges is not None:
         # The two edges (begin -> first tick, last tick -> end) in one call.
         k = first.size
-        both = edges.integral(np.concatenate((t0[use], tt[last])), np.concatenate((tt[first], t1[use])))
+        e0 = np.concatenate((t0[use], tt[last]))
+        e1 = np.concatenate((tt[first], t1[use]))
+        both = edges.integral(e0, e1)
         res = inner + both[:k] + both[k:]
+        eb = edges.trapezoid_bound(e0, e1, gap_ns)
+        res_bound = timing + 1.0 / MJ_PER_J + eb[:k] + eb[k:]
     missing = np.isnan(res) & ~np.isnan(inner)
     if missing.any():
         idx = np.flatnonzero(use)[missing]
         res[missing] = _delta(tt, te, t0[idx], t1[idx]) / MJ_PER_J
+        # Each edge lies inside one tick interval; its energy is anywhere in [0, that delta].
+        j0 = _clip_index(np.searchsorted(tt, t0[idx], side="right") - 1, tt.size - 2)
+        j1 = _clip_index(np.searchsorted(tt, t1[idx], side="left") - 1, tt.size - 2)
+        d = np.diff(te).astype(np.float64) / MJ_PER_J
+        res_bound[missing] = timing[missing] + 1.0 / MJ_PER_J + np.abs(d[j0]) + np.abs(d[j1])
+    res_bound[np.isnan(res)] = np.nan
+    res_bound[np.isposinf(res_bound)] = np.nan
     out[use] = res
-    return out
-
-
-def _counted_mean_power(
-    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int
-) -> FloatArray:
-    """Mean power (W) over the part of each window the energy counter measures (its first to
-    its last tick inside), for the windows whose energy the counter gives (at least
-    ``min_ticks`` ticks inside, no decrease across them); NaN elsewhere. Over the whole counted
-    part, not per counter interval: a tick is stamped up to one sampling period late, so a single
-    interval's mean can be off by that period over the interval (10 ms in 100 ms: 10 %), the
-    whole part's only once."""
-    tt, te = _ticks(*_int_timeline(t, e_mj))
-    out = np.full(t0.shape, np.nan)
-    if tt.size < 2:
-        return out
-    lo = np.searchsorted(tt, t0, side="left")
-    hi = np.searchsorted(tt, t1, side="right")
-    use = (hi - lo) >= max(2, min_ticks)
-    if not use.any():
-        return out
-    first, last = lo[use], hi[use] - 1
-    # mJ per ns is 1e6 W; int64 differences first, exact whatever the counter's magnitude.
-    mean_w = (te[last] - te[first]).astype(np.float64) / (tt[last] - tt[first]).astype(np.float64) * 1e6
-    drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
-    mean_w[drops[last] - drops[first] > 0] = np.nan
-    out[use] = mean_w
-    return out
+    bound[use] = res_bound
+    return out, bound
 
 
 def _held(t: IntArray, flags: BoolArray, t0: IntArray, t1: IntArray) -> FloatArray:
