@@ -231,6 +231,7 @@ _EMPTY_SPANS = pa.table(
         "span_s": pa.array([], pa.float64()),
         "span_energy_j": pa.array([], pa.float64()),
         "span_energy_method": pa.array([], pa.string()),
+        "span_energy_bound_j": pa.array([], pa.float64()),
         "measured_steps": pa.array([], pa.int64()),
     }
 )

@@ -99,9 +99,12 @@ def advice_section(analysis: Analysis, path: str) -> str:
 def energy_section(analysis: Analysis, options: ReportOptions) -> str:
     """``charllm energy``'s text: energy to train with its uncertainty, carbon when a grid
     intensity is given, MLPerf's power rules."""
-    from charllm_nemo.analysis.energy import energy_reports, render
+    from charllm_nemo.analysis.energy import EnergyDataError, energy_reports, render
 
-    return _pre(render(energy_reports(analysis, grid=options.grid, pue=options.pue)))
+    try:
+        return _pre(render(energy_reports(analysis, grid=options.grid, pue=options.pue)))
+    except EnergyDataError as exc:  # the rest of the report stands; this section says why not
+        return _pre(f"energy not reported: bad data: {exc}")
 
 
 def compare_section(paths: list[str], table_html: TableHtml) -> str:
