@@ -132,7 +132,8 @@ _NVML_CHILD = textwrap.dedent(
         backend = open_backend("nvml", [0])
         expected = backend.devices[0].read()
         backend.close()
-    with TelemetrySession(out, backend="nvml", hz=200, sampler="process", handle_signals=False) as tel:
+    opts = dict(backend="nvml", hz=200, counter_hz=10, sampler="process", handle_signals=False)
+    with TelemetrySession(out, **opts) as tel:
         assert tel.sampler_mode == "process"
         time.sleep(seconds)
         running = tel.sampler.running
