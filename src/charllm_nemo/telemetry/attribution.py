@@ -45,6 +45,7 @@ from charllm_nemo.telemetry.timelines import (
     _as_float64,
     _as_int64,
     _counter_energy_bounded,
+    _counter_envelope,
     _coverage,
     _delta,
     _held,
@@ -349,6 +350,12 @@ def attribute_windows(
                 period = GAP_PERIODS * sample_period_ns(instant.t)
                 b = instant.trapezoid_bound(t0[use], t1[use], period)
                 bound[use] = np.where(np.isposinf(b), np.nan, b)
+        if instant.t.size >= 2:
+            # Whatever the method, the counter brackets the truth between 0 and its envelope
+            # (docs/attribution.md, Energy bounds): the tighter of the two bounds holds.
+            env = _counter_envelope(*ints("energy_mj"), t0, t1, instant)
+            by_env = np.fmax(energy, env - energy)
+            bound = np.where(np.isnan(env) | np.isnan(energy), bound, np.fmin(bound, by_env))
         method[~valid] = "invalid"
         out["energy_j"] = energy
         out["energy_method"] = method

@@ -340,14 +340,8 @@ def _counter_energy_bounded(
     span_s = (tt[last] - tt[first]).astype(np.float64) / NS_PER_S
     counted_w: FloatArray = np.divide(inner, span_s, out=np.full(inner.shape, np.nan), where=span_s > 0)
 
-    def power_near(a: IntArray, b: IntArray) -> FloatArray:
-        if edges is None or edges.t.size < 2:
-            return counted_w
-        pa_, pb = (
-            edges.value_at(np.clip(a, edges.t[0], edges.t[-1])),
-            edges.value_at(np.clip(b, edges.t[0], edges.t[-1])),
-        )
-        return np.asarray(np.fmax(np.fmax(pa_, pb), counted_w))
+    def power_near(a: IntArray, b: IntArray, sel: Any = slice(None)) -> FloatArray:
+        return _power_near(edges, a, b, counted_w[sel])
 
     timing = np.fmax(g_f * power_near(prev_t[first], tt[first]), g_l * power_near(prev_t[last], tt[last]))
     res = np.full(first.shape, np.nan)
@@ -360,6 +354,27 @@ def _counter_energy_bounded(
         both = edges.integral(e0, e1)
         res = inner + both[:k] + both[k:]
         eb = edges.trapezoid_bound(e0, e1, gap_ns)
+        # An edge the power timeline cannot bound (a sampling gap in it) is bounded by the
+        # counter: its energy lies in [0, cap], so the estimate is off by at most
+        # max(estimate, cap - estimate). Head: E(t0 -> first tick) <= the first tick's value less
+        # the read at or before t0 (published no later), plus that tick's timing; tail: E(last
+        # tick -> t1) <= the next tick's delta plus its timing.
+        caps = np.full(2 * k, np.nan)
+        ia = np.searchsorted(tc, t0[use], side="right") - 1
+        ok = ia >= 0
+        caps[:k][ok] = (te[first][ok] - ec[ia[ok]]).astype(np.float64) / MJ_PER_J + (
+            g_f * power_near(prev_t[first], tt[first])
+        )[ok]
+        nxt = last + 1
+        ok = nxt < tt.size
+        if ok.any():
+            n = nxt[ok]
+            g_n = (tt[n] - prev_t[n]).astype(np.float64) / NS_PER_S
+            caps[k:][ok] = (te[n] - te[last[ok]]).astype(np.float64) / MJ_PER_J + g_n * power_near(
+                prev_t[n], tt[n], ok
+            )
+        unbounded = np.isposinf(eb) & ~np.isnan(caps)
+        eb[unbounded] = np.fmax(both[unbounded], caps[unbounded] - both[unbounded])
         res_bound = timing + 1.0 / MJ_PER_J + eb[:k] + eb[k:]
     missing = np.isnan(res) & ~np.isnan(inner)
     if missing.any():
@@ -375,6 +390,44 @@ def _counter_energy_bounded(
     out[use] = res
     bound[use] = res_bound
     return out, bound
+
+
+def _power_near(edges: _Series | None, a: IntArray, b: IntArray, fallback: FloatArray | float) -> FloatArray:
+    """The higher power sampled at ``a`` and ``b`` (the reads around a counter tick), at least
+    ``fallback`` (the counter's own mean); ``fallback`` alone without a power timeline."""
+    if edges is None or edges.t.size < 2:
+        return np.broadcast_to(np.asarray(fallback, dtype=np.float64), a.shape).copy()
+    pa = edges.value_at(np.clip(a, edges.t[0], edges.t[-1]))
+    pb = edges.value_at(np.clip(b, edges.t[0], edges.t[-1]))
+    return np.asarray(np.fmax(np.fmax(pa, pb), fallback))
+
+
+def _counter_envelope(
+    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, edges: _Series | None
+) -> FloatArray:
+    """An upper bound (J) on the true energy over each [t0, t1] from the counter alone: the first
+    tick after ``t1`` (plus its timing: one read interval at the power sampled around it) less
+    the value read at or before ``t0`` (published no later than that read). NaN where there is
+    no such read or tick, no power to time the tick with, or the counter goes down between."""
+    out = np.full(t0.shape, np.nan)
+    tc, ec = _int_timeline(t, e_mj)
+    tt, te = _ticks(tc, ec)
+    if tt.size == 0 or edges is None:
+        return out
+    ia = np.searchsorted(tc, t0, side="right") - 1
+    jn = np.searchsorted(tt, t1, side="right")
+    ok = (ia >= 0) & (jn < tt.size)
+    if not ok.any():
+        return out
+    a, n = ia[ok], jn[ok]
+    k = np.searchsorted(tc, tt[n], side="left")  # the tick's own read
+    drops = np.concatenate(([0], np.cumsum(np.diff(ec) < 0)))
+    prev = tc[k - 1]
+    g = (tt[n] - prev).astype(np.float64) / NS_PER_S
+    cap = (te[n] - ec[a]).astype(np.float64) / MJ_PER_J + g * _power_near(edges, prev, tt[n], np.nan)
+    cap[drops[k] - drops[a] > 0] = np.nan
+    out[ok] = cap
+    return out
 
 
 def _held(t: IntArray, flags: BoolArray, t0: IntArray, t1: IntArray) -> FloatArray:
