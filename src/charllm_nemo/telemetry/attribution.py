@@ -35,6 +35,11 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from charllm_nemo.telemetry.counter_energy import (
+    counter_energy_bounded,
+    counter_envelope,
+    energy_from_counter,
+)
 from charllm_nemo.telemetry.schema import INT_NULL, LIMITING_REASONS, THROTTLE_BITS, THROTTLE_REASONS
 from charllm_nemo.telemetry.timelines import (
     GAP_PERIODS,
@@ -44,15 +49,12 @@ from charllm_nemo.telemetry.timelines import (
     IntArray,
     _as_float64,
     _as_int64,
-    _counter_energy_bounded,
-    _counter_envelope,
     _coverage,
     _delta,
     _held,
     _int_timeline,
     _Series,
     counter_delta,
-    energy_from_counter,
     held_time,
     integrate_power,
     sample_period_ns,
@@ -330,7 +332,7 @@ def attribute_windows(
         # A stretch of the power timeline longer than GAP_PERIODS of its own periods is a gap:
         # the power there is unknown, so an energy integrated across it has no bound.
         gap_ns = GAP_PERIODS * sample_period_ns(edge_power.t) if edge_power is not None else np.inf
-        energy, bound = _counter_energy_bounded(
+        energy, bound = counter_energy_bounded(
             *ints("energy_mj"), t0, t1, min_counter_ticks, edge_power, gap_ns
         )
         if edge_power is not instant:
@@ -353,7 +355,7 @@ def attribute_windows(
         if instant.t.size >= 2:
             # Whatever the method, the counter brackets the truth between 0 and its envelope
             # (docs/attribution.md, Energy bounds): the tighter of the two bounds holds.
-            env = _counter_envelope(*ints("energy_mj"), t0, t1, instant)
+            env = counter_envelope(*ints("energy_mj"), t0, t1, instant)
             by_env = np.fmax(energy, env - energy)
             bound = np.where(np.isnan(env) | np.isnan(energy), bound, np.fmin(bound, by_env))
         method[~valid] = "invalid"
