@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze
@@ -122,3 +123,19 @@ def test_corrupt_counter_names_the_column_and_exits_nonzero(
     constant_run(tmp_path / "stuck", ranks=1, manifest=WALL, energy_mj=stuck)
     assert main(["energy", str(tmp_path / "stuck")]) == 1
     assert "ranks.energy_counter_j" in capsys.readouterr().err
+
+
+def test_the_report_gives_each_kind_of_window_its_bound(tmp_path: Path) -> None:
+    # Steps of 0.9 s and microbatches of 0.4 s at 400 W, the counter read every 10 ms: each
+    # window's bound is one read interval x 400 W + 1 mJ = 4.001 J, 1.1 % of a step's 360 J and
+    # 2.5 % of a microbatch's 160 J; every window has one.
+    from charllm_nemo.analysis.report import energy_bound_line
+
+    constant_run(tmp_path, ranks=1, power_w=400.0, seconds=5.0, manifest=WALL)
+    a = analyze(tmp_path)
+    steps = a.windows.filter(pc.equal(a.windows["kind"], "step"))
+    assert steps["energy_bound_j"].to_pylist() == pytest.approx([4.001] * 4)
+    assert energy_bound_line(a.windows) == (
+        "Energy bounds per window (docs/attribution.md): step median bound 1.1 % of the energy; "
+        "microbatch median bound 2.5 % of the energy."
+    )

@@ -37,8 +37,8 @@ from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, wr
 
 KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
     "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "tp_rank",
-    "measured", "t_begin_mono_ns", "duration_s", "coverage", "gap_max_s", "energy_j", "power_avg_w",
-    "power_peak_w", "temp_gpu_peak_c",
+    "measured", "t_begin_mono_ns", "duration_s", "coverage", "gap_max_s", "energy_j", "energy_bound_j",
+    "power_avg_w", "power_peak_w", "temp_gpu_peak_c",
     "clock_sm_avg_mhz", "time_above_limit_s", "largest_rise_100ms_w", "throttle_any_limiting_s",
     *(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS),
 )  # fmt: skip
