@@ -614,6 +614,13 @@ def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column
             if name == "device_index":
                 continue
             want = row[name]
+            if name == "energy_bound_j":
+                # The stored bound may use the counter's envelope, whose tick after the step a
+                # live figure does not have yet (docs/attribution.md), so they need not be
+                # equal; both bound the same truth: the energies lie within their sum.
+                known = value is not None and not math.isnan(value) and not math.isnan(want)
+                assert not known or abs(figs[0]["energy_j"] - row["energy_j"]) <= value + want + 1e-9
+                continue
             if (isinstance(want, float) and math.isnan(want)) or want is None:
                 assert value is None or math.isnan(value), name
             elif isinstance(want, float):
