@@ -147,7 +147,7 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
         devices=[0],
         # Every counter with every sample: this part measures the energy counter's own update
         # period (training runs read the counters at telemetry.counter_hz, 10 Hz by default).
-        counter_hz=None,
+        counter_hz=hz,
         config={"gpu_check": "load", "load": what},
         overwrite=True,  # a rerun with the same --out replaces its runs
     )

@@ -25,10 +25,12 @@ def constant_run(
     hosts: list[str] | None = None,
     temps: list[float] | None = None,
     manifest: dict[str, Any] | None = None,
+    energy_mj: np.ndarray | None = None,
 ) -> None:
     """``ranks`` ranks sampled every 10 ms from t=0 to ``seconds`` at a constant ``power_w`` (the
-    energy counter agrees: it moves ``power_w`` x 10 ms = 4000 mJ per sample at 400 W); step k
-    spans [0.5 + k, 1.4 + k] s with 2 microbatches [b, b+0.4], [b+0.45, b+0.85]."""
+    energy counter agrees: it moves ``power_w`` x 10 ms = 4000 mJ per sample at 400 W, unless
+    ``energy_mj`` gives its values); step k spans [0.5 + k, 1.4 + k] s with 2 microbatches
+    [b, b+0.4], [b+0.45, b+0.85]."""
     n = int(seconds * HZ) + 1
     t = (np.arange(n) * 10 * MS).astype(np.int64)
     for r in range(ranks):
@@ -36,7 +38,9 @@ def constant_run(
         samples = {
             "t_mono_ns": t,
             "power_instant_w": np.full(n, power_w),
-            "energy_mj": (10**15 + np.arange(n) * int(power_w * 10)).astype(np.int64),
+            "energy_mj": (10**15 + np.arange(n) * int(power_w * 10)).astype(np.int64)
+            if energy_mj is None
+            else energy_mj,
             "temp_gpu_c": np.full(n, temp),
             "clock_sm_mhz": np.full(n, 1800.0 - 10 * temp),
             "power_limit_w": np.full(n, 700.0),

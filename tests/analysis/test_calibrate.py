@@ -13,7 +13,7 @@ from charllm_nemo.analysis.store_writer import write_summary
 from charllm_nemo.cli import main
 from charllm_nemo.metrics import energy_model
 from charllm_nemo.train.config import TrainConfig
-from charllm_nemo.train.plan import energy_lines
+from charllm_nemo.train.plan_energy import energy_lines
 from charllm_nemo.train.validate import validate
 
 from .helpers import constant_run
@@ -67,14 +67,14 @@ def test_calibrate_writes_a_table_the_dry_run_reads(
     cfg = TrainConfig()
     cfg.launch.device = "cpu"
     layout = validate(cfg, world_size=1, device="cpu")
-    (line,) = energy_lines(cfg, 1e12, layout)
+    (line,) = energy_lines(cfg, layout)
     assert line.startswith(
         f"energy (estimate, {SYNTH} model fitted on 3 runs; error on held-out runs: median"
     )
     assert "J per step" in line and "kWh for" in line
-    cfg.launch.device, cfg.launch.platform = "cuda", "MI300X"
-    (line,) = energy_lines(cfg, 1e12, layout)
-    assert "no estimate for launch.platform=MI300X" in line and SYNTH in line
+    cfg.launch.device, cfg.launch.platform = "cuda", "TPU v5p"
+    (line,) = energy_lines(cfg, layout)
+    assert "no estimate for launch.platform=TPU v5p" in line and SYNTH in line and "MI300X" in line
 
 
 def test_calibrate_refuses_a_linked_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

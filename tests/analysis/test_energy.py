@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze
@@ -20,12 +21,19 @@ WALL = {"started_wall_ns": 1_000 * 10**9, "ended_wall_ns": 1_010 * 10**9}
 
 
 def test_energy_of_a_constant_run_and_its_bound(tmp_path: Path) -> None:
-    # 2 ranks at 400 W for 5 s: 2000 J each, 4000 J in all; the counter moves every 10 ms, so
-    # each device's edges are uncertain by 2 x 0.01 s x 400 W = 8 J; every slot sampled.
+    # 2 ranks at 400 W for 5 s: 2000 J each, 4000 J in all. The counter is read every 10 ms, so
+    # a tick is placed within 10 ms: the delta between the first and the last tick is off by at
+    # most 0.01 s x 400 W = 4 J (the two ends err in opposite directions: the larger, not the
+    # sum), plus 1 mJ of resolution; the edges are flat power, exact. Before: 2 x 0.01 x 400 a
+    # device, twice that.
     constant_run(tmp_path, ranks=2, power_w=400.0, seconds=5.0, manifest=WALL)
     (r,) = energy_reports(analyze(tmp_path))
     assert r["energy_j"] == pytest.approx(4000.0, rel=1e-9)
-    assert r["uncertainty_j"] == pytest.approx(16.0 + 2 * 2e-3, rel=1e-6)
+    assert r["uncertainty_j"] == pytest.approx(2 * (4.0 + 1e-3), rel=1e-6)
+    assert r["unbounded_devices"] == []
+    # The run's mean power is over the same span as its energy and time (the measured steps).
+    (row,) = analyze(tmp_path).tables["runs"].to_pylist()
+    assert row["power_avg_w"] * row["execution_time_s"] * 2 == pytest.approx(row["energy_j"], rel=1e-12)
     assert [d["method"] for d in r["per_device"]] == ["counter", "counter"]
     assert all(d["coverage"] == 1.0 for d in r["per_device"])
     assert all(d["counter_update_period_s"] == pytest.approx(0.01) for d in r["per_device"])
@@ -96,3 +104,38 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["energy", str(tmp_path), "--format", "json"]) == 0
     (r,) = json.loads(capsys.readouterr().out)
     assert r["energy_j"] > 0 and "carbon" not in r
+
+
+def test_corrupt_counter_names_the_column_and_exits_nonzero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A counter that jumps back every 10 samples (a corrupt column): before, `0 J +- -0.196 J`,
+    # negative tokens/J or "MLPerf: meets" could follow; now no figure and exit 1.
+    n = 501
+    sawtooth = (10**9 + (np.arange(n) % 10) * 4000).astype(np.int64)
+    constant_run(tmp_path, ranks=1, manifest=WALL, energy_mj=sawtooth)
+    assert main(["energy", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "energy_mj" in captured.err and "energy_counter_resets" in captured.err
+    assert "MLPerf" not in captured.out and "tokens/J" not in captured.out
+    # A counter that never moves while 400 W is drawn: the disagreement names both columns.
+    stuck = np.full(n, 10**9, np.int64)
+    constant_run(tmp_path / "stuck", ranks=1, manifest=WALL, energy_mj=stuck)
+    assert main(["energy", str(tmp_path / "stuck")]) == 1
+    assert "ranks.energy_counter_j" in capsys.readouterr().err
+
+
+def test_the_report_gives_each_kind_of_window_its_bound(tmp_path: Path) -> None:
+    # Steps of 0.9 s and microbatches of 0.4 s at 400 W, the counter read every 10 ms: each
+    # window's bound is one read interval x 400 W + 1 mJ = 4.001 J, 1.1 % of a step's 360 J and
+    # 2.5 % of a microbatch's 160 J; every window has one.
+    from charllm_nemo.analysis.report import energy_bound_line
+
+    constant_run(tmp_path, ranks=1, power_w=400.0, seconds=5.0, manifest=WALL)
+    a = analyze(tmp_path)
+    steps = a.windows.filter(pc.equal(a.windows["kind"], "step"))
+    assert steps["energy_bound_j"].to_pylist() == pytest.approx([4.001] * 4)
+    assert energy_bound_line(a.windows) == (
+        "Energy bounds per window (docs/attribution.md): step median bound 1.1 % of the energy; "
+        "microbatch median bound 2.5 % of the energy."
+    )

@@ -172,6 +172,16 @@ def test_every_rank_key_at_every_step_equals_the_run_directory(offline_run):
             for name in STEP_FIGURE_KEYS:
                 want = cols[STEP_FIGURE_COLUMNS[name]][i]
                 key = f"rank/{rank}/{name}"
+                if name == "energy_bound_j":
+                    # A live bound comes from another slice of samples and may lack the
+                    # counter's envelope (its tick after the step comes later), so it need not
+                    # equal the stored one (docs/attribution.md); both bound the same truth, so
+                    # the two energies lie within the sum of the two bounds.
+                    live, e_live = h.get(key), h.get(f"rank/{rank}/energy_j")
+                    e_stored = cols[STEP_FIGURE_COLUMNS["energy_j"]][i]
+                    if live is not None and want is not None and not math.isnan(want):
+                        assert live >= 0 and abs(e_live - e_stored) <= live + want + 1e-9, key
+                    continue
                 if want is None or (isinstance(want, float) and math.isnan(want)):
                     assert key not in h  # unknown: omitted, not 0
                 else:

@@ -120,7 +120,10 @@ def test_window_shorter_than_sampling_period_is_interpolated_and_flagged() -> No
     assert w["energy_method"] == "power_trapezoid"
     assert w["energy_j"] == pytest.approx(160.0 * 0.1, rel=1e-12)
     assert w["power_avg_w"] == pytest.approx(160.0, rel=1e-12)
-    assert w["power_peak_w"] == pytest.approx(170.0, rel=1e-12)  # no sample inside: the edge value
+    # No sample inside: no peak (an interpolated edge is not a value the device showed), and the
+    # energy's bound is the line's worst case over a part of one segment: 200 W x 0.1 s.
+    assert np.isnan(w["power_peak_w"])
+    assert w["energy_bound_j"] == pytest.approx(200.0 * 0.1, rel=1e-12)
 
 
 def test_zero_length_window_has_no_energy_and_the_instant_power() -> None:
@@ -132,12 +135,16 @@ def test_zero_length_window_has_no_energy_and_the_instant_power() -> None:
     assert w["duration_s"] == 0.0
 
 
-def test_peak_power_is_the_highest_sample_inside_else_the_edges() -> None:
+def test_peak_power_is_the_highest_sample_inside_never_an_edge() -> None:
     # 100 W at 0, 300 W at 1 s, 100 W at 2 s: [0.5, 1.5] s holds the 300 W sample; [1.2, 1.4] s
-    # holds none, so its peak is the higher interpolated edge, 260 W at 1.2 s.
+    # holds none, so it has no peak (before: the interpolated edge, 260 W, that no sample showed);
+    # [0.9 s, 2 s) holds 300 W and not the 2 s sample (the end is exclusive).
     samples = {"t_mono_ns": np.array([0, S, 2 * S]), "power_instant_w": np.array([100.0, 300.0, 100.0])}
-    out = attribute_windows(samples, [(S // 2, 3 * S // 2), (12 * S // 10, 14 * S // 10)])
-    assert out["power_peak_w"] == pytest.approx([300.0, 260.0])
+    out = attribute_windows(samples, [(S // 2, 3 * S // 2), (12 * S // 10, 14 * S // 10), (0, S // 2)])
+    assert out["power_peak_w"][0] == 300.0
+    assert np.isnan(out["power_peak_w"][1])
+    # [0, 0.5 s) holds only the 100 W sample: the peak is 100 W although the line reaches 200 W.
+    assert out["power_peak_w"][2] == 100.0
 
 
 # ------------------------------------------------------------------ energy from the hardware counter

@@ -10,7 +10,15 @@ import pytest
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.errors import ConfigError, DeviceLost
 from charllm_nemo.telemetry.reader import to_arrays
-from charllm_nemo.telemetry.sample_loop import SamplerHealth, counter_every, run_sample_loop
+from charllm_nemo.telemetry.sample_loop import (
+    AUTO_EVERY,
+    SamplerHealth,
+    counter_every,
+    counter_read_cost_ns,
+    effective_counter_every,
+    measured_counter_every,
+    run_sample_loop,
+)
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA, Sampler, rows_to_table, validate_hz
 from charllm_nemo.telemetry.schema import INT_NULL, METRIC_NAMES, METRICS
 
@@ -92,7 +100,7 @@ def test_every_slot_is_whole_without_a_gauged_device_or_with_counter_every_1():
 
 
 @pytest.mark.parametrize(
-    ("hz", "counter_hz", "every"), [(100, 10, 10), (100, None, 1), (100, 300, 1), (50, 20, 2)]
+    ("hz", "counter_hz", "every"), [(100, 10, 10), (100, None, AUTO_EVERY), (100, 300, 1), (50, 20, 2)]
 )
 def test_counter_every_is_the_nearest_whole_ratio(hz, counter_hz, every):
     assert counter_every(hz, counter_hz) == every
@@ -167,3 +175,36 @@ def test_rows_become_a_table_with_nulls_and_full_64_bit_ints():
     assert arrays["energy_mj"].dtype == np.int64
     assert table.column("source").to_pylist() == ["test"] * 3
     assert rows_to_table([], "x").num_rows == 0
+
+
+class _Clock:
+    """A clock that only the devices move: each read costs what the device says."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@pytest.mark.parametrize(("whole_ns", "every"), [(3_000_000, 10), (20_000, 1), (312_000, 2)])
+def test_a_derived_counter_rate_keeps_counter_reads_within_their_budget(whole_ns, every):
+    # At 100 Hz the counters may take 3 % of a core: a whole read 3 ms dearer than a gauge read
+    # (an H200's energy counter) is affordable every 10th slot (10 Hz), one 20 us dearer (the
+    # synthetic device, the NVML stand-in) with every slot, 312 us every 2nd.
+    clock = _Clock()
+
+    class Costly(GaugedDevice):
+        def read(self):
+            clock.now += whole_ns + 13_000
+            return super().read()
+
+        def read_gauges(self):
+            clock.now += 13_000
+            return super().read_gauges()
+
+    cost = counter_read_cost_ns([Costly(0), ScriptedDevice(1)], clock=clock)
+    assert cost == whole_ns  # the device without read_gauges costs nothing extra
+    assert measured_counter_every(100.0, cost) == every
+    # Without a device that reads its counters apart nothing is measured: every slot is whole.
+    assert effective_counter_every([ScriptedDevice(0)], AUTO_EVERY, 100.0) == 1

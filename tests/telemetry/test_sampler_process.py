@@ -132,7 +132,8 @@ _NVML_CHILD = textwrap.dedent(
         backend = open_backend("nvml", [0])
         expected = backend.devices[0].read()
         backend.close()
-    with TelemetrySession(out, backend="nvml", hz=200, sampler="process", handle_signals=False) as tel:
+    opts = dict(backend="nvml", hz=200, counter_hz=10, sampler="process", handle_signals=False)
+    with TelemetrySession(out, **opts) as tel:
         assert tel.sampler_mode == "process"
         time.sleep(seconds)
         running = tel.sampler.running
@@ -613,6 +614,13 @@ def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column
             if name == "device_index":
                 continue
             want = row[name]
+            if name == "energy_bound_j":
+                # The stored bound may use the counter's envelope, whose tick after the step a
+                # live figure does not have yet (docs/attribution.md), so they need not be
+                # equal; both bound the same truth: the energies lie within their sum.
+                known = value is not None and not math.isnan(value) and not math.isnan(want)
+                assert not known or abs(figs[0]["energy_j"] - row["energy_j"]) <= value + want + 1e-9
+                continue
             if (isinstance(want, float) and math.isnan(want)) or want is None:
                 assert value is None or math.isnan(value), name
             elif isinstance(want, float):

@@ -368,7 +368,10 @@ def test_a_dry_run_prints_the_plan_and_starts_nothing(
         monkeypatch.delenv(k)
     assert app.main([*DRY_RUN_GPT3, f"launcher={launcher}"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "charllm train: dry run for 1024 rank(s) on cuda: valid; nothing started"
+    assert out[0] == (
+        "charllm train: dry run for 1024 rank(s) on cuda: the configuration is valid; memory fit not "
+        "checked (no launch.platform with known memory); nothing started"
+    )
     text = "\n".join(out)
     assert "model=gpt3_175b: 174.575 B parameters; 96 layers" in text
     assert "world=1024 tp=8 pp=8 cp=1 ep=1 dp=16; layers/stage=[12, 12, 12, 12, 12, 12, 12, 12]" in text

@@ -38,8 +38,8 @@ from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, wr
 
 KEPT_WINDOW_COLUMNS: tuple[str, ...] = (
     "run", "rank", "host", "device_index", "kind", "name", "step", "microbatch", "pp_stage", "tp_rank",
-    "measured", "t_begin_mono_ns", "duration_s", "coverage", "gap_max_s", "energy_j", "power_avg_w",
-    "power_peak_w", "temp_gpu_peak_c",
+    "measured", "t_begin_mono_ns", "duration_s", "coverage", "gap_max_s", "energy_j", "energy_bound_j",
+    "power_avg_w", "power_peak_w", "temp_gpu_peak_c",
     "clock_sm_avg_mhz", "time_above_limit_s", "largest_rise_100ms_w", "throttle_any_limiting_s",
     *(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS),
 )  # fmt: skip
@@ -239,6 +239,7 @@ _EMPTY_SPANS = pa.table(
         "span_s": pa.array([], pa.float64()),
         "span_energy_j": pa.array([], pa.float64()),
         "span_energy_method": pa.array([], pa.string()),
+        "span_energy_bound_j": pa.array([], pa.float64()),
         "measured_steps": pa.array([], pa.int64()),
     }
 )

@@ -193,7 +193,7 @@ def cmd_energy(args: argparse.Namespace) -> int:
     if not _imports_ok():
         return 2
     from charllm_nemo.analysis.analyze import analyze
-    from charllm_nemo.analysis.energy import energy_reports, render
+    from charllm_nemo.analysis.energy import EnergyDataError, energy_reports, render
     from charllm_nemo.errors import ConfigError
 
     try:
@@ -201,6 +201,10 @@ def cmd_energy(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"charllm energy: {exc}", file=sys.stderr)
         return 2
+    except EnergyDataError as exc:
+        # Corrupt data: no figure, no MLPerf statement; the column is named (docs/compare-energy.md).
+        print(f"charllm energy: bad data: {exc}", file=sys.stderr)
+        return 1
     if args.format == "json":
         json.dump(reports, sys.stdout, indent=1, default=str)
         print()

@@ -4,17 +4,18 @@ rules as a checked statement.
 
 Everything is computed from the tables of :func:`charllm_nemo.analysis.analyze.analyze` (the
 ``ranks`` table: one row per rank and device over the whole sampled time; the ``runs`` table:
-the measured steps) and the run's manifests. The uncertainty is a bound, the sum of:
+the measured steps) and the run's manifests. The uncertainty is a bound, the sum over devices
+of each device's ``energy_bound_j`` over its whole sampled span (docs/attribution.md, *Energy
+bounds*: the counter's tick timing, one counter read interval at the larger of the two ends, plus
+the power trapezoid's worst case over the edges; no bound across a sampling gap of the power
+timeline, and then the report says "unbounded" and names the device). Before 2026-12-06 it
+charged ``2 x counter update period x power`` a device, 40-700x the error actually made; that rule
+remains only for ``ranks`` tables without the attribution's columns (the Spark engine's).
 
-* **counter edges**: the energy counter (NVML's, mJ; AMD's, ticks x resolution) moves only every
-  update period ``P`` (measured from the samples: the median time between changes), so each end
-  of a span may be late by up to ``P``: ``2 x P x average power`` per device. Where the energy
-  was integrated from instant power instead (no counter), the same with the sample period;
-* **counter resolution**: one unit (1 mJ on NVML) per read, two reads per device: negligible,
-  stated;
-* **sampling coverage**: the share of the device's time that has samples
-  (``n_samples x sample period / duration``, capped at 1); the uncovered share's energy is
-  unknown, bounded by ``(1 - coverage) x energy``;
+Corrupt inputs (:func:`check_device_row`: a negative power or energy, a counter that goes down
+more than once or disagrees with the integrated power by more than half) raise
+:class:`EnergyDataError` naming the column: no total, no tokens/J, no MLPerf statement.
+
 * **ranks missing**: ranks the run declared (``world_size``) with no samples are not in the sum:
   the total is then a lower bound, and says so (``ranks_missing``), with a scaled estimate.
 
@@ -119,42 +120,108 @@ def _sum(values: list[float | None]) -> float | None:
     return math.fsum(known) if known else None
 
 
-def device_energy(row: dict[str, Any], hz: float | None) -> dict[str, Any]:
-    """One ``ranks`` table row's energy over its sampled time, the method, and its bound (J)."""
+class EnergyDataError(ValueError):
+    """The run's energy data cannot be reported: a column holds values no device produces (a
+    negative power, a counter that goes down again and again or never moves while power is drawn).
+    The message names the column, the rank and the device; ``charllm energy`` exits 1."""
+
+
+DISAGREEMENT_LIMIT = 0.5
+"""Counter and integrated power further apart than this share (a stuck, jumping or foreign
+counter) make the counter's column bad. Measured agreement: within 0.1 % on an H200 under load
+(docs/devices-nvml.md), within ~1 % on the synthetic device."""
+
+
+def _where(row: dict[str, Any]) -> str:
+    return f"rank {printable(row.get('rank'))} device {printable(row.get('device_index'))}"
+
+
+def check_device_row(row: dict[str, Any]) -> None:
+    """Raise :class:`EnergyDataError` naming the bad column where one ``ranks`` row's energy
+    inputs are corrupt; pass otherwise (a missing figure is not corrupt, only absent)."""
+    where = _where(row)
+    for name in ("power_avg_w", "power_peak_w", "energy_j", "energy_trapezoid_j", "energy_counter_j"):
+        v = finite_or_none(row.get(name))
+        if v is not None and v < 0:
+            raise EnergyDataError(
+                f"ranks.{name} = {v:.6g} for {where}: negative; the samples' power_instant_w / "
+                "energy_mj are corrupt there (charllm inspect shows the samples)"
+            )
+    resets = finite_or_none(row.get("energy_counter_resets")) or 0
+    if resets > 1:
+        raise EnergyDataError(
+            f"energy_mj of {where} went down {int(resets)} times (ranks.energy_counter_resets): a "
+            "counter that resets more than once in a run is corrupt, so its energy is not reported"
+        )
     counter = finite_or_none(row.get("energy_counter_j"))
-    integrated = finite_or_none(row.get("energy_trapezoid_j"))
+    power = finite_or_none(row.get("energy_trapezoid_j"))
+    if counter is not None and power is not None and power > 0 and resets == 0:
+        gap = abs(counter - power) / power
+        if gap > DISAGREEMENT_LIMIT:
+            raise EnergyDataError(
+                f"energy_mj of {where} disagrees with power_instant_w by {gap * 100:.0f} % "
+                f"(ranks.energy_counter_j = {counter:.6g} J, ranks.energy_trapezoid_j = {power:.6g} J; "
+                f"more than {DISAGREEMENT_LIMIT * 100:.0f} %): one of the two is corrupt"
+            )
+
+
+def device_energy(row: dict[str, Any], hz: float | None) -> dict[str, Any]:
+    """One ``ranks`` table row's energy over its sampled time, the method, and its bound (J).
+
+    The energy and its bound are the attribution's over the device's whole sampled span
+    (``energy_j``, ``energy_bound_j``; docs/attribution.md, *Energy bounds*). A table without
+    them (the Spark engine's) falls back to the counter's total with ``2 x update period x
+    power`` at its edges and the uncovered share of the energy."""
+    check_device_row(row)
     duration = finite_or_none(row.get("duration_s"))
     n = finite_or_none(row.get("n_samples")) or 0.0
     power = finite_or_none(row.get("power_avg_w"))
     period = 1.0 / hz if hz else None
-    energy: float | None
-    if counter is not None:
-        energy, method = counter, "counter"
-        edge = finite_or_none(row.get("energy_counter_period_s")) or period
-    else:
-        energy, method, edge = integrated, "integrated power", period
-    if power is None and energy is not None and duration:
-        power = energy / duration
     coverage = None
     if duration and period:
         coverage = min(1.0, n * period / duration) if duration > 0 else None
-    edge_j = 2 * edge * power if edge is not None and power is not None else None
-    gap_j = (1 - coverage) * energy if coverage is not None and energy is not None else None
-    return {
+    counter_period = finite_or_none(row.get("energy_counter_period_s"))
+    out: dict[str, Any] = {
         "rank": row.get("rank"),
         "device_index": row.get("device_index"),
         "host": row.get("host"),
-        "energy_j": energy,
-        "method": method if energy is not None else "none",
         "duration_s": duration,
         "samples": int(n),
         "sample_hz": n / duration if duration else None,
         "coverage": coverage,
-        "counter_update_period_s": edge if method == "counter" else None,
-        "bound_edges_j": edge_j,
-        "bound_coverage_j": gap_j,
-        "bound_resolution_j": 2e-3 if method == "counter" else None,
+        "counter_update_period_s": counter_period,
     }
+    if "energy_bound_j" in row:
+        energy = finite_or_none(row.get("energy_j"))
+        bound = finite_or_none(row.get("energy_bound_j")) if energy is not None else None
+        method = str(row.get("energy_method") or "none") if energy is not None else "none"
+        out.update(
+            energy_j=energy,
+            method=method,
+            uncertainty_j=bound,
+            bound_basis="attribution (docs/attribution.md, Energy bounds)"
+            if bound is not None
+            else ("no bound: a sampling gap or no instant power" if energy is not None else None),
+        )
+        return out
+    counter = finite_or_none(row.get("energy_counter_j"))
+    integrated = finite_or_none(row.get("energy_trapezoid_j"))
+    energy, method = (counter, "counter") if counter is not None else (integrated, "integrated power")
+    edge = (counter_period or period) if method == "counter" else period
+    if power is None and energy is not None and duration:
+        power = energy / duration
+    parts = [
+        2 * edge * power if edge is not None and power is not None else None,
+        (1 - coverage) * energy if coverage is not None and energy is not None else None,
+        2e-3 if method == "counter" else None,
+    ]
+    out.update(
+        energy_j=energy,
+        method=method if energy is not None else "none",
+        uncertainty_j=math.fsum(x for x in parts if x) if energy is not None else None,
+        bound_basis="2 x counter update period x power + uncovered share (no attribution columns)",
+    )
+    return out
 
 
 def run_energy(
@@ -170,12 +237,10 @@ def run_energy(
     hz = finite_or_none(info.get("sampling_hz"))
     devices = [device_energy(r, hz) for r in device_rows]
     total = _sum([d["energy_j"] for d in devices])
-    bound = _sum(
-        [
-            math.fsum(x for x in (d["bound_edges_j"], d["bound_coverage_j"], d["bound_resolution_j"]) if x)
-            for d in devices
-        ]
-    )
+    measured = [d for d in devices if d["energy_j"] is not None]
+    # Bounds add; one device with energy but no bound leaves the total unbounded (said, not 0).
+    unbounded = [d for d in measured if d["uncertainty_j"] is None]
+    bound = None if unbounded or not measured else math.fsum(d["uncertainty_j"] for d in measured)
     declared = [info.get("world_size")] + [m.get("world_size") for m in manifests.values()]
     worlds = [w for w in declared if isinstance(w, int) and not isinstance(w, bool) and w > 0]
     world = max(worlds) if worlds else None  # a rank folder missing still declares its world
@@ -185,6 +250,13 @@ def run_energy(
     missing = (world - len(measured_ranks)) if isinstance(world, int) and world >= len(measured_ranks) else 0
     steps = info.get("measured_steps")
     step_energy = finite_or_none(info.get("energy_j"))
+    for name in ("energy_j", "tokens_per_j", "energy_per_token_j", "power_avg_w"):
+        v = finite_or_none(info.get(name))
+        if v is not None and v < 0:
+            raise EnergyDataError(
+                f"runs.{name} = {v:.6g} for run {printable(info.get('run'))}: negative, from a corrupt "
+                "energy_mj or power_instant_w column (charllm energy reports nothing from it)"
+            )
     out: dict[str, Any] = {
         "run": info.get("run"),
         "synthetic": bool(info.get("synthetic")),
@@ -192,6 +264,11 @@ def run_energy(
         "energy_kwh": total / 3.6e6 if total is not None else None,
         "uncertainty_j": bound,
         "uncertainty_share": bound / total if bound is not None and total else None,
+        "unbounded_devices": [f"rank {d['rank']} device {d['device_index']}" for d in unbounded],
+        "energy_per_step_bound_j": finite_or_none(info.get("energy_bound_j")) / steps
+        if finite_or_none(info.get("energy_bound_j")) is not None and steps
+        else None,
+        "power_avg_w": finite_or_none(info.get("power_avg_w")),
         "ranks_measured": len(measured_ranks),
         "ranks_missing": missing,
         "energy_scaled_to_world_j": total * world / len(measured_ranks)
@@ -292,7 +369,8 @@ def render(reports: list[dict[str, Any]]) -> str:
         share = r["uncertainty_share"]
         lines.append(
             f"{printable(r['run'])}{' (synthetic device)' if r['synthetic'] else ''}: "
-            f"{_f(r['energy_j'], ' J')} +- {_f(r['uncertainty_j'], ' J')}"
+            f"{_f(r['energy_j'], ' J')} +- "
+            f"{'unbounded' if r['uncertainty_j'] is None else _f(r['uncertainty_j'], ' J')}"
             f"{'' if share is None else f' ({share * 100:.2g} %)'} over {r['ranks_measured']} rank(s)"
         )
         if r["ranks_missing"]:
@@ -300,15 +378,20 @@ def render(reports: list[dict[str, Any]]) -> str:
                 f"  {r['ranks_missing']} rank(s) missing: a lower bound; scaled to the world "
                 f"{_f(r['energy_scaled_to_world_j'], ' J')}"
             )
+        if r["unbounded_devices"]:
+            lines.append(
+                f"  no bound for {', '.join(r['unbounded_devices'])} (a sampling gap or no instant power)"
+            )
         lines.append(
-            f"  per step {_f(r['energy_per_step_j'], ' J')} over {r['measured_steps']} measured steps; "
-            f"{_f(r['tokens_per_j'])} tokens/J"
+            f"  per step {_f(r['energy_per_step_j'], ' J')} +- {_f(r['energy_per_step_bound_j'], ' J')} "
+            f"over {r['measured_steps']} measured steps ({_f(r['power_avg_w'], ' W')} a device over "
+            f"them); {_f(r['tokens_per_j'])} tokens/J"
         )
         for d in r["per_device"]:
             lines.append(
-                f"  rank {d['rank']} device {d['device_index']}: {_f(d['energy_j'], ' J')} ({d['method']}), "
-                f"coverage {_f(d['coverage'])}, counter period {_f(d['counter_update_period_s'], ' s')}, "
-                f"bound {_f((d['bound_edges_j'] or 0) + (d['bound_coverage_j'] or 0), ' J')}"
+                f"  rank {d['rank']} device {d['device_index']}: {_f(d['energy_j'], ' J')} +- "
+                f"{_f(d['uncertainty_j'], ' J')} ({d['method']}), coverage {_f(d['coverage'])}, "
+                f"counter period {_f(d['counter_update_period_s'], ' s')}"
             )
         c = r.get("carbon")
         if c:

@@ -27,7 +27,8 @@ SELECT x.run, i.micro_batch_size, count(*) AS microbatches,
        median(x.largest_rise_100ms_w) AS rise_100ms_median_w,
        max(x.largest_rise_100ms_w) AS rise_100ms_max_w
 FROM w x JOIN info i ON x.run = i.run
-WHERE x.kind = 'microbatch' AND x.measured AND x.power_avg_w > 0
+-- A microbatch with no power sample inside has no peak (docs/attribution.md): left out here.
+WHERE x.kind = 'microbatch' AND x.measured AND x.power_avg_w > 0 AND NOT isnan(x.power_peak_w)
 GROUP BY x.run, i.micro_batch_size ORDER BY i.micro_batch_size, x.run
 """
 

@@ -23,6 +23,8 @@ from charllm_nemo.telemetry.timelines import _coverage, sample_period_ns
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
+_SPAN_FIGURES = ("energy_j", "energy_method", "energy_bound_j")
+
 RISE_HORIZON_NS = 100_000_000
 """The excursion metric's horizon: the largest power rise within 100 ms."""
 
@@ -67,8 +69,8 @@ def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.n
     return np.asarray(held / float(t[-1] - t[0]), dtype=np.float64)
 
 
-def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> dict[str, float]:
-    row: dict[str, float] = {}
+def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
     p = s.get("power_instant_w", np.full(t.size, np.nan))
     row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
     row["n_samples"] = float(t.size)
@@ -97,6 +99,16 @@ def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> 
     row["energy_disagreement"] = (
         (row["energy_counter_j"] - den) / den if den and np.isfinite(den) else float("nan")
     )
+    # The device's energy over its whole sampled span by the attribution's rules, with its bound
+    # (docs/attribution.md, Energy bounds): what `charllm energy` reports per device.
+    if t.size >= 2:
+        whole = attribute_windows(s, [(int(t[0]), int(t[-1]))], figures=_SPAN_FIGURES)
+        row["energy_j"] = float(whole["energy_j"][0])
+        row["energy_bound_j"] = float(whole["energy_bound_j"][0])
+        row["energy_method"] = str(whole["energy_method"][0])
+    else:
+        row["energy_j"], row["energy_bound_j"] = float("nan"), float("nan")
+        row["energy_method"] = "none"
     for name in TRAFFIC:
         total, _ = counter_increase(s.get(name, np.full(t.size, INT_NULL, np.int64)))
         row[name] = total
@@ -114,7 +126,7 @@ def rank_tables(data: RankArrays) -> RankTables:
     """Every table's rows for one rank (all its devices)."""
     s_all, w = data.samples, data.windows
     dev_ids = np.unique(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
-    dev_rows: dict[str, list[float]] = {}
+    dev_rows: dict[str, list[Any]] = {}
     win_parts: list[Columns] = []
     span_parts: list[Columns] = []
     steps = measured_steps(w["step"][w["kind"] == "step"]) if w["kind"].size else np.array([], np.int64)
@@ -140,13 +152,14 @@ def rank_tables(data: RankArrays) -> RankTables:
         fig["device_index"] = np.full(w["window_id"].size, dev, np.int64)
         win_parts.append(fig)
         if span is not None:
-            one = attribute_windows(s, [span], figures=("duration_s", "energy_j", "energy_method"))
+            one = attribute_windows(s, [span], figures=("duration_s", *_SPAN_FIGURES))
             span_parts.append(
                 {
                     "device_index": np.array([dev]),
                     "span_s": one["duration_s"],
                     "span_energy_j": one["energy_j"],
                     "span_energy_method": one["energy_method"],
+                    "span_energy_bound_j": one["energy_bound_j"],
                     "measured_steps": np.array([steps.size]),
                 }
             )

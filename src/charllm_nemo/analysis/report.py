@@ -96,6 +96,8 @@ def caveats(analysis: Analysis) -> list[str]:
             f"Coverage: {n} window figures; {no_energy} without an energy figure (outside the sampled span, "
             "open at the end, or no power reading)."
         )
+        if "energy_bound_j" in w.column_names:
+            out.append(energy_bound_line(w))
     full = analysis.windows_path
     if full is not None and full.exists():
         with open_parquet(full, SIZE_CAPS["table"]) as pf:
@@ -117,6 +119,32 @@ def caveats(analysis: Analysis) -> list[str]:
             f"{', '.join(failed[:8])}."
         )
     return out
+
+
+def energy_bound_line(w: Any) -> str:
+    """The windows' energy bounds by kind: the median bound as a share of the energy, and how
+    many windows with energy have no bound (docs/attribution.md, Energy bounds)."""
+    parts = []
+    for kind in ("step", "microbatch", "phase"):
+        rows = w.filter(pc.equal(w["kind"], kind)).select(["energy_j", "energy_bound_j"]).to_pylist()
+        known = [r for r in rows if r["energy_j"] is not None and r["energy_j"] == r["energy_j"]]
+        if not known:
+            continue
+        shares = sorted(
+            r["energy_bound_j"] / r["energy_j"]
+            for r in known
+            if r["energy_bound_j"] is not None
+            and r["energy_bound_j"] == r["energy_bound_j"]
+            and r["energy_j"] > 0
+        )
+        unbounded = sum(
+            1 for r in known if r["energy_bound_j"] is None or r["energy_bound_j"] != r["energy_bound_j"]
+        )
+        median = (
+            f"median bound {100 * shares[len(shares) // 2]:.2g} % of the energy" if shares else "no bound"
+        )
+        parts.append(f"{kind} {median}" + (f", {unbounded} unbounded" if unbounded else ""))
+    return "Energy bounds per window (docs/attribution.md): " + ("; ".join(parts) or "no window energy") + "."
 
 
 def _img(path: Path, analysis: Analysis, chosen: dict[str, list[str]] | None = None) -> str:

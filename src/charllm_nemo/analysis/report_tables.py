@@ -147,7 +147,6 @@ def energy_rows(reports: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
             }
         )
         for d in r.get("per_device") or []:
-            edges, cover = d.get("bound_edges_j"), d.get("bound_coverage_j")
             ranks.append(
                 {
                     "run": r.get("run"),
@@ -157,7 +156,8 @@ def energy_rows(reports: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
                     "method": d.get("method"),
                     "coverage": d.get("coverage"),
                     "counter_period_s": d.get("counter_update_period_s"),
-                    "bound_j": None if edges is None and cover is None else (edges or 0) + (cover or 0),
+                    "bound_j": d.get("uncertainty_j"),
+                    "bound_basis": d.get("bound_basis"),
                 }
             )
     return runs, ranks
@@ -165,9 +165,13 @@ def energy_rows(reports: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 
 def energy_tables(analysis: Analysis, grid: Any, pue: float, table_html: TableHtml) -> str:
     """The Energy section: ``charllm energy`` on the analysed runs, one table per run, one per rank."""
-    from charllm_nemo.analysis.energy import energy_reports
+    from charllm_nemo.analysis.energy import EnergyDataError, energy_reports
 
-    runs, ranks = energy_rows(energy_reports(analysis, grid=grid, pue=pue))
+    try:
+        reports = energy_reports(analysis, grid=grid, pue=pue)
+    except EnergyDataError as exc:  # the rest of the report stands; this section says why not
+        return f"<p>Energy not reported: bad data: {html.escape(str(exc))}</p>"
+    runs, ranks = energy_rows(reports)
     if not runs:
         return "<p>No run with an energy report.</p>"
     parts = [

@@ -23,18 +23,30 @@ WITH span AS (
            sum(span_energy_j) AS energy_j,
            count(*) FILTER (WHERE span_energy_j IS NULL OR isnan(span_energy_j)) AS devices_without_energy,
            string_agg(DISTINCT span_energy_method, ',') AS energy_methods,
-           max(measured_steps) AS measured_steps
+           max(measured_steps) AS measured_steps,
+           -- The mean power of a device over the same span as energy_j and execution_time_s
+           -- (energy_j = power_avg_w x execution_time_s x devices with energy): the measured steps.
+           sum(span_energy_j) / max(span_s)
+               / nullif(count(*) FILTER (WHERE span_energy_j IS NOT NULL AND NOT isnan(span_energy_j)), 0)
+               AS power_avg_w,
+           -- Bounds add; unknown when a device with energy has none (docs/attribution.md).
+           CASE WHEN count(*) FILTER (
+                    WHERE NOT isnan(span_energy_j)
+                      AND (span_energy_bound_j IS NULL OR isnan(span_energy_bound_j))) = 0
+                THEN sum(span_energy_bound_j) FILTER (WHERE NOT isnan(span_energy_j))
+           END AS energy_bound_j
     FROM spans GROUP BY run
 ), dev AS (
     SELECT run,
-           avg(power_avg_w) AS power_avg_w, max(power_peak_w) AS power_peak_w,
+           avg(power_avg_w) AS power_avg_sampled_w, max(power_peak_w) AS power_peak_w,
            avg(temp_gpu_avg_c) AS temp_gpu_avg_c, max(temp_gpu_peak_c) AS temp_gpu_peak_c,
            avg(temp_hbm_avg_c) AS temp_hbm_avg_c, max(temp_hbm_peak_c) AS temp_hbm_peak_c,
            avg(clock_sm_avg_mhz) AS clock_sm_avg_mhz,
            count(*) AS devices_sampled
     FROM devices GROUP BY run
 )
-SELECT i.*, s.measured_steps, s.execution_time_s, s.energy_j, s.energy_methods, s.devices_without_energy,
+SELECT i.*, s.measured_steps, s.execution_time_s, s.energy_j, s.energy_bound_j, s.energy_methods,
+       s.devices_without_energy,
        i.global_batch_size * s.measured_steps / s.execution_time_s AS samples_per_s,
        i.global_batch_size * i.seq_length * s.measured_steps / s.execution_time_s AS tokens_per_s,
        (i.global_batch_size * s.measured_steps / s.execution_time_s) / (s.energy_j / 1e6)
@@ -42,8 +54,8 @@ SELECT i.*, s.measured_steps, s.execution_time_s, s.energy_j, s.energy_methods, 
        i.global_batch_size * i.seq_length * s.measured_steps / s.energy_j AS tokens_per_j,
        s.energy_j / (i.global_batch_size * s.measured_steps) AS energy_per_sample_j,
        s.energy_j / (i.global_batch_size * i.seq_length * s.measured_steps) AS energy_per_token_j,
-       d.power_avg_w, d.power_peak_w, d.temp_gpu_avg_c, d.temp_gpu_peak_c, d.temp_hbm_avg_c,
-       d.temp_hbm_peak_c, d.clock_sm_avg_mhz, d.devices_sampled
+       s.power_avg_w, d.power_avg_sampled_w, d.power_peak_w, d.temp_gpu_avg_c, d.temp_gpu_peak_c,
+       d.temp_hbm_avg_c, d.temp_hbm_peak_c, d.clock_sm_avg_mhz, d.devices_sampled
 FROM info i LEFT JOIN span s USING (run) LEFT JOIN dev d USING (run)
 ORDER BY i.sweep NULLS FIRST, i.model, i.run
 """

@@ -91,15 +91,40 @@ def bubble_factor(pp: int, microbatches: int) -> float:
 
 
 def estimate(cal: Calibration, flops_per_rank: float, world: int, pp: int, microbatches: int) -> Estimate:
-    """The model's figures for one configuration (see the module docstring)."""
-    compute_s = cal.s_per_flop * flops_per_rank
-    step_s = compute_s * bubble_factor(pp, microbatches) + cal.step_overhead_s
-    busy = min(1.0, compute_s / step_s) if step_s > 0 else 0.0
-    power = cal.idle_w + (cal.busy_w - cal.idle_w) * busy
-    peak = cal.peak_ratio * power
+    """The model's figures for one configuration whose pipeline stages hold equal work (see the
+    module docstring): :func:`estimate_stages` with every stage at ``flops_per_rank``."""
+    stages = max(1, pp)
+    return estimate_stages(cal, [flops_per_rank] * stages, world / stages, microbatches)
+
+
+def estimate_stages(
+    cal: Calibration,
+    stage_flops_per_rank: Sequence[float],
+    ranks_per_stage: float,
+    microbatches: int,
+    vpp: int | None = None,
+) -> Estimate:
+    """The model's figures for a layout whose pipeline stages hold different work:
+    ``stage_flops_per_rank[s]`` hardware FLOPs per rank of stage ``s`` per step.
+
+    Each stage computes ``c_s = s_per_flop x f_s``. In a 1F1B schedule the slowest stage sets
+    the steady state and every other stage adds its share of the fill and drain, one microbatch
+    (of ``vpp`` chunks) each: ``t = max c + (sum c - max c) / (m x vpp) + step_overhead_s``; for
+    equal stages this is ``c x (m + pp - 1) / m``, the bubble factor. Each stage's devices are
+    busy ``c_s / t`` of the step and draw ``idle + (busy - idle) x c_s / t``; the energy is the sum
+    over stages of ``ranks_per_stage x power x t``. So [3,1] layers costs more than [2,2]: the
+    heavy stage lengthens the step while the light one idles."""
+    c = [cal.s_per_flop * f for f in stage_flops_per_rank] or [0.0]
+    slowest = max(c)
+    chunks = max(1, microbatches) * max(1, vpp or 1)
+    step_s = slowest + (math.fsum(c) - slowest) / chunks + cal.step_overhead_s
+    busy = [min(1.0, x / step_s) if step_s > 0 else 0.0 for x in c]
+    power = [cal.idle_w + (cal.busy_w - cal.idle_w) * u for u in busy]
+    peak = max(cal.peak_ratio * p for p in power)
     if cal.power_limit_w is not None:
         peak = min(peak, cal.power_limit_w)
-    return Estimate(step_s, busy, power, peak, world * power * step_s)
+    energy = ranks_per_stage * math.fsum(p * step_s for p in power)
+    return Estimate(step_s, statistics.fmean(busy), statistics.fmean(power), peak, energy)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -124,7 +124,12 @@ def sections(detail_rank: int = 0) -> tuple[SectionSpec, ...]:
             "Energy",
             (
                 PanelSpec("Energy per step, per rank", pattern=per_rank("energy_j"), y_title="J"),
-                PanelSpec("Energy per step, all ranks", ("all/energy_j",), y_title="J"),
+                PanelSpec(
+                    "Energy per step, all ranks, and its bound (docs/attribution.md)",
+                    ("all/energy_j", "all/energy_bound_j"),
+                    y_title="J",
+                ),
+                PanelSpec("Energy bound per step, per rank", pattern=per_rank("energy_bound_j"), y_title="J"),
                 PanelSpec("Ranks reporting energy", ("all/ranks_reporting",), y_title="ranks"),
             ),
         ),

@@ -35,6 +35,7 @@ WINDOW_TABLE_COLUMNS: tuple[str, ...] = (
     "duration_s",
     "energy_j",
     "energy_method",
+    "energy_bound_j",
     "power_avg_w",
     "power_peak_w",
     "temp_gpu_peak_c",

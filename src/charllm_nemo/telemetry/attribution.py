@@ -35,23 +35,26 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from charllm_nemo.telemetry.counter_energy import (
+    counter_energy_bounded,
+    counter_envelope,
+    energy_from_counter,
+)
 from charllm_nemo.telemetry.schema import INT_NULL, LIMITING_REASONS, THROTTLE_BITS, THROTTLE_REASONS
 from charllm_nemo.telemetry.timelines import (
+    GAP_PERIODS,
     MIN_COUNTER_TICKS,
     MJ_PER_J,
     NS_PER_S,
     IntArray,
     _as_float64,
     _as_int64,
-    _counted_mean_power,
-    _counter_energy,
     _coverage,
     _delta,
     _held,
     _int_timeline,
     _Series,
     counter_delta,
-    energy_from_counter,
     held_time,
     integrate_power,
     sample_period_ns,
@@ -94,13 +97,18 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("gap_max_s", "s", "longest interval inside the window without a sample (edges included)"),
     ("energy_j", "J", "energy over the window, by energy_method"),
     ("energy_method", "-", "counter | power_trapezoid | power_avg_trapezoid | none | invalid"),
+    (
+        "energy_bound_j",
+        "J",
+        "bound on |energy_j - true energy| (docs/attribution.md, Energy bounds); NaN: no bound",
+    ),
     ("power_avg_w", "W", "energy_j / duration_s (mean power consistent with energy_j)"),
     ("power_timeline_avg_w", "W", "time-weighted mean of the power timeline (instant, else averaged)"),
-    ("power_peak_w", "W", "max instant power over samples inside (edge values if none inside)"),
-    ("temp_gpu_peak_c", "degC", "max GPU temperature over samples inside (edge values if none)"),
-    ("temp_hbm_peak_c", "degC", "max HBM temperature over samples inside (edge values if none)"),
-    ("temp_hotspot_peak_c", "degC", "max hotspot temperature over samples inside (edge values if none)"),
-    ("clock_sm_min_mhz", "MHz", "min SM clock over samples inside (edge values if none)"),
+    ("power_peak_w", "W", "highest instant power sampled inside; NaN when no sample is inside"),
+    ("temp_gpu_peak_c", "degC", "highest GPU temperature sampled inside; NaN when none"),
+    ("temp_hbm_peak_c", "degC", "highest HBM temperature sampled inside; NaN when none"),
+    ("temp_hotspot_peak_c", "degC", "highest hotspot temperature sampled inside; NaN when none"),
+    ("clock_sm_min_mhz", "MHz", "lowest SM clock sampled inside; NaN when none"),
     ("clock_sm_avg_mhz", "MHz", "time-weighted mean SM clock"),
     *(
         (f"throttle_{name}_s", "s", f"time the '{name}' throttle bit was set (sample-and-hold)")
@@ -115,7 +123,13 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 ATTRIBUTION_COLUMN_NAMES: tuple[str, ...] = tuple(c[0] for c in ATTRIBUTION_COLUMNS)
 
-_ENERGY_FIGURES: Final = ("energy_j", "energy_method", "power_avg_w", "power_timeline_avg_w")
+_ENERGY_FIGURES: Final = (
+    "energy_j",
+    "energy_method",
+    "energy_bound_j",
+    "power_avg_w",
+    "power_timeline_avg_w",
+)
 
 
 def _reads(figure: str) -> tuple[str, ...]:
@@ -315,7 +329,14 @@ def attribute_windows(
         # computed only when a window is left without energy by the ones before it.
         averaged = floats("power_avg_w")
         edge_power = instant if instant.t.size >= 2 else (averaged if averaged.t.size >= 2 else None)
-        energy = _counter_energy(*ints("energy_mj"), t0, t1, min_counter_ticks, edge_power)
+        # A stretch of the power timeline longer than GAP_PERIODS of its own periods is a gap:
+        # the power there is unknown, so an energy integrated across it has no bound.
+        gap_ns = GAP_PERIODS * sample_period_ns(edge_power.t) if edge_power is not None else np.inf
+        energy, bound = counter_energy_bounded(
+            *ints("energy_mj"), t0, t1, min_counter_ticks, edge_power, gap_ns
+        )
+        if edge_power is not instant:
+            bound[:] = np.nan  # edges from a 1 s vendor average: it lags the power, no bound
         method = np.full(m, "none", dtype=_METHOD_DTYPE)
         method[~np.isnan(energy)] = "counter"
         for series, name in ((instant, "power_trapezoid"), (averaged, "power_avg_trapezoid")):
@@ -326,9 +347,21 @@ def attribute_windows(
             use = left & ~np.isnan(fallback)
             energy[use] = fallback[use]
             method[use] = name
+            if name == "power_trapezoid" and use.any():
+                # The vendor's 1 s average lags the power by up to its window: no bound for it.
+                period = GAP_PERIODS * sample_period_ns(instant.t)
+                b = instant.trapezoid_bound(t0[use], t1[use], period)
+                bound[use] = np.where(np.isposinf(b), np.nan, b)
+        if instant.t.size >= 2:
+            # Whatever the method, the counter brackets the truth between 0 and its envelope
+            # (docs/attribution.md, Energy bounds): the tighter of the two bounds holds.
+            env = counter_envelope(*ints("energy_mj"), t0, t1, instant)
+            by_env = np.fmax(energy, env - energy)
+            bound = np.where(np.isnan(env) | np.isnan(energy), bound, np.fmin(bound, by_env))
         method[~valid] = "invalid"
         out["energy_j"] = energy
         out["energy_method"] = method
+        out["energy_bound_j"] = bound
         timeline = instant if instant.t.size >= 2 else averaged
         power_avg = np.full(m, np.nan)
         pos = dur_s > 0
@@ -340,23 +373,18 @@ def attribute_windows(
             out["power_timeline_avg_w"] = timeline_avg
         out["power_avg_w"] = power_avg
     if want("power_peak_w"):
-        # The peak is taken over the same evidence as the mean power: the instant-power curve
-        # (edges included) and, where the counter measures part of the window, the counter's
-        # mean power over that part (the true power reached that mean at some instant). The
-        # window's mean is a time-weighted mix of the two, so power_avg_w <= power_peak_w
-        # whichever energy method applied.
-        peak = instant.extreme(np.maximum, t0, t1)
-        counted = _counted_mean_power(*ints("energy_mj"), t0, t1, min_counter_ticks)
-        has = ~np.isnan(peak) & ~np.isnan(counted)
-        peak[has] = np.maximum(peak[has], counted[has])
-        out["power_peak_w"] = peak
+        # The highest power a sample showed inside the window, nothing else: an interpolated
+        # edge or the counter's mean is not a value the device reported (docs/attribution.md).
+        # The mean power (energy / duration) can therefore exceed it: the counter sees power
+        # between samples, and the edges of a window are interpolated.
+        out["power_peak_w"] = instant.sampled_extreme(np.maximum, t0, t1)
 
     for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
         if want(f"{name}_peak_c"):
-            out[f"{name}_peak_c"] = floats(f"{name}_c").extreme(np.maximum, t0, t1)
+            out[f"{name}_peak_c"] = floats(f"{name}_c").sampled_extreme(np.maximum, t0, t1)
     if want("clock_sm_min_mhz", "clock_sm_avg_mhz"):
         clock = floats("clock_sm_mhz")
-        out["clock_sm_min_mhz"] = clock.extreme(np.minimum, t0, t1)
+        out["clock_sm_min_mhz"] = clock.sampled_extreme(np.minimum, t0, t1)
         out["clock_sm_avg_mhz"] = clock.mean(t0, t1)
 
     if want(*(f"throttle_{name}_s" for name, _ in THROTTLE_REASONS), "throttle_any_limiting_s"):

@@ -44,7 +44,9 @@ class TelemetryConfig:
     backend: str = "auto"  # auto | nvml | amdsmi | synthetic
     hz: float = DEFAULT_HZ
     # Cumulative counters (energy, violation times, PCIe/NVLink bytes) where the backend reads
-    # them apart (NVML: the energy counter costs ~3 ms a read on an H200); null = every sample.
+    # them apart (NVML: the energy counter costs ~3 ms a read on an H200): null = the rate derived
+    # from the measured cost of a read (at most 3 % of a core: every sample where reads are cheap);
+    # a number = that rate (telemetry.hz or more: every sample whatever it costs).
     counter_hz: float | None = DEFAULT_COUNTER_HZ
     # Also store the driver's own sample buffers where a device keeps them (NVML: power, SM
     # clock, utilization at the driver's rate; buffered-NNNNNN.parquet; docs/store.md).
@@ -117,7 +119,7 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     if cfg.enabled and c is not None and (not _is_number(c) or not math.isfinite(c) or c <= 0):
         problems.append(
             f"telemetry.counter_hz={c!r} is not a positive finite rate; use e.g. telemetry.counter_hz=10 "
-            "(Hz), or null to read the counters with every sample"
+            "(Hz), or null to derive it from the measured cost of a counter read"
         )
     nice = cfg.nice
     if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:

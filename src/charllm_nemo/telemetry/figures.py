@@ -93,7 +93,9 @@ def _energy(r: Mapping[str, Any]) -> str:
     e, n, world = r.get("energy_j"), r.get("ranks_reporting", 0), r.get("world_size", 1)
     if e is None:
         return "energy n/a"
-    return f"{e:.3g} J" + ("" if n >= world else f" ({n}/{world} ranks)")
+    bound = r.get("energy_bound_j")
+    shown = f"{e:.3g} J" + ("" if bound is None else f" +- {bound:.2g}")
+    return shown + ("" if n >= world else f" ({n}/{world} ranks)")
 
 
 def _power(r: Mapping[str, Any]) -> str | None:
@@ -148,6 +150,14 @@ RANK_FIGURES: tuple[RankFigure, ...] = (
         console=_energy,
     ),
     RankFigure(
+        "energy_bound_j",
+        "J",
+        "bound on the step energy's error (docs/attribution.md, Energy bounds); null: no bound",
+        "sum",
+        report="sum",
+        aggregates=(("all/energy_bound_j", "sum"),),
+    ),
+    RankFigure(
         "power_avg_w",
         "W",
         "mean power (energy / duration)",
@@ -160,7 +170,7 @@ RANK_FIGURES: tuple[RankFigure, ...] = (
     RankFigure(
         "power_peak_w",
         "W",
-        "peak instant power",
+        "highest instant power sampled in the step (null: no sample inside)",
         report="max",
         median=True,
         aggregates=(("all/power_peak_w", "max"),),

@@ -43,6 +43,7 @@ MANIFEST_SPEC: Spec = {
     "sampling_hz": ("number",),
     "cpu_affinity": ("list",),
     "sampler_mode": ("string",),
+    "counter_reads": ("object",),
     "sampler_process_pid": ("int", "null"),
     "sampler_process_error": ("string", "null"),
     "telemetry_process_lost": ("object",),

@@ -12,6 +12,8 @@ numpy), so that the sampling process starts quickly.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,35 +61,87 @@ def validate_hz(hz: float) -> float:
     return float(hz)
 
 
-DEFAULT_COUNTER_HZ = 10.0
-"""How often the cumulative counters are read where a device reads them apart (NVML): measured
-on an H200 (driver 580.159), the energy counter alone costs 2.4-3 ms a read and updates every
-100 ms, the thermal violation time 0.4-0.6 ms and each PCIe counter 0.08-0.14 ms, against 13 µs
-for every other metric together (bench/nvml_costs.py, docs/devices-nvml.md)."""
+DEFAULT_COUNTER_HZ: float | None = None
+"""The default ``telemetry.counter_hz``: None, derive the rate from the measured cost of a counter
+read (:func:`measured_counter_every`). A number reads the counters at that rate (at least every
+slot); a rate of ``hz`` or more reads them with every sample whatever they cost."""
+
+COUNTER_READ_BUDGET = 0.03
+"""The share of one CPU core that the cumulative counters' reads may take when their rate is
+derived (``telemetry.counter_hz: null``): n = ceil(hz x extra cost of a whole read / budget).
+Measured on an H200 (driver 580.159), the energy counter alone costs 2.4-3 ms a read and updates
+every 100 ms, the thermal violation time 0.4-0.6 ms and each PCIe counter 0.08-0.14 ms, against
+13 µs for every other metric together (bench/nvml_costs.py, docs/devices-nvml.md): ~3 ms at
+100 Hz gives n = 10, the 10 Hz that was the fixed default; a device whose counters cost little
+(the synthetic device, the NVML stand-in, AMD SMI) gets them with every sample, which places
+each counter tick within one sample period (docs/attribution.md, Energy bounds)."""
+
+AUTO_EVERY = 0
+""":func:`counter_every`'s answer for a derived rate: measured when the devices are open."""
 
 
 def counter_every(hz: float, counter_hz: float | None) -> int:
     """Read the cumulative counters on every n-th slot of a sampler at ``hz``: n for
-    ``counter_hz`` (None: every slot). Raises ConfigError for a rate that is not a positive
-    number."""
+    ``counter_hz``, :data:`AUTO_EVERY` for None (derived from the measured cost once the devices
+    are open: :func:`effective_counter_every`). Raises ConfigError for a rate that is not a
+    positive number."""
     if counter_hz is None:
-        return 1
+        return AUTO_EVERY
     try:
         value = float(counter_hz)
     except (TypeError, ValueError):
         value = float("nan")
     if not value > 0:
         raise ConfigError(
-            f"telemetry.counter_hz={counter_hz!r} is not a positive rate; use e.g. "
-            f"{DEFAULT_COUNTER_HZ:g} (Hz), or null to read the counters with every sample"
+            f"telemetry.counter_hz={counter_hz!r} is not a positive rate; use e.g. 10 (Hz), or null to "
+            "derive it from the measured cost of a counter read"
         )
     return max(1, round(hz / value))
 
 
-def effective_counter_every(devices: Sequence[Device], every: int) -> int:
+def counter_read_cost_ns(
+    devices: Sequence[Device], reads: int = 5, clock: Callable[[], int] = time.perf_counter_ns
+) -> int:
+    """What reading the cumulative counters adds to a sample (ns): over the devices that read
+    them apart, the median of ``reads`` whole reads less the median of as many gauge reads,
+    summed. A device that fails here adds nothing (the loop meets the failure and handles it)."""
+    total = 0
+    for d in devices:
+        if not isinstance(d, ReadsGaugesApart):
+            continue
+        whole, gauges = [], []
+        try:
+            for _ in range(reads):
+                t0 = clock()
+                d.read()
+                whole.append(clock() - t0)
+                t0 = clock()
+                d.read_gauges()
+                gauges.append(clock() - t0)
+        except Exception:
+            continue
+        total += max(0, int(statistics.median(whole) - statistics.median(gauges)))
+    return total
+
+
+def measured_counter_every(hz: float, cost_ns: int, budget: float = COUNTER_READ_BUDGET) -> int:
+    """Slots per counter read so that the counters' extra ``cost_ns`` a read, at ``hz`` slots a
+    second, takes at most ``budget`` of a core: ceil(hz x cost / budget), at least 1."""
+    return max(1, math.ceil(hz * cost_ns / 1e9 / budget - 1e-9))
+
+
+def effective_counter_every(devices: Sequence[Device], every: int, hz: float | None = None) -> int:
     """What :func:`run_sample_loop` applies: ``every`` where some device reads its counters
-    apart (devices/base.py ``ReadsGaugesApart``), else 1 (every slot is whole)."""
-    return every if every > 1 and any(isinstance(d, ReadsGaugesApart) for d in devices) else 1
+    apart (devices/base.py ``ReadsGaugesApart``), else 1 (every slot is whole).
+    :data:`AUTO_EVERY` measures the counters' cost on those devices now
+    (:func:`counter_read_cost_ns`, :func:`measured_counter_every`; ``hz`` needed)."""
+    if not any(isinstance(d, ReadsGaugesApart) for d in devices):
+        return 1
+    if every == AUTO_EVERY:
+        if hz is None:
+            raise ValueError("a derived counter rate needs the sampling rate hz")
+        return measured_counter_every(hz, counter_read_cost_ns(devices))
+    return max(1, every)
 
 
 def figures_period_ns(hz: float, every: int) -> int:
@@ -204,7 +258,7 @@ def run_sample_loop(
     half = period // 2
     mono = time.monotonic_ns
     live = [(d, d.identity.index) for d in devices]
-    every = h.counter_every = effective_counter_every(devices, counter_every)
+    every = h.counter_every = effective_counter_every(devices, counter_every, h.hz)
     gauges: dict[int, Callable[[], Any]] = {}
     if every > 1:
         gauges = {idx: d.read_gauges for d, idx in live if isinstance(d, ReadsGaugesApart)}

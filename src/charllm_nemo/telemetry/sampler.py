@@ -67,7 +67,8 @@ class Sampler:
     Rows accumulate in memory; the store takes them with :meth:`take_rows` (at least every
     second). ``source`` names the backend and lands in every row of the table. ``counter_hz``:
     how often a device that reads its cumulative counters apart (``read_gauges``) reads them
-    (None: with every sample; :func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`).
+    (None: derived from their measured cost when sampling starts;
+    :func:`~charllm_nemo.telemetry.sample_loop.run_sample_loop`).
     """
 
     mode = "thread"

@@ -64,6 +64,8 @@ from charllm_nemo.telemetry.placement import (
 from charllm_nemo.telemetry.process.engine import ProcessEngine
 from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.sample_loop import (
+    AUTO_EVERY,
+    COUNTER_READ_BUDGET,
     DEFAULT_COUNTER_HZ,
     DEFAULT_HZ,
     counter_every,
@@ -145,9 +147,10 @@ class TelemetrySession:
     ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
     (default: StoreError, before anything starts). ``counter_hz``: how often the cumulative
     counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them
-    apart (NVML: :data:`~charllm_nemo.telemetry.sample_loop.DEFAULT_COUNTER_HZ`; None = with
-    every sample); the rows between hold null for them, and live figures wait for the next
-    counter read past a window's end. ``driver_buffers``: also store the driver's own sample
+    apart (None, the default: derived from the measured cost of a read,
+    :data:`~charllm_nemo.telemetry.sample_loop.COUNTER_READ_BUDGET`; a number: that rate); the
+    rows between hold null for them, and live figures wait for the next counter read past a
+    window's end. ``driver_buffers``: also store the driver's own sample
     buffers where a device keeps them (NVML: power, SM clock, utilization;
     ``buffered-NNNNNN.parquet``, telemetry/buffered.py); no cost where none does.
     """
@@ -210,8 +213,18 @@ class TelemetrySession:
         self.source = self.backend.name
         # Live figures wait for a slot whose counters were read (telemetry.sample_loop): every
         # n-th where a device reads them apart (NVML), every slot elsewhere.
-        self.counter_every = effective_counter_every(self.backend.devices, every)
-        """Sampling slots per counter read (1: the counters come with every sample)."""
+        self.counter_every = effective_counter_every(self.backend.devices, every, self.hz)
+        """Sampling slots per counter read (1: the counters come with every sample); with
+        ``counter_hz=None`` derived here from the measured cost of a counter read
+        (telemetry/sample_loop.py ``COUNTER_READ_BUDGET``), once, and handed on as a rate so
+        that the sampler (thread or process) applies the same n."""
+        self.counter_rate = {
+            "every": self.counter_every,
+            "hz": self.hz / self.counter_every,
+            "how": "derived from the measured read cost" if every == AUTO_EVERY else "telemetry.counter_hz",
+            "budget_core_share": COUNTER_READ_BUDGET if every == AUTO_EVERY else None,
+        }
+        counter_hz = self.hz / self.counter_every
         self.figures_period_ns = figures_period_ns(self.hz, self.counter_every)
         """How often samples that can answer a live figure arrive (ns): a figure of a window is
         ready about this long after the window's end, at the latest."""
@@ -307,6 +320,7 @@ class TelemetrySession:
             "synthetic": self.source == "synthetic",
             "sampling_hz": self.hz,
             "sampler_mode": self.sampler_mode,
+            "counter_reads": self.counter_rate,
             "collector_sched": self.collector_sched,
             "devices": [d.identity.to_dict() for d in self.backend.devices],
             "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},

@@ -9,10 +9,11 @@ int metric's null is :data:`~charllm_nemo.telemetry.schema.INT_NULL` (any negati
   non-null samples (:class:`_Series`: exact integral, time-weighted mean, extremes);
 * a cumulative int counter (energy in mJ, bytes, ns) is subtracted in int64 before any
   interpolation, and a decrease (reset, wrap) makes a window's delta NaN (:func:`_delta`);
-* the energy counter is used between its tick points (:func:`_counter_energy`);
+* the energy counter is used between its tick points (telemetry/counter_energy.py);
 * a flag (a throttle bit) is held from a sample to the next (:func:`_held`).
 
-The public helpers (:func:`integrate_power`, :func:`counter_delta`, :func:`energy_from_counter`,
+The public helpers (:func:`integrate_power`, :func:`counter_delta`, counter_energy.py's
+:func:`energy_from_counter`,
 :func:`held_time`) take one metric and many windows; attribution.py re-exports them.
 """
 
@@ -30,7 +31,6 @@ __all__ = [
     "MJ_PER_J",
     "NS_PER_S",
     "counter_delta",
-    "energy_from_counter",
     "held_time",
     "integrate_power",
 ]
@@ -175,22 +175,62 @@ class _Series:
             out[zero] = self.value_at(t0[zero])
         return out
 
-    def extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
-        """ufunc (np.maximum / np.minimum) of the curve over [t0, t1]: the samples with
-        t0 <= t < t1 and the two interpolated edge values. The curve's mean over the window
-        (:meth:`mean`) therefore always lies between its minimum and its maximum: both come from
-        the same piecewise-linear curve. NaN where not covered."""
+    def sampled_extreme(self, ufunc: np.ufunc, t0: IntArray, t1: IntArray) -> FloatArray:
+        """ufunc (np.maximum / np.minimum) of the values actually sampled with t0 <= t < t1; NaN
+        where no sample lies inside. Never an interpolated edge: a peak is a value a sensor
+        reported (an edge between a 100 W and a 300 W sample is a guess the device never
+        showed), and a window that holds no sample has no peak. A window reaching outside the
+        sampled span has none either (part of it was not observed at all)."""
+        out = np.full(t0.shape, np.nan)
+        if self.t.size == 0:
+            return out
+        lo = np.searchsorted(self.t, t0, side="left")
+        hi = np.searchsorted(self.t, t1, side="left")
+        inside = (hi > lo) & self.covers(t0, t1)
+        if inside.any():
+            out[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
+        return out
+
+    def trapezoid_bound(self, t0: IntArray, t1: IntArray, gap_ns: float) -> FloatArray:
+        """A bound on |true integral - :meth:`integral`| over each [t0, t1] (value x s).
+
+        Assumes the true curve stays between the values of the two samples around it (no
+        excursion shorter than a sample period: a step or a ramp between two samples). Then over
+        a whole segment the trapezoid errs by at most ``|dv| x dt / 2`` (the truth lies in
+        [min, max] x dt, the trapezoid in the middle), over a part of one by at most
+        ``|dv| x part``. A segment longer than ``gap_ns`` (a sampling gap: the curve there is
+        unknown) makes the bound +inf. NaN where the samples do not bracket the window."""
         out = np.full(t0.shape, np.nan)
         ok = self.covers(t0, t1)
         if not ok.any():
             return out
         a, b = t0[ok], t1[ok]
-        lo = np.searchsorted(self.t, a, side="left")
-        hi = np.searchsorted(self.t, b, side="left")
-        res = ufunc(self.value_at(a, "right"), self.value_at(b, "left"))
-        inside = hi > lo
-        if inside.any():
-            res[inside] = ufunc(res[inside], _range_reduce(ufunc, self.v, lo[inside], hi[inside]))
+        t, v = self.t, self.v
+        dt = np.diff(t).astype(np.float64)
+        dv = np.abs(np.diff(v))
+        gap = dt > gap_ns
+        whole = np.where(gap, 0.0, dv * dt / NS_PER_S * 0.5)
+        cum = np.concatenate(([0.0], np.cumsum(whole)))
+        gaps = np.concatenate(([0], np.cumsum(gap)))
+        i0, f0 = _segment(t, a, "right")
+        i1, f1 = _segment(t, b, "left")
+        ns = float(NS_PER_S)
+
+        def part(i: IndexArray, length: npt.NDArray[np.int64], full: BoolArray) -> FloatArray:
+            return np.asarray(dv[i] * length.astype(np.float64) / ns * np.where(full, 0.5, 1.0))
+
+        same = i0 == i1
+        res = np.empty(a.shape)
+        res[same] = part(i0[same], b[same] - a[same], (f0[same] == 0) & (f1[same] == 1))
+        d = ~same
+        if d.any():
+            j0, j1 = i0[d], i1[d]
+            head = part(j0, t[j0 + 1] - a[d], f0[d] == 0)
+            tail = part(j1, b[d] - t[j1], f1[d] == 1)
+            res[d] = head + (cum[j1] - cum[j0 + 1]) + tail
+        unknown = gaps[i1 + 1] - gaps[i0] > 0
+        res[unknown] = np.inf
+        res[b == a] = 0.0
         out[ok] = res
         return out
 
@@ -242,70 +282,6 @@ def _ticks(t: IntArray, e: IntArray) -> tuple[IntArray, IntArray]:
 MIN_COUNTER_TICKS = 2
 """The counter is used for a window only when at least this many of its ticks lie inside, so
 that at least one whole counter interval (20-100 ms on NVML) is measured by the hardware."""
-
-
-def _counter_energy(
-    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int = 2, edges: _Series | None = None
-) -> FloatArray:
-    """Energy (J) from the counter. With ``edges`` (a power timeline): the counter's exact delta
-    between the first and the last tick inside the window, plus the power timeline's integral
-    from the window's begin to the first tick and from the last tick to its end; this needs no
-    tick outside the window, so a live figure equals the one computed later. Where the edges
-    cannot be integrated (no power timeline): the line through the ticks, interpolated at both
-    ends, which needs a tick at or before the begin and one at or after the end. NaN where
-    fewer than ``min_ticks`` ticks lie inside or the counter decreases (reset) across them."""
-    tt, te = _ticks(*_int_timeline(t, e_mj))
-    out = np.full(t0.shape, np.nan)
-    if tt.size < 2:
-        return out
-    lo = np.searchsorted(tt, t0, side="left")
-    hi = np.searchsorted(tt, t1, side="right")  # ticks inside: tt[lo:hi]
-    use = (hi - lo) >= max(2, min_ticks)
-    if not use.any():
-        return out
-    first, last = lo[use], hi[use] - 1
-    drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
-    inner = (te[last] - te[first]).astype(np.float64) / MJ_PER_J  # int64 first, then float
-    inner[drops[last] - drops[first] > 0] = np.nan
-    res = np.full(first.shape, np.nan)
-    if edges is not None:
-        # The two edges (begin -> first tick, last tick -> end) in one call.
-        k = first.size
-        both = edges.integral(np.concatenate((t0[use], tt[last])), np.concatenate((tt[first], t1[use])))
-        res = inner + both[:k] + both[k:]
-    missing = np.isnan(res) & ~np.isnan(inner)
-    if missing.any():
-        idx = np.flatnonzero(use)[missing]
-        res[missing] = _delta(tt, te, t0[idx], t1[idx]) / MJ_PER_J
-    out[use] = res
-    return out
-
-
-def _counted_mean_power(
-    t: IntArray, e_mj: IntArray, t0: IntArray, t1: IntArray, min_ticks: int
-) -> FloatArray:
-    """Mean power (W) over the part of each window the energy counter measures (its first to
-    its last tick inside), for the windows whose energy the counter gives (at least
-    ``min_ticks`` ticks inside, no decrease across them); NaN elsewhere. Over the whole counted
-    part, not per counter interval: a tick is stamped up to one sampling period late, so a single
-    interval's mean can be off by that period over the interval (10 ms in 100 ms: 10 %), the
-    whole part's only once."""
-    tt, te = _ticks(*_int_timeline(t, e_mj))
-    out = np.full(t0.shape, np.nan)
-    if tt.size < 2:
-        return out
-    lo = np.searchsorted(tt, t0, side="left")
-    hi = np.searchsorted(tt, t1, side="right")
-    use = (hi - lo) >= max(2, min_ticks)
-    if not use.any():
-        return out
-    first, last = lo[use], hi[use] - 1
-    # mJ per ns is 1e6 W; int64 differences first, exact whatever the counter's magnitude.
-    mean_w = (te[last] - te[first]).astype(np.float64) / (tt[last] - tt[first]).astype(np.float64) * 1e6
-    drops = np.concatenate(([0], np.cumsum(np.diff(te) < 0)))
-    mean_w[drops[last] - drops[first] > 0] = np.nan
-    out[use] = mean_w
-    return out
 
 
 def _held(t: IntArray, flags: BoolArray, t0: IntArray, t1: IntArray) -> FloatArray:
@@ -372,25 +348,6 @@ def counter_delta(t_ns: Any, values: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:
     t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
     tc, c = _int_timeline(t, _as_int64(values))
     return _delta(tc, c, t0, t1)
-
-
-def energy_from_counter(
-    t_ns: Any, energy_mj: Any, t0_ns: Any, t1_ns: Any, power_w: Any = None, min_ticks: int = MIN_COUNTER_TICKS
-) -> FloatArray:
-    """Energy in J over each window from the hardware energy counter (mJ), NaN where not usable.
-
-    Tick points are the samples where the counter's value changes. A window needs at least
-    ``min_ticks`` ticks inside (t0 <= t_tick <= t1) and no decrease (reset, wrap) across them.
-    With ``power_w`` (a power timeline on the same samples) the energy is the counter's exact
-    delta between the first and last tick inside plus the power's integral over the two edges;
-    without it, the straight line through consecutive ticks interpolated at t0 and t1 (which
-    needs a tick at-or-before t0 and one at-or-after t1). Elsewhere NaN, and
-    :func:`attribute_windows` falls back to the power timeline.
-    """
-    t = _checked_times(t_ns)
-    t0, t1 = np.atleast_1d(_as_int64(t0_ns)), np.atleast_1d(_as_int64(t1_ns))
-    edges = None if power_w is None else _Series(t, _as_float64(power_w))
-    return _counter_energy(t, _as_int64(energy_mj), t0, t1, min_ticks, edges)
 
 
 def held_time(t_ns: Any, flags: Any, t0_ns: Any, t1_ns: Any) -> FloatArray:

@@ -53,6 +53,7 @@ def window_table_lines(table: Any) -> list[str]:
         ("device_index", "dev", "{}"),
         ("duration_s", "dur ms", "{:.1f}"),
         ("energy_j", "energy J", "{:.2f}"),
+        ("energy_bound_j", "+- J", "{:.2f}"),
         ("energy_method", "method", "{}"),
         ("power_avg_w", "avg W", "{:.1f}"),
         ("power_peak_w", "peak W", "{:.1f}"),

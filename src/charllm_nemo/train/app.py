@@ -218,6 +218,7 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
     start nothing, write nothing. The world size is the launcher's, or ``launch.nproc`` outside
     a SLURM allocation / torchrun (planning from a login node)."""
     from charllm_nemo.train.plan import describe_plan
+    from charllm_nemo.train.plan_fit import fit_lines, memory_fit
 
     try:
         world, _ = world_and_env(cfg, environ)
@@ -229,11 +230,26 @@ def dry_run(cfg: TrainConfig, environ: Mapping[str, str]) -> int:
             raise
         world = cfg.launch.nproc
     cfg, layout = _validated(cfg, world)
-    print(f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: valid; nothing started")
-    for line in describe_plan(cfg, layout):
+    fit = memory_fit(cfg, layout)
+    if fit is None:
+        verdict = "memory fit not checked (no launch.platform with known memory)"
+    elif not fit.any_fits:
+        verdict = f"NO PLAN FITS {fit.device}'s memory"
+    elif not fit.configured_fits:
+        verdict = f"as configured it does NOT fit {fit.device}'s memory (other plans do)"
+    else:
+        verdict = f"fits {fit.device}'s memory"
+    if cfg.launch.device == "cpu":
+        verdict = "memory checked against this host at launch"
+    print(
+        f"charllm train: dry run for {world} rank(s) on {cfg.launch.device}: the configuration is "
+        f"valid; {verdict}; nothing started"
+    )
+    for line in describe_plan(cfg, layout) + fit_lines(cfg, fit):
         print(f"  {line}")
     sys.stdout.flush()
-    return 0
+    # No plan fits the named device: exit 1, so a script that plans before it queues stops here.
+    return 1 if fit is not None and not fit.any_fits else 0
 
 
 def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None, fresh_name: bool | None = None) -> int:

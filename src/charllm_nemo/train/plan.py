@@ -22,6 +22,7 @@ from charllm_nemo.metrics.flops import ModelShape, hardware_flops_per_step, para
 from charllm_nemo.metrics.memory import StageMemory, stage_memory
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.layout import ResolvedLayout
+from charllm_nemo.train.plan_energy import energy_lines
 
 if TYPE_CHECKING:
     from charllm_nemo.train.dist import DistInfo
@@ -171,7 +172,7 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
             else "no recomputation"
         ),
     ]
-    lines += energy_lines(cfg, hw.total / world, layout)
+    lines += energy_lines(cfg, layout)
     stages = plan_stage_memory(cfg, layout)
     sharded = "FSDP" if p.fsdp else ("distributed optimizer" if o.use_distributed_optimizer else "")
     over = f"dp*cp={layout.dp * layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
@@ -224,34 +225,6 @@ def describe_plan(cfg: TrainConfig, layout: ResolvedLayout) -> list[str]:
             f"stage {k}'s, {_bytes(te[k])}"
         )
     return lines
-
-
-def energy_lines(cfg: TrainConfig, flops_per_rank: float, layout: ResolvedLayout) -> list[str]:
-    """The dry run's energy estimate (metrics/energy_model.py) for ``launch.platform``, or why
-    there is none."""
-    from charllm_nemo.metrics.energy_model import estimate, load_table, platform_for
-
-    table = load_table()
-    cal = platform_for(table, cfg.launch.platform, on_cpu=cfg.launch.device == "cpu")
-    if cal is None:
-        known = ", ".join(sorted(table)) or "none"
-        return [
-            f"energy: no estimate for launch.platform={cfg.launch.platform}; fitted platforms: {known} "
-            "(charllm calibrate-energy SWEEP_DIR fits one from measured runs)"
-        ]
-    e = estimate(cal, flops_per_rank, layout.world_size, layout.pp, layout.num_microbatches)
-    steps = cfg.batch.train_steps
-    err = (
-        f"error on held-out runs: median {cal.held_out_error_median:.0%}, max {cal.held_out_error_max:.0%}"
-        if cal.held_out_error_median is not None and cal.held_out_error_max is not None
-        else "no held-out error (fitted on fewer than 3 runs)"
-    )
-    return [
-        f"energy (estimate, {cal.platform} model fitted on {cal.runs} runs; {err}): "
-        f"{e.energy_step_j:,.4g} J per step, {e.energy_step_j * steps / 3.6e6:,.4g} kWh for "
-        f"{steps:,} steps; step {e.step_s:.4g} s, {e.busy_share:.0%} busy; "
-        f"power per device {e.power_avg_w:.4g} W average, {e.power_peak_w:.4g} W peak"
-    ]
 
 
 TIGHT_SHARE = 0.9

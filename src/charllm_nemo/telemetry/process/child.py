@@ -202,7 +202,7 @@ def _run(config: dict[str, Any], block: Block, parent_gone: list[bool]) -> tuple
             stdin_readable[0] = True
 
     # Counter slots (sample_loop): every n-th where a device reads its counters apart (NVML).
-    every = effective_counter_every(backend.devices, int(config.get("counter_every", 1)))
+    every = effective_counter_every(backend.devices, int(config.get("counter_every", 1)), health.hz)
     config["figures_period_ns"] = figures_period_ns(health.hz, every)
     service = _Service(block, config, backend.devices)
     service.start()
