@@ -40,13 +40,14 @@ def test_energy_is_one_row_per_run_with_its_figure_first_and_one_per_rank() -> N
                 "mlperf": {"meets": False, "reasons": ["sampled at 1 Hz"], "checked": ["rate"]},
                 "carbon": None,
                 "per_device": [{"rank": 0, "device_index": 0, "energy_j": 50.0, "method": "counter",
-                                "coverage": 1.0, "bound_edges_j": 0.5,
-                                "bound_coverage_j": None}]}]  # fmt: skip
+                                "coverage": 1.0, "uncertainty_j": 0.5,
+                                "bound_basis": "attribution"}]}]  # fmt: skip
     runs, ranks = energy_rows(reports)
     assert list(runs[0])[:2] == ["run", "energy_j"] and runs[0]["uncertainty_pct"] == 2.0
     assert runs[0]["MLPerf Training power rules (rate)"] == "does not meet: sampled at 1 Hz"
     assert ranks == [{"run": "r", "rank": 0, "device": 0, "energy_j": 50.0, "method": "counter",
-                      "coverage": 1.0, "counter_period_s": None, "bound_j": 0.5}]  # fmt: skip
+                      "coverage": 1.0, "counter_period_s": None, "bound_j": 0.5,
+                      "bound_basis": "attribution"}]  # fmt: skip
 
 
 def _section(page: str, name: str) -> str:
