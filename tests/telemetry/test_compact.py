@@ -167,6 +167,9 @@ def test_a_planted_link_at_the_temporary_name_is_not_followed(tmp_path: Path) ->
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_run(tmp_path)
     assert main(["compact", str(tmp_path)]) == 0
-    assert "24 segment file(s) -> 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "24 segment file(s) -> 4" in out
+    # every row of both ranks rewritten: 2 x (30 samples + 6 windows) (was always "0 rows")
+    assert "; 72 rows rewritten" in out, out
     assert main(["compact", str(tmp_path / "nope")]) == 2
     assert json.loads((tmp_path / "rank=0" / "manifest.json").read_text())["status"] == "complete"

@@ -123,11 +123,12 @@ def compact_files(
     if len(paths) < 2:
         return Compaction(kind, len(paths), None, 0)
     batch: list[tuple[Path, pa.Table]] = []
-    rows = 0
+    rows = 0  # rows of the batch being gathered (flush resets it)
+    rewritten = 0  # rows written into compacted files, all batches
     written: Path | None = None
 
     def flush() -> None:
-        nonlocal batch, rows, written
+        nonlocal batch, rows, written, rewritten
         if len(batch) >= 2:
             first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
             table = pa.concat_tables([t for _, t in batch], promote_options="permissive")
@@ -136,6 +137,7 @@ def compact_files(
                 if p != written:
                     p.unlink(missing_ok=True)
             _fsync_dir(folder)
+            rewritten += table.num_rows
         batch, rows = [], 0
 
     for p in paths:
@@ -153,7 +155,7 @@ def compact_files(
         batch.append((p, t))
         rows += t.num_rows
     flush()
-    return Compaction(kind, len(paths), written, rows)
+    return Compaction(kind, len(paths), written, rewritten)
 
 
 def _castable(a: pa.Table, b: pa.Table) -> bool:
