@@ -324,6 +324,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 def cmd_sweep_status(args: argparse.Namespace) -> int:
     from charllm_nemo.sweep.status import sweep_status
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.train.sweep_manifest import find_sweeps
 
     path = Path(args.dir)
@@ -333,6 +334,7 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
             f"{path} holds no sweep (no sweep.json in it, nor one or two folders down); sweeps are "
             "written by `charllm train -m +sweep=<name>` under sweep.dir (default runs/sweeps)"
         )
+    listed = 0
     for i, folder in enumerate(sweeps):
         lines, problems = sweep_status(folder, ask_slurm=not args.no_slurm)
         if i:
@@ -341,6 +343,14 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
             print(line)
         for p in problems:
             print(f"charllm sweep status: warning: {p}", file=sys.stderr)
+        listed += bool(lines)
+    if not listed:  # every sweep.json found was unreadable: nothing was shown, say so in the status
+        print(
+            f"charllm sweep status: error: no sweep under {printable(path)} could be read "
+            f"({len(sweeps)} sweep.json found, each named above with why)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

