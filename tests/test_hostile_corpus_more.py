@@ -11,11 +11,15 @@ runs both files once as root and once as an unprivileged user.
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
+from charllm_nemo.analysis.csv_cells import spreadsheet_safe
 from charllm_nemo.cli import main
+from tests.analysis.helpers import constant_run
 from tests.test_hostile_corpus import CONTROL, WHOLE_FILE_CASES, _sweep
 
 
@@ -45,3 +49,39 @@ def test_sweep_status_fails_when_its_only_sweep_is_unreadable(
     s = _sweep(tmp_path, raw=WHOLE_FILE_CASES[case])
     rc, text = run_rc(["sweep", "status", str(s), "--no-slurm"], capsys)
     assert rc == 2 and "error: no sweep under" in text, text
+
+
+# -- spreadsheet formulas in CSV cells ------------------------------------------------------------
+
+FORMULAS = ["=cmd|' /C calc'!A0", "+SUM(1)", "-2+3", "@SUM(A1)"]
+
+
+def _cells(path: Path) -> list[str]:
+    with path.open(newline="") as f:
+        return [c for row in csv.reader(f) for c in row]
+
+
+def test_csv_cells_are_never_formulas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Host names that a spreadsheet would run reach ``nodes``, ``ranks``, ``runs`` and
+    ``windows.csv`` escaped with a leading ``'``, in every CSV written; numbers stay numbers."""
+    run = tmp_path / "run"
+    constant_run(run, ranks=4, seconds=1.0, steps=1, hosts=FORMULAS)
+    out = tmp_path / "out"
+    run_rc(["analyze", str(run), "--out", str(out), "--no-figures"], capsys)
+    files = sorted(out.glob("*.csv"))
+    assert {"nodes.csv", "ranks.csv", "runs.csv", "windows.csv"} <= {f.name for f in files}
+    seen = set()
+    for f in files:
+        for cell in _cells(f):
+            if cell[:1] in ("=", "+", "-", "@"):
+                float(cell)  # a number (a negative one), never text: ValueError otherwise
+            seen.add(cell)
+    assert {"'" + h for h in FORMULAS} <= seen  # escaped, in full
+
+
+def test_spreadsheet_safe_keeps_numbers_and_plain_text() -> None:
+    t = pa.table({"s": ["=1", "a=1", None, "\t=x"], "n": [-1.0, 2.0, None, -3.0]})
+    d = pa.table({"s": pa.array(["-x", "y", "-x", "z"]).dictionary_encode()})
+    assert spreadsheet_safe(t).column("s").to_pylist() == ["'=1", "a=1", None, "'\t=x"]
+    assert spreadsheet_safe(t).column("n").to_pylist() == [-1.0, 2.0, None, -3.0]
+    assert spreadsheet_safe(d).column("s").to_pylist() == ["'-x", "y", "'-x", "z"]

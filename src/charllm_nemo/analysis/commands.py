@@ -63,9 +63,9 @@ MAX_PRINTED_PROBLEMS = 50
 def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
     """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
     (analysis/spark.py), written as Parquet and CSV into ``out``."""
-    import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
+    from charllm_nemo.analysis.csv_cells import write_csv
     from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
     from charllm_nemo.telemetry.write import write_with
 
@@ -78,7 +78,7 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path) -> int:
     for name in ("ranks", "nodes", "runs"):
         table = to_arrow(getattr(tables, name))
         write_with(out / f"{name}.parquet", partial(pq.write_table, table))
-        write_with(out / f"{name}.csv", partial(pacsv.write_csv, table))
+        write_csv(out / f"{name}.csv", table)
         print(f"{name}: {table.num_rows} row(s)")
     for p in tables.problems:
         print(f"  problem: {p}")
