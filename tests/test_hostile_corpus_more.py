@@ -12,6 +12,7 @@ runs both files once as root and once as an unprivileged user.
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -85,3 +86,24 @@ def test_spreadsheet_safe_keeps_numbers_and_plain_text() -> None:
     assert spreadsheet_safe(t).column("s").to_pylist() == ["'=1", "a=1", None, "'\t=x"]
     assert spreadsheet_safe(t).column("n").to_pylist() == [-1.0, 2.0, None, -3.0]
     assert spreadsheet_safe(d).column("s").to_pylist() == ["'-x", "y", "'-x", "z"]
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["report", "advise", "energy", "analyze", "inspect"])
+def test_run_folder_named_in_bytes_that_are_not_utf8(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run folder named ``run\\xff\\xfe`` (a Latin-1 file system, an archive): read, labelled with
+    the odd bytes written as ``\\xff`` (was a UnicodeEncodeError traceback)."""
+    run = tmp_path / os.fsdecode(b"run\xff\xfe")
+    constant_run(run, ranks=2, seconds=1.0, steps=1)
+    extra = {
+        "report": ["--out", str(tmp_path / "out"), "--html", str(tmp_path / "r.html")],
+        "analyze": ["--out", str(tmp_path / "out"), "--no-figures"],
+    }.get(command, [])
+    rc, text = run_rc([command, str(run), *extra], capsys)
+    assert rc == 0, text
+    if command == "energy":
+        assert "run\\xff\\xfe" in text
