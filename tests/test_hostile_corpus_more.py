@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
+import stat
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -107,3 +111,109 @@ def test_run_folder_named_in_bytes_that_are_not_utf8(
     assert rc == 0, text
     if command == "energy":
         assert "run\\xff\\xfe" in text
+
+
+# -- outputs that are not regular files; linked folders inside the run -----------------------------
+
+
+def _fifo_reader(fifo: Path, got: list[bytes]) -> threading.Thread:
+    def read() -> None:
+        with open(fifo, "rb") as f:  # the test's own far end of the FIFO
+            got.append(f.read())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("small") / "run"
+    constant_run(d, ranks=2, seconds=1.0, steps=1)
+    return d
+
+
+def test_report_html_into_a_fifo_is_streamed(
+    small_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "page.html"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = _fifo_reader(fifo, got)
+    time.sleep(0.2)  # the reader's open() waits for a writer; give it the time to get there
+    rc, text = run_rc(["report", str(small_run), "--out", str(tmp_path / "o"), "--html", str(fifo)], capsys)
+    reader.join(timeout=60)
+    assert rc == 0, text
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and got and b"<html" in got[0].lower()
+
+
+@pytest.mark.parametrize("target", ["/dev/null", "/dev/full", "fifo-without-reader", "."])
+def test_wandb_dashboard_json_to_a_special_file(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link to a device is written through (or a clear error for /dev/full), a FIFO nobody
+    reads is refused, ``.`` is named as a directory: never replaced, never a traceback."""
+    pytest.importorskip("wandb_workspaces")
+    if target.startswith("/dev/"):
+        path = tmp_path / "w.json"
+        path.symlink_to(target)
+    elif target == ".":
+        path = Path(".")
+    else:
+        path = tmp_path / "w.json"
+        os.mkfifo(path)
+    before = os.lstat(path)
+    rc, text = run_rc(["wandb-dashboard", "--dry-run", "--project", "p", "--json", str(path)], capsys)
+    assert rc == (0 if target == "/dev/null" else 2), text
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)  # the same entry, kept
+
+
+@pytest.mark.parametrize("command", ["report", "analyze"])
+def test_a_linked_analysis_folder_in_the_run_is_refused(
+    command: str, small_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ln -s ELSEWHERE RUN/analysis``: the default output folder, and ``figures`` below it,
+    are not written through (the figures were: a folder two levels down was not checked)."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "analysis").symlink_to(elsewhere)
+    rc, text = run_rc([command, str(run)], capsys)
+    assert rc == 2 and "symbolic link" in text, text
+    assert list(elsewhere.iterdir()) == []
+
+
+# -- huge and non-finite input fields --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ("time,g_per_kwh\n0," + "1" * 200_000 + "\n", "not a CSV line"),
+        ("time,g_per_kwh\n0,1e308\n", "g_per_kwh 1e+308"),
+        ("time,g_per_kwh\n0,inf\n", "g_per_kwh inf"),
+        ("time,g_per_kwh\n1e300,400\n", "not unix seconds"),
+    ],
+)
+def test_grid_csv_huge_and_non_finite_fields(
+    content: str, named: str, small_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = tmp_path / "grid.csv"
+    grid.write_text(content)
+    rc, text = run_rc(["energy", str(small_run), "--grid-csv", str(grid)], capsys)
+    assert rc == 2 and named in text and "inf g" not in text, text
+
+
+def test_grid_intensity_over_any_grid_is_refused(small_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text = run_rc(["energy", str(small_run), "--grid-g-per-kwh", "1e308"], capsys)
+    assert rc == 2 and "--grid-g-per-kwh" in text, text
+
+
+@pytest.mark.parametrize(
+    "steps", ["0:99999999999999999999999", "99999999999999999999999", "-99999999999999999999999:"]
+)
+def test_inspect_steps_past_64_bits(steps: str, small_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text = run_rc(["inspect", str(small_run), f"--steps={steps}"], capsys)
+    assert rc == 0, text

@@ -182,12 +182,17 @@ def nonempty_path(text: str) -> str:
 
 
 def steps_range(text: str) -> tuple[int | None, int | None]:
-    """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone)."""
+    """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone).
+    Bounds past the 64-bit range a step column holds are clamped to it (same steps selected)."""
+
+    def bound(v: int) -> int:
+        return min(max(v, -(2**63)), 2**63 - 1)
+
     try:
         if ":" not in text:
-            return int(text), int(text) + 1
+            return bound(int(text)), bound(int(text) + 1)
         a, b = text.split(":", 1)
-        return (int(a) if a.strip() else None), (int(b) if b.strip() else None)
+        return (bound(int(a)) if a.strip() else None), (bound(int(b)) if b.strip() else None)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a step range; use e.g. 100:110, 100:, :10 or 7"

@@ -29,6 +29,11 @@ def _imports_ok() -> bool:
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
+    from charllm_nemo.telemetry.write import anchor
+
+    # Every folder written below the run (PATH/analysis/figures) or below --out is checked from
+    # there: a link planted at PATH/analysis is refused, whichever file is written first.
+    anchor(args.out if args.out else args.path)
     return Path(args.out) if args.out else Path(args.path) / "analysis"
 
 

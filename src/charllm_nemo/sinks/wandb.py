@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from charllm_nemo.redact import redact_secrets
 from charllm_nemo.sinks.base import Metrics
 from charllm_nemo.sinks.keys import STEP_KEY, finite
+from charllm_nemo.telemetry.write import make_dir
 
 log = logging.getLogger("charllm_nemo.sinks")
 
@@ -421,7 +422,7 @@ class WandbSink:
                 )
         self.mode = kwargs["mode"]
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_dir(self.dir)  # RUN/wandb a planted link: refused, not written through
         kwargs["settings"] = wandb.Settings(**kwargs["settings"])
         self.run = wandb.init(**kwargs)
         self.run.define_metric(STEP_KEY)
