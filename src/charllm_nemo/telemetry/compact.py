@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import SIZE_CAPS, read_parquet, scan_run
+from charllm_nemo.telemetry.overlap import read_once
 from charllm_nemo.telemetry.write import atomic_file
 
 log = logging.getLogger("charllm_nemo.compact")
@@ -131,7 +132,9 @@ def compact_files(
         nonlocal batch, rows, written, rewritten
         if len(batch) >= 2:
             first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
-            table = pa.concat_tables([t for _, t in batch], promote_options="permissive")
+            # files whose ranges overlap hold some rows twice: one copy written (telemetry/overlap.py)
+            tables = read_once(batch, kind, problems)
+            table = pa.concat_tables(tables, promote_options="permissive")
             written = write_compacted(folder, kind, first, last, _sorted(kind, table))
             for p, _ in batch:
                 if p != written:
