@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from charllm_nemo.analysis.csv_cells import spreadsheet_safe
 from charllm_nemo.cli import main
+from charllm_nemo.errors import StoreError
 from tests.analysis.helpers import constant_run
 from tests.test_hostile_corpus import CONTROL, WHOLE_FILE_CASES, _sweep
 
@@ -217,3 +223,85 @@ def test_grid_intensity_over_any_grid_is_refused(small_run: Path, capsys: pytest
 def test_inspect_steps_past_64_bits(steps: str, small_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, text = run_rc(["inspect", str(small_run), f"--steps={steps}"], capsys)
     assert rc == 0, text
+
+
+# -- a Parquet bomb spread over many small segments ------------------------------------------------
+
+BOMB_FILES = 6
+BOMB_ROWS = 400_000
+"""Rows of each bomb segment: 8 int64 columns of zeros, ~26 MB decoded from ~15 KB: under the
+per-file caps (rows, stated size); six of them over the budget of one read."""
+
+BUDGET = 40 * 2**20
+"""CHARLLM_MAX_UNPACKED_BYTES in the child (the budget of a machine with 640 MiB free): one bomb
+segment fits, the second does not (the real default is larger; a smaller bomb keeps the test
+quick)."""
+
+
+@pytest.fixture(scope="module")
+def bomb_run(small_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bomb") / "run"
+    shutil.copytree(small_run, d)
+    zeros = pa.array(np.zeros(BOMB_ROWS, np.int64))
+    names = ["t_mono_ns", "device_index", "energy_mj", "throttle_reasons"] + [f"x{i}" for i in range(4)]
+    first = d / "rank=0" / "samples-000000.parquet"
+    pq.write_table(pa.table(dict.fromkeys(names, zeros)), first, compression="zstd", row_group_size=BOMB_ROWS)
+    assert first.stat().st_size < 1_000_000
+    for k in range(1, BOMB_FILES):
+        shutil.copyfile(first, first.with_name(f"samples-{k:06d}.parquet"))
+    return d
+
+
+_CHILD = """
+import os, resource, sys
+os.environ["CHARLLM_ANALYZE_WORKERS"] = "1"
+from charllm_nemo.cli import main
+rc = main(sys.argv[1:])
+print("RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("command", ["inspect", "report", "advise", "analyze", "compact"])
+def test_a_bomb_over_many_segments_is_refused_by_every_reader_and_compact(
+    command: str, bomb_run: Path, tmp_path: Path
+) -> None:
+    """Six segments that decode to ~26 MB each (the issue's were 200 MiB): each passes the
+    per-file caps; together they took inspect, report and advise to MemoryError and compact to
+    bad_alloc (exit 134). The files one read holds are counted against one budget, from the
+    footers, before decoding (before: 2-3.3 GB of RSS here)."""
+    run = tmp_path / "run"
+    shutil.copytree(bomb_run, run)
+    argv = [
+        command,
+        str(run),
+        *{
+            "report": ["--out", str(tmp_path / "o"), "--html", str(tmp_path / "r.html")],
+            "analyze": ["--out", str(tmp_path / "o"), "--no-figures"],
+        }.get(command, []),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CHARLLM_MAX_UNPACKED_BYTES": str(BUDGET)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode in (0, 2), proc.stderr[-3000:]
+    rss = int(re.findall(r"^RSS (\d+)$", proc.stdout, re.M)[-1])
+    assert rss < 1536 * 2**20, (command, rss)  # one segment's worth and the interpreter's own
+    text = proc.stdout + proc.stderr
+    if command == "compact":  # no two fit one batch: each stays as it was, nothing lost
+        assert len(list((run / "rank=0").glob("samples-*.parquet"))) == BOMB_FILES, text[-2000:]
+    elif command in ("inspect", "analyze"):
+        assert "one read may decode" in text, text[-2000:]
+
+
+def test_the_read_budget_is_a_share_of_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from charllm_nemo.telemetry import layout
+
+    monkeypatch.delenv("CHARLLM_MAX_UNPACKED_BYTES", raising=False)
+    monkeypatch.setattr(layout, "_free_memory", lambda: 2 * 2**30)
+    assert layout.read_budget() == 2 * 2**30 // layout.READ_MEMORY_SHARE
+    monkeypatch.setattr(layout, "_free_memory", lambda: None)
+    assert layout.read_budget() == layout.MAX_READ_UNPACKED
+    monkeypatch.setenv("CHARLLM_MAX_UNPACKED_BYTES", "x")
+    with pytest.raises(StoreError, match="CHARLLM_MAX_UNPACKED_BYTES"):
+        layout.read_budget()

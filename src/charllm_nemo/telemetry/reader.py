@@ -26,6 +26,7 @@ from charllm_nemo.telemetry.layout import (
     SIZE_CAPS,
     RankFiles,
     RunFiles,
+    UnpackBudget,
     UnsafeFileError,
     read_json,
     read_parquet,
@@ -201,9 +202,10 @@ def read_segments(
         schema = pa.schema([schema.field(c) for c in columns])
     tables = []
     read: list[Path] = []
+    budget = UnpackBudget()  # the files held together: a bomb spread over many is refused too
     for p in paths:
         try:
-            t = read_parquet(p, columns=schema.names, missing_ok=True)
+            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget)
             tables.append(conform(t, schema, p, kind, problems))
             read.append(p)
         except UnsafeFileError as exc:  # not opened: says which file and why itself
