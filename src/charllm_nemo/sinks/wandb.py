@@ -368,6 +368,11 @@ class WandbSink:
         run_config = redact_secrets({**config, "manifest": man})
         tags = list(dict.fromkeys([*self.tags, *recipe_tags(config, manifest)]))
         settings: dict[str, Any] = dict(self.settings)
+        # W&B's own metadata copies the command line (values this module redacts from the config)
+        # and every SLURM_* variable (a job comment, a token in it) into the run: off unless the
+        # logger's settings ask for it. The run config carries our redacted manifest instead (host,
+        # devices, versions, argv).
+        settings.setdefault("x_disable_meta", True)
         run_id = self.run_id
         if self.shared and mode == "online":
             mode = "shared"
