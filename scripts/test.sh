@@ -87,7 +87,38 @@ lane_pytest() {
 }
 lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "${NEMO_TESTS[@]}"; }
 
-LANES=(ruff format mypy pytest nemo)
+# The hostile-input corpus once more as an unprivileged user (the pytest lane ran it as root):
+# what a file's mode, a FIFO, a device or a link does to a user without root's overrides.
+CORPUS_TESTS=(tests/test_hostile_corpus.py tests/test_hostile_corpus_more.py)
+lane_unprivileged() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "test.sh: not root: the unprivileged run of the hostile corpus is skipped (it switches to user nobody); the pytest lane ran it as $(id -un)"
+    return 0
+  fi
+  local user=nobody tmp base site rc
+  tmp=$(mktemp -d /tmp/charllm-unprivileged.XXXXXX) || return 1
+  chmod 755 "$tmp"
+  mkdir -p "$tmp/home" "$tmp/repo" "$tmp/site" "$tmp/python"
+  base=$(.venv/bin/python -c 'import sys; print(sys.base_prefix)')
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # What the user runs is a copy it can read: a checkout or an interpreter under /root (mode 700)
+  # is not (a shared libpython is then found through LD_LIBRARY_PATH, not the build's RUNPATH). The interpreter without its own packages, the venv's packages the corpus imports (not
+  # torch, pyspark: ~1.3 GB it never loads), the sources and the tests.
+  tar -C "$base" --exclude='./lib/python3*/site-packages' --exclude='./lib/python3*/test' -cf - . | tar -C "$tmp/python" -xf - &&
+    tar -C "$site" --exclude=./torch --exclude=./pyspark --exclude='./nvidia*' --exclude=./triton \
+      --exclude=./megatron --exclude=./sympy --exclude='./__editable__*' --exclude='./*.pth' -cf - . | tar -C "$tmp/site" -xf - &&
+    tar --exclude=__pycache__ -cf - src tests pyproject.toml | tar -C "$tmp/repo" -xf - || { rm -rf "$tmp"; return 1; }
+  chown -R "$user" "$tmp/home"
+  (cd "$tmp/repo" && runuser -u "$user" -- env -i PATH=/usr/bin:/bin USER="$user" HOME="$tmp/home" TMPDIR="$tmp/home" \
+    LD_LIBRARY_PATH="$tmp/python/lib" LANG=C.UTF-8 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$tmp/repo/src:$tmp/repo:$tmp/site" \
+    CHARLLM_TEST_TIMEOUT_FACTOR="${CHARLLM_TEST_TIMEOUT_FACTOR:-3}" \
+    "$tmp/python/bin/python3" -m pytest -q -p no:cacheprovider "${CORPUS_TESTS[@]}")
+  rc=$?
+  rm -rf "$tmp"
+  return "$rc"
+}
+
+LANES=(ruff format mypy pytest nemo unprivileged)
 
 # --- run ------------------------------------------------------------------------------------------
 export CHARLLM_REQUIRE_NEMO=1 CHARLLM_REQUIRE_BROWSER=1 CHARLLM_REQUIRE_PROMETHEUS=1 CHARLLM_REQUIRE_SPARK=1
