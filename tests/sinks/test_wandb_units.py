@@ -223,3 +223,20 @@ def test_shared_run_ids_differ_for_run_directories_that_end_alike(tmp_path):
     a, b = tmp_path / "a" / "runs" / "x", tmp_path / "b" / "runs" / "x"
     assert shared_run_id(a, env) != shared_run_id(b, env)
     assert shared_run_id(a, env) == shared_run_id(tmp_path / "a" / "runs" / "x", env)  # every node alike
+
+
+def test_a_linked_wandb_folder_in_the_run_is_refused_not_written_through(tmp_path) -> None:
+    """``ln -s ELSEWHERE RUN/wandb``: wandb made its files in ELSEWHERE (it follows the link)."""
+    pytest.importorskip("wandb")
+    from charllm_nemo.errors import StoreError
+    from charllm_nemo.sinks.wandb import WandbSink
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "wandb").symlink_to(elsewhere)
+    env = {"HOME": str(tmp_path), "NETRC": str(tmp_path / "none"), "WANDB_MODE": "offline"}
+    sink = WandbSink(project="p", run_dir=run, env=env, settings={"x_disable_stats": True, "console": "off"})
+    with pytest.raises(StoreError, match="symbolic link"):
+        sink.start({"model": {"name": "m"}}, {})
+    assert list(elsewhere.iterdir()) == []

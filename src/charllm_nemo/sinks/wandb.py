@@ -427,7 +427,12 @@ class WandbSink:
                 )
         self.mode = kwargs["mode"]
         if self.dir is not None:
-            make_dir(self.dir)  # RUN/wandb a planted link: refused, not written through
+            if self.run_dir is not None and self.dir == self.run_dir:
+                # wandb makes RUN/wandb itself, following a link planted there: made (or checked)
+                # here first, one component at a time from the run folder (telemetry/write.py)
+                make_dir(self.dir / "wandb", root=self.run_dir)
+            else:  # the user's own WANDB_DIR / logger dir (a link there is theirs)
+                self.dir.mkdir(parents=True, exist_ok=True)
         kwargs["settings"] = wandb.Settings(**kwargs["settings"])
         self.run = wandb.init(**kwargs)
         self.run.define_metric(STEP_KEY)
