@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh, scripts/setup-nemo.sh) and run every lane: ruff check, ruff format
 # --check, mypy, the main suite in .venv (with a local SLURM for the sweep tests), and the NeMo 2 /
-# Lightning integration tests in .venv-nemo. Every lane runs whatever an earlier one gave; the end
+# Lightning integration tests in .venv-nemo, and the privilege-dependent cases of the hostile-input
+# corpus once more as user nobody (root only; skipped with a line otherwise). Every lane runs
+# whatever an earlier one gave; the end
 # lists each lane's result and duration, and the exit status is 1 when any lane failed.
 # Arguments go to the main pytest lane (e.g. scripts/test.sh -x -q tests/alerts).
 # CHARLLM_REQUIRE_NEMO=1: an integration test whose framework or download is missing fails
@@ -110,7 +112,16 @@ lane_unprivileged() {
   # 644), else as copies; a shared libpython is then found through LD_LIBRARY_PATH.
   can() { runuser -u "$user" -- test -r "$1"; }
   link() { cp -al "$1" "$2" 2>/dev/null || { rm -rf "$2"; cp -a "$1" "$2"; }; }
-  if ! can "$base/bin/python3"; then link "$base" "$tmp/python" && base=$tmp/python || { rm -rf "$tmp"; return 1; }; fi
+  if ! can "$base/bin/python3"; then  # the interpreter and its standard library, not its packages
+    local e std
+    std=$(basename "$base"/lib/python3*)
+    mkdir -p "$tmp/python/lib/$std" && link "$base/bin" "$tmp/python/bin" || { rm -rf "$tmp"; return 1; }
+    for e in "$base"/lib/* "$base/lib/$std"/*; do
+      case "$e" in "$base/lib/$std" | */site-packages | "$base/lib/$std/test") continue ;; esac
+      link "$e" "$tmp/python/${e#"$base"/}" || { rm -rf "$tmp"; return 1; }
+    done
+    base=$tmp/python
+  fi
   if ! can "$site/pyarrow/__init__.py"; then link "$site" "$tmp/site" && site=$tmp/site || { rm -rf "$tmp"; return 1; }; fi
   if ! can "$repo/tests/test_hostile_corpus.py"; then
     mkdir "$tmp/repo" && link src "$tmp/repo/src" && link tests "$tmp/repo/tests" && link pyproject.toml "$tmp/repo/pyproject.toml" &&
