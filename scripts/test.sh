@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh, scripts/setup-nemo.sh) and run every lane: ruff check, ruff format
 # --check, mypy, the main suite in .venv (with a local SLURM for the sweep tests), and the NeMo 2 /
-# Lightning integration tests in .venv-nemo. Every lane runs whatever an earlier one gave; the end
+# Lightning integration tests in .venv-nemo, and the privilege-dependent cases of the hostile-input
+# corpus once more as user nobody (root only; skipped with a line otherwise). Every lane runs
+# whatever an earlier one gave; the end
 # lists each lane's result and duration, and the exit status is 1 when any lane failed.
 # Arguments go to the main pytest lane (e.g. scripts/test.sh -x -q tests/alerts).
 # CHARLLM_REQUIRE_NEMO=1: an integration test whose framework or download is missing fails
@@ -89,7 +91,55 @@ lane_pytest() {
 }
 lane_nemo() { PATH="$PWD/.venv-nemo/bin:$PATH" VIRTUAL_ENV="$PWD/.venv-nemo" .venv-nemo/bin/python -m pytest -q "$DURATIONS" "${NEMO_TESTS[@]}"; }
 
-LANES=(ruff format mypy pytest nemo)
+# The hostile-input corpus once more as an unprivileged user (the pytest lane ran it as root):
+# what a file's mode, a FIFO, a device or a link does to a user without root's overrides.
+# Only the cases where a user's rights matter (FIFOs, devices, links, outputs, file modes): the
+# memory-bomb children, generated files and CSV or name cases take minutes and do not depend on them.
+CORPUS_TESTS=(tests/test_hostile_corpus.py tests/test_hostile_corpus_more.py)
+CORPUS_UNPRIVILEGED="fifo or dev_zero or link or special or sweep_status"
+lane_unprivileged() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "test.sh: not root: the unprivileged run of the hostile corpus is skipped (it switches to user nobody); the pytest lane ran it as $(id -un)"
+    return 0
+  fi
+  local user=nobody tmp base site repo rc
+  tmp=$(mktemp -d /tmp/charllm-unprivileged.XXXXXX) || return 1
+  chmod 755 "$tmp"
+  mkdir -p "$tmp/home" && chown "$user" "$tmp/home"
+  base=$(.venv/bin/python -c 'import sys; print(sys.base_prefix)')
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  repo=$PWD
+  # What the user cannot reach (a checkout or an interpreter under /root, mode 700) it gets as
+  # hard links where /tmp is the same file system (seconds, no space; the files stay root's, mode
+  # 644), else as copies; a shared libpython is then found through LD_LIBRARY_PATH.
+  can() { runuser -u "$user" -- test -r "$1"; }
+  link() { cp -al "$1" "$2" 2>/dev/null || { rm -rf "$2"; cp -a "$1" "$2"; }; }
+  if ! can "$base/bin/python3"; then  # the interpreter and its standard library, not its packages
+    local e std
+    std=$(basename "$base"/lib/python3*)
+    mkdir -p "$tmp/python/lib/$std" && link "$base/bin" "$tmp/python/bin" || { rm -rf "$tmp"; return 1; }
+    for e in "$base"/lib/* "$base/lib/$std"/*; do
+      case "$e" in "$base/lib/$std" | */site-packages | "$base/lib/$std/test") continue ;; esac
+      link "$e" "$tmp/python/${e#"$base"/}" || { rm -rf "$tmp"; return 1; }
+    done
+    base=$tmp/python
+  fi
+  if ! can "$site/pyarrow/__init__.py"; then link "$site" "$tmp/site" && site=$tmp/site || { rm -rf "$tmp"; return 1; }; fi
+  if ! can "$repo/tests/test_hostile_corpus.py"; then
+    mkdir "$tmp/repo" && link src "$tmp/repo/src" && link tests "$tmp/repo/tests" && link pyproject.toml "$tmp/repo/pyproject.toml" &&
+      repo=$tmp/repo || { rm -rf "$tmp"; return 1; }
+  fi
+  # The checkout's own install (an editable .pth) is not read: the sources are on PYTHONPATH.
+  (cd "$repo" && runuser -u "$user" -- env -i PATH=/usr/bin:/bin USER="$user" HOME="$tmp/home" TMPDIR="$tmp/home" \
+    LD_LIBRARY_PATH="$base/lib" LANG=C.UTF-8 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$repo/src:$repo:$site" \
+    CHARLLM_TEST_TIMEOUT_FACTOR="${CHARLLM_TEST_TIMEOUT_FACTOR:-3}" \
+    "$base/bin/python3" -m pytest -q -p no:cacheprovider -k "$CORPUS_UNPRIVILEGED" "${CORPUS_TESTS[@]}")
+  rc=$?
+  rm -rf "$tmp"
+  return "$rc"
+}
+
+LANES=(ruff format mypy pytest nemo unprivileged)
 
 # --- run ------------------------------------------------------------------------------------------
 export CHARLLM_REQUIRE_NEMO=1 CHARLLM_REQUIRE_BROWSER=1 CHARLLM_REQUIRE_PROMETHEUS=1 CHARLLM_REQUIRE_SPARK=1

@@ -255,3 +255,94 @@ def test_manifest_and_wandb_config_keep_none_of_them(tmp_path) -> None:
     for value in [*SECRETS.values(), WANDB_KEY]:
         assert f"'{value}'" not in text and f'"{value}"' not in text
     assert kw["config"]["model"]["moe_token_dispatcher_type"] == "alltoall"
+
+
+SHAPES = {
+    "+extra.creds=": "c0rrect-h0rse",
+    "sig=": "AbCdEf1234%2Bxyz%3D",
+    "--api-key ": "Zq9ApiValue77",
+    "": "sk_live_51HqLyjWDarjtT1zdp7dcAB",
+    " ": "AIzaSyA1234567890abcdefghijklmnopqrstu",
+}
+"""Secrets a shape gives away (issue 43): a Hydra override of ``creds``, an Azure SAS signature,
+an API key after its flag inside one value, Stripe and Google keys standing alone."""
+
+
+def test_secret_shapes_are_redacted_in_overrides_urls_flags_and_provider_keys() -> None:
+    out = redact_secrets(
+        {
+            "argv": [
+                "train",
+                "+extra.creds=c0rrect-h0rse",
+                "data.url=https://a.blob.core.windows.net/c?sv=1&sig=AbCdEf1234%2Bxyz%3D&se=2",
+            ],
+            "cmd": "python pretrain.py --api-key Zq9ApiValue77 --seed 3",
+            "stripe": "sk_live_51HqLyjWDarjtT1zdp7dcAB",
+            "note": "maps key AIzaSyA1234567890abcdefghijklmnopqrstu here",
+            "extra": {"creds": "plain"},
+            "kept": "model=tiny --seed 3 the key is here sort_keys=True tokens_per_s=5",
+        }
+    )
+    text = repr(out)
+    for secret in [*SHAPES.values(), "plain"]:
+        assert secret not in text, secret
+    assert out["kept"] == "model=tiny --seed 3 the key is here sort_keys=True tokens_per_s=5"
+    assert out["cmd"] == f"python pretrain.py --api-key {REDACTED} --seed 3"
+    assert "sv=1" in out["argv"][2] and "se=2" in out["argv"][2]
+
+
+def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
+    from charllm_nemo.sinks.wandb import WandbSink
+    from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.train import app
+    from charllm_nemo.train.config_io import save_train_config
+
+    cfg = app.load(
+        ["model=tiny_gpt", "+extra.creds=c0rrect-h0rse", "+extra.cmd='run --api-key Zq9ApiValue77'"]
+    )
+    text = save_train_config(cfg, tmp_path / "config.yaml").read_text()
+    config = {"extra": {"url": "https://a/c?sig=AbCdEf1234%2Bxyz%3D", "k": "sk_live_51HqLyjWDarjtT1zdp7dcAB"}}
+    session = TelemetrySession(tmp_path / "run", backend="synthetic", hz=50, sampler="thread", config=config)
+    session.close("complete")
+    text += (tmp_path / "run" / "rank=0" / "manifest.json").read_text()
+    env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
+    kw = WandbSink(project="p", run_dir=tmp_path, env=env).init_kwargs(
+        {**config, "argv": ["--api-key", "Zq9ApiValue77", "maps=AIzaSyA1234567890abcdefghijklmnopqrstu"]}, {}
+    )
+    text += repr(kw["config"])
+    for secret in SHAPES.values():
+        assert secret not in text, secret
+    # W&B's own metadata (the command line, every SLURM_* variable: SLURM_JOB_COMMENT) is off
+    assert kw["settings"]["x_disable_meta"] is True
+
+
+_WANDB_CHILD = """
+import sys
+from pathlib import Path
+from charllm_nemo.sinks.wandb import WandbSink
+run = Path(sys.argv[1])
+env = {"HOME": str(run), "NETRC": str(run / "none"), "WANDB_MODE": "offline"}
+sink = WandbSink(project="p", run_dir=run, env=env, upload_artifact=False, log_windows_table=False,
+                 settings={"x_disable_stats": True, "console": "off"})
+sink.start({"model": {"name": "m"}}, {"argv": sys.argv})
+sink.finish(run)
+"""
+
+
+def test_wandb_files_hold_no_job_comment_nor_command_line_secret(tmp_path) -> None:
+    """W&B's own metadata copied the process's command line (``--api-key X``) and every SLURM_*
+    variable (``SLURM_JOB_COMMENT``) into the run's files, whatever the config's redaction."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("wandb")
+    env = {**os.environ, "SLURM_JOB_COMMENT": "deploy-pw-Qx7Zr2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-c", _WANDB_CHILD, str(tmp_path), "--api-key", "Zq9ApiValue77"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = [p for p in (tmp_path / "wandb").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    for p in files:
+        raw = p.read_bytes()
+        assert b"deploy-pw-Qx7Zr2" not in raw and b"Zq9ApiValue77" not in raw, p

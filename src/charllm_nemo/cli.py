@@ -196,12 +196,17 @@ def nonempty_path(text: str) -> str:
 
 
 def steps_range(text: str) -> tuple[int | None, int | None]:
-    """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone)."""
+    """``--steps``: ``A:B`` (steps A to B-1), ``A:`` (from A), ``:B``, or ``N`` (step N alone).
+    Bounds past the 64-bit range a step column holds are clamped to it (same steps selected)."""
+
+    def bound(v: int) -> int:
+        return min(max(v, -(2**63)), 2**63 - 1)
+
     try:
         if ":" not in text:
-            return int(text), int(text) + 1
+            return bound(int(text)), bound(int(text) + 1)
         a, b = text.split(":", 1)
-        return (int(a) if a.strip() else None), (int(b) if b.strip() else None)
+        return (bound(int(a)) if a.strip() else None), (bound(int(b)) if b.strip() else None)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a step range; use e.g. 100:110, 100:, :10 or 7"
@@ -338,6 +343,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 def cmd_sweep_status(args: argparse.Namespace) -> int:
     from charllm_nemo.sweep.status import sweep_status
+    from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.train.sweep_manifest import find_sweeps
 
     path = Path(args.dir)
@@ -347,6 +353,7 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
             f"{path} holds no sweep (no sweep.json in it, nor one or two folders down); sweeps are "
             "written by `charllm train -m +sweep=<name>` under sweep.dir (default runs/sweeps)"
         )
+    listed = 0
     for i, folder in enumerate(sweeps):
         lines, problems = sweep_status(folder, ask_slurm=not args.no_slurm)
         if i:
@@ -355,6 +362,14 @@ def cmd_sweep_status(args: argparse.Namespace) -> int:
             print(line)
         for p in problems:
             print(f"charllm sweep status: warning: {p}", file=sys.stderr)
+        listed += bool(lines)
+    if not listed:  # every sweep.json found was unreadable: nothing was shown, say so in the status
+        print(
+            f"charllm sweep status: error: no sweep under {printable(path)} could be read "
+            f"({len(sweeps)} sweep.json found, each named above with why)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

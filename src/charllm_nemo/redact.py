@@ -52,6 +52,8 @@ _SECRET_WORDS = frozenset(
         "apikey",
         "credential",
         "credentials",
+        "cred",
+        "creds",
         "auth",
         "authorization",
         "cookie",
@@ -116,6 +118,12 @@ _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,31}://)[^/@\
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[A-Za-z0-9_.\-]{1,64})=)(?P<value>[^&#\s]+)")
 _TOKEN_SHAPES = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{30,}"
+    r"|[rs]k_(?:live|test)_[A-Za-z0-9]{10,}"
+    r"|AIza[0-9A-Za-z_\-]{30,}"
+    r"|glpat-[A-Za-z0-9_\-]{20,}"
+    r"|npm_[A-Za-z0-9]{30,}"
+    r"|ya29\.[A-Za-z0-9_\-]{20,}"
+    r"|ASIA[0-9A-Z]{16}"
     r"|gh[pousr]_[A-Za-z0-9]{30,}"
     r"|github_pat_[A-Za-z0-9_]{30,}"
     r"|sk-[A-Za-z0-9_\-]{20,}"
@@ -123,6 +131,35 @@ _TOKEN_SHAPES = re.compile(
     r"|AKIA[0-9A-Z]{16})\b"
     r"|(?<=Bearer )[A-Za-z0-9._~+/\-]+=*"
 )
+_SHAPE_HINTS = (
+    "hf_",
+    "gh",
+    "sk-",
+    "sk_",
+    "rk_",
+    "xox",
+    "AKIA",
+    "ASIA",
+    "Bearer ",
+    "AIza",
+    "glpat",
+    "npm_",
+    "ya29",
+)
+"""Substrings one of :data:`_TOKEN_SHAPES` needs: the regex runs only where one is."""
+
+_QUERY_SECRETS = frozenset({"sig", "signature", "sas", "x-amz-signature", "x-goog-signature", "code"})
+"""URL query parameters that carry a secret whatever the key patterns say: an Azure SAS ``sig``,
+the signature of an S3 / GCS presigned URL, an OAuth ``code``."""
+
+# ``--api-key X`` / ``--password=X`` / ``HF_TOKEN=X`` inside a longer value (a command line kept
+# as one string, a job comment): the word after a flag or assignment that names a secret.
+_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}"
+_INLINE_LEAD = re.compile(
+    rf"(?<![^\s\"'(;,=:])(?:(?:--?|\+\+?)(?P<flag>{_NAME})(?:=|[ \t]+)|(?P<name>{_NAME})=)"
+)
+_INLINE_VALUE = re.compile(r"[^\s\"'&;,)]+")
+
 _MIN_SECRET_LEN = 32
 _MIN_ENTROPY_BITS = 3.0
 # A token standing alone (not inside a path, a file name or a dashed name such as a run's):
@@ -177,22 +214,45 @@ def _is_high_entropy(tok: str) -> bool:
 
 
 def _redact_text(s: str, shapes: bool = True) -> str:
-    if "hf_" in s or "gh" in s or "sk-" in s or "xox" in s or "AKIA" in s or "Bearer " in s:
+    if any(h in s for h in _SHAPE_HINTS):
         s = _TOKEN_SHAPES.sub(REDACTED, s)
     if shapes and len(s) >= _MIN_SECRET_LEN:
         s = _LONG_TOKEN.sub(lambda m: REDACTED if _is_high_entropy(m.group(0)) else m.group(0), s)
     if "=" not in s and ":" not in s:
-        return s  # the common case, and linear time on long strings
+        return _redact_pairs(s)  # the common case, and linear time on long strings
     if "@" in s and "://" in s:
         s = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", s)
     if "?" in s and "=" in s:
         s = _QUERY_PARAM.sub(
-            lambda m: m.group("lead") + REDACTED if is_secret_key(m.group("name")) else m.group(0), s
+            lambda m: m.group("lead") + REDACTED if _secret_param(m.group("name")) else m.group(0), s
         )
     m = _ASSIGNMENT.match(s)
     if m and is_secret_key(m.group("name")):
         return s[: m.start("value")] + REDACTED
-    return s
+    return _redact_pairs(s)
+
+
+def _secret_param(name: str) -> bool:
+    return name.lower() in _QUERY_SECRETS or is_secret_key(name)
+
+
+def _redact_pairs(s: str) -> str:
+    """Every ``--flag value``, ``--flag=value`` or ``NAME=value`` inside ``s`` whose name is a
+    secret's (a word followed by a space is a name only when written as a flag)."""
+    if "-" not in s and "=" not in s:
+        return s
+
+    out: list[str] = []
+    pos = 0
+    for m in _INLINE_LEAD.finditer(s):  # leads only: "x=--api-key v" finds both x= and --api-key
+        if m.start() < pos or not is_secret_key(m.group("flag") or m.group("name")):
+            continue
+        v = _INLINE_VALUE.match(s, m.end())
+        if v is None or v.group(0) == REDACTED:
+            continue
+        out += [s[pos : m.end()], REDACTED]
+        pos = v.end()
+    return "".join(out) + s[pos:] if out else s
 
 
 def redact_secrets(obj: Any) -> Any:

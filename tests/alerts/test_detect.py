@@ -191,6 +191,33 @@ def test_the_observer_delivers_to_console_file_sink_and_hooks(tmp_path):
     assert obs.hooks[1] is None  # the broken hook was dropped after its first failure
 
 
+def test_a_link_planted_at_alerts_jsonl_is_one_warning_and_alerts_go_on(tmp_path, caplog):
+    """A link at ``alerts.jsonl`` mid-run: refused (never followed), said once, and every alert
+    still reaches the console, W&B and the hooks (each alert was an ELOOP traceback, and lost)."""
+
+    class Sink:
+        def __init__(self):
+            self.got = []
+
+        def log_alert(self, step, alert):
+            self.got.append(alert["kind"])
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / ALERTS_FILE).symlink_to(victim)
+    console, seen, sink = io.StringIO(), [], Sink()
+    obs = alert_observer(AlertsConfig(), run_dir=tmp_path, sink=sink, hooks=[seen.append], stream=console)
+    obs.on_rank_info(INFOS[:2])
+    obs.on_step(_report(0, [(0.1, 0.03, 0.05, 0.01, 60.0), (0.1, 0.03, 0.05, 0.01, 90.0)]))
+    obs.on_step(_report(1, [(0.1, 0.03, 0.05, 0.01, 60.0, 800.0), (0.1, 0.03, 0.05, 0.01)]))
+    obs.close("complete")
+    assert victim.read_text() == "keep" and (tmp_path / ALERTS_FILE).is_symlink()
+    assert console.getvalue().count("charllm ALERT [") == 2
+    assert sink.got == [a["kind"] for a in seen] == ["thermal_imbalance", "power_over_limit"]
+    said = [r for r in caplog.records if ALERTS_FILE in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING" and not said[0].exc_info
+
+
 def test_off_installs_nothing_and_bad_settings_name_the_field():
     assert alert_observer(AlertsConfig(enabled=False)) is None
     assert alert_observer(None) is None

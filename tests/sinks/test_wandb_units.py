@@ -126,7 +126,7 @@ def test_init_arguments_offline(tmp_path):
     assert kw["tags"][:2] == ["mine", "tp4-pp4-dp2-cp2-vpp5"] and len(set(kw["tags"])) == len(kw["tags"])
     assert kw["config"]["extra"]["token"] == REDACTED
     assert kw["config"]["manifest"] == {"world_size": 64}
-    assert kw["settings"] == {"console": "off"}
+    assert kw["settings"] == {"console": "off", "x_disable_meta": True}
     assert "id" not in kw
 
 
@@ -138,8 +138,13 @@ def test_shared_mode_needs_an_online_run_and_labels_each_writer(tmp_path):
     kp, ks = primary.init_kwargs(CONFIG, {}), secondary.init_kwargs(CONFIG, {})
     assert kp["mode"] == ks["mode"] == "shared"
     assert kp["id"] == ks["id"] == shared_run_id(run_dir, env)
-    assert kp["settings"] == {"x_primary": True, "x_label": "node0-a"}
-    assert ks["settings"] == {"x_primary": False, "x_label": "node1-b", "x_update_finish_state": False}
+    assert kp["settings"] == {"x_primary": True, "x_label": "node0-a", "x_disable_meta": True}
+    assert ks["settings"] == {
+        "x_primary": False,
+        "x_label": "node1-b",
+        "x_update_finish_state": False,
+        "x_disable_meta": True,
+    }
     offline = WandbSink(shared=True, run_dir=run_dir, env={**env, "WANDB_MODE": "offline"})
     assert offline.init_kwargs(CONFIG, {})["mode"] == "offline"
 
@@ -218,3 +223,20 @@ def test_shared_run_ids_differ_for_run_directories_that_end_alike(tmp_path):
     a, b = tmp_path / "a" / "runs" / "x", tmp_path / "b" / "runs" / "x"
     assert shared_run_id(a, env) != shared_run_id(b, env)
     assert shared_run_id(a, env) == shared_run_id(tmp_path / "a" / "runs" / "x", env)  # every node alike
+
+
+def test_a_linked_wandb_folder_in_the_run_is_refused_not_written_through(tmp_path) -> None:
+    """``ln -s ELSEWHERE RUN/wandb``: wandb made its files in ELSEWHERE (it follows the link)."""
+    pytest.importorskip("wandb")
+    from charllm_nemo.errors import StoreError
+    from charllm_nemo.sinks.wandb import WandbSink
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "wandb").symlink_to(elsewhere)
+    env = {"HOME": str(tmp_path), "NETRC": str(tmp_path / "none"), "WANDB_MODE": "offline"}
+    sink = WandbSink(project="p", run_dir=run, env=env, settings={"x_disable_stats": True, "console": "off"})
+    with pytest.raises(StoreError, match="symbolic link"):
+        sink.start({"model": {"name": "m"}}, {})
+    assert list(elsewhere.iterdir()) == []

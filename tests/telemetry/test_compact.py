@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -168,7 +169,10 @@ def test_a_planted_link_at_the_temporary_name_is_not_followed(tmp_path: Path) ->
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_run(tmp_path)
     assert main(["compact", str(tmp_path)]) == 0
-    assert "24 segment file(s) -> 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "24 segment file(s) -> 4" in out
+    # every row of both ranks rewritten: 2 x (30 samples + 6 windows) (was always "0 rows")
+    assert "; 72 rows rewritten" in out, out
     assert main(["compact", str(tmp_path / "nope")]) == 2
     assert json.loads((tmp_path / "rank=0" / "manifest.json").read_text())["status"] == "complete"
 
@@ -196,3 +200,33 @@ def test_live_compaction_makes_one_file_a_period_however_fast_segments_come(tmp_
     assert len(waiting) < 48 and len(list(st.dir.glob("samples-*-*.parquet"))) == 5
     st.close("complete")
     assert len(times(tmp_path)) == 96 + 49
+
+
+def _overlapping(run: Path) -> int:
+    """Rank 0's samples as segment 0 and two compacted files whose ranges overlap (1-3 and 2-4:
+    segments 2 and 3 in both); returns the number of distinct samples."""
+    make_run(run, segments=5, ranks=1)
+    folder = run / "rank=0"
+    segs = {k: pq.read_table(folder / f"samples-{k:06d}.parquet") for k in range(5)}
+    for k in range(1, 5):
+        (folder / f"samples-{k:06d}.parquet").unlink()
+    pq.write_table(pa.concat_tables([segs[1], segs[2], segs[3]]), folder / "samples-000001-000003.parquet")
+    pq.write_table(pa.concat_tables([segs[2], segs[3], segs[4]]), folder / "samples-000002-000004.parquet")
+    return sum(t.num_rows for t in segs.values())
+
+
+def test_overlapping_compacted_ranges_are_read_once_and_said(tmp_path: Path) -> None:
+    """Issue 43: samples 1-3 and 2-4 were both read (segments 2-3 twice), and compaction wrote
+    the doubling into one file for good."""
+    unique = _overlapping(tmp_path)
+    run = load_run(tmp_path)
+    assert run.samples.num_rows == unique == 25
+    assert sorted(times(tmp_path)) == sorted(set(times(tmp_path)))
+    assert any(
+        "overlap samples-000001-000003.parquet" in p and "10 samples row(s)" in p for p in run.problems
+    )
+    problems: list[str] = []
+    compact_run(tmp_path, problems)
+    assert any("overlap" in p for p in problems)
+    assert [p.name for p in scan_run(tmp_path).ranks[0].samples] == ["samples-000000-000004.parquet"]
+    assert load_run(tmp_path).samples.num_rows == unique  # one copy, for good

@@ -441,3 +441,28 @@ def test_otlp_mode_pushes_the_same_series_with_the_rank_on_the_resource(tmp_path
     assert step["asDouble"] == 2.0
     attrs = {a["key"]: a["value"] for a in step["attributes"]}
     assert attrs["gpu"] == {"intValue": "0"} and attrs["pp_stage"] == {"intValue": "1"}
+
+
+def test_a_taken_port_is_named_by_the_exporter_and_on_the_launcher_console(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two jobs on one node: the second's rank cannot listen on its port. The rank's error names
+    the port, and ``charllm train`` says it on the console once before starting the ranks (it was
+    a line in logs/rank<N>.log only, without the port)."""
+    from types import SimpleNamespace
+
+    from charllm_nemo.telemetry.export.exporter import Exporter, taken_ports
+    from charllm_nemo.train.app import _say_taken_export_ports
+
+    with socket.socket() as other_job:
+        other_job.bind(("127.0.0.1", 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1"):
+            Exporter({"mode": "prometheus", "host": "127.0.0.1", "port": port}, [_Device()], 10_000_000)
+        assert [t[:2] for t in taken_ports("127.0.0.1", port, 1)] == [(0, port)]
+        tel = SimpleNamespace(export="prometheus", export_host="127.0.0.1", export_port=port)
+        _say_taken_export_ports(SimpleNamespace(telemetry=tel, launch=SimpleNamespace(nproc=1)))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 (local rank 0)" in err, err
+    assert "telemetry.export_port=" in err

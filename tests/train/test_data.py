@@ -58,6 +58,35 @@ def test_mock_dataset_builds_offline() -> None:
     check_batches(cfg, ds, 3)
 
 
+def test_a_huge_step_count_builds_a_bounded_mock_dataset_read_round_and_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``batch.train_steps=10**9``: the dataset index was sized for every sequence of the run
+    (billions: 3.2 GB, then bad_alloc); it is built at most MAX_DATASET_SAMPLES large (made small
+    here) and the steps past it read it again."""
+    from charllm_nemo.train import data
+
+    monkeypatch.setattr(data, "MAX_DATASET_SAMPLES", 64)
+    cfg = TrainConfig()
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size, cfg.batch.train_steps = 4, 2, 10**9
+    ds = build_train_dataset(cfg, cfg.batch.train_steps * cfg.batch.global_batch_size)
+    assert 64 <= len(ds) < 10**6  # one epoch of the mock corpus at least, never billions
+    layout = DataLayout(2, 4, 1, 0)
+    it = MicrobatchIterator(ds, layout, cfg.batch.train_steps)
+    it._step = 10**8  # far past the dataset's end: its sequences again, not an IndexError
+    assert next(it)["tokens"].shape == (2, cfg.model.seq_length)
+
+
+def test_real_data_past_the_dataset_limit_is_refused_naming_it() -> None:
+    from charllm_nemo.train.validate_run import MAX_DATASET_SAMPLES, run_problems
+
+    cfg = TrainConfig()
+    cfg.data.path = "/nonexistent/corpus"
+    cfg.batch.train_steps = 10**9
+    problems = [p for p in run_problems(cfg, "cpu") if "batch.train_steps" in p]
+    assert len(problems) == 1 and str(MAX_DATASET_SAMPLES) in problems[0]
+
+
 def _corpus(prefix: str, high: int) -> None:
     """A Megatron indexed dataset at ``prefix``: 40 documents of 20-299 token ids in [0, high)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

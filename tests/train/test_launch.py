@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from charllm_nemo.errors import ConfigError
+from charllm_nemo.errors import ConfigError, StoreError
 from charllm_nemo.train.launch import (
     expand_nodelist,
     free_port,
@@ -178,6 +178,16 @@ def test_spawn_sets_the_distributed_environment(tmp_path: Path) -> None:
     for rank in range(3):
         assert (tmp_path / f"env{rank}").read_text() == f"{rank} 3 {rank} 127.0.0.1 {port}"
     assert (tmp_path / "logs" / "rank1.log").exists() and not (tmp_path / "logs" / "rank0.log").exists()
+
+
+def test_a_linked_logs_folder_in_the_run_is_refused_not_written_through(tmp_path: Path) -> None:
+    """``ln -s ELSEWHERE RUN/logs`` before a run: rank1.log was created in ELSEWHERE."""
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "logs").symlink_to(elsewhere)
+    with pytest.raises(StoreError, match="symbolic link"):
+        _spawn(tmp_path, "ok", nproc=2, port=free_port(29533))
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_failing_rank_stops_the_others_and_is_named(

@@ -154,9 +154,18 @@ class AlertObserver:
                 file=self.stream or sys.stderr,
                 flush=True,
             )
-        if self.path is not None:
-            if self._file is None:
+        if self.path is not None and self._file is None:
+            try:
                 self._file = StepsFile(self.path)
+            except OSError as exc:  # a link planted at the name (ELOOP), a folder made read-only
+                log.warning(
+                    "charllm: cannot write %s (%s); alerts go on to the console, W&B and hooks, not "
+                    "to that file",
+                    self.path,
+                    exc.strerror or exc,
+                )
+                self.path = None  # said once: the next alerts do not try again
+        if self._file is not None:
             self._file.write(alert)
         if self.sink is not None:
             self.sink.log_alert(alert["step"], alert)

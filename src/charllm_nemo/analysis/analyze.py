@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_csv
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_run, rank_arrays
@@ -272,7 +273,7 @@ def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = N
     written = []
     for name, table in analysis.tables.items():
         written.append(write_with(out_dir / f"{name}.parquet", partial(pq.write_table, table)))
-        written.append(write_with(out_dir / f"{name}.csv", partial(pacsv.write_csv, table)))
+        written.append(write_csv(out_dir / f"{name}.csv", table))
     path = analysis.windows_path
     if path is not None:
         written.append(path)
@@ -286,9 +287,10 @@ def write_tables(analysis: Analysis, out_dir: Path, windows_csv: bool | None = N
                         "windows.parquet holds them all (charllm analyze --windows-csv writes the CSV anyway)"
                     )
             if windows_csv:
-                with atomic_file(path.with_suffix(".csv")) as f, pacsv.CSVWriter(f, pf.schema_arrow) as w:
+                schema = csv_schema(pf.schema_arrow)
+                with atomic_file(path.with_suffix(".csv")) as f, pacsv.CSVWriter(f, schema) as w:
                     for batch in pf.iter_batches(batch_size=65536):
-                        w.write_batch(batch)
+                        w.write_batch(spreadsheet_safe(batch))
                 written.append(path.with_suffix(".csv"))
     written.append(write_text(out_dir / "problems.txt", "".join(f"{p}\n" for p in analysis.problems)))
     return written

@@ -31,6 +31,11 @@ def _imports_ok() -> bool:
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
+    from charllm_nemo.telemetry.write import anchor
+
+    # Every folder written below the run (PATH/analysis/figures) or below --out is checked from
+    # there: a link planted at PATH/analysis is refused, whichever file is written first.
+    anchor(args.out if args.out else args.path)
     return Path(args.out) if args.out else Path(args.path) / "analysis"
 
 
@@ -68,9 +73,9 @@ MAX_PRINTED_PROBLEMS = 50
 def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -> int:
     """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
     (analysis/spark.py), written as Parquet and CSV into ``out``."""
-    import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
+    from charllm_nemo.analysis.csv_cells import write_csv
     from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
     from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import write_with
@@ -88,7 +93,7 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
         progress.stage(f"Spark computes the {name} table ({i + 1} of 3)")
         table = to_arrow(getattr(tables, name))
         write_with(out / f"{name}.parquet", partial(pq.write_table, table))
-        write_with(out / f"{name}.csv", partial(pacsv.write_csv, table))
+        write_csv(out / f"{name}.csv", table)
         print(f"{name}: {table.num_rows} row(s)")
     for p in tables.problems:
         print(f"  problem: {p}")

@@ -50,12 +50,39 @@ GRID_CSV_CAP = 16 * 1024 * 1024
 """Largest grid-intensity CSV read (bytes): a year of 5-minute points is ~3 MiB."""
 
 
+MAX_G_PER_KWH = 5000.0
+"""Largest grid carbon intensity accepted (g CO2e / kWh): no grid, nor a lignite plant alone
+(~1,100), comes near it; a value above is a unit slip (g/MWh) or hostile input, which would make
+the carbon figure overflow to inf."""
+
+MAX_GRID_TIME_S = 1e11
+"""Largest grid-intensity time accepted, in unix seconds (year ~5100): times are multiplied with
+intensities, and a 1e308 would overflow."""
+
+
+def check_intensity(g: float, where: str) -> None:
+    """ConfigError naming ``where`` unless ``g`` is a finite g CO2e / kWh in [0, MAX_G_PER_KWH]."""
+    if not (math.isfinite(g) and 0 <= g <= MAX_G_PER_KWH):
+        raise ConfigError(
+            f"{where}: g_per_kwh {g!r} is not a finite number in [0, {MAX_G_PER_KWH:.0f}] g CO2e/kWh "
+            "(grids are ~20-1,100; give the value in g per kWh)"
+        )
+
+
 @dataclass(frozen=True)
 class GridIntensity:
     """Grid carbon intensity: ``points`` of (unix seconds, g CO2e / kWh), time-ordered; a single
     point is a constant."""
 
     points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        for t, g in self.points:
+            check_intensity(g, "--grid-g-per-kwh")
+            if not (math.isfinite(t) and abs(t) <= MAX_GRID_TIME_S):
+                raise ConfigError(
+                    f"grid intensity time {t!r}: not unix seconds within +-{MAX_GRID_TIME_S:.0e}"
+                )
 
     def mean_over(self, start_s: float, end_s: float) -> float:
         """Time-weighted mean intensity over [start_s, end_s], each point held until the next
@@ -95,7 +122,19 @@ def read_grid_csv(path: Path) -> GridIntensity:
     except (OSError, UnicodeDecodeError, UnsafeFileError) as exc:
         raise ConfigError(f"--grid-csv {printable(path)}: unreadable ({printable(exc)})") from exc
     points = []
-    for lineno, row in enumerate(csv.reader(io.StringIO(text)), 1):
+    rows = csv.reader(io.StringIO(text))
+    lineno = 0
+    while True:
+        lineno += 1
+        try:
+            row = next(rows)
+        except StopIteration:
+            break
+        except csv.Error as exc:  # a field over csv's limit (128 KiB), a NUL, an open quote
+            raise ConfigError(
+                f"--grid-csv {printable(path)}:{lineno}: not a CSV line ({printable(exc)}); expected "
+                "'time,g_per_kwh'"
+            ) from exc
         if not row or (lineno == 1 and row[0].strip().lower() in ("time", "t", "timestamp")):
             continue
         try:
@@ -105,10 +144,12 @@ def read_grid_csv(path: Path) -> GridIntensity:
                 f"--grid-csv {printable(path)}:{lineno}: expected 'time,g_per_kwh' (unix seconds or "
                 f"ISO 8601, a number), got {printable(','.join(row))}"
             ) from exc
-        if not (math.isfinite(t) and math.isfinite(g)) or g < 0:
+        if not (math.isfinite(t) and abs(t) <= MAX_GRID_TIME_S):
             raise ConfigError(
-                f"--grid-csv {printable(path)}:{lineno}: g_per_kwh must be a finite number >= 0"
+                f"--grid-csv {printable(path)}:{lineno}: time {printable(row[0])} is not unix seconds "
+                f"within +-{MAX_GRID_TIME_S:.0e} (or an ISO 8601 date)"
             )
+        check_intensity(g, f"--grid-csv {printable(path)}:{lineno}")
         points.append((t, g))
     if not points:
         raise ConfigError(f"--grid-csv {printable(path)}: no data rows (expected 'time,g_per_kwh' lines)")

@@ -172,9 +172,17 @@ def open_run(path: Path, root: Path) -> Run:
     rel = path.relative_to(root) if path != root else Path(path.name)
     sweep = next((p.split("=", 1)[1] for p in rel.parts if p.startswith("sweep=")), None)
     key = "/".join(rel.parts) or path.name
+    # A folder name that is not UTF-8 reaches Python as surrogates, which no table, page or
+    # terminal can encode: its labels show the odd bytes as \xNN (the path keeps them, to read).
+    key, sweep = _label(key), None if sweep is None else _label(sweep)
     run = Run(path, key, sweep, files, manifests, config, summary, problems)
     _check_ranks(run)
     return run
+
+
+def _label(name: str) -> str:
+    """``name`` (from a file name) as text any encoder takes: bytes that were not UTF-8 as ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 JOB_FILE = "job.json"

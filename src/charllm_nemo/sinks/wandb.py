@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from charllm_nemo.redact import redact_secrets
 from charllm_nemo.sinks.base import Metrics
 from charllm_nemo.sinks.keys import STEP_KEY, finite
+from charllm_nemo.telemetry.write import make_dir
 
 log = logging.getLogger("charllm_nemo.sinks")
 
@@ -367,6 +368,11 @@ class WandbSink:
         run_config = redact_secrets({**config, "manifest": man})
         tags = list(dict.fromkeys([*self.tags, *recipe_tags(config, manifest)]))
         settings: dict[str, Any] = dict(self.settings)
+        # W&B's own metadata copies the command line (values this module redacts from the config)
+        # and every SLURM_* variable (a job comment, a token in it) into the run: off unless the
+        # logger's settings ask for it. The run config carries our redacted manifest instead (host,
+        # devices, versions, argv).
+        settings.setdefault("x_disable_meta", True)
         run_id = self.run_id
         if self.shared and mode == "online":
             mode = "shared"
@@ -421,7 +427,12 @@ class WandbSink:
                 )
         self.mode = kwargs["mode"]
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if self.run_dir is not None and self.dir == self.run_dir:
+                # wandb makes RUN/wandb itself, following a link planted there: made (or checked)
+                # here first, one component at a time from the run folder (telemetry/write.py)
+                make_dir(self.dir / "wandb", root=self.run_dir)
+            else:  # the user's own WANDB_DIR / logger dir (a link there is theirs)
+                self.dir.mkdir(parents=True, exist_ok=True)
         kwargs["settings"] = wandb.Settings(**kwargs["settings"])
         self.run = wandb.init(**kwargs)
         self.run.define_metric(STEP_KEY)

@@ -213,16 +213,17 @@ def load_buffered(run_dir: str | Path, ranks: Sequence[int] | None = None) -> pa
     by rank, device, metric and time; an empty table (the schema, plus ``rank``) when there is
     none. Files are found and opened as the other readers do (telemetry.layout); a damaged
     segment is skipped with a warning."""
-    from charllm_nemo.telemetry.layout import read_parquet, scan_run
+    from charllm_nemo.telemetry.layout import UnpackBudget, read_parquet, scan_run
 
     run = scan_run(run_dir)
     tables = []
+    budget = UnpackBudget()  # every file read here is held at once: a bomb over many is refused
     for rank in run.rank_ids:
         if ranks is not None and rank not in ranks:
             continue
         for path in run.ranks[rank].buffered:
             try:
-                t = read_parquet(path).cast(BUFFERED_SCHEMA)
+                t = read_parquet(path, budget=budget).cast(BUFFERED_SCHEMA)
             except Exception as exc:
                 log.warning("%s: skipped: %s", path, exc)
                 continue

@@ -39,7 +39,8 @@ import pyarrow.parquet as pq
 
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import printable
-from charllm_nemo.telemetry.layout import SIZE_CAPS, read_parquet, scan_run
+from charllm_nemo.telemetry.layout import SIZE_CAPS, UnpackBudget, UnsafeFileError, read_parquet, scan_run
+from charllm_nemo.telemetry.overlap import read_once
 from charllm_nemo.telemetry.write import atomic_file
 
 log = logging.getLogger("charllm_nemo.compact")
@@ -133,24 +134,35 @@ def compact_files(
     if len(paths) < 2:
         return Compaction(kind, len(paths), None, 0)
     batch: list[tuple[Path, pa.Table]] = []
-    rows = 0
+    budget = UnpackBudget()  # what the batch held in memory may decode to (a bomb over many files)
+    rows = 0  # rows of the batch being gathered (flush resets it)
+    rewritten = 0  # rows written into compacted files, all batches
     written: Path | None = None
 
     def flush() -> None:
-        nonlocal batch, rows, written
+        nonlocal batch, rows, written, rewritten, budget
         if len(batch) >= 2:
             first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
-            table = pa.concat_tables([t for _, t in batch], promote_options="permissive")
+            # files whose ranges overlap hold some rows twice: one copy written (telemetry/overlap.py)
+            tables = read_once(batch, kind, problems)
+            table = pa.concat_tables(tables, promote_options="permissive")
             written = write_compacted(folder, kind, first, last, _sorted(kind, table))
             for p, _ in batch:
                 if p != written:
                     p.unlink(missing_ok=True)
             _fsync_dir(folder)
-        batch, rows = [], 0
+            rewritten += table.num_rows
+        batch, rows, budget = [], 0, UnpackBudget(budget.total)
 
     for p in paths:
         try:
-            t = read_parquet(p, cap=SIZE_CAPS["segment"])
+            try:
+                t = read_parquet(p, cap=SIZE_CAPS["segment"], budget=budget)
+            except UnsafeFileError:
+                if not batch:
+                    raise  # over the budget alone: never read
+                flush()  # the batch so far is written; the file may fit a fresh batch
+                t = read_parquet(p, cap=SIZE_CAPS["segment"], budget=budget)
         except Exception as exc:  # pyarrow raises many types for a damaged file; keep it, go on
             problems.append(f"{p}: not compacted, unreadable ({type(exc).__name__}); left as it is")
             flush()
@@ -163,7 +175,7 @@ def compact_files(
         batch.append((p, t))
         rows += t.num_rows
     flush()
-    return Compaction(kind, len(paths), written, rows)
+    return Compaction(kind, len(paths), written, rewritten)
 
 
 def _castable(a: pa.Table, b: pa.Table) -> bool:

@@ -55,6 +55,17 @@ MAX_SEGMENT_UNPACKED = 256 * MiB
 """Most bytes a segment's row groups (and any one column chunk) may unpack to, as its footer
 states (a 0.5 s segment of 8 devices at 1 kHz is ~1 MiB): a 1.3 MB file can claim 2.4 GB."""
 
+MAX_READ_UNPACKED = 2048 * MiB
+"""Most bytes the files one read holds at once (a rank's segments of one kind, a compaction's
+batch) may decode to, as their footers state, before :func:`read_budget` lowers it to
+1/:data:`READ_MEMORY_SHARE` of the memory free (``CHARLLM_MAX_UNPACKED_BYTES`` sets it): six
+small files that unpack to 200 MiB each passed the per-file cap and took a reader to
+MemoryError, ``compact`` to bad_alloc. A compacted rank-hour (100 Hz, 8 devices) is ~0.5 GB."""
+
+READ_MEMORY_SHARE = 16
+"""Free memory over the read budget: ``charllm inspect`` peaked at 4.2 GB of RSS for 0.41 GB
+decoded (measured here: the table, its arrays, the attribution's copies)."""
+
 MAX_SEGMENT_ROWS = 4_000_000
 """Most rows a segment may hold, as its footer states (0.5 s of 8 devices at 1 kHz is 4,000;
 a driver-buffered segment a few times that)."""
@@ -423,18 +434,97 @@ def open_parquet(path: Path, cap: int) -> Iterator[Any]:
         yield pq.ParquetFile(native)
 
 
+def _free_memory() -> int | None:
+    """Bytes of memory this process may still take: MemAvailable, or the address-space limit
+    (``ulimit -v``) if lower; None when neither is known."""
+    free: list[int] = []
+    try:
+        with open_regular(Path("/proc/meminfo"), cap=1 * MiB) as f:  # a kernel file: tiny
+            for line in f.read().decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    free.append(int(line.split()[1]) * 1024)
+    except (UnsafeFileError, OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            free.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(free) if free else None
+
+
+def read_budget() -> int:
+    """Bytes one read may decode (:data:`MAX_READ_UNPACKED`, at most 1/:data:`READ_MEMORY_SHARE`
+    of the memory free: the decoded table is copied again into arrays and the attribution's
+    tables); ``CHARLLM_MAX_UNPACKED_BYTES`` in the environment sets it instead."""
+    env = os.environ.get("CHARLLM_MAX_UNPACKED_BYTES", "").strip()
+    if env:
+        try:
+            return max(int(env), 0)
+        except ValueError:
+            raise StoreError(
+                f"CHARLLM_MAX_UNPACKED_BYTES={env!r} is not a number of bytes; e.g. 4294967296"
+            ) from None
+    free = _free_memory()
+    return MAX_READ_UNPACKED if free is None else min(MAX_READ_UNPACKED, free // READ_MEMORY_SHARE)
+
+
+class UnpackBudget:
+    """What one read (the files it holds at once) may still decode, in bytes (:func:`read_budget`);
+    :meth:`take` refuses a file that would go over it, before decoding anything."""
+
+    def __init__(self, total: int | None = None) -> None:
+        self.total = read_budget() if total is None else total
+        self.left = self.total
+
+    def take(self, path: Path, unpacked: int) -> None:
+        """Count ``unpacked`` bytes of ``path`` (UnsafeFileError when over what is left)."""
+        if unpacked > self.left:
+            raise UnsafeFileError(
+                f"{path}: its row groups unpack to {unpacked} bytes and the files read with it already "
+                f"to {self.total - self.left}, over the {_mib(self.total)} one read may decode "
+                f"(1/{READ_MEMORY_SHARE} of the free memory; CHARLLM_MAX_UNPACKED_BYTES sets it); not read"
+            )
+        self.left -= unpacked
+
+
+def footer_unpacked(meta: Any) -> int:
+    """Bytes a Parquet file's row groups decode to, by its footer: per row group the larger of
+    its stated size and, per column, its chunk's uncompressed size or rows x the width of a
+    fixed-width type (a run-length or dictionary page of zeros states a few bytes and decodes to
+    8 a row)."""
+    total = 0
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        cols = 0
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            width = _PHYSICAL_WIDTH.get(col.physical_type, 0)
+            cols += max(col.total_uncompressed_size, rg.num_rows * width, 0)
+        total += max(rg.total_byte_size, cols, 0)
+    return total
+
+
+_PHYSICAL_WIDTH = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
+"""Bytes a value of each fixed-width Parquet physical type takes decoded (Arrow's widths)."""
+
+
 def read_parquet(
     path: Path,
     columns: list[str] | None = None,
     cap: int = SIZE_CAPS["segment"],
     missing_ok: bool = False,
+    budget: UnpackBudget | None = None,
 ) -> Any:
     """A segment as a ``pyarrow.Table`` (``columns``: only those; ``missing_ok``: those of them
     the file has), opened as :func:`open_parquet` does. Raises UnsafeFileError for a file that
     is not a regular one, too large, or whose footer says it holds more than
     :data:`MAX_SEGMENT_ROWS` rows or unpacks to more than :data:`MAX_SEGMENT_UNPACKED` bytes (a
-    decompression bomb: checked before anything is decompressed); pyarrow's own errors for a
-    damaged one."""
+    decompression bomb: checked before anything is decompressed), or over what ``budget`` has
+    left (the files of one read together); pyarrow's own errors for a damaged one."""
     with open_parquet(path, cap) as pf:  # the footer, parsed once: checked, then used to read
         meta = pf.metadata
         if meta.num_rows > MAX_SEGMENT_ROWS or meta.num_rows < 0:
@@ -452,6 +542,8 @@ def read_parquet(
                 f"{path}: its row groups unpack to {unpacked} bytes, over the "
                 f"{_mib(MAX_SEGMENT_UNPACKED)} a reader accepts for a segment; not read"
             )
+        if budget is not None:
+            budget.take(path, footer_unpacked(meta))
         if columns is not None and missing_ok:
             have = set(pf.schema_arrow.names)
             columns = [c for c in columns if c in have]

@@ -26,11 +26,13 @@ from charllm_nemo.telemetry.layout import (
     SIZE_CAPS,
     RankFiles,
     RunFiles,
+    UnpackBudget,
     UnsafeFileError,
     read_json,
     read_parquet,
     scan_run,
 )
+from charllm_nemo.telemetry.overlap import read_once
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
@@ -199,10 +201,13 @@ def read_segments(
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
     tables = []
+    read: list[Path] = []
+    budget = UnpackBudget()  # the files held together: a bomb spread over many is refused too
     for p in paths:
         try:
-            t = read_parquet(p, columns=schema.names, missing_ok=True)
+            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget)
             tables.append(conform(t, schema, p, kind, problems))
+            read.append(p)
         except UnsafeFileError as exc:  # not opened: says which file and why itself
             msg = f"{exc} ({kind} segment skipped)"
             problems.append(msg)
@@ -213,6 +218,7 @@ def read_segments(
             warnings.warn(printable(msg, 1000), CorruptSegmentWarning, stacklevel=3)
     if not tables:
         return None
+    tables = read_once(list(zip(read, tables, strict=True)), kind, problems)  # overlapping ranges
     table = pa.concat_tables(tables).combine_chunks()
     return bound_devices(table, paths[0].parent, problems)
 

@@ -43,7 +43,7 @@ from charllm_nemo.telemetry.windows import (
     WINDOW_COLUMNS,
     Record,
 )
-from charllm_nemo.telemetry.write import make_dir, write_bytes, write_with
+from charllm_nemo.telemetry.write import anchor, make_dir, write_bytes, write_with
 
 log = logging.getLogger("charllm_nemo.store")
 
@@ -353,6 +353,7 @@ class RankStore:
         writes_segments: bool = True,
         overwrite: bool = False,
     ) -> None:
+        anchor(run_dir)  # every folder below the run is entered without following a link
         self.dir = rank_dir(run_dir, rank)
         self.compact_at_close = False
         """Compact the folder's segments into a few files once the final manifest is written

@@ -13,6 +13,16 @@ read from the run. So every writer goes through this module:
   ``<name>``: the rename replaces a link at ``<name>`` itself, never what it points to, and a
   reader sees the old file or the new one, never half of one;
 * names are single path components (no ``/``, no ``..``): nothing lands outside the directory;
+* every directory below a run folder (or an output folder) that a writer creates or enters is
+  opened component by component from that folder's descriptor with ``O_NOFOLLOW``
+  (:func:`anchor` names such folders; :func:`open_dir`): a link planted at ``RUN/logs`` or
+  ``RUN/analysis`` is refused, not followed, whichever file is written into it first. Above the
+  anchor the path is the user's own (``/scratch`` may be a link);
+* a name that exists and is not a regular file is never renamed over: a FIFO, a terminal or
+  ``/dev/null`` / ``/dev/full`` / ``/dev/zero`` (directly or through a link, as ``/dev/stdout``
+  is) is written to as a stream, in place; any other device, a socket or a directory is refused
+  (:class:`~charllm_nemo.errors.StoreError`). Run as root, a rename would have put a regular
+  file in place of ``/dev/null``;
 * a write that fails removes its temporary; one that hit a limit of the file system (ENOSPC,
   EDQUOT, EFBIG: a full disk, a quota, ``ulimit -f``) raises :class:`~charllm_nemo.errors.DiskFull`,
   so callers handle all three the same way.
@@ -22,6 +32,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -48,28 +60,162 @@ def _reraise(exc: OSError, what: object) -> NoReturn:
     raise exc
 
 
+class NotAFileName(StoreError, ValueError):
+    """An output path whose last component is not a file name (``.``, ``..``, empty: a directory)."""
+
+
 def _check_name(name: str) -> None:
     if not name or name in (".", "..") or "/" in name or "\0" in name:
-        raise ValueError(f"not a file name: {name!r}")
+        raise NotAFileName(
+            f"not a file name: {name!r} (the path names a directory; give a file to write, e.g. DIR/out.json)"
+        )
 
 
-def make_dir(path: Path) -> None:
-    """Create ``path`` (and its parents) if missing; refuse it if it is a link or not a directory."""
-    with suppress(FileExistsError):  # a link or a file there: _open_dir says which
-        path.mkdir(parents=True, exist_ok=True)
-    os.close(_open_dir(path))
+_ANCHORS: set[Path] = set()
+
+
+def anchor(folder: str | os.PathLike[str]) -> Path:
+    """Mark ``folder`` (a run folder, an output folder) as one whose inside is not trusted: every
+    directory below it that :func:`open_dir` creates or enters is opened component by component
+    with ``O_NOFOLLOW`` from ``folder``'s descriptor (``folder`` itself may be reached through a
+    link: the user named it). For this process; returns the absolute path."""
+    root = Path(os.path.abspath(folder))
+    _ANCHORS.add(root)
+    return root
+
+
+def _anchor_of(path: Path) -> Path:
+    """The deepest anchor that holds ``path`` (lexically); ``path``'s parent when none does (the
+    last component alone is then checked)."""
+    held = [a for a in _ANCHORS if a != path and path.is_relative_to(a)]
+    return max(held, key=lambda a: len(a.parts)) if held else path.parent
+
+
+def _refuse_dir(path: Path, exc: OSError) -> StoreError:
+    return StoreError(
+        f"output directory {path} is a symbolic link or not a directory; the tool writes only "
+        "into a real directory: remove it or give another (--out DIR)"
+    )
+
+
+def open_dir(
+    path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None, create: bool = True
+) -> int:
+    """A descriptor on directory ``path`` (created with its parents if missing and ``create``),
+    every component below ``root`` (default: the deepest :func:`anchor` holding ``path``, else
+    ``path``'s parent) created and opened with ``O_NOFOLLOW`` relative to its parent's descriptor:
+    a link or a non-directory on the way raises StoreError naming it. The caller closes it."""
+    path = Path(os.path.abspath(path))
+    base = Path(os.path.abspath(root)) if root is not None else _anchor_of(path)
+    if not path.is_relative_to(base):
+        raise ValueError(f"{path} is not inside {base}")
+    if create:
+        with suppress(FileExistsError):  # a link or a file there: opened below, and refused
+            base.mkdir(parents=True, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's: OSError as it is
+    where = base
+    for part in path.relative_to(base).parts:
+        where = where / part
+        try:
+            if create:
+                with suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=fd)
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _refuse_dir(where, exc) from exc
+            raise
+        finally:
+            os.close(fd)
+        fd = nfd
+    return fd
+
+
+def make_dir(path: Path, *, root: str | os.PathLike[str] | None = None) -> None:
+    """Create ``path`` (and its parents) if missing; refuse it if it, or a directory below
+    ``root`` / its anchor on the way to it, is a link or not a directory (:func:`open_dir`)."""
+    os.close(open_dir(path, root=root))
+
+
+_HARMLESS_DEVICES = {(1, 3), (1, 5), (1, 7)}
+"""Character devices (major, minor) that take a stream and keep nothing: /dev/null, /dev/zero,
+/dev/full (Linux numbers)."""
+
+
+_TERMINAL_MAJORS = frozenset({4, 5, *range(136, 144)})
+"""Character device majors of terminals (Linux: tty, console / ptmx, pseudo-terminals)."""
+
+
+def _streamable(st: os.stat_result) -> bool:
+    """A FIFO, a terminal or a device that keeps nothing; judged before any open (opening some
+    devices does something)."""
+    if stat.S_ISFIFO(st.st_mode):
+        return True
+    if stat.S_ISCHR(st.st_mode):
+        dev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+        return dev in _HARMLESS_DEVICES or dev[0] in _TERMINAL_MAJORS
+    return False
+
+
+_FD_LINK = re.compile(r"^/(?:proc/self|proc/thread-self|dev)/fd/([0-9]{1,9})$")
+
+
+def _own_descriptor(target: str) -> int | None:
+    """The descriptor number a link names when it is ``/proc/self/fd/N`` or ``/dev/fd/N`` (what
+    ``/dev/stdout`` and ``/dev/stderr`` point to) and N is open here; else None."""
+    m = _FD_LINK.match(target)
+    if m is None:
+        return None
+    try:
+        os.fstat(int(m.group(1)))
+    except OSError:
+        return None
+    return int(m.group(1))
+
+
+def _open_stream(dfd: int, name: str, where: Path) -> int | None:
+    """A descriptor to write ``name`` in place when it exists and is not a regular file (a FIFO,
+    a terminal, /dev/null, /dev/full: directly or through a link); None when it is absent, a
+    regular file, or a link to one (replaced by rename, never followed). StoreError otherwise."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    follow = stat.S_ISLNK(st.st_mode)
+    if follow:
+        own = _own_descriptor(os.readlink(name, dir_fd=dfd))
+        if own is not None:  # /dev/stdout: this process's own stdout, whatever it is (a file too)
+            return os.dup(own)
+        try:
+            st = os.stat(name, dir_fd=dfd)
+        except OSError:
+            return None  # a dangling link: replaced
+    if stat.S_ISREG(st.st_mode) or (follow and stat.S_ISDIR(st.st_mode)):
+        return None
+    what = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, socket or other special file"
+    refuse = StoreError(
+        f"{where} is {what}; the tool writes only to a regular file, a FIFO, a terminal or /dev/null "
+        "(never replaces a special file): give another path"
+    )
+    if not _streamable(st):
+        raise refuse
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(name, flags, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO and stat.S_ISFIFO(st.st_mode):  # nobody reads: would block for ever
+            raise StoreError(f"{where} is a FIFO that no process is reading; start its reader first") from exc
+        raise StoreError(f"{where} cannot be opened to write ({exc.strerror})") from exc
+    now = os.fstat(fd)
+    if not _streamable(now) or (now.st_mode, now.st_rdev) != (st.st_mode, st.st_rdev):  # swapped since
+        os.close(fd)
+        raise refuse
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _open_dir(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise StoreError(
-                f"output directory {path} is a symbolic link or not a directory; the tool writes only "
-                "into a real directory: remove it or give another (--out DIR)"
-            ) from exc
-        raise
+    return open_dir(path, create=False)
 
 
 def _create_temp(dfd: int, tmp: str) -> int:
@@ -94,13 +240,17 @@ class AtomicOutput:
         # tmp_tag (a pid): writers in several processes at once each get their own temporary
         self._tmp = f".{self.path.name}.{tmp_tag}.tmp" if tmp_tag else f".{self.path.name}.tmp"
         self._fsync = fsync
-        make_dir(self.path.parent)
-        self._dfd = _open_dir(self.path.parent)
+        self._dfd = open_dir(self.path.parent)
         try:
-            fd = _create_temp(self._dfd, self._tmp)
-        except OSError as exc:
+            stream = _open_stream(self._dfd, self.path.name, self.path)
+            fd = stream if stream is not None else _create_temp(self._dfd, self._tmp)
+        except BaseException as exc:
             os.close(self._dfd)
-            _reraise(exc, self.path)
+            if isinstance(exc, OSError):
+                _reraise(exc, self.path)
+            raise
+        self.streamed = stream is not None
+        """``path`` is a FIFO, a terminal or /dev/null: written in place, no temporary, no rename."""
         self.file: IO[bytes] = os.fdopen(fd, "wb")
 
     def commit(self) -> Path:
@@ -109,10 +259,11 @@ class AtomicOutput:
         try:
             if not self.file.closed:
                 self.file.flush()
-                if self._fsync:
+                if self._fsync and not self.streamed:
                     os.fsync(self.file.fileno())
                 self.file.close()
-            os.replace(self._tmp, self.path.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+            if not self.streamed:
+                os.replace(self._tmp, self.path.name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
         except OSError as exc:
             self.discard()
             _reraise(exc, self.path)
@@ -126,8 +277,9 @@ class AtomicOutput:
             return
         with suppress(OSError):
             self.file.close()
-        with suppress(OSError):
-            os.unlink(self._tmp, dir_fd=self._dfd)
+        if not self.streamed:  # a stream's bytes are gone already: nothing to take back
+            with suppress(OSError):
+                os.unlink(self._tmp, dir_fd=self._dfd)
         os.close(self._dfd)
         self._dfd = -1
 

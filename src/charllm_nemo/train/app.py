@@ -129,6 +129,24 @@ FRESH_NAME_TRIES = 1000
 """How many ``-2``, ``-3``, ... suffixes a generated run directory name may get before giving up."""
 
 
+def _say_taken_export_ports(cfg: Any) -> None:
+    """telemetry.export=prometheus: a port another job holds is said on the console once, naming
+    it, before the ranks start (the rank's own error goes to its log, logs/rank<N>.log)."""
+    if cfg.telemetry.export != "prometheus":
+        return
+    from charllm_nemo.telemetry.export.exporter import taken_ports
+
+    host, port = cfg.telemetry.export_host, cfg.telemetry.export_port
+    for local_rank, taken, why in taken_ports(host, port, cfg.launch.nproc):
+        print(
+            f"charllm: telemetry.export=prometheus: port {taken} on {host} (local rank {local_rank}) "
+            f"cannot be listened on ({why}; another job on this node?): that rank exports nothing, "
+            f"training goes on; give telemetry.export_port=<free port> (rank L uses it + L)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def claim_run_dir(out_dir: Path, *, fresh_name: bool) -> Path:
     """Create the run directory and return it (StoreError / ConfigError if it cannot be).
 
@@ -277,6 +295,7 @@ def run(cfg: TrainConfig, *, environ: Mapping[str, str] | None = None, fresh_nam
         with run_dir_lock(out_dir):
             check_run_dir(cfg, removes=True)
             _announce(cfg, layout)
+            _say_taken_export_ports(cfg)
             with config_for_ranks(cfg, out_dir / "config.yaml") as config_path:  # secrets: not in the run dir
                 rc = launch_local(
                     config_path, cfg.launch.nproc, run_dir=out_dir, master_port=cfg.launch.master_port

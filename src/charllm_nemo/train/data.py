@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.train.validate_run import MAX_DATASET_SAMPLES
 
 if TYPE_CHECKING:
     from charllm_nemo.train.config import TrainConfig
@@ -102,10 +103,13 @@ def _small_mock_dataset_class() -> Any:
 
 
 def build_train_dataset(cfg: TrainConfig, num_samples: int) -> Any:
-    """The train-split dataset holding at least ``num_samples`` sequences (a ``GPTDataset``)."""
+    """The train-split dataset holding at least ``num_samples`` sequences (a ``GPTDataset``;
+    mock data: at most :data:`MAX_DATASET_SAMPLES`, read round and round)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
+    if cfg.data.path is None:
+        num_samples = min(num_samples, MAX_DATASET_SAMPLES)
     config = _dataset_config(cfg, cfg.model.vocab_size)
     cls = _small_mock_dataset_class() if cfg.data.path is None else GPTDataset
     # Every rank builds (cheap: index arrays only); mcore builds on rank 0 first, then the rest.
@@ -163,7 +167,8 @@ class MicrobatchIterator:
         if self._step >= self.steps:
             raise StopIteration
         idx = self.layout.sample_indices(self._step, self._mb)
-        batch = collate([self.dataset[i] for i in idx])
+        n = len(self.dataset)  # a bounded mock dataset is read round and round (MAX_DATASET_SAMPLES)
+        batch = collate([self.dataset[i % n] for i in idx])
         if self.vocab_size is not None:
             check_token_ids(batch, self.vocab_size, self.data_path, self._step, self._mb)
         self._mb += 1

@@ -311,9 +311,12 @@ def launch_local(
     <config_path>``) and wait. Returns 0 when all succeed; else the failing rank's exit code
     (128 + signal for a signal), after terminating the others; 128 + signum when the launcher
     itself got SIGTERM / SIGINT (forwarded to every rank, which then has ``grace_s`` to exit)."""
+    from charllm_nemo.telemetry.write import anchor, open_dir
+
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    anchor(run_dir)  # RUN/logs a planted link: refused (StoreError), never written through
+    logs_fd = open_dir(logs)
     argv = (
         list(worker_argv)
         if worker_argv is not None
@@ -372,7 +375,8 @@ def launch_local(
             else:
                 path = logs / f"rank{rank}.log"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-                out = os.fdopen(os.open(path, flags, 0o644), "wb")  # a link there is refused
+                # relative to the checked folder's descriptor: a link at the name is refused too
+                out = os.fdopen(os.open(path.name, flags, 0o644, dir_fd=logs_fd), "wb")
                 files.append(out)
                 log_paths.append(path)
             procs.append(
@@ -395,6 +399,7 @@ def launch_local(
                 p.wait()
         for f in files:
             f.close()
+        os.close(logs_fd)
         if in_main:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

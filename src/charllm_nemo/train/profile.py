@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from charllm_nemo.telemetry.write import make_dir
 
 
 def trace_path(run_dir: str | os.PathLike[str], rank: int, step: int) -> Path:
@@ -48,8 +50,10 @@ class StepProfiler:
         with profile(activities=activities) as prof:
             yield
         path = trace_path(self.run_dir, self.rank, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent, root=self.run_dir)  # RUN/traces a planted link: refused
         tmp = path.with_name(f".{path.name}.tmp")
+        with suppress(FileNotFoundError):  # torch opens it by name: a link planted there goes first
+            os.unlink(tmp)
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, path)
         self.written.append(path)

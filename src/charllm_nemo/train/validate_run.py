@@ -40,6 +40,14 @@ def _collect(problems: list[str], check: Callable[[Any], object], value: Any) ->
         problems.append(str(exc))
 
 
+MAX_DATASET_SAMPLES = 2**23
+"""Most sequences a train dataset's index is built for (mcore's index arrays take ~20 bytes a
+sequence, measured here: 4 M took 3.4 s and ~60 MiB more than 1 M). ``batch.train_steps=10**9`` asked for
+billions and died with bad_alloc after growing to 3.2 GB. Mock data is built at most this large
+and read round and round (train/data.py ``MicrobatchIterator``; its sequences are random, so a repeat is
+another draw); real data (``data.path``) past it is refused at validation, naming the limit."""
+
+
 def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     """Telemetry (telemetry/config.py ``telemetry_problems``), launcher / device / port, and
     data-path checks."""
@@ -66,6 +74,18 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
         problems.append(
             f"data.seed={d.seed} must lie in [0, 2**32): megatron-core's GPT dataset seeds numpy's "
             "RandomState with it; e.g. data.seed=1234"
+        )
+    steps, gbs = cfg.batch.train_steps, cfg.batch.global_batch_size
+    if (
+        d.path is not None
+        and isinstance(steps, int)
+        and isinstance(gbs, int)
+        and steps * gbs > MAX_DATASET_SAMPLES
+    ):
+        problems.append(
+            f"batch.train_steps={steps} x batch.global_batch_size={gbs} = {steps * gbs} sequences of "
+            f"data.path, over the {MAX_DATASET_SAMPLES} a run's dataset index is built for (~20 bytes "
+            "each); use fewer steps, or mock data (data.path=null), which is read round and round"
         )
     if d.path is not None:
         missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(d.path + ext)]

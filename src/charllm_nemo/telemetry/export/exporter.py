@@ -222,7 +222,27 @@ def _server(host: str, port: int, state: ExportState) -> ThreadingHTTPServer:
         address_family = family
         allow_reuse_address = True
 
-    return Server((host, port), Handler)
+    try:
+        return Server((host, port), Handler)
+    except OSError as exc:  # the port named: two jobs on one node take the same ports
+        raise OSError(exc.errno, f"port {port} on {host}: {exc.strerror or exc}") from exc
+
+
+def taken_ports(host: str, first_port: int, count: int) -> list[tuple[int, int, str]]:
+    """(local rank, port, why) for each of the ``count`` ports from ``first_port`` that cannot be
+    listened on at ``host`` now (another job on the node holds it): checked by binding and closing
+    at once, as the launcher does before starting ranks, so the console says it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    out = []
+    for local_rank in range(count):
+        port = first_port + local_rank
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                out.append((local_rank, port, exc.strerror or str(exc)))
+    return out
 
 
 def rates_nan_to_zero(values: Sequence[float]) -> tuple[float, float, float]:
