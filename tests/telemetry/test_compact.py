@@ -230,3 +230,22 @@ def test_overlapping_compacted_ranges_are_read_once_and_said(tmp_path: Path) -> 
     assert any("overlap" in p for p in problems)
     assert [p.name for p in scan_run(tmp_path).ranks[0].samples] == ["samples-000000-000004.parquet"]
     assert load_run(tmp_path).samples.num_rows == unique  # one copy, for good
+
+
+def test_every_compacted_file_is_one_a_reader_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compacted file could hold 8,388,608 rows while every reader refuses a file of more than
+    # 4,000,000: compaction of a long run made it unreadable. Scaled down: readers accept 24 rows
+    # a file, the run holds 6 segments of 5 samples (30 rows).
+    from charllm_nemo.telemetry import layout
+
+    make_run(tmp_path, segments=6, ranks=1)
+    before = sorted(times(tmp_path))
+    monkeypatch.setattr(layout, "MAX_SEGMENT_ROWS", 24)
+    compact_run(tmp_path, [])
+    files = scan_run(tmp_path).ranks[0].samples
+    assert 1 < len(files) < 6  # merged, but not into one file a reader would refuse
+    run = load_run(tmp_path)
+    assert not [p for p in run.problems if "not read" in p], run.problems
+    assert sorted(times(tmp_path)) == before  # every sample still read back

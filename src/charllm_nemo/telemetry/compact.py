@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from charllm_nemo.errors import StoreError
+from charllm_nemo.telemetry import layout
 from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import SIZE_CAPS, UnpackBudget, UnsafeFileError, read_parquet, scan_run
 from charllm_nemo.telemetry.overlap import read_once
@@ -51,9 +52,12 @@ ROW_GROUP_ROWS = 262_144
 """Rows per row group of a compacted file: ~2-4 MiB of samples columns, large enough for scans,
 small enough that a time filter skips most of a file."""
 
-MAX_FILE_ROWS = 8_388_608
-"""Rows per compacted file at most (~60-120 MiB of samples): a rank-hour at 100 Hz on 8 devices
-is 2.9 M rows, so a day of one rank is a handful of files."""
+FILE_SHARE = 2
+"""A compacted file holds at most 1/this of the rows (``layout.MAX_SEGMENT_ROWS``) and of the
+bytes (``layout.MAX_SEGMENT_UNPACKED``, counted as the batch's Arrow size) that every reader
+accepts of one file (the footer checks of :func:`~charllm_nemo.telemetry.layout.read_parquet`):
+it held up to 8,388,608 rows, twice what a reader accepts, so a compacted day of one rank on 8
+devices would have been refused by every reader. 2 M rows is ~40 min of 8 devices at 100 Hz."""
 
 LIVE_EVERY = 120
 """Closed segments of a kind the writer compacts at the fewest while a run goes (one minute at
@@ -128,7 +132,8 @@ def compact_files(
     folder: Path, kind: str, paths: list[Path], problems: list[str] | None = None
 ) -> Compaction:
     """Merge ``paths`` (consecutive files of ``kind`` in ``folder``, as the scan orders them) into
-    compacted files of at most :data:`MAX_FILE_ROWS` rows, then remove them. A file that cannot
+    compacted files of at most half the rows and bytes a reader accepts of a file (:data:`FILE_SHARE`:
+    every reader reads what compaction writes), then remove them. A file that cannot
     be read is left where it is (and said in ``problems``): compaction never drops data."""
     problems = problems if problems is not None else []
     if len(paths) < 2:
@@ -136,11 +141,14 @@ def compact_files(
     batch: list[tuple[Path, pa.Table]] = []
     budget = UnpackBudget()  # what the batch held in memory may decode to (a bomb over many files)
     rows = 0  # rows of the batch being gathered (flush resets it)
+    size = 0  # their in-memory bytes
+    max_rows = layout.MAX_SEGMENT_ROWS // FILE_SHARE  # read now: what the readers accept now
+    max_size = layout.MAX_SEGMENT_UNPACKED // FILE_SHARE
     rewritten = 0  # rows written into compacted files, all batches
     written: Path | None = None
 
     def flush() -> None:
-        nonlocal batch, rows, written, rewritten, budget
+        nonlocal batch, rows, size, written, rewritten, budget
         if len(batch) >= 2:
             first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
             # files whose ranges overlap hold some rows twice: one copy written (telemetry/overlap.py)
@@ -152,7 +160,7 @@ def compact_files(
                     p.unlink(missing_ok=True)
             _fsync_dir(folder)
             rewritten += table.num_rows
-        batch, rows, budget = [], 0, UnpackBudget(budget.total)
+        batch, rows, size, budget = [], 0, 0, UnpackBudget(budget.total)
 
     for p in paths:
         try:
@@ -168,12 +176,14 @@ def compact_files(
             flush()
             continue
         if batch and (
-            rows + t.num_rows > MAX_FILE_ROWS
+            rows + t.num_rows > max_rows
+            or size + t.nbytes > max_size
             or (t.schema != batch[0][1].schema and not _castable(t, batch[0][1]))
         ):
             flush()
         batch.append((p, t))
         rows += t.num_rows
+        size += t.nbytes
     flush()
     return Compaction(kind, len(paths), written, rewritten)
 
@@ -189,7 +199,7 @@ def _castable(a: pa.Table, b: pa.Table) -> bool:
 def compact_rank(
     folder: Path, kinds: tuple[str, ...] = KINDS, problems: list[str] | None = None
 ) -> list[Compaction]:
-    """Compact every kind of one rank's folder into as few files as :data:`MAX_FILE_ROWS`
+    """Compact every kind of one rank's folder into as few files as :data:`FILE_SHARE`
     allows; first removes the segments an interrupted compaction already covered."""
     problems = problems if problems is not None else []
     files = scan_run(folder.parent)
