@@ -242,27 +242,35 @@ def test_layers_come_from_the_config_when_the_summary_lacks_them() -> None:
 
 
 def _mbs_rows(
-    sps: dict[int, float], above: dict[int, float] | None = None
+    sps: dict[int, float],
+    above: dict[int, float] | None = None,
+    repeats: int = 3,
+    run_spread: float = 0.01,
+    steps: int = 12,
+    with_steps: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
-    runs = [
-        {
-            "run": f"mbs{m}",
-            "sweep": "s",
-            "model": "tiny_gpt",
-            "layout": "DP2",
-            "global_batch_size": 16,
-            "seq_length": 64,
-            "world_size": 2,
-            "micro_batch_size": m,
-            "samples_per_s": v,
-        }
-        for m, v in sps.items()
-    ]
-    exc = [
-        {"run": f"mbs{m}", "time_above_limit_share": (above or {}).get(m, 0.0), "peak_to_avg_p95": 1.2}
-        for m in sps
-    ]
-    return {"runs": runs, "excursions": exc, "throttle_slowdown": []}
+    """``repeats`` runs of each micro batch size at ``sps`` samples/s each (the repeats at
+    1 - run_spread, 1, 1 + run_spread of it: their median is ``sps``), each with ``steps``
+    measured steps that vary +-2 % (a global batch of 8 samples)."""
+    factors = [1.0] if repeats == 1 else list(np.linspace(1 - run_spread, 1 + run_spread, repeats))
+    runs, exc, thermal = [], [], []
+    for m, v in sps.items():
+        for k, f in enumerate(factors):
+            run = f"mbs{m}-{k}"
+            runs.append({"run": run, "sweep": "s", "model": "tiny_gpt", "layout": "DP2",
+                         "global_batch_size": 8, "seq_length": 64, "world_size": 2,
+                         "micro_batch_size": m, "samples_per_s": v * f})  # fmt: skip
+            exc.append(
+                {"run": run, "time_above_limit_share": (above or {}).get(m, 0.0), "peak_to_avg_p95": 1.2}
+            )
+            wobble = 1 + 0.02 * np.sin(np.arange(steps) * 1.7)
+            thermal += [{"run": run, "step": i, "step_time_s": 8 / (v * f) * w} for i, w in enumerate(wobble)]
+    return {
+        "runs": runs,
+        "excursions": exc,
+        "throttle_slowdown": [],
+        "thermal_steps": thermal if with_steps else [],
+    }
 
 
 def test_mbs_picks_the_fastest() -> None:
@@ -270,6 +278,7 @@ def test_mbs_picks_the_fastest() -> None:
     assert isinstance(got, Advice) and got.proposed == 4 and got.current == [1, 2, 4, 8]
     assert got.expected_gain == pytest.approx(0.8) and got.overrides == ["batch.micro_batch_size=4"]
     assert any("micro batch 8" in e and "-5.6% vs the best" in e for e in got.evidence)
+    assert "past the noise: +80." in got.evidence[-1]  # the interval it rests on, stated
 
 
 def test_mbs_prefers_fewer_excursions_among_equally_fast_sizes() -> None:
@@ -285,6 +294,21 @@ def test_mbs_needs_two_sizes_and_a_gain() -> None:
     assert isinstance(flat, NoAdvice) and "within 1.0% in throughput" in flat.reason
     (none,) = mbs_advice({"runs": []})
     assert isinstance(none, NoAdvice) and "no run has a measured throughput" in none.reason
+
+
+def test_mbs_gives_no_advice_inside_the_noise() -> None:
+    # #42: a 10 % faster size with one run each is step-to-step noise only: no verdict, and the
+    # repeats that would resolve it; with repeats that vary +-15 % run to run, 10 % is noise
+    (single,) = mbs_advice(_mbs_rows({1: 100.0, 4: 110.0}, repeats=1))
+    assert isinstance(single, NoAdvice) and single.reason.startswith("no change yet: one run of micro batch")
+    assert "runs of each size would resolve it" in single.reason
+    (noisy,) = mbs_advice(_mbs_rows({1: 100.0, 4: 110.0}, repeats=3, run_spread=0.15))
+    assert isinstance(noisy, NoAdvice) and "within the noise" in noisy.reason
+    (blind,) = mbs_advice(_mbs_rows({1: 100.0, 4: 180.0}, with_steps=False))
+    assert isinstance(blind, NoAdvice) and "no measured steps" in blind.reason
+    # the same 10 % with repeats that agree within 1 %: advice
+    (clear,) = mbs_advice(_mbs_rows({1: 100.0, 4: 110.0}, repeats=3, run_spread=0.01))
+    assert isinstance(clear, Advice) and clear.proposed == 4
 
 
 def test_hydra_values() -> None:
@@ -383,7 +407,7 @@ def test_end_to_end_a_real_pipeline_run_with_a_hot_stage(
     assert words[:2] == ["charllm", "train"]
     assert main([*words[1:], "dry_run=true", f"telemetry.out_dir={tmp_path / 'again'}"]) == 0
     out = capsys.readouterr().out
-    assert "valid; nothing started" in out and "layers/stage=[1, 3]" in out
+    assert "the configuration is valid;" in out and "nothing started" in out and "layers/stage=[1, 3]" in out
     assert main(["advise", str(run.parent), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["advice"][0]["proposed"] == [1, 3]

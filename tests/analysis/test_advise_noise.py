@@ -190,7 +190,7 @@ def test_the_rerun_command_of_a_sweep_run_runs_as_printed(
     capsys.readouterr()
     assert main([*words[1:], "dry_run=true", f"telemetry.out_dir={tmp_path / 'again'}"]) == 0
     out = capsys.readouterr().out
-    assert "valid; nothing started" in out and "layers/stage=[2, 2]" in out
+    assert "the configuration is valid;" in out and "nothing started" in out and "layers/stage=[2, 2]" in out
 
 
 def test_one_run_must_hold_its_gain_in_each_quarter() -> None:
