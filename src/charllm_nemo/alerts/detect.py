@@ -32,7 +32,7 @@ from charllm_nemo.alerts.culprit import (
     throttle_cost,
     timing_verdict,
 )
-from charllm_nemo.alerts.evidence import StepView, median_without
+from charllm_nemo.alerts.evidence import StepView, median_or_none, median_without
 from charllm_nemo.alerts.evidence import finite as _f
 from charllm_nemo.alerts.node_checks import power_alerts, sampler_alerts, thermal_alerts
 from charllm_nemo.alerts.stages import StageLayout
@@ -445,10 +445,6 @@ class AlertDetector:
             return None  # the others do not wait for it: throttled (its own alert), not straggling
         return {**loss, "pp_wait_s": wait, "peers_pp_wait_s": others}
 
-    @staticmethod
-    def _median(xs: list[float]) -> float | None:
-        return statistics.median(xs) if xs else None
-
     def _straggler(
         self,
         v: StepView,
@@ -464,9 +460,9 @@ class AlertDetector:
         tel = self._telemetry(f)
         peers = v.peers(rank) if verdict is not None else [r for r in range(len(figs)) if r != rank]
         pf = [figs[p] for p in peers]
-        peer_clock = self._median([x for p in pf if (x := _f(p.get("clock_sm_avg_mhz"))) is not None])
-        peer_temp = self._median([x for p in pf if (x := _f(p.get("temp_gpu_peak_c"))) is not None])
-        peer_power = self._median([x for p in pf if (x := _f(p.get("power_avg_w"))) is not None])
+        peer_clock = median_or_none([x for p in pf if (x := _f(p.get("clock_sm_avg_mhz"))) is not None])
+        peer_temp = median_or_none([x for p in pf if (x := _f(p.get("temp_gpu_peak_c"))) is not None])
+        peer_power = median_or_none([x for p in pf if (x := _f(p.get("power_avg_w"))) is not None])
         shares = v.shares[rank]
         loss = evidence or self._loss(rank, v)
         beyond = {} if loss is None else loss["reasons_beyond_peers"]
@@ -524,7 +520,7 @@ class AlertDetector:
                 "arrival",
                 "collective_wait_s",
                 arr.waits[rank],
-                self._median(others),
+                median_or_none(others),
                 arr.held_excess,
             )
         elif verdict in ("unmeasured", "masked") and evidence is not None:

@@ -25,12 +25,17 @@ ALL_REASON_KEYS: tuple[tuple[str, str], ...] = tuple((r, f"throttle_{r}_s") for 
 finite = finite_or_none  # the one copy (telemetry/figures.py), under the name the alerts read it by
 
 
+def median_or_none(xs: Sequence[float]) -> float | None:
+    """The median of ``xs``; None for none (no peer to compare with)."""
+    return statistics.median(xs) if xs else None
+
+
 def median_without(ordered: list[float], v: float | None) -> float | None:
     """The median of ``ordered`` (sorted) with one occurrence of ``v`` left out (``v`` None or
     not in it: nothing left out): a rank's peers' median in O(log n), not a new list per rank."""
     i = -1 if v is None else bisect.bisect_left(ordered, v)
     if i < 0 or i >= len(ordered) or ordered[i] != v:
-        return statistics.median(ordered) if ordered else None
+        return median_or_none(ordered)
     m = len(ordered) - 1
     if m <= 0:
         return None
