@@ -114,6 +114,8 @@ def test_sigkill_of_the_training_process_alone_loses_nothing_it_marked(tmp_path)
     assert t.max() >= killed_at - 20_000_000  # sampled up to the kill (100 Hz: within 2 periods)
     assert m["rows"] == {"samples": run.samples.num_rows, "windows": run.windows.num_rows}
     assert "killed_note" in m and any("killed" in p for p in run.problems)
+    # the telemetry process closed the clock mapping too (same host, same clocks)
+    assert isinstance(m["clock"]["wall_minus_monotonic_ns_end"], int)
     # Every phase that ended before the kill is there: the last stored window ends within one
     # 0.2 s step of the kill, not a flush interval before it.
     ends = run.windows.column("t_end_mono_ns").to_numpy()

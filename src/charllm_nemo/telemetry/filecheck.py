@@ -52,6 +52,7 @@ MANIFEST_SPEC: Spec = {
     "supported_metrics": ("object",),
     "started_wall_ns": ("int",),
     "started_mono_ns": ("int",),
+    "clock": ("object",),
     "ended_wall_ns": ("int",),
     "killed_note": ("string",),
     "versions": ("object",),
@@ -78,6 +79,28 @@ DEVICE_SPEC: Spec = {
     "extra": ("object", "null"),
 }
 """One entry of the manifest's ``devices``."""
+
+CLOCK_SPEC: Spec = {
+    "sample_clock": ("string",),
+    "wall_minus_monotonic_ns_start": ("int",),
+    "wall_minus_monotonic_ns_end": ("int", "null"),
+    "measured_mono_ns_start": ("int",),
+    "measured_mono_ns_end": ("int", "null"),
+    "measure_uncertainty_ns": ("int",),
+    "sync": ("object",),
+    "sync_end": ("object", "null"),
+}
+"""The manifest's ``clock`` (telemetry/clock.py)."""
+
+SYNC_SPEC: Spec = {
+    "source": ("string",),
+    "synchronized": ("bool", "null"),
+    "max_error_ns": ("int", "null"),
+    "est_error_ns": ("int", "null"),
+    "kernel_state": ("int", "null"),
+    "ptp_devices": ("list",),
+}
+"""``clock.sync`` and ``clock.sync_end``."""
 
 _NUMBER_OR_NULL = ("number", "null")
 
@@ -187,6 +210,11 @@ def validate_manifest(data: object, path: Path | str, problems: list[str]) -> di
             if checked:
                 devices.append(checked)
         m["devices"] = devices
+    if "clock" in m:
+        clock = m["clock"] = validate_object(m["clock"], path, CLOCK_SPEC, problems, "clock.")
+        for key in ("sync", "sync_end"):
+            if isinstance(clock.get(key), dict):
+                clock[key] = validate_object(clock[key], path, SYNC_SPEC, problems, f"clock.{key}.")
     return m
 
 

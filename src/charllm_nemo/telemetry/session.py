@@ -50,6 +50,7 @@ import charllm_nemo
 from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.redact import redact_secrets
+from charllm_nemo.telemetry.clock import clock_at_start
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
 from charllm_nemo.telemetry.placement import (
     DEFAULT_COLLECTOR_SCHED,
@@ -326,6 +327,7 @@ class TelemetrySession:
             "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},
             "started_wall_ns": time.time_ns(),
             "started_mono_ns": time.monotonic_ns(),
+            "clock": clock_at_start(),
             "versions": package_versions(),
             "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
             "config": config or {},

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from charllm_nemo.errors import DiskFull, StoreError
+from charllm_nemo.telemetry.clock import clock_at_end
 from charllm_nemo.telemetry.compact import LIVE_EVERY, LIVE_MAX, LIVE_PERIOD_S, compact_files, compact_rank
 from charllm_nemo.telemetry.schema import WINDOW_LABELS
 from charllm_nemo.telemetry.windows import (
@@ -328,8 +329,12 @@ def reserve_space(folder: Path) -> None:
 
 
 def finish_manifest(manifest: dict[str, Any], status: str, counts: dict[str, Any]) -> None:
-    """The fields a manifest gets at close (in place): status, end time, segment counts."""
+    """The fields a manifest gets at close (in place): status, end time, segment counts, and the
+    clock mapping's end (telemetry/clock.py)."""
     manifest["status"] = status
+    clock = manifest.get("clock")
+    if isinstance(clock, dict) and isinstance(clock.get("wall_minus_monotonic_ns_start"), int):
+        manifest["clock"] = clock_at_end(clock)
     manifest["ended_wall_ns"] = time.time_ns()
     manifest.update(counts)
 
