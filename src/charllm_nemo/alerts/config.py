@@ -46,6 +46,11 @@ class AlertsConfig:
     thermal_imbalance_c: float = 15.0  # hottest minus coolest rank of a node
     power_over_limit: float = 0.05  # a rank's average power above its limit by this share
     sampler_missed: int = 10  # a rank's sampler missed at least this many deadlines since the last step
+    # the job's power as the grid sees it (alerts/grid.py); null: not watched
+    power_swing_limit_w: float | None = None  # job swing (sum of the ranks' peak - trough in a step)
+    power_ramp_limit_w_s: float | None = None  # job ramp (sum of the ranks' steepest rise or fall)
+    power_limit_steps: int = 3  # ... reached in this many ...
+    power_limit_window: int = 5  # ... of the last this many steps
     # rate limit
     repeat_after_steps: int = 100
     max_per_step: int = 8
@@ -82,7 +87,16 @@ def alerts_problems(cfg: AlertsConfig) -> list[str]:
         v = getattr(cfg, name)
         if not _num(v) or not lo <= v <= hi:
             out.append(f"alerts.{name}={v!r} must be a number in [{lo:g}, {hi:g}]")
+    for name in ("power_swing_limit_w", "power_ramp_limit_w_s"):
+        v = getattr(cfg, name)
+        if v is not None and (not _num(v) or not 0 < v <= 1e12):
+            out.append(f"alerts.{name}={v!r} must be null (not watched) or a number > 0")
+    k, n = cfg.power_limit_steps, cfg.power_limit_window
+    if _int(k) and _int(n) and k > n >= 1:
+        out.append(f"alerts.power_limit_steps={k} must be <= alerts.power_limit_window={n}")
     for name, lo in (
+        ("power_limit_steps", 1),
+        ("power_limit_window", 1),
         ("throttle_end_steps", 1),
         ("baseline_steps", 1),
         ("straggler_steps", 1),

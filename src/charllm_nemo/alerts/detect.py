@@ -5,11 +5,12 @@ figures and its own timing of the step), the ranks' static facts (host, GPU inde
 power limit; exchanged once) and, where the run has a pipeline, its
 :class:`~charllm_nemo.alerts.stages.StageLayout` (each rank's stage, each stage's work), and
 returns the step's alerts as flat dicts: throttle onset and end, stragglers, thermal imbalance
-on a node, power over the limit, sampler health. A rank's time is compared only with the ranks
-that do the same work (its pipeline stage's); a rank alone in its stage is a straggler only on
-evidence beyond timing (throttle reasons its peers lack, a clock below the unthrottled ranks',
-busy while the other stages wait). Rate-limited here, so every way an alert is delivered sees
-the same ones. No I/O, no torch, no W&B.
+on a node, power over the limit, sampler health, the job's power swing and ramp (alerts/grid.py).
+A rank's time is compared only with the ranks that do the same
+work (its pipeline stage's); a rank alone in its stage is a straggler only on evidence beyond
+timing (throttle reasons its peers lack, a clock below the unthrottled ranks', busy while the
+other stages wait). Rate-limited here, so every way an alert is delivered sees the same ones.
+No I/O, no torch, no W&B.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from charllm_nemo.alerts.culprit import (
 )
 from charllm_nemo.alerts.evidence import StepView, median_or_none, median_without
 from charllm_nemo.alerts.evidence import finite as _f
+from charllm_nemo.alerts.grid import GRID_KINDS, GridWatch
 from charllm_nemo.alerts.node_checks import power_alerts, sampler_alerts, thermal_alerts
 from charllm_nemo.alerts.stages import StageLayout
 
@@ -45,6 +47,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "power_over_limit",
     "sampler_health",
     "host_contention",
+    *GRID_KINDS,
 )
 """Every ``kind`` an alert may have (docs/alerts.md)."""
 
@@ -113,6 +116,7 @@ class AlertDetector:
         self._reason_keys = [(r, f"throttle_{r}_s") for r in cfg.throttle_reasons]
         self._alerting = frozenset(cfg.throttle_reasons)
         self._clock_seen: dict[Any, tuple[int, float]] = {}  # device model -> (step, unthrottled clock)
+        self._grid = GridWatch(cfg)  # the job's power swing and ramp (alerts/grid.py)
 
     def set_rank_info(self, infos: Sequence[Mapping[str, Any]]) -> None:
         self.infos = list(infos)
@@ -142,6 +146,7 @@ class AlertDetector:
         alerts += self._stragglers(v, figs, timing)
         alerts += thermal_alerts(self, v.step, figs)
         alerts += power_alerts(self, v.step, figs)
+        alerts += self._grid.check(self.allow, v.step, figs)
         alerts += sampler_alerts(self, v.step, getattr(report, "per_rank_health", []), self._health_seen)
         if len(alerts) > self.cfg.max_per_step:
             self.suppressed += len(alerts) - self.cfg.max_per_step

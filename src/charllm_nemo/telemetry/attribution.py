@@ -105,6 +105,9 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("power_avg_w", "W", "energy_j / duration_s (mean power consistent with energy_j)"),
     ("power_timeline_avg_w", "W", "time-weighted mean of the power timeline (instant, else averaged)"),
     ("power_peak_w", "W", "highest instant power sampled inside; NaN when no sample is inside"),
+    ("power_swing_w", "W", "highest minus lowest instant power sampled inside; NaN when fewer than 2"),
+    ("power_ramp_up_w_s", "W/s", "steepest rise between two consecutive samples inside; NaN: < 2 samples"),
+    ("power_ramp_down_w_s", "W/s", "steepest fall between two consecutive samples inside; NaN: < 2"),
     ("temp_gpu_peak_c", "degC", "highest GPU temperature sampled inside; NaN when none"),
     ("temp_hbm_peak_c", "degC", "highest HBM temperature sampled inside; NaN when none"),
     ("temp_hotspot_peak_c", "degC", "highest hotspot temperature sampled inside; NaN when none"),
@@ -136,7 +139,7 @@ def _reads(figure: str) -> tuple[str, ...]:
     """The sample metrics one attribution column is computed from (none: time alone)."""
     if figure in _ENERGY_FIGURES:
         return ("power_instant_w", "power_avg_w", "energy_mj")
-    if figure == "power_peak_w":
+    if figure in ("power_peak_w", "power_swing_w", "power_ramp_up_w_s", "power_ramp_down_w_s"):
         return ("power_instant_w",)
     if figure.startswith("temp_"):
         return (figure.removesuffix("_peak_c") + "_c",)
@@ -378,6 +381,13 @@ def attribute_windows(
         # The mean power (energy / duration) can therefore exceed it: the counter sees power
         # between samples, and the edges of a window are interpolated.
         out["power_peak_w"] = instant.sampled_extreme(np.maximum, t0, t1)
+    if want("power_swing_w"):
+        # Both ends sampled values; one sample inside swings by nothing it showed: NaN.
+        swing = instant.sampled_extreme(np.maximum, t0, t1) - instant.sampled_extreme(np.minimum, t0, t1)
+        n_in = np.searchsorted(instant.t, t1, side="left") - np.searchsorted(instant.t, t0, side="left")
+        out["power_swing_w"] = np.where(n_in >= 2, swing, np.nan)
+    if want("power_ramp_up_w_s", "power_ramp_down_w_s"):
+        out["power_ramp_up_w_s"], out["power_ramp_down_w_s"] = instant.sampled_ramps(t0, t1)
 
     for name in ("temp_gpu", "temp_hbm", "temp_hotspot"):
         if want(f"{name}_peak_c"):

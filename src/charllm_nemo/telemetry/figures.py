@@ -176,6 +176,31 @@ RANK_FIGURES: tuple[RankFigure, ...] = (
         aggregates=(("all/power_peak_w", "max"),),
     ),
     RankFigure(
+        "power_swing_w",
+        "W",
+        "highest minus lowest instant power sampled in the step, summed over devices; over ranks: "
+        "the job's swing, an upper bound (exact when the ranks peak together; docs/alerts.md)",
+        "sum",
+        report="sum",
+        median=True,
+        aggregates=(("all/power_swing_w", "sum"),),
+    ),
+    RankFigure(
+        "power_ramp_up_w_s",
+        "W/s",
+        "steepest rise of instant power between two consecutive samples in the step, summed over "
+        "devices; over ranks: the job's ramp if the ranks' steepest rises coincide",
+        "sum",
+        report="sum",
+    ),
+    RankFigure(
+        "power_ramp_down_w_s",
+        "W/s",
+        "steepest fall between two consecutive samples in the step, summed as power_ramp_up_w_s",
+        "sum",
+        report="sum",
+    ),
+    RankFigure(
         "temp_gpu_peak_c",
         "°C",
         "peak GPU temperature",

@@ -191,6 +191,25 @@ class _Series:
             out[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
         return out
 
+    def sampled_ramps(self, t0: IntArray, t1: IntArray) -> tuple[FloatArray, FloatArray]:
+        """The steepest rise and the steepest fall (both >= 0, value per s) between two
+        consecutive samples both with t0 <= t < t1; 0 where the samples only fall (only rise),
+        NaN where fewer than two samples lie inside or the samples do not bracket the window.
+        At the sampling period's resolution: a change faster than one period shows as the change
+        over that period."""
+        up, down = np.full(t0.shape, np.nan), np.full(t0.shape, np.nan)
+        if self.t.size < 2:
+            return up, down
+        lo = np.searchsorted(self.t, t0, side="left")
+        hi = np.searchsorted(self.t, t1, side="left")
+        ok = (hi - lo >= 2) & self.covers(t0, t1)
+        if ok.any():
+            slope = np.diff(self.v) / (np.diff(self.t).astype(np.float64) / NS_PER_S)
+            a, b = lo[ok], hi[ok] - 1  # the pairs (i, i + 1) with lo <= i < hi - 1
+            up[ok] = np.maximum(_range_reduce(np.maximum, slope, a, b), 0.0)
+            down[ok] = np.maximum(-_range_reduce(np.minimum, slope, a, b), 0.0)
+        return up, down
+
     def trapezoid_bound(self, t0: IntArray, t1: IntArray, gap_ns: float) -> FloatArray:
         """A bound on |true integral - :meth:`integral`| over each [t0, t1] (value x s).
 
