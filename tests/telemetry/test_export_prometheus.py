@@ -129,6 +129,13 @@ def test_prometheus_scrapes_power_and_step_energy_of_two_ranks(tmp_path: Path) -
         power = _series(prom_port, "DCGM_FI_DEV_POWER_USAGE")
         steps = _series(prom_port, "charllm_step")
         energy = _series(prom_port, "charllm_step_energy_joules")
+        swing = _series(prom_port, "charllm_step_power_swing_watts")
+        freq = _series(prom_port, "charllm_power_dominant_frequency_hertz")
+        # the job's swing is PromQL's sum over the ranks' series (docs/export.md), at the last scrape
+        last = max(t for _, values in swing for t, _ in values)
+        job = _api(prom_port, "query", query="sum by (run) (charllm_step_power_swing_watts)", time=str(last))[
+            "result"
+        ]
     finally:
         prom.terminate()
         try:
@@ -183,3 +190,27 @@ def test_prometheus_scrapes_power_and_step_energy_of_two_ranks(tmp_path: Path) -
             checked += 1
     assert {lab["dl_rank"] for lab, _ in energy} == {"0", "1"}
     assert checked >= 4
+    _check_grid_gauges(table, step_of, swing, freq, job, last)
+
+
+def _check_grid_gauges(table: Any, step_of: dict, swing: list, freq: list, job: Any, last: float) -> None:
+    """Each scraped swing is that step's stored one; the job's (PromQL's sum at the last scrape)
+    the sum of each rank's newest; each frequency 1 / a step time within the rank's stored ones."""
+    cols = ("rank", "step", "power_swing_w", "duration_s")
+    rows = list(zip(*(table.column(c).to_pylist() for c in cols), strict=True))
+    stored = {(r, s): w for r, s, w, _ in rows}
+    checked = 0
+    for labels, values in swing:
+        rank = labels["dl_rank"]
+        for ts, watts in values:
+            want = stored[(int(rank), int(step_of[(rank, ts)]))]
+            assert abs(watts - want) <= 0.01 * abs(want) + 1e-9, (rank, ts, watts, want)
+            checked += 1
+    assert {lab["dl_rank"] for lab, _ in swing} == {"0", "1"} and checked >= 4
+    newest = [max(v for v in values if v[0] <= last)[1] for _, values in swing]
+    assert len(job) == 1 and float(job[0]["value"][1]) == pytest.approx(sum(newest))
+    for labels, values in freq:
+        durations = [d for r, _, _, d in rows if r == int(labels["dl_rank"]) and d]
+        for _, hz in values:
+            assert min(durations) * 0.99 <= 1 / hz <= max(durations) * 1.01, (labels["dl_rank"], hz)
+    assert {lab["dl_rank"] for lab, _ in freq} == {"0", "1"}

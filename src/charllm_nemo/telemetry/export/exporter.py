@@ -38,7 +38,7 @@ from charllm_nemo.telemetry.windows import NULL, RECORD_FIELDS, RECORD_WINDOW
 
 log = logging.getLogger("charllm_nemo.telemetry.export")
 
-STEP_FIGURES: tuple[str, ...] = ("energy_j", "power_avg_w", "throttle_any_limiting_s")
+STEP_FIGURES: tuple[str, ...] = ("energy_j", "power_avg_w", "throttle_any_limiting_s", "power_swing_w")
 _KIND, _STEP = RECORD_FIELDS.index("kind"), RECORD_FIELDS.index("step")
 _T0, _T1 = RECORD_FIELDS.index("t_begin_mono_ns"), RECORD_FIELDS.index("t_end_mono_ns")
 _LABEL0 = RECORD_FIELDS.index(WINDOW_LABELS[0])

@@ -152,6 +152,20 @@ STEP_FAMILIES: tuple[Family, ...] = (
         "Model FLOPs utilisation over the last step (0-1).",
         "mfu",
     ),
+    Family(
+        "charllm_step_power_swing_watts",
+        "gauge",
+        "Highest minus lowest instant power of this device sampled in the last step (in W); summed "
+        "over a job's series: the job's swing, an upper bound (exact when the ranks peak together).",
+        "power_swing_w",
+    ),
+    Family(
+        "charllm_power_dominant_frequency_hertz",
+        "gauge",
+        "Iteration frequency of this rank, 1 / median of its last 16 step times (in Hz): the "
+        "fundamental of the job's power waveform when its power follows the steps.",
+        "step_frequency_hz",
+    ),
     Family("charllm_steps_total", "counter", "Steps this rank finished since it started.", "steps"),
     Family(
         "charllm_energy_joules_total",

@@ -10,7 +10,9 @@ them in the exposition format. Our own renderer, not prometheus_client's: that l
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +28,9 @@ from charllm_nemo.telemetry.export.names import (
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FREQUENCY_STEPS = 16
+"""Step durations the exported frequency (``charllm_power_dominant_frequency_hertz``) is the
+reciprocal median of: the last 16, so one slow step (a checkpoint) does not move it."""
 
 
 def escape_label(value: str) -> str:
@@ -76,6 +81,7 @@ class ExportState:
         self._last_mask: dict[int, tuple[int, int]] = {}  # device -> (t_mono_ns, mask) of its newest mask
         self.step: dict[int, dict[str, float]] = {i: {} for i in self.devices}
         self.steps = 0
+        self._durations: deque[float] = deque(maxlen=FREQUENCY_STEPS)
         self.energy_total_j: dict[int, float] = dict.fromkeys(self.devices, 0.0)
         self.scrapes = 0
         self.update_s = 0.0
@@ -153,10 +159,14 @@ class ExportState:
         self, step: int, duration_s: float, per_device: Mapping[int, Mapping[str, float]], rates: Any
     ) -> None:
         """One finished step's figures: ``per_device`` the attribution (energy_j, power_avg_w,
-        throttle_any_limiting_s) per device; ``rates``: (tokens per step, FLOPs per step per
-        device, peak FLOP/s per device), 0 where unknown."""
+        throttle_any_limiting_s, power_swing_w) per device; ``rates``: (tokens per step, FLOPs
+        per step per device, peak FLOP/s per device), 0 where unknown. The step frequency is
+        1 / the median of the last :data:`FREQUENCY_STEPS` step durations."""
         tokens, flops, peak = rates
         tok_s = tokens / duration_s if tokens > 0 and duration_s > 0 else math.nan
+        if duration_s > 0:
+            self._durations.append(duration_s)
+        freq = 1.0 / statistics.median(self._durations) if self._durations else math.nan
         mfu = flops / duration_s / peak if flops > 0 and peak > 0 and duration_s > 0 else math.nan
         with self._lock:
             self.steps += 1
@@ -173,6 +183,8 @@ class ExportState:
                     "throttle_share": limiting / duration_s if duration_s > 0 else math.nan,
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
+                    "power_swing_w": float(fig.get("power_swing_w", math.nan)),
+                    "step_frequency_hz": freq,
                 }
                 if math.isfinite(energy):
                     self.energy_total_j[idx] += energy
