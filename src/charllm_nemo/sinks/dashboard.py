@@ -118,6 +118,18 @@ def sections(detail_rank: int = 0) -> tuple[SectionSpec, ...]:
                     ("all/power_mean_w", "all/power_max_w", "all/power_min_w", "all/power_peak_w"),
                     y_title="W",
                 ),
+                PanelSpec(
+                    "Job power swing per step (sum of the ranks' peak - trough: an upper bound)",
+                    ("all/power_swing_w",),
+                    y_title="W",
+                ),
+                PanelSpec("Power swing per rank", pattern=per_rank("power_swing_w"), y_title="W"),
+                PanelSpec(
+                    "Steepest power rise per rank", pattern=per_rank("power_ramp_up_w_s"), y_title="W/s"
+                ),
+                PanelSpec(
+                    "Steepest power fall per rank", pattern=per_rank("power_ramp_down_w_s"), y_title="W/s"
+                ),
             ),
         ),
         SectionSpec(
