@@ -12,6 +12,7 @@ import pytest
 from charllm_nemo.telemetry.clock import (
     STA_UNSYNC,
     TIME_ERROR,
+    alignment_bound_ns,
     classify_sync,
     clock_at_end,
     clock_at_start,
@@ -133,3 +134,22 @@ def test_a_damaged_clock_field_is_dropped_and_named():
         "m.json: field 'clock.wall_minus_monotonic_ns_start' is string ('soon'), expected int; ignored",
         "m.json: field 'clock.sync.synchronized' is string ('yes'), expected bool or null; ignored",
     ]
+
+
+def test_the_alignment_bound_is_the_worst_pair_of_hosts_and_none_without_sync():
+    def clock(max_err: int, unc: int = 100, synced: bool = True, end: int | None = None) -> dict:
+        sync = classify_sync(0 if synced else TIME_ERROR, 0, max_err // 1000, 0, [])
+        ended = None if end is None else classify_sync(0, 0, end // 1000, 0, [])
+        return {"measure_uncertainty_ns": unc, "sync": sync, "sync_end": ended}
+
+    # one host: one CLOCK_MONOTONIC, nothing to align, whatever its sync
+    assert alignment_bound_ns([("a", clock(0, synced=False)), ("a", clock(0, synced=False))]) == 0
+    three = [
+        ("a", clock(2_000_000)),
+        ("b", clock(5_000_000, end=7_000_000)),
+        ("c", clock(1_000_000, unc=900)),
+    ]
+    # the two worst hosts: b (7 ms at the end + 100 ns) and a (2 ms + 100 ns)
+    assert alignment_bound_ns(three) == 7_000_100 + 2_000_100
+    assert alignment_bound_ns([*three, ("d", clock(1_000, synced=False))]) is None
+    assert alignment_bound_ns([("a", clock(1_000)), ("b", {"sync": {"source": "unknown"}})]) is None

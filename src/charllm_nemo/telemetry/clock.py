@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +197,42 @@ def wall_ns(t_mono_ns: int, clock: dict[str, Any]) -> int:
     return int(t_mono_ns + o0 + round(frac * (o1 - o0)))
 
 
+def alignment_bound_ns(clocks: Sequence[tuple[str, Mapping[str, Any]]]) -> int | None:
+    """A bound on how far apart two ranks' samples of the same instant can be placed once each is
+    mapped to the wall clock (:func:`wall_ns`), from each rank's ``(host, clock)``: 0 when every
+    rank is on one host (they share one CLOCK_MONOTONIC: no mapping needed); otherwise, per host,
+    the kernel's maximum error of its wall clock (the larger of start and end) plus the offset's
+    measurement uncertainty, and the bound is the sum of the two largest (the worst pair of hosts).
+    None when a host's clock is not known to be synchronized (``sync.synchronized`` not true, or
+    no maximum error): then there is no bound."""
+    if len({host for host, _ in clocks}) <= 1:
+        return 0
+    per_host: dict[str, int] = {}
+    for host, clock in clocks:
+        errors = []
+        for key in ("sync", "sync_end"):
+            sync = clock.get(key)
+            if sync is None and key == "sync_end":
+                continue
+            if not isinstance(sync, Mapping) or sync.get("synchronized") is not True:
+                return None
+            err = sync.get("max_error_ns")
+            if not isinstance(err, int):
+                return None
+            errors.append(err)
+        unc = clock.get("measure_uncertainty_ns")
+        e = max(errors) + (unc if isinstance(unc, int) else 0)
+        per_host[host] = max(per_host.get(host, 0), e)
+    worst = sorted(per_host.values(), reverse=True)
+    return worst[0] + worst[1]
+
+
 __all__ = [
     "SAMPLE_CLOCK",
     "STA_UNSYNC",
     "TIME_ERROR",
     "Timex",
+    "alignment_bound_ns",
     "classify_sync",
     "clock_at_end",
     "clock_at_start",
