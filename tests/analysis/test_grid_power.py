@@ -28,12 +28,12 @@ WALL_MINUS_MONO = [EPOCH_NS - 5 * 10**9, EPOCH_NS - 123_456_789, EPOCH_NS - 987_
 GBS, SEQ = 8, 128
 
 
-def wave(t: np.ndarray) -> np.ndarray:
+def wave(t: np.ndarray, high: float = HIGH, period: float = T) -> np.ndarray:
     """The true per-device power at time ``t`` (s since the wave's start)."""
-    u = np.mod(t, T)
-    up = LOW + (HIGH - LOW) * np.clip(u / RISE, 0, 1)
-    down = HIGH - (HIGH - LOW) * np.clip((u - T / 2) / RISE, 0, 1)
-    return np.where(u < T / 2, up, down)
+    u = np.mod(t, period)
+    up = LOW + (high - LOW) * np.clip(u / RISE, 0, 1)
+    down = high - (high - LOW) * np.clip((u - period / 2) / RISE, 0, 1)
+    return np.where(u < period / 2, up, down)
 
 
 def stand_in(
@@ -41,19 +41,23 @@ def stand_in(
     clock_error_s: list[float] | None = None,
     sync_error_ns: list[float] | None = None,
     clock: bool = True,
+    high: float = HIGH,
+    period: float = T,
+    micro: int = 1,
 ) -> None:
-    """The run: rank r's samples at true times ``i x 10 ms + r x 2.5 ms + jitter``; its monotonic
+    """The run (peak ``high`` W, iteration ``period`` s, ``micro`` in its config): rank r's
+    samples at true times ``i x 10 ms + r x 2.5 ms + jitter``; its monotonic
     stamps are true wall time less its host's offset; its wall clock (and its manifest mapping)
     is off by ``clock_error_s[r]``."""
     rng = np.random.default_rng(46)
-    steps = int(SECONDS / T) - 1
+    steps = int(SECONDS / period) - 1
     for r in range(RANKS):
         n = int(SECONDS * 100)
         true_s = 1.0 + np.arange(n) * 0.01 + r * 0.0025 + rng.uniform(-0.0005, 0.0005, n)
         true_ns = EPOCH_NS + np.round(true_s * 1e9).astype(np.int64)
         mono = true_ns - WALL_MINUS_MONO[r]
         err_ns = round((clock_error_s or [0.0] * RANKS)[r] * 1e9)
-        b_true = EPOCH_NS + np.round((2.0 + np.arange(steps) * T) * 1e9).astype(np.int64)
+        b_true = EPOCH_NS + np.round((2.0 + np.arange(steps) * period) * 1e9).astype(np.int64)
         b_mono = b_true - WALL_MINUS_MONO[r]
         windows = {
             "window_id": np.arange(steps, dtype=np.int64),
@@ -61,12 +65,15 @@ def stand_in(
             "name": ["step"] * steps,
             "step": np.arange(steps, dtype=np.int64),
             "t_begin_mono_ns": b_mono,
-            "t_end_mono_ns": b_mono + round(T * 1e9),
+            "t_end_mono_ns": b_mono + round(period * 1e9),
         }
         manifest: dict[str, Any] = {
             "world_size": RANKS,
             "host": f"node{r}",
-            "config": {"model": {"name": "toy", "seq_length": SEQ}, "batch": {"global_batch_size": GBS}},
+            "config": {
+                "model": {"name": "toy", "seq_length": SEQ},
+                "batch": {"global_batch_size": GBS, "micro_batch_size": micro},
+            },
         }
         if clock:
             err = (sync_error_ns or [1000.0] * RANKS)[r]
@@ -77,7 +84,7 @@ def stand_in(
         samples = {
             "t_mono_ns": mono,
             "t_wall_ns": mono + WALL_MINUS_MONO[r] + err_ns,
-            "power_instant_w": wave(true_s),
+            "power_instant_w": wave(true_s, high, period),
         }
         write_rank(run, r, samples, windows, manifest)
     write_summary(run, {"status": "complete", "model": "toy", "world_size": RANKS})
@@ -129,7 +136,7 @@ def test_square_wave_figures_meet_the_issue(tmp_path: Path) -> None:
     held = {r["floor_w"]: r["swing_remaining_p50_w"] for r in whatif}
     assert held[400.0] == pytest.approx(RANKS * (HIGH - 400.0), rel=0.02)
     assert held[600.0] == pytest.approx(0.0, abs=1.0)
-    assert not [p for p in problems if "clock" in p]
+    assert problems == []
 
 
 def _envelope(t: np.ndarray, e: float) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +170,8 @@ def test_without_a_clock_record_the_alignment_error_is_unknown(tmp_path: Path) -
     job, _, problems = _tables(tmp_path)
     assert job["alignment_error_s"] is None
     assert "t_wall_ns" in job["time_base"]
-    assert any("alignment error unknown" in p for p in problems)
+    assert "alignment error unknown" in job["time_base"]
+    assert problems == []  # said in the table, not a reading problem: every run lacks the record today
     assert abs(job["dominant_hz"] - F_HZ) <= 0.05  # the samples' own wall clocks put it together
 
 

@@ -16,6 +16,7 @@ the job (an hour at 10 ms is 360,000 points, 2.9 MB each)."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from charllm_nemo.analysis.load import Run
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
-from charllm_nemo.telemetry.reader import read_segments
+from charllm_nemo.telemetry.reader import CorruptSegmentWarning, read_segments
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
 
@@ -184,8 +185,10 @@ class JobWaveform:
 
 
 def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWaveform | None:
-    """Read ``run`` one rank at a time and build its waveform (None, with a line in
-    ``problems``, when no rank has instant power)."""
+    """Read ``run`` one rank at a time and build its waveform (None when no rank has instant
+    power; with a line in ``problems`` when the ranks' samples never overlap). A segment that
+    cannot be read is skipped here without a line: the analysis's own read of it reports it."""
+    seen: list[str] = []
     step_ns = max(1, round(options.step_s * 1e9))
     job, nodes, groups = _Sum(), dict[str, _Sum](), dict[str, _Sum]()
     clocks: dict[str, list[RankClock]] = {}
@@ -193,7 +196,9 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
     for r in run.ranks:
         files = run.files.ranks[r]
         cols = ["t_mono_ns", "t_wall_ns", "device_index", "power_instant_w"]
-        t = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, cols)
+        with warnings.catch_warnings():  # warned of once, by the analysis's own read
+            warnings.simplefilter("ignore", CorruptSegmentWarning)
+            t = read_segments(files.samples, "samples", SAMPLES_SCHEMA, seen, cols)
         if t is None or t.num_rows == 0:
             continue
         mono = _ints(t, "t_mono_ns")
@@ -221,9 +226,8 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
             if host in options.groups:
                 groups.setdefault(options.groups[host], _Sum()).add(k0, x)
         if steps is None:
-            steps = _step_times(files.windows, clock, problems)
-    if job.members == 0:
-        problems.append(f"{run.path}: no rank has instant power; no job power waveform")
+            steps = _step_times(files.windows, clock, seen)
+    if job.members == 0:  # no instant power (a backend without it): no waveform, no row
         return None
     covered = np.flatnonzero(job.count == job.members)
     if len(covered) < 2:
@@ -234,11 +238,6 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
     t0_ns = k0 * step_ns
     iterations, period = _iterations(x, options, steps, t0_ns)
     error, base = _alignment(clocks)
-    if error is None and len(clocks) > 1:
-        problems.append(
-            f"{run.path}: the hosts' clock sync is not recorded (no manifest 'clock' record with an "
-            "error estimate): the job waveform sums their wall clocks as they are, alignment error unknown"
-        )
     return JobWaveform(
         t0_ns, options.step_s, x, job.members,
         {h: (s.series(k0, n), s.members) for h, s in sorted(nodes.items())},
@@ -254,7 +253,9 @@ def _ints(t: pa.Table, name: str) -> Array:
 def _step_times(paths: tuple[Path, ...], clock: RankClock, problems: list[str]) -> tuple[Array, Array] | None:
     """(begins, ends) of one rank's step windows in wall-clock ns (None: no step windows)."""
     cols = ["kind", "t_begin_mono_ns", "t_end_mono_ns"]
-    w = read_segments(paths, "windows", WINDOWS_SCHEMA, problems, cols)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CorruptSegmentWarning)
+        w = read_segments(paths, "windows", WINDOWS_SCHEMA, problems, cols)
     if w is None or w.num_rows == 0:
         return None
     kind = np.asarray(w.column("kind").to_pylist(), dtype=object)
@@ -295,12 +296,10 @@ def _alignment(clocks: dict[str, list[RankClock]]) -> tuple[float | None, str]:
     )
     if len(clocks) <= 1:
         return 0.0, base + "; one host, one clock"
-    errs = [max((c.error_ns for c in cs if c.error_ns is not None), default=None) for cs in clocks.values()]
-    if any(
-        e is None or any(c.error_ns is None for c in cs) for e, cs in zip(errs, clocks.values(), strict=True)
-    ):
-        return None, base
-    top = sorted((float(e) for e in errs if e is not None), reverse=True)
+    errs = [[c.error_ns for c in cs] for cs in clocks.values()]
+    if any(e is None for host in errs for e in host):
+        return None, base + "; the hosts' clock sync is not recorded: alignment error unknown"
+    top = sorted((max(float(e) for e in host if e is not None) for host in errs), reverse=True)
     return (top[0] + top[1]) / 1e9, base
 
 
