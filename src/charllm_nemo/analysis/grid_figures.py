@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from charllm_nemo.analysis import grid_metrics as gm
 from charllm_nemo.analysis.figures_sweep import save
-from charllm_nemo.analysis.grid_power import POWER_SCOPE, GridOptions, job_waveform
+from charllm_nemo.analysis.grid_power import POWER_SCOPE, GridOptions, job_waveform, training_span
 from charllm_nemo.analysis.load import Run
 
 MAX_WAVE_RUNS = 4
@@ -73,7 +73,7 @@ def wave_figure(run: Run, grid_power: pa.Table, whatif: pa.Table, stem: Path) ->
     ax.set_ylabel("kW")
     ax.set_title(f"zoom: {ZOOM_ITERATIONS} iterations", fontsize=9)
     ax = axes[1, 0]
-    spec = gm.spectrum(x, dt, options.band_hz)
+    spec = gm.spectrum(training_span(x, wf), dt, options.band_hz)
     if len(spec.freq_hz) > 1 and (spec.psd[1:] > 0).any():
         ax.semilogy(spec.freq_hz[1:], spec.psd[1:], lw=0.7, color="tab:blue")
         ax.set_xscale("log")

@@ -327,6 +327,13 @@ def _nan_or(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def training_span(x: Array, wf: JobWaveform) -> Array:
+    """``x`` from the first iteration's start to the last one's end (the whole of ``x`` without
+    iterations): the spectrum and the 1 s averages read training, not the warm-up or the idle
+    time before and after it."""
+    return x[wf.iterations[0][0] : wf.iterations[-1][1]] if wf.iterations else x
+
+
 def scope_row(x: Array, gpus: int, wf: JobWaveform, options: GridOptions) -> dict[str, Any]:
     """One ``grid_power`` row's figures for the series ``x`` of ``gpus`` GPUs."""
     dt = wf.step_s
@@ -334,8 +341,9 @@ def scope_row(x: Array, gpus: int, wf: JobWaveform, options: GridOptions) -> dic
     sw = gm.swing(x, wf.iterations)
     window = options.ramp_window_s or dt
     rp = gm.ramps(x, dt, wf.iterations, window)
-    spec = gm.spectrum(x, dt, options.band_hz, options.segment_s)
-    coarse = gm.block_average(gm.longest_covered(x), dt, 1.0)
+    steady = training_span(x, wf)
+    spec = gm.spectrum(steady, dt, options.band_hz, options.segment_s)
+    coarse = gm.block_average(gm.longest_covered(steady), dt, 1.0)
     row: dict[str, Any] = {
         "gpus": gpus, "power_scope": POWER_SCOPE, "time_base": wf.time_base,
         "alignment_error_s": wf.alignment_error_s, "step_s": dt, "resample": "linear",
