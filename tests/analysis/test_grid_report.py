@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -91,3 +92,34 @@ def test_a_cpu_microbatch_sweep_reports_swing_and_frequency_per_configuration(tm
         for col in ("swing_p50_w", "swing_pct_of_peak", "dominant_hz", "iteration_hz", "ramp_up_max_w_per_s"):
             assert job[col] is not None and math.isfinite(job[col]), (job["run"], col)
     assert "Job power as the grid sees it" in (tmp_path / "r.html").read_text()
+
+
+def test_the_wave_figure_draws_its_four_panels_with_plain_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib
+
+    from charllm_nemo.analysis import grid_figures
+    from charllm_nemo.analysis.analyze import analyze
+
+    stand_in(tmp_path / "run=a")
+    a = analyze(tmp_path)
+    kept: list[Any] = []
+    monkeypatch.setattr(grid_figures, "save", lambda fig, stem: kept.append(fig) or [stem])
+    with matplotlib.rc_context({"text.parse_math": False}):  # as write_figures draws
+        grid_figures.wave_figure(a.runs[0], a.tables["grid_power"], a.tables["grid_whatif"], tmp_path / "w")
+        (fig,) = kept
+        fig.canvas.draw()
+    wave, zoom, spectrum, whatif = fig.axes[:4]
+    assert [line.get_label() for line in wave.lines] == ["job, 10 ms grid", "1 s average"]
+    assert len(zoom.patches) == 4  # the zoomed iterations, shaded
+    assert (
+        "GPU-visible power" in fig._suptitle.get_text()
+        and "alignment error 0.002 ms" in fig._suptitle.get_text()
+    )
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+    assert labels and not [t for t in labels if "$" in t or "mathdefault" in t]
+    band = [p for p in spectrum.patches if p.get_label() == "critical band"]
+    assert len(band) == 1 and band[0].get_x() == pytest.approx(0.1)
+    assert any("dominant 1.7" in t.get_text() for t in spectrum.get_legend().get_texts())
+    assert len(whatif.lines[0].get_xdata()) == 6  # the auto floors

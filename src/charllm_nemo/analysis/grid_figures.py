@@ -12,6 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pyarrow as pa
+from matplotlib.ticker import FuncFormatter
 
 from charllm_nemo.analysis import grid_metrics as gm
 from charllm_nemo.analysis.figures_sweep import save
@@ -75,8 +76,10 @@ def wave_figure(run: Run, grid_power: pa.Table, whatif: pa.Table, stem: Path) ->
     ax = axes[1, 0]
     spec = gm.spectrum(training_span(x, wf), dt, options.band_hz)
     if len(spec.freq_hz) > 1 and (spec.psd[1:] > 0).any():
-        ax.semilogy(spec.freq_hz[1:], spec.psd[1:], lw=0.7, color="tab:blue")
-        ax.set_xscale("log")
+        ax.loglog(spec.freq_hz[1:], spec.psd[1:], lw=0.7, color="tab:blue")
+        for axis in (ax.xaxis, ax.yaxis):  # plain labels: the log formatter writes mathtext, drawn raw here
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         ax.axvspan(*options.band_hz, color="tab:red", alpha=0.12, label="critical band")
         if math.isfinite(spec.dominant_hz):
             ax.axvline(
