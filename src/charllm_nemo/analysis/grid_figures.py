@@ -130,6 +130,12 @@ def wave_figure(run: Run, grid_power: pa.Table, whatif: pa.Table, stem: Path) ->
     return save(fig, stem)
 
 
+def _short(run: str) -> str:
+    """A run key without its ``sweep=`` and ``attempt=`` parts, at most 40 characters."""
+    parts = [p for p in run.split("/") if not p.startswith(("sweep=", "attempt="))]
+    return "/".join(parts or [run])[:40]
+
+
 def sweep_figure(grid_power: pa.Table, runs: pa.Table, stem: Path) -> list[Path]:
     """Swing (% of peak) and dominant frequency per run, labelled with its layout and micro
     batch size, ordered by them (drawn with two or more runs)."""
@@ -143,7 +149,7 @@ def sweep_figure(grid_power: pa.Table, runs: pa.Table, stem: Path) -> list[Path]
         return (str(i.get("layout")), int(i.get("micro_batch_size") or 0), r["run"])
 
     rows.sort(key=key)
-    labels = [f"{key(r)[0]} mb{key(r)[1]}\n{r['run'][-40:]}" for r in rows]
+    labels = [f"{key(r)[0]} mb{key(r)[1]}\n{_short(r['run'])}" for r in rows]
     y = np.arange(len(rows))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8), sharey=True)
     a1.barh(y, [r["swing_pct_of_peak"] or 0.0 for r in rows], color="tab:blue")
