@@ -202,3 +202,33 @@ def test_rack_map_and_options_are_checked(tmp_path: Path) -> None:
         GridOptions(band_hz=(20.0, 0.1))
     with pytest.raises(ConfigError, match="fleet-gpus"):
         GridOptions(fleet_gpus=0)
+
+
+def test_a_sampling_gap_is_a_hole_never_a_low_reading() -> None:
+    from charllm_nemo.analysis.grid_metrics import resample_linear
+
+    t = np.concatenate((np.arange(0, 1, 0.01), np.arange(1.5, 2.5, 0.01)))
+    p = np.full(len(t), 500.0)
+    grid = np.arange(0, 2.5, 0.01)
+    x = resample_linear(t, p, grid, max_gap_s=0.1)
+    hole = (grid > 0.995) & (grid < 1.495)  # after the last sample before it, before the first after
+    covered = (grid < 0.985) | ((grid > 1.505) & (grid < 2.485))
+    assert np.isnan(x[hole]).all() and np.allclose(x[covered], 500.0)
+    y = resample_linear(t, p, grid, max_gap_s=1.0)  # a gap under the limit is interpolated across
+    assert np.allclose(y[hole | covered], 500.0)
+
+
+def test_without_step_windows_the_iterations_are_chunks_of_the_dominant_period(tmp_path: Path) -> None:
+    n = int(SECONDS * 100)
+    t_s = np.arange(n) * 0.01
+    for r in range(2):
+        empty = {"t_begin_mono_ns": np.zeros(0, np.int64)}
+        write_rank(tmp_path, r, {"t_mono_ns": np.round(t_s * 1e9).astype(np.int64) + 10**9,
+                                 "power_instant_w": wave(t_s)}, empty, {"world_size": 2})  # fmt: skip
+    wf = job_waveform(open_run(tmp_path, tmp_path), GridOptions(), [])
+    assert wf is not None and math.isnan(wf.iteration_period_s)
+    assert len(wf.iterations) == pytest.approx(SECONDS / T, abs=2)
+    job, _, _ = _tables(tmp_path)
+    assert job["iteration_hz"] is None and abs(job["dominant_hz"] - F_HZ) <= 0.05
+    # chunks of one period hold a whole rise and fall each, wherever they start
+    assert job["swing_p50_w"] == pytest.approx(2 * (HIGH - LOW), rel=0.02)
