@@ -232,3 +232,15 @@ def test_without_step_windows_the_iterations_are_chunks_of_the_dominant_period(t
     assert job["iteration_hz"] is None and abs(job["dominant_hz"] - F_HZ) <= 0.05
     # chunks of one period hold a whole rise and fall each, wherever they start
     assert job["swing_p50_w"] == pytest.approx(2 * (HIGH - LOW), rel=0.02)
+
+
+def test_a_clock_years_off_is_left_out_with_a_problem_not_allocated_for(tmp_path: Path) -> None:
+    t_ns = np.arange(1000, dtype=np.int64) * 10_000_000 + 10**9
+    years = 10 * 365 * 86400 * 10**9
+    for r, shift in enumerate((0, years)):
+        write_rank(tmp_path, r, {"t_mono_ns": t_ns + shift, "power_instant_w": np.full(1000, 300.0)},
+                   {"t_begin_mono_ns": np.zeros(0, np.int64)}, {"world_size": 2})  # fmt: skip
+    problems: list[str] = []
+    wf = job_waveform(open_run(tmp_path, tmp_path), GridOptions(), problems)
+    assert wf is not None and wf.n_gpus == 1
+    assert any("rank 1 device 0" in p and "--wave-step-ms" in p for p in problems)

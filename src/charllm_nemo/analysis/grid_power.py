@@ -45,6 +45,11 @@ MAX_GAP_S = 0.1
 """Samples further apart than this are not interpolated across: the grid points between are
 uncovered, and an aggregate over them is not drawn (NaN), rather than read low."""
 
+MAX_GRID_POINTS = 20_000_000
+"""Longest waveform built (55 h at 10 ms; each sum holds 12 bytes a point): a device whose samples
+would stretch the job past it (a clock years off, a longer run at this step) is left out, with a
+line in ``problems`` (a longer run needs a longer ``--wave-step-ms``)."""
+
 RACK_MAP_CAP = 16 * 2**20
 """Largest host -> group map file read."""
 
@@ -141,6 +146,12 @@ class _Sum:
         self.count = np.zeros(0, np.int32)
         self.members = 0
 
+    def span_with(self, k0: int, n: int) -> int:
+        """Points the sum would hold with a series of ``n`` points from ``k0`` added."""
+        if len(self.total) == 0:
+            return n
+        return max(self.k0 + len(self.total), k0 + n) - min(self.k0, k0)
+
     def add(self, k0: int, x: Array) -> None:
         self.members += 1
         if len(self.total) == 0:
@@ -208,16 +219,26 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
             continue
         host = str(run.manifests.get(r, {}).get("host") or "?")
         clocks.setdefault(host, []).append(clock)
-        wall = mono + clock.wall_minus_mono_ns
+        if abs(clock.wall_minus_mono_ns) >= 2**62:
+            continue
+        sane = (mono > 0) & (mono < 2**62)  # no int64 overflow below
+        wall = np.where(sane, mono, 0) + clock.wall_minus_mono_ns
         devs = _ints(t, "device_index")
         for d in np.unique(devs):
             mine = devs == d
             w, p = wall[mine], power[mine]
-            ok = np.isfinite(p) & (w > 0)
+            ok = np.isfinite(p) & sane[mine] & (w > 0)
             if ok.sum() < 2:
                 continue
             k0, k1 = -(-int(w[ok].min()) // step_ns), int(w[ok].max()) // step_ns  # the absolute grid
             if k1 <= k0:
+                continue
+            if job.span_with(k0, k1 - k0 + 1) > MAX_GRID_POINTS:
+                problems.append(
+                    f"{run.path}: rank {r} device {d}'s samples would stretch the job power waveform past "
+                    f"{MAX_GRID_POINTS} points of {options.step_s:g} s (a clock far off, or a run this long "
+                    "needs a longer --wave-step-ms); left out of it"
+                )
                 continue
             grid = np.arange(k1 - k0 + 1) * (step_ns / 1e9)  # s since grid point k0
             x = gm.resample_linear((w[ok] - k0 * step_ns) / 1e9, p[ok], grid, MAX_GAP_S)
