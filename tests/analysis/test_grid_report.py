@@ -71,10 +71,16 @@ def test_every_table_column_is_documented() -> None:
         assert set(columns) - {"run"} <= documented, set(columns) - documented
 
 
-def test_analyze_refuses_a_bad_band(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_analyze_prints_the_job_power_and_refuses_a_bad_band(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     stand_in(tmp_path / "run=a")
     assert main(["analyze", str(tmp_path), "--no-figures", "--critical-band", "5", "1"]) == 2
     assert "critical band" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path), "--no-figures"]) == 0
+    out = capsys.readouterr().out
+    assert "run=a: job power (GPU-visible): swing 1800 W (75 % of peak) per iteration" in out
+    assert "dominant 1.7 Hz (iterations 1.7 Hz)" in out
 
 
 @pytest.mark.slow

@@ -122,6 +122,15 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
             f"{_fmt(r.get('samples_per_s'))} samples/s, {_fmt(r.get('energy_j'))} J over "
             f"{r.get('measured_steps')} steps, {_fmt(eff)} samples/(s*MJ), {_fmt(tpj)} tokens/J"
         )
+    wave = tables.get("grid_power")
+    for r in wave.to_pylist() if wave is not None else []:
+        if r["scope"] == "job":
+            print(
+                f"  {printable(r['run'])}: job power (GPU-visible): swing {_fmt(r['swing_p50_w'])} W "
+                f"({_fmt(r['swing_pct_of_peak'])} % of peak) per iteration, ramps up to "
+                f"{_fmt(r['ramp_up_max_w_per_s'])} W/s, dominant {_fmt(r['dominant_hz'])} Hz "
+                f"(iterations {_fmt(r['iteration_hz'])} Hz)"
+            )
     gaps = data_quality_line(tables)
     if gaps:
         print(f"  {gaps}")
