@@ -281,7 +281,7 @@ def _step_times(paths: tuple[Path, ...], clock: RankClock, problems: list[str]) 
         return None
     kind = np.asarray(w.column("kind").to_pylist(), dtype=object)
     b, e = _ints(w, "t_begin_mono_ns"), _ints(w, "t_end_mono_ns")
-    keep = (kind == "step") & (b > 0) & (e > b)
+    keep = (kind == "step") & (b > 0) & (e > b) & (e < 2**62)
     if not keep.any():
         return None
     return b[keep] + clock.wall_minus_mono_ns, e[keep] + clock.wall_minus_mono_ns
@@ -306,8 +306,8 @@ def _iterations(
 
 def _alignment(clocks: dict[str, list[RankClock]]) -> tuple[float | None, str]:
     """The alignment error between hosts (s): ranks of one host share its clock (0); across
-    hosts, the two largest error estimates added (None when a host's is unknown). And the time
-    base in words."""
+    hosts, the two largest error estimates added (None when a host's is unknown, or when ranks
+    name no host: they may sit on several). And the time base in words."""
     sources = sorted({f"{c.source}/{c.sync}" for cs in clocks.values() for c in cs})
     base = "wall clock = t_mono_ns + " + ", ".join(
         "manifest clock mapping (sync " + s.split("/")[1] + ")"
@@ -315,11 +315,17 @@ def _alignment(clocks: dict[str, list[RankClock]]) -> tuple[float | None, str]:
         else "samples' t_wall_ns"
         for s in sources
     )
-    if len(clocks) <= 1:
+    if len(clocks) == 1 and "?" not in clocks:
         return 0.0, base + "; one host, one clock"
+    if len(clocks) == 1 and len(clocks["?"]) == 1:
+        return 0.0, base + "; one rank, one clock"
     errs = [[c.error_ns for c in cs] for cs in clocks.values()]
-    if any(e is None for host in errs for e in host):
-        return None, base + "; the hosts' clock sync is not recorded: alignment error unknown"
+    if "?" in clocks or any(e is None for host in errs for e in host):  # "?": ranks of unnamed hosts
+        return (
+            None,
+            base
+            + "; the hosts' clock sync is not recorded (or a rank names no host): alignment error unknown",
+        )
     top = sorted((max(float(e) for e in host if e is not None) for host in errs), reverse=True)
     return (top[0] + top[1]) / 1e9, base
 
