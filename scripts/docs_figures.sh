@@ -7,8 +7,8 @@
 #    rank 1's device poorly cooled, so that it throttles from the first steps: the configuration
 #    panels (paper Fig. 4), the heatmaps (Figs. 5, 17), the PP2 run's timeline (Fig. 8) and
 #    throttle to slowdown (Fig. 13);
-# 2. cpu_microbatch (micro batch 1, 2, 4, 8 on DP2): the normalised microbatch panels and the
-#    per-microbatch excursions.
+# 2. cpu_microbatch (micro batch 1, 2, 4, 8 on DP2): the normalised microbatch panels, the
+#    per-microbatch excursions, micro batch 1's job power waveform and the sweep's swing comparison.
 # Then `charllm report` on each sweep, and the PNGs copied to docs/analysis-*.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +37,6 @@ copy "$par/analysis/figures/throttle_slowdown.png" throttle-slowdown
 copy "$par/analysis/figures/timeline_*pp2*.png" timeline
 copy "$mb/analysis/figures/configs_normalised.png" microbatch
 copy "$mb/analysis/figures/excursions.png" excursions
+copy "$mb/analysis/figures/powerwave_*micro_batch_size-1_*.png" powerwave
+copy "$mb/analysis/figures/gridsweep.png" gridsweep
 echo "docs_figures: reports at $par/analysis/report.html and $mb/analysis/report.html"

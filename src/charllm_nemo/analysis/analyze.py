@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_csv
 from charllm_nemo.analysis.findings import findings
+from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
 from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_run, rank_arrays
 from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
@@ -129,11 +130,15 @@ def _with(table: pa.Table, **consts: Any) -> pa.Table:
 
 
 def analyze(
-    path: str | os.PathLike[str], windows_out: Path | None = None, progress: Progress | None = None
+    path: str | os.PathLike[str],
+    windows_out: Path | None = None,
+    progress: Progress | None = None,
+    grid: GridOptions | None = None,
 ) -> Analysis:
     """Analyse every run at or below ``path``. ``windows_out``: where the full per-window table
     (Parquet) is streamed; None keeps nothing but the columns the findings need; ``progress``:
-    told how many runs are read (charllm_nemo/progress.py). Raises StoreError only when there is
+    told how many runs are read (charllm_nemo/progress.py); ``grid``: how the job power waveform
+    is read (:mod:`.grid_power`; None: the defaults). Raises StoreError only when there is
     no run at all; anything else becomes a line of ``problems``."""
     root = Path(path)
     run_dirs = find_runs(root)
@@ -196,6 +201,7 @@ def analyze(
     kernels = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in runs], problems)
     if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
         tables["kernels"] = kernels
+    tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems))  # docs/analysis.md
     return Analysis(tables, runs, problems, windows_out if writer else None, windows)
 
 

@@ -16,6 +16,7 @@ from charllm_nemo.progress import Progress
 
 if TYPE_CHECKING:
     from charllm_nemo.analysis.energy import GridIntensity
+    from charllm_nemo.analysis.grid_power import GridOptions
 
 _EXTRA_HINT = "the analysis needs the 'analysis' extra: pip install -e '.[analysis]' (duckdb, matplotlib)"
 
@@ -44,12 +45,18 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not _imports_ok():
         return 2
     from charllm_nemo.analysis.analyze import analyze, to_jsonable, write_tables
+    from charllm_nemo.errors import ConfigError
 
+    try:
+        wave = _power_wave(args)
+    except ConfigError as exc:
+        print(f"charllm analyze: {exc}", file=sys.stderr)
+        return 2
     out = _out_dir(args)
     with Progress("charllm analyze") as progress:
         if args.engine == "spark":
             return _analyze_on_spark(args, out, progress)
-        analysis = analyze(args.path, out / "windows.parquet", progress)
+        analysis = analyze(args.path, out / "windows.parquet", progress, wave)
         progress.stage("writing the tables")
         written = write_tables(analysis, out, True if args.windows_csv else None)
         if not args.no_figures:
@@ -115,6 +122,15 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
             f"{_fmt(r.get('samples_per_s'))} samples/s, {_fmt(r.get('energy_j'))} J over "
             f"{r.get('measured_steps')} steps, {_fmt(eff)} samples/(s*MJ), {_fmt(tpj)} tokens/J"
         )
+    wave = tables.get("grid_power")
+    for r in wave.to_pylist() if wave is not None else []:
+        if r["scope"] == "job":
+            print(
+                f"  {printable(r['run'])}: job power (GPU-visible): swing {_fmt(r['swing_p50_w'])} W "
+                f"({_fmt(r['swing_pct_of_peak'])} % of peak) per iteration, ramps up to "
+                f"{_fmt(r['ramp_up_max_w_per_s'])} W/s, dominant {_fmt(r['dominant_hz'])} Hz "
+                f"(iterations {_fmt(r['iteration_hz'])} Hz)"
+            )
     gaps = data_quality_line(tables)
     if gaps:
         print(f"  {gaps}")
@@ -155,6 +171,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     try:
         options = ReportOptions(compare=args.compare or [], grid=_grid(args), pue=args.pue)
+        wave = _power_wave(args)
     except ConfigError as exc:
         print(f"charllm report: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +181,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = _out_dir(args)
     html = Path(args.html) if args.html else out / "report.html"
     with Progress("charllm report") as progress:
-        analysis = analyze(args.path, out / "windows.parquet", progress)
+        analysis = analyze(args.path, out / "windows.parquet", progress, wave)
         progress.stage("writing the tables")
         write_tables(analysis, out)
         progress.stage("drawing the figures")
@@ -248,6 +265,51 @@ def _carbon_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _power_wave_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the job power waveform is read (``analyze`` and ``report``; docs/analysis.md, *The
+    job as the grid sees it*)."""
+    parser.add_argument(
+        "--fleet-gpus",
+        type=int,
+        help="scale the job's swing and ramp rates to a fleet of N GPUs moving as it does",
+    )
+    parser.add_argument("--rack-map", help="a file of 'host rack' lines: the waveform is summed per rack too")
+    parser.add_argument(
+        "--critical-band",
+        nargs=2,
+        type=finite_number(0.0),
+        metavar=("LO_HZ", "HI_HZ"),
+        default=[0.1, 20.0],
+        help="the band whose share of the swing's energy is reported (default 0.1 20)",
+    )
+    parser.add_argument(
+        "--power-floor",
+        nargs="+",
+        type=finite_number(0.0),
+        metavar="W",
+        help="what-if floors, W per GPU (default: six from the job's mean GPU trough to its peak)",
+    )
+    parser.add_argument(
+        "--wave-step-ms",
+        type=finite_number(0.5),
+        default=10.0,
+        help="the waveform's grid step (default 10 ms)",
+    )
+
+
+def _power_wave(args: argparse.Namespace) -> GridOptions:
+    """The :class:`GridOptions` of the command line (ConfigError on a bad value or rack map)."""
+    from charllm_nemo.analysis.grid_power import GridOptions, read_group_map
+
+    return GridOptions(
+        step_s=args.wave_step_ms / 1000,
+        fleet_gpus=args.fleet_gpus,
+        band_hz=(args.critical_band[0], args.critical_band[1]),
+        floors_w=tuple(args.power_floor or ()),
+        groups=read_group_map(Path(args.rack_map)) if args.rack_map else {},
+    )
+
+
 def add_commands(sub: Any) -> None:
     """Add ``analyze``, ``report``, ``compare`` and ``energy`` to the ``charllm`` sub-command parser."""
 
@@ -268,6 +330,7 @@ def add_commands(sub: Any) -> None:
         action="store_true",
         help="write windows.csv however many windows (default: up to 200,000)",
     )
+    _power_wave_arguments(a)
     a.set_defaults(func=cmd_analyze)
     r = sub.add_parser("report", help="one self-contained HTML page for a run or a sweep directory")
     r.add_argument("path", help="a run directory or a tree of them (a sweep)")
@@ -280,6 +343,7 @@ def add_commands(sub: Any) -> None:
         help="runs or sweep configurations to compare in the report (the first is the baseline)",
     )
     _carbon_arguments(r)
+    _power_wave_arguments(r)
     r.set_defaults(func=cmd_report)
     c = sub.add_parser(
         "compare",

@@ -28,6 +28,9 @@ PAPER_FIGURES: dict[str, tuple[str, str]] = {
     "throttle_slowdown": ("Fig. 13", "per rank: time throttled against the slowdown it causes"),
     "kernels": ("Fig. 15", "one run: share of traced GPU time per kernel category, per rank"),
     "excursions": ("beyond the paper", "per microbatch: peak / average power and the largest 100 ms rise"),
+    "powerwave": ("beyond the paper", "one run's GPU-visible job power: waveform, zoom, spectrum with "
+                  "the critical band, power-floor what-if"),
+    "gridsweep": ("beyond the paper", "per configuration: swing per iteration and dominant frequency"),
 }  # fmt: skip
 """Each figure's file name (``timeline`` and ``kernels`` prefix one per run), the paper's figure
 (arXiv 2509.10371) it reproduces, and what it plots: the report's captions and
@@ -39,7 +42,7 @@ def paper_figure(stem: str) -> tuple[str, str] | None:
     if stem in PAPER_FIGURES:
         return PAPER_FIGURES[stem]
     prefix = stem.split("_", 1)[0]
-    return PAPER_FIGURES.get(prefix) if prefix in ("timeline", "kernels") else None
+    return PAPER_FIGURES.get(prefix) if prefix in ("timeline", "kernels", "powerwave") else None
 
 
 def kernels_figure(table: pa.Table, run: str, stem: Path) -> list[Path]:
@@ -157,4 +160,18 @@ def _write_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
     if kt is not None and kt.num_rows:
         for run in dict.fromkeys(kt.column("run").to_pylist()):
             out += kernels_figure(kt, run, out_dir / f"kernels_{figure_slug(run)}")
+    if "grid_power" in t:
+        out += _grid_figures(analysis, out_dir)
     return out
+
+
+def _grid_figures(analysis: Analysis, out_dir: Path) -> list[Path]:
+    from charllm_nemo.analysis.grid_figures import sweep_figure, wave_figure, wave_runs
+
+    t, out = analysis.tables, []
+    by_key = {r.key: r for r in analysis.runs}
+    for key in wave_runs(t["grid_power"]):
+        out += wave_figure(
+            by_key[key], t["grid_power"], t["grid_whatif"], out_dir / f"powerwave_{figure_slug(key)}"
+        )
+    return out + sweep_figure(t["grid_power"], t["runs"], out_dir / "gridsweep")

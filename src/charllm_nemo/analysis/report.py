@@ -24,6 +24,7 @@ from charllm_nemo.analysis.report_sections import (
     compare_section,
     figure_quality,
     figure_runs,
+    power_wave_section,
 )
 from charllm_nemo.analysis.report_tables import advice_tables, energy_tables
 from charllm_nemo.analysis.timeline_choice import choose_timelines, timelines_note
@@ -204,6 +205,7 @@ def render(analysis: Analysis, pngs: list[Path], path: str = "", options: Report
     parts.append("<h2>Alerts</h2>" + alerts_section(analysis, table_html))
     parts.append("<h2>Advice</h2>" + advice_tables(analysis, path, table_html))
     parts.append("<h2>Energy</h2>" + energy_tables(analysis, options.grid, options.pue, table_html))
+    parts.append(power_wave_section(analysis, table_html))
     if options.compare:
         parts.append("<h2>Comparison</h2>" + compare_section(options.compare, table_html))
     choice = choose_timelines(analysis)

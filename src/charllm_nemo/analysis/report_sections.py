@@ -131,7 +131,7 @@ def figure_runs(stem: str, analysis: Analysis) -> list[str]:
     from charllm_nemo.analysis.figures import figure_slug
 
     keys = [r.key for r in analysis.runs]
-    for prefix in ("timeline_", "kernels_"):
+    for prefix in ("timeline_", "kernels_", "powerwave_"):
         if stem.startswith(prefix):
             mine = [k for k in keys if figure_slug(k) == stem[len(prefix) :]]
             return mine or keys
@@ -173,3 +173,29 @@ def figure_quality(analysis: Analysis, runs: list[str]) -> str:
     if synthetic:
         parts.append(f"SYNTHETIC device in {synthetic} run(s): modelled, not measured")
     return "; ".join(parts) + "."
+
+
+WAVE_COLUMNS = (
+    "run", "layout", "micro_batch_size", "gpus", "swing_p50_w", "swing_pct_of_peak", "ramp_up_max_w_per_s",
+    "ramp_down_max_w_per_s", "dominant_hz", "dominant_amplitude_w", "iteration_hz", "band_share",
+    "swing_1s_avg_w", "alignment_error_s", "fleet_gpus", "fleet_swing_mw", "fleet_ramp_up_max_mw_per_s",
+)  # fmt: skip
+"""The report's comparison of the runs' job power (from ``grid_power``'s job rows and ``runs``)."""
+
+
+def power_wave_section(analysis: Analysis, table_html: TableHtml) -> str:
+    """The runs' job power as the grid sees it, the least swing first: which layout or micro
+    batch size swings least (empty when no run has instant power)."""
+    gp = analysis.tables.get("grid_power")
+    if gp is None:
+        return ""
+    info = {r["run"]: r for r in analysis.tables["runs"].to_pylist()}
+    rows = [{**info.get(r["run"], {}), **r} for r in gp.to_pylist() if r["scope"] == "job"]
+    rows.sort(key=lambda r: (r["swing_pct_of_peak"] is None, r["swing_pct_of_peak"] or 0.0))
+    head = (
+        "<h2>Job power as the grid sees it</h2><p>GPU-visible power only (CPU, NIC, switches and cooling "
+        "are not in it), summed over the job's GPUs on one time base; the least swing first. A 1 s "
+        "average (<code>swing_1s_avg_w</code>) hides most of the swing and of the ramp rate "
+        "(docs/analysis.md, <i>The job as the grid sees it</i>).</p>"
+    )
+    return head + table_html(pa.Table.from_pylist([{c: r.get(c) for c in WAVE_COLUMNS} for r in rows]))
