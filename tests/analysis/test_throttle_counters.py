@@ -4,10 +4,13 @@ per-reason counters beside the sampled bits, their difference, and transitions p
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from charllm_nemo.analysis.analyze import analyze
+from charllm_nemo.analysis.store_writer import write_rank
 from charllm_nemo.analysis.throttle_counters import (
     counter_vs_sampled,
     throttle_counter_figures,
@@ -16,6 +19,7 @@ from charllm_nemo.analysis.throttle_counters import (
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_BITS, THROTTLE_REASONS, VIOLATION_COUNTERS
 
 S = 1_000_000_000
+MS = 1_000_000
 BRAKE = THROTTLE_BITS["hw_power_brake"]
 BOARD = THROTTLE_BITS["board_limit"]
 
@@ -91,3 +95,41 @@ def test_a_counter_without_a_bit_or_without_values() -> None:
         "total_app_clocks",
         "total_base_clocks",
     }
+
+
+def test_the_ranks_table_carries_the_columns(tmp_path: Path) -> None:
+    # One rank, 10 ms samples over 6 s; sw_power_cap on 1.00-2.00 s and 3.00-3.50 s (2 rises);
+    # the driver's power counter grows 1.5 s over the same time plus 0.2 s between samples.
+    n = 601
+    t = (np.arange(n) * 10 * MS).astype(np.int64)
+    cap = ((t >= 1000 * MS) & (t < 2000 * MS)) | ((t >= 3000 * MS) & (t < 3500 * MS))
+    mask = np.where(cap, THROTTLE_BITS["sw_power_cap"], 0).astype(np.int64)
+    counter = np.cumsum(np.concatenate(([0], np.where(cap[:-1], 10 * MS, 0)))).astype(np.int64)
+    counter[500:] += 200 * MS  # 0.2 s the sampled bits never saw
+    windows = {
+        "window_id": np.arange(2, dtype=np.int64),
+        "kind": ["step", "step"],
+        "name": ["step", "step"],
+        "step": np.array([0, 1]),
+        "microbatch": np.array([-1, -1]),
+        "t_begin_mono_ns": np.array([0, 1000]) * MS,
+        "t_end_mono_ns": np.array([1000, 5000]) * MS,
+    }
+    samples = {
+        "t_mono_ns": t,
+        "power_instant_w": np.full(n, 500.0),
+        "throttle_reasons": mask,
+        "violation_power_ns": counter,
+    }
+    write_rank(tmp_path / "run", 0, samples, windows, {})
+    a = analyze(tmp_path / "run")
+    row = a.tables["ranks"].to_pylist()[0]
+    assert row["violation_power_counter_s"] == pytest.approx(1.7)
+    assert row["violation_power_sampled_s"] == pytest.approx(1.5)
+    assert row["violation_power_diff_s"] == pytest.approx(0.2)
+    assert row["throttle_sw_power_cap_per_min"] == pytest.approx(2 / 0.1)  # 2 rises in 6 s
+    assert row["throttle_board_limit_share"] == 0.0 and row["throttle_board_limit_per_min"] == 0.0
+    assert row["violation_board_limit_counter_s"] is None  # not sampled: null, not 0
+    assert a.windows is not None
+    step = next(r for r in a.windows.to_pylist() if r["step"] == 1)  # [1, 5] s: both episodes
+    assert step["throttle_sw_power_cap_s"] == pytest.approx(1.5)
