@@ -1,8 +1,9 @@
 """NVML backend: NVIDIA GPUs through nvidia-ml-py (module ``pynvml``).
 
 What one ``read()`` costs: one batched ``nvmlDeviceGetFieldValues`` call for everything NVML
-exposes as a field (instant / average / memory power, energy, HBM temperature, power and
-thermal violation time, PCIe and NVLink byte counters), plus one call per remaining source
+exposes as a field (instant / average / memory power, energy, HBM temperature, the per-reason
+violation time counters with each value's own timestamp, PCIe and NVLink byte counters), plus
+one call per remaining source
 (temperatures, clocks, clock-event reasons, utilization, memory, enforced power limit).
 
 At open every metric is probed once, trying its sources in order of preference (a field
