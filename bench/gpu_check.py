@@ -12,7 +12,9 @@ Parts (each prints its figures; all of them go into DIR/gpu_check.json):
    energy from the counter versus the integrated instant power, the achieved sampling rate and
    the energy counter's observed update period. Then (bench/gpu_buffers.py) the driver's own
    sample buffers: the cost of a drain, their rate and gaps in the load run, and their
-   agreement with the polled instant power.
+   agreement with the polled instant power. Then (bench/gpu_counters.py) the driver's own
+   per-reason throttle time counters against the time the sampled reason bits show, per reason,
+   and each bit's transitions per minute.
 3. training: ``charllm train`` for tiny_gpt and a ~1B-parameter GPT with telemetry (CUDA-event
    windows on GPU) and without, ~20 steps each: tokens/s, TFLOP/s, MFU, energy per step, and
    the step-time ratio telemetry on / off.
@@ -420,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         "agreement": agreement(out_dir / "load_run"),
     }
     for line in summary_lines(report["driver_buffers"]["drain"], report["driver_buffers"]["agreement"]):
+        log(line)
+    import gpu_counters  # bench/gpu_counters.py: the driver's throttle counters vs the sampled bits
+
+    report["throttle_counters"] = gpu_counters.counter_check(out_dir / "load_run")
+    for line in gpu_counters.summary_lines(report["throttle_counters"]):
         log(line)
     if not args.skip_training:
         env = dict(os.environ)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# What runs on the lent GPU machine: install the carried wheels, then bench/gpu_check.py. Run
+# What runs on the lent GPU machine: install the carried wheels, then bench/gpu_check.py (its
+# parts include the driver's throttle counters against the sampled bits, bench/gpu_counters.py;
+# then that comparison again, alone, over the load run, into $OUT/gpu_counters.json). Run
 # directories stay in /tmp/gpucheck; the report, the log and a tarball of the runs go to $OUT
 # (which returns at most 8 files, two folders down).
 set -uo pipefail
@@ -18,6 +20,8 @@ fi
 python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "${MCORE019[@]}" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 cp /tmp/gpucheck/gpu_check.json "$OUT/" 2>/dev/null
+# The driver's per-reason throttle counters vs the sampled reason bits on this GPU (#46).
+python3 bench/gpu_counters.py /tmp/gpucheck/load_run "$OUT/gpu_counters.json" 2>&1 | tee "$OUT/gpu_counters.log"
 tar -czf "$OUT/gpucheck_runs.tar.gz" -C /tmp gpucheck 2>/dev/null
 ls -la "$OUT"
 exit "$rc"

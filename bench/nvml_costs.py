@@ -45,6 +45,8 @@ def _time_us(fn: Any, reads: int) -> tuple[float, float]:
 def source_costs(reads: int) -> dict[str, Any]:
     from charllm_nemo.devices.nvml import open_backend
     from charllm_nemo.devices.nvml_sources import (
+        FIELD_RC,
+        FIELD_STRIDE,
         NVML_SUCCESS,
         CallSource,
         FieldBatch,
@@ -69,7 +71,8 @@ def source_costs(reads: int) -> dict[str, Any]:
                 if isinstance(src, FieldSource):
                     batch = FieldBatch(src.entries)
                     rc, raw = batch.fetch(field_fn, handle)
-                    rc = rc or next((raw[3 * i + 1] for i in range(batch.count) if raw[3 * i + 1]), 0)
+                    rcs = raw[FIELD_RC::FIELD_STRIDE]
+                    rc = rc or next((r for r in rcs if r), 0)
 
                     def call(batch: FieldBatch = batch) -> None:
                         batch.fetch(field_fn, handle)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tests.deadline import deadline
 
+from charllm_nemo.telemetry.schema import VIOLATION_COUNTERS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,6 +60,18 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
     assert agree["buffered_peak_w"] == 650.0 and agree["pairs"] > 10
     # nearest in time within 20 ms of a 200 ms square wave: most pairs are on the same level
     assert agree["abs_diff_w_median"] == 0.0
+    # the driver's throttle counters vs the sampled bits (bench/gpu_counters.py): the stand-in
+    # serves every counter with a constant value and no reason bit, so both sides read 0 s
+    counters = report["throttle_counters"]["counters"]
+    assert set(counters) == {name for name, _ in VIOLATION_COUNTERS}
+    for name, c in counters.items():
+        assert c["supported"] and c["counter"] == 0.0, (name, c)
+        assert c["source"].startswith("NVML_FI_DEV_"), (name, c)
+        assert abs(c["value_age_ms_median"]) < 1000.0, (name, c)  # the call's own wall clock
+        if c["reasons"]:
+            assert c["sampled"] == 0.0 and c["diff"] == 0.0, (name, c)
+    assert report["throttle_counters"]["bits"]["board_limit"] == {"share": 0.0, "per_min": 0.0}
+    assert report["throttle_counters"]["power_state"]["workload_profiles"].startswith("unavailable: ")
     # the energy model fitted on three short runs of the stand-in (bench/gpu_energy_estimate.py)
     ((_platform, fit),) = report["energy_estimate"]["fitted"].items()
     assert fit["runs"] == 3 and fit["held_out_error_median"] is not None and fit["s_per_flop"] > 0

@@ -23,7 +23,7 @@ from charllm_nemo.devices import amdsmi as amd
 from charllm_nemo.devices import factory
 from charllm_nemo.devices.base import Backend, Device
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, THROTTLE_BITS
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, THROTTLE_BITS, VIOLATION_COUNTERS
 
 MIB = 2**20
 GIB = 2**30
@@ -124,6 +124,9 @@ def test_each_metric_in_schema_units_on_an_mi300x(install, opened) -> None:
         "pcie_rx_bytes": None,
         "nvlink_tx_bytes": 4_000_000 * 1024,  # xgmi_write_data_acc, KB summed over links
         "nvlink_rx_bytes": 10_000_000 * 1024,  # xgmi_read_data_acc
+        # NVML's other per-reason counters and the driver timestamps: none on AMD
+        **{f"violation_{n}_ns": None for n, _ in VIOLATION_COUNTERS if n not in ("power", "thermal")},
+        **{f"violation_{n}_ts_us": None for n, _ in VIOLATION_COUNTERS},
     }
     assert dict(zip((m.name for m in METRICS), reading, strict=True)) == expected
     for metric, v in zip(METRICS, reading, strict=True):

@@ -20,7 +20,7 @@ import pytest
 
 from charllm_nemo.devices.base import Backend, Device
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, METRICS
+from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, METRICS, VIOLATION_COUNTERS
 
 pynvml = pytest.importorskip("pynvml")
 nvml = pytest.importorskip("charllm_nemo.devices.nvml")
@@ -118,6 +118,9 @@ def test_every_metric_in_schema_units(fake_nvml: Any) -> None:
         0 clocks_event_reasons 0x24
         0 violation_power_ns 111222333
         0 violation_thermal_ns 444555
+        0 violation_board_limit_ns 7000
+        0 violation_hw_power_brake_ns 8000
+        0 violation_ts_us 1700000000123456
         0 util_gpu_pct 88
         0 util_mem_pct 33
         0 mem_used_bytes 12884901888
@@ -152,6 +155,17 @@ def test_every_metric_in_schema_units(fake_nvml: Any) -> None:
         "pcie_rx_bytes": 987654321,
         "nvlink_tx_bytes": 1000 * 1024,  # KiB -> B
         "nvlink_rx_bytes": 2000 * 1024,
+        "violation_sync_boost_ns": 1001,  # the stand-in's defaults, ns as NVML keeps them
+        "violation_board_limit_ns": 7000,
+        "violation_low_util_ns": 1003,
+        "violation_reliability_ns": 1004,
+        "violation_total_app_clocks_ns": 1005,
+        "violation_total_base_clocks_ns": 1006,
+        "violation_sw_thermal_ns": 1007,
+        "violation_hw_thermal_ns": 1008,
+        "violation_hw_power_brake_ns": 8000,
+        # each counter's value carries the driver's own timestamp (us), kept as the driver gave it
+        **{f"violation_{name}_ts_us": 1700000000123456 for name, _ in VIOLATION_COUNTERS},
     }
     assert len(reading) == len(METRICS)
     assert dict(zip(METRIC_NAMES, reading, strict=True)) == expected

@@ -38,6 +38,19 @@
  *       clocks_event_reasons  nvmlDeviceGetCurrentClocksEventReasons / ...ThrottleReasons
  *       violation_power_ns    field 74 and nvmlDeviceGetViolationStatus(NVML_PERF_POLICY_POWER)
  *       violation_thermal_ns  field 75 and nvmlDeviceGetViolationStatus(NVML_PERF_POLICY_THERMAL)
+ *       violation_sync_boost_ns violation_board_limit_ns violation_low_util_ns
+ *       violation_reliability_ns violation_total_app_clocks_ns violation_total_base_clocks_ns
+ *                             fields 76..81 and nvmlDeviceGetViolationStatus(policy 2..5, 10, 11)
+ *       violation_sw_thermal_ns violation_hw_thermal_ns violation_hw_power_brake_ns
+ *                             fields 269..271 (NVML_FI_DEV_CLOCKS_EVENT_REASON_*; no policy)
+ *       violation_ts_us       the timestamp the violation fields and ViolationStatus's
+ *                             referenceTime report (0, the default: the time of the call)
+ *       power_smoothing_enabled power_smoothing_profile   fields 251 / 264 (default
+ *                             NOT_SUPPORTED)
+ *       workload_profiles_requested workload_profiles_enforced   the first 32 bits of the
+ *                             masks nvmlDeviceWorkloadPowerProfileGetCurrentProfiles returns
+ *                             (the call serves NOT_SUPPORTED while ..._requested is an error;
+ *                             default NOT_SUPPORTED)
  *       util_gpu_pct util_mem_pct            nvmlDeviceGetUtilizationRates
  *       mem_total_bytes mem_used_bytes mem_reserved_bytes   nvmlDeviceGetMemoryInfo[_v2]
  *                             (v1 reports used + reserved as used, like the real library)
@@ -231,6 +244,20 @@ enum { VT_DOUBLE = 0, VT_UINT = 1, VT_ULONG = 2, VT_ULL = 3, VT_SLL = 4, VT_SINT
     X(CLOCKS_EVENT_REASONS, "clocks_event_reasons", 0)  \
     X(VIOL_POWER, "violation_power_ns", 123456789)      \
     X(VIOL_THERMAL, "violation_thermal_ns", 5000)       \
+    X(VIOL_SYNC_BOOST, "violation_sync_boost_ns", 1001) \
+    X(VIOL_BOARD_LIMIT, "violation_board_limit_ns", 1002) \
+    X(VIOL_LOW_UTIL, "violation_low_util_ns", 1003)     \
+    X(VIOL_RELIABILITY, "violation_reliability_ns", 1004) \
+    X(VIOL_TOTAL_APP, "violation_total_app_clocks_ns", 1005) \
+    X(VIOL_TOTAL_BASE, "violation_total_base_clocks_ns", 1006) \
+    X(VIOL_SW_THERMAL, "violation_sw_thermal_ns", 1007) \
+    X(VIOL_HW_THERMAL, "violation_hw_thermal_ns", 1008) \
+    X(VIOL_HW_POWER_BRAKE, "violation_hw_power_brake_ns", 1009) \
+    X(VIOL_TS, "violation_ts_us", 0)                    \
+    X(PWR_SMOOTHING_ENABLED, "power_smoothing_enabled", 0) \
+    X(PWR_SMOOTHING_PROFILE, "power_smoothing_profile", 0) \
+    X(WORKLOAD_REQUESTED, "workload_profiles_requested", 0) \
+    X(WORKLOAD_ENFORCED, "workload_profiles_enforced", 0) \
     X(UTIL_GPU, "util_gpu_pct", 97)                     \
     X(UTIL_MEM, "util_mem_pct", 45)                     \
     X(MEM_TOTAL, "mem_total_bytes", 150754820096ULL)    \
@@ -288,6 +315,7 @@ static const unsigned long long q_defaults[Q_COUNT] = {QUANTITIES(AS_DEFAULT)};
     X(nvmlDeviceGetCurrentClocksThrottleReasons)      \
     X(nvmlDeviceGetFieldValues)                       \
     X(nvmlDeviceGetViolationStatus)                   \
+    X(nvmlDeviceWorkloadPowerProfileGetCurrentProfiles) \
     X(nvmlDeviceGetUtilizationRates)                  \
     X(nvmlDeviceGetMemoryInfo)                        \
     X(nvmlDeviceGetMemoryInfo_v2)                     \
@@ -402,6 +430,9 @@ static void device_defaults(fake_device *d, unsigned int index, long long now) {
     snprintf(d->pci_bus_id, sizeof d->pci_bus_id, "00000000:%02X:00.0", 0x18 + index);
     for (int i = 0; i < Q_COUNT; i++) d->q[i] = q_defaults[i];
     d->q_err[Q_C2C_ENABLED] = NVML_ERROR_NOT_SUPPORTED;
+    d->q_err[Q_PWR_SMOOTHING_ENABLED] = NVML_ERROR_NOT_SUPPORTED;
+    d->q_err[Q_PWR_SMOOTHING_PROFILE] = NVML_ERROR_NOT_SUPPORTED;
+    d->q_err[Q_WORKLOAD_REQUESTED] = NVML_ERROR_NOT_SUPPORTED;
     d->lose_after_calls = -1;
     d->lose_after_ms = -1;
     d->rules_from_ms = 0;
@@ -1147,11 +1178,22 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(void *device, unsi
 
 EXPORT nvmlReturn_t nvmlDeviceGetViolationStatus(void *device, int perfPolicyType, nvmlViolationTime_t *viol) {
     ENTER(nvmlDeviceGetViolationStatus);
-    int q = perfPolicyType == 0 ? Q_VIOL_POWER : perfPolicyType == 1 ? Q_VIOL_THERMAL : -1;
+    int q;
+    switch (perfPolicyType) {
+        case 0: q = Q_VIOL_POWER; break;
+        case 1: q = Q_VIOL_THERMAL; break;
+        case 2: q = Q_VIOL_SYNC_BOOST; break;
+        case 3: q = Q_VIOL_BOARD_LIMIT; break;
+        case 4: q = Q_VIOL_LOW_UTIL; break;
+        case 5: q = Q_VIOL_RELIABILITY; break;
+        case 10: q = Q_VIOL_TOTAL_APP; break;
+        case 11: q = Q_VIOL_TOTAL_BASE; break;
+        default: q = -1;
+    }
     if (q < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
     if (!viol) return leave(NVML_ERROR_INVALID_ARGUMENT);
     QGET(q, viol->violationTime);
-    viol->referenceTime = (unsigned long long)wall_us();
+    viol->referenceTime = d->q[Q_VIOL_TS] ? d->q[Q_VIOL_TS] : (unsigned long long)wall_us();
     return leave(NVML_SUCCESS);
 }
 
@@ -1290,6 +1332,32 @@ EXPORT nvmlReturn_t nvmlDeviceGetSamples(void *device, int type, unsigned long l
     return leave(n ? NVML_SUCCESS : 6 /* NVML_ERROR_NOT_FOUND */);
 }
 
+/* nvmlWorkloadPowerProfileCurrentProfiles_v1_t: version, then three 255-bit masks (8 u32 each). */
+typedef struct {
+    unsigned int version;
+    unsigned int perfProfilesMask[8];
+    unsigned int requestedProfilesMask[8];
+    unsigned int enforcedProfilesMask[8];
+} nvmlWorkloadPowerProfileCurrentProfiles_v1_t;
+_Static_assert(sizeof(nvmlWorkloadPowerProfileCurrentProfiles_v1_t) == 100, "current profiles: 100 bytes");
+
+EXPORT nvmlReturn_t nvmlDeviceWorkloadPowerProfileGetCurrentProfiles(
+    void *device, nvmlWorkloadPowerProfileCurrentProfiles_v1_t *cur) {
+    ENTER(nvmlDeviceWorkloadPowerProfileGetCurrentProfiles);
+    if (!cur) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (cur->version != 0x1000064) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    unsigned long long requested, enforced;
+    QGET(Q_WORKLOAD_REQUESTED, requested);
+    QGET(Q_WORKLOAD_ENFORCED, enforced);
+    memset(cur->perfProfilesMask, 0, sizeof cur->perfProfilesMask);
+    memset(cur->requestedProfilesMask, 0, sizeof cur->requestedProfilesMask);
+    memset(cur->enforcedProfilesMask, 0, sizeof cur->enforcedProfilesMask);
+    cur->perfProfilesMask[0] = (unsigned int)(requested | enforced);
+    cur->requestedProfilesMask[0] = (unsigned int)requested;
+    cur->enforcedProfilesMask[0] = (unsigned int)enforced;
+    return leave(NVML_SUCCESS);
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetC2cModeInfoV(void *device, nvmlC2cModeInfo_v1_t *info) {
     ENTER(nvmlDeviceGetC2cModeInfoV);
     if (!info) return leave(NVML_ERROR_INVALID_ARGUMENT);
@@ -1304,6 +1372,12 @@ EXPORT nvmlReturn_t nvmlDeviceGetC2cModeInfoV(void *device, nvmlC2cModeInfo_v1_t
 enum {
     FI_PERF_POLICY_POWER = 74,
     FI_PERF_POLICY_THERMAL = 75,
+    FI_PERF_POLICY_SYNC_BOOST = 76,
+    FI_PERF_POLICY_BOARD_LIMIT = 77,
+    FI_PERF_POLICY_LOW_UTILIZATION = 78,
+    FI_PERF_POLICY_RELIABILITY = 79,
+    FI_PERF_POLICY_TOTAL_APP_CLOCKS = 80,
+    FI_PERF_POLICY_TOTAL_BASE_CLOCKS = 81,
     FI_MEMORY_TEMP = 82,
     FI_TOTAL_ENERGY_CONSUMPTION = 83,
     FI_NVLINK_LINK_COUNT = 91,
@@ -1318,7 +1392,18 @@ enum {
     FI_ENERGY = 191,
     FI_PCIE_COUNT_TX_BYTES = 197,
     FI_PCIE_COUNT_RX_BYTES = 198,
+    FI_PWR_SMOOTHING_ENABLED = 251,
+    FI_PWR_SMOOTHING_ACTIVE_PRESET_PROFILE = 264,
+    FI_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN = 269,
+    FI_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN = 270,
+    FI_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN = 271,
 };
+
+/* The violation counters' fields: they report violation_ts_us as their timestamp when set. */
+static int is_violation_field(unsigned int id) {
+    return (id >= FI_PERF_POLICY_POWER && id <= FI_PERF_POLICY_TOTAL_BASE_CLOCKS) ||
+           (id >= FI_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN && id <= FI_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN);
+}
 
 enum { SCOPE_GPU = 0, SCOPE_MODULE = 1, SCOPE_MEMORY = 2 };
 
@@ -1354,6 +1439,17 @@ static nvmlReturn_t field_value(fake_device *d, unsigned int id, unsigned int sc
         case FI_MEMORY_TEMP: return qval(d, Q_TEMP_MEMORY, out);
         case FI_PERF_POLICY_POWER: *vt = VT_ULL; return qval(d, Q_VIOL_POWER, out);
         case FI_PERF_POLICY_THERMAL: *vt = VT_ULL; return qval(d, Q_VIOL_THERMAL, out);
+        case FI_PERF_POLICY_SYNC_BOOST: *vt = VT_ULL; return qval(d, Q_VIOL_SYNC_BOOST, out);
+        case FI_PERF_POLICY_BOARD_LIMIT: *vt = VT_ULL; return qval(d, Q_VIOL_BOARD_LIMIT, out);
+        case FI_PERF_POLICY_LOW_UTILIZATION: *vt = VT_ULL; return qval(d, Q_VIOL_LOW_UTIL, out);
+        case FI_PERF_POLICY_RELIABILITY: *vt = VT_ULL; return qval(d, Q_VIOL_RELIABILITY, out);
+        case FI_PERF_POLICY_TOTAL_APP_CLOCKS: *vt = VT_ULL; return qval(d, Q_VIOL_TOTAL_APP, out);
+        case FI_PERF_POLICY_TOTAL_BASE_CLOCKS: *vt = VT_ULL; return qval(d, Q_VIOL_TOTAL_BASE, out);
+        case FI_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN: *vt = VT_ULL; return qval(d, Q_VIOL_SW_THERMAL, out);
+        case FI_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN: *vt = VT_ULL; return qval(d, Q_VIOL_HW_THERMAL, out);
+        case FI_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN: *vt = VT_ULL; return qval(d, Q_VIOL_HW_POWER_BRAKE, out);
+        case FI_PWR_SMOOTHING_ENABLED: return qval(d, Q_PWR_SMOOTHING_ENABLED, out);
+        case FI_PWR_SMOOTHING_ACTIVE_PRESET_PROFILE: return qval(d, Q_PWR_SMOOTHING_PROFILE, out);
         case FI_PCIE_COUNT_TX_BYTES: *vt = VT_ULL; return qval(d, Q_PCIE_TX, out);
         case FI_PCIE_COUNT_RX_BYTES: *vt = VT_ULL; return qval(d, Q_PCIE_RX, out);
         case FI_NVLINK_LINK_COUNT: return qval(d, Q_NVLINK_LINKS, out);
@@ -1436,7 +1532,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(void *device, int valuesCount, nvml
     long long ts = wall_us();
     for (int i = 0; i < valuesCount; i++) {
         nvmlFieldValue_t *fv = &values[i];
-        fv->timestamp = ts;
+        fv->timestamp = is_violation_field(fv->fieldId) && d->q[Q_VIOL_TS] ? (long long)d->q[Q_VIOL_TS] : ts;
         fv->latencyUsec = 0;
         nvmlReturn_t fr = field_rule_error(d, fv->fieldId, fv->scopeId);
         unsigned long long v = 0;

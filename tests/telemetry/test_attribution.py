@@ -32,6 +32,7 @@ from charllm_nemo.telemetry.schema import (
     LIMITING_REASONS,
     THROTTLE_BITS,
     THROTTLE_REASONS,
+    VIOLATION_COUNTERS,
 )
 
 S = 1_000_000_000
@@ -400,6 +401,21 @@ def test_violation_counters_are_reported_in_seconds() -> None:
     assert w["violation_power_s"] == pytest.approx(0.25) and w["violation_thermal_s"] == pytest.approx(0.01)
 
 
+def test_every_per_reason_counter_gives_its_window_time() -> None:
+    # Counter k grows by k ms over [0, 1 s]; a counter that resets inside the window is NaN, a
+    # counter with no values NaN, never 0.
+    t = np.array([0, S // 2, S])
+    samples: dict[str, np.ndarray] = {"t_mono_ns": t}
+    names = [name for name, _ in VIOLATION_COUNTERS]
+    for k, name in enumerate(names[:-2], start=1):
+        samples[f"violation_{name}_ns"] = np.array([2**62, 2**62 + k * MS // 2, 2**62 + k * MS])
+    samples[f"violation_{names[-2]}_ns"] = np.array([3 * S, 0, 10])  # reset (driver reload)
+    w = one(samples, 0, S)
+    for k, name in enumerate(names[:-2], start=1):
+        assert w[f"violation_{name}_s"] == pytest.approx(k / 1000, abs=1e-12), name
+    assert np.isnan(w[f"violation_{names[-2]}_s"]) and np.isnan(w[f"violation_{names[-1]}_s"])
+
+
 def test_temperatures_and_clocks() -> None:
     # SM clock 1000 MHz at 0 s rising linearly to 2000 MHz at 1 s: mean over [0, 1 s] is 1500 MHz;
     # over [0.5, 1 s] there is no sample inside (the end is exclusive), so its minimum is the
@@ -622,6 +638,8 @@ def test_sample_columns_name_what_the_figures_read() -> None:
         "power_limit_w",
         "power_memory_w",
         "clock_mem_mhz",
+        # the driver's timestamps of the violation counters: kept in the samples, not used here
+        *(f"violation_{name}_ts_us" for name, _ in VIOLATION_COUNTERS),
     }
     with pytest.raises(ValueError, match="unknown attribution figure"):
         sample_columns(["energy_kwh"])

@@ -17,6 +17,7 @@ from charllm_nemo.analysis.metrics import (
     time_weighted_mean,
     trapezoid_energy_j,
 )
+from charllm_nemo.analysis.throttle_counters import throttle_counter_figures
 from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 from charllm_nemo.telemetry.timelines import _coverage, sample_period_ns
@@ -65,7 +66,7 @@ def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.n
         return held_share(t, (mask[:, None] & bits[None, :]) != 0)
     per_value = np.bincount(mask[:-1], weights=np.diff(t).astype(np.float64))
     values = np.arange(per_value.size)
-    held = np.array([per_value[(values & b) != 0].sum() for b in bits])  # 9 bits x <= 4096 values
+    held = np.array([per_value[(values & b) != 0].sum() for b in bits])  # 11 bits x <= 4096 values
     return np.asarray(held / float(t[-1] - t[0]), dtype=np.float64)
 
 
@@ -117,6 +118,7 @@ def _device_row(t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]]) -> 
     shares = throttle_shares(t[known], mask[known])
     for j, (name, _) in enumerate(THROTTLE_REASONS):
         row[f"throttle_{name}_share"] = float(shares[j])
+    row.update(throttle_counter_figures(t, s))  # per-reason counters vs sampled bits, transitions
     limit = s.get("power_limit_w", np.full(t.size, np.nan))
     row["power_limit_w"] = float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
     return row

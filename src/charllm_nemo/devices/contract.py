@@ -91,6 +91,42 @@ METRICS: tuple[Metric, ...] = (
         "NVLink (AMD: XGMI) bytes received, all links, cumulative",
         cumulative=True,
     ),
+    *(
+        Metric(f"violation_{name}_ns", "int", "ns", f"cumulative time {what}", cumulative=True)
+        for name, what in (
+            ("sync_boost", "clocks were held down to match the sync-boost group"),
+            ("board_limit", "clocks were held down by a board limit"),
+            ("low_util", "clocks were held down by the low-utilization policy"),
+            ("reliability", "clocks were held down by the reliability policy"),
+            ("total_app_clocks", "clocks were below the application clocks, any reason"),
+            ("total_base_clocks", "clocks were below the base clocks, any reason"),
+            ("sw_thermal", "the sw_thermal clock-event reason held clocks down"),
+            ("hw_thermal", "the hw_thermal clock-event reason held clocks down"),
+            ("hw_power_brake", "the hw_power_brake clock-event reason held clocks down"),
+        )
+    ),
+    *(
+        Metric(
+            f"violation_{name}_ts_us",
+            "int",
+            "us",
+            f"the driver's own timestamp of violation_{name}_ns's value (wall clock, us since the epoch)",
+            cumulative=True,
+        )
+        for name in (
+            "power",
+            "thermal",
+            "sync_boost",
+            "board_limit",
+            "low_util",
+            "reliability",
+            "total_app_clocks",
+            "total_base_clocks",
+            "sw_thermal",
+            "hw_thermal",
+            "hw_power_brake",
+        )
+    ),
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
@@ -112,6 +148,8 @@ THROTTLE_REASONS: tuple[tuple[str, int], ...] = (
     ("hw_thermal", 0x40),
     ("hw_power_brake", 0x80),
     ("display_clocks", 0x100),
+    ("board_limit", 0x200),  # nvmlClocksThrottleReasonBoardLimit (no ClocksEvent alias in pynvml)
+    ("reliability", 0x400),  # nvmlClocksThrottleReasonReliability
 )
 THROTTLE_BITS: dict[str, int] = dict(THROTTLE_REASONS)
 
@@ -122,7 +160,26 @@ LIMITING_REASONS: tuple[str, ...] = (
     "sw_thermal",
     "hw_thermal",
     "hw_power_brake",
+    "board_limit",
+    "reliability",
 )
+
+VIOLATION_COUNTERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("power", ("sw_power_cap",)),
+    ("thermal", ("sw_thermal", "hw_thermal")),
+    ("sync_boost", ("sync_boost",)),
+    ("board_limit", ("board_limit",)),
+    ("low_util", ()),
+    ("reliability", ("reliability",)),
+    ("total_app_clocks", ()),
+    ("total_base_clocks", ()),
+    ("sw_thermal", ("sw_thermal",)),
+    ("hw_thermal", ("hw_thermal",)),
+    ("hw_power_brake", ("hw_power_brake",)),
+)
+"""The driver's per-reason throttle time counters: ``violation_<name>_ns`` (cumulative ns) with
+its value's timestamp ``violation_<name>_ts_us``, and the reason bits whose sampled time (any of
+them set, sample-and-hold) the counter is compared with; () = no bit matches the counter."""
 
 
 def decode_throttle(mask: int | None) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """NVML backend: NVIDIA GPUs through nvidia-ml-py (module ``pynvml``).
 
 What one ``read()`` costs: one batched ``nvmlDeviceGetFieldValues`` call for everything NVML
-exposes as a field (instant / average / memory power, energy, HBM temperature, power and
-thermal violation time, PCIe and NVLink byte counters), plus one call per remaining source
+exposes as a field (instant / average / memory power, energy, HBM temperature, the per-reason
+violation time counters with each value's own timestamp, PCIe and NVLink byte counters), plus
+one call per remaining source
 (temperatures, clocks, clock-event reasons, utilization, memory, enforced power limit).
 
 At open every metric is probed once, trying its sources in order of preference (a field
@@ -38,9 +39,15 @@ from typing import Any
 from charllm_nemo.devices.base import ActivityInput, DeviceIdentity, UnsupportedLog
 from charllm_nemo.devices.contract import METRIC_INDEX, METRIC_NAMES, METRICS, Reading
 from charllm_nemo.devices.nvml_buffer import Batch, DriverBuffers
+from charllm_nemo.devices.nvml_power_state import power_state
 from charllm_nemo.devices.nvml_sources import (
     CLOCK_MEM,
     CLOCK_SM,
+    FIELD_RC,
+    FIELD_STRIDE,
+    FIELD_TS,
+    FIELD_VALUE,
+    FIELD_VT,
     LOST_CODES,
     NVLINK_MAX_LINKS,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -78,28 +85,28 @@ def _binding_version() -> str | None:
 # --- device -----------------------------------------------------------------------------------
 
 
-_FieldPlan = tuple[tuple[int, tuple[int, ...], bool, float], ...]
+_FieldPlan = tuple[tuple[int, tuple[int, ...], bool, float, bool], ...]
 _CallPlan = tuple[tuple[Any, tuple[Any, ...], tuple[tuple[int, Any, str, bool, float], ...]], ...]
 _Plan = tuple[FieldBatch | None, _FieldPlan, _CallPlan]
 
 
 def _plan(p: Any, chosen: dict[str, Source]) -> _Plan:
-    """A read plan for ``chosen`` (metric -> source): one field-values batch for the fields,
-    each with its offsets in the batch's unpacked values, then one entry per distinct call."""
-    entries: list[tuple[int, int]] = []
-    field_plan: list[tuple[int, tuple[int, ...], bool, float]] = []
+    """A read plan for ``chosen`` (metric -> source): one field-values batch for the fields (an
+    entry asked once however many metrics use it: a counter and its timestamp), each metric with
+    its offsets in the batch's unpacked values, then one entry per distinct call."""
+    index: dict[tuple[int, int], int] = {}
+    field_plan: list[tuple[int, tuple[int, ...], bool, float, bool]] = []
     calls: dict[str, tuple[Any, tuple[Any, ...], list[tuple[int, Any, str, bool, float]]]] = {}
     for metric, source in chosen.items():
         mi = METRIC_INDEX[metric]
         if isinstance(source, FieldSource):
-            offsets = tuple(3 * (len(entries) + k) for k in range(len(source.entries)))
-            entries.extend(source.entries)
-            field_plan.append((mi, offsets, source.is_float, source.factor))
+            offsets = tuple(FIELD_STRIDE * index.setdefault(e, len(index)) for e in source.entries)
+            field_plan.append((mi, offsets, source.is_float, source.factor, source.timestamp))
         else:
             fn = resolve(p, source.fn_name)
             entry = calls.setdefault(source.label, (fn, source.args, []))
             entry[2].append((mi, source.obj, source.attr, source.is_float, source.factor))
-    fields = FieldBatch(entries) if entries else None
+    fields = FieldBatch(list(index)) if index else None
     return fields, tuple(field_plan), tuple((fn, args, tuple(outs)) for fn, args, outs in calls.values())
 
 
@@ -202,10 +209,11 @@ class NvmlDevice:
             return {e: rc for e in entries}
         result = {}
         for i, entry in enumerate(entries):
-            field_rc = raw[3 * i + 1]
+            b = FIELD_STRIDE * i
+            field_rc = raw[b + FIELD_RC]
             self._raise_if_lost(field_rc)
-            if field_rc == NVML_SUCCESS and decode(raw[3 * i], 0) is None:
-                field_rc = -1000 - raw[3 * i]  # a valueType this code does not know
+            if field_rc == NVML_SUCCESS and decode(raw[b + FIELD_VT], 0) is None:
+                field_rc = -1000 - raw[b + FIELD_VT]  # a valueType this code does not know
             result[entry] = field_rc
         return result
 
@@ -272,6 +280,7 @@ class NvmlDevice:
         memory = ask("nvmlDeviceGetMemoryInfo", h)
         if memory is not None:
             facts["memory_total_bytes"] = int(memory.total)
+        facts["power_state"] = power_state(p, h)
         extra.update({k: v for k, v in facts.items() if v is not None})
         name = ask("nvmlDeviceGetName", h)
         return DeviceIdentity(
@@ -330,23 +339,26 @@ class NvmlDevice:
         if fields is not None:
             rc = self._field_fn(self._handle, fields.count, fields.buffer)
             if rc:
-                self._failed(rc, [mi for mi, _, _, _ in field_plan])
+                self._failed(rc, [plan[0] for plan in field_plan])
             else:
                 raw = fields.unpack(fields.buffer)
-                for mi, offsets, is_float, factor in field_plan:
+                for mi, offsets, is_float, factor, stamp in field_plan:
                     total: int | float = 0
                     for b in offsets:
-                        frc = raw[b + 1]
+                        frc = raw[b + FIELD_RC]
                         if frc:
                             self._failed(frc, (mi,))
                             break
-                        vt = raw[b]
+                        if stamp:  # the value's own time, as the driver took it (us)
+                            total += raw[b + FIELD_TS]
+                            continue
+                        vt = raw[b + FIELD_VT]
                         if vt == VT_UINT:
-                            v = raw[b + 2] & 0xFFFFFFFF
+                            v = raw[b + FIELD_VALUE] & 0xFFFFFFFF
                         elif vt in (VT_ULL, VT_ULONG):
-                            v = raw[b + 2]
+                            v = raw[b + FIELD_VALUE]
                         else:
-                            v = decode(vt, raw[b + 2])
+                            v = decode(vt, raw[b + FIELD_VALUE])
                             if v is None:
                                 self._failed(-1000 - vt, (mi,))
                                 break

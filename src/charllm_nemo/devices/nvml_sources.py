@@ -26,6 +26,12 @@ LOST_CODES = frozenset({NVML_ERROR_UNINITIALIZED, NVML_ERROR_GPU_IS_LOST})
 _FIELD_DEFAULTS: dict[str, int] = {
     "NVML_FI_DEV_PERF_POLICY_POWER": 74,  # ns clocks were held down by the power policy
     "NVML_FI_DEV_PERF_POLICY_THERMAL": 75,  # ns clocks were held down by the thermal policy
+    "NVML_FI_DEV_PERF_POLICY_SYNC_BOOST": 76,  # ns, and the same for each policy below
+    "NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT": 77,
+    "NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION": 78,
+    "NVML_FI_DEV_PERF_POLICY_RELIABILITY": 79,
+    "NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS": 80,
+    "NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS": 81,
     "NVML_FI_DEV_MEMORY_TEMP": 82,  # degC
     "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83,  # mJ since driver load
     "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 138,  # KiB; scopeId = link id or UINT_MAX = all links
@@ -34,6 +40,32 @@ _FIELD_DEFAULTS: dict[str, int] = {
     "NVML_FI_DEV_POWER_INSTANT": 186,  # mW
     "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197,  # B
     "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,
+    # Newer clock-event reason counters (ns; nvidia-ml-py 12.570+ names them): the driver decides.
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 269,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 270,
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 271,
+}
+
+# Per-reason violation counters: metric -> (field name, NVML_PERF_POLICY_* of the older
+# nvmlDeviceGetViolationStatus call, or None where the driver has no such policy).
+VIOLATION_SOURCES: dict[str, tuple[str, tuple[str, int] | None]] = {
+    "power": ("NVML_FI_DEV_PERF_POLICY_POWER", ("NVML_PERF_POLICY_POWER", 0)),
+    "thermal": ("NVML_FI_DEV_PERF_POLICY_THERMAL", ("NVML_PERF_POLICY_THERMAL", 1)),
+    "sync_boost": ("NVML_FI_DEV_PERF_POLICY_SYNC_BOOST", ("NVML_PERF_POLICY_SYNC_BOOST", 2)),
+    "board_limit": ("NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT", ("NVML_PERF_POLICY_BOARD_LIMIT", 3)),
+    "low_util": ("NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION", ("NVML_PERF_POLICY_LOW_UTILIZATION", 4)),
+    "reliability": ("NVML_FI_DEV_PERF_POLICY_RELIABILITY", ("NVML_PERF_POLICY_RELIABILITY", 5)),
+    "total_app_clocks": (
+        "NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS",
+        ("NVML_PERF_POLICY_TOTAL_APP_CLOCKS", 10),
+    ),
+    "total_base_clocks": (
+        "NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS",
+        ("NVML_PERF_POLICY_TOTAL_BASE_CLOCKS", 11),
+    ),
+    "sw_thermal": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN", None),
+    "hw_thermal": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN", None),
+    "hw_power_brake": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN", None),
 }
 _POWER_SCOPE_GPU = 0
 _POWER_SCOPE_MEMORY = 2
@@ -44,16 +76,17 @@ _TEMPERATURE_GPU = 0
 _TEMPERATURE_GPU_MAX = 1  # NVML 13: "the hottest part of the GPU"; older drivers reject it
 CLOCK_SM = 1
 CLOCK_MEM = 2
-_PERF_POLICY_POWER = 0
-_PERF_POLICY_THERMAL = 1
 _TEMPERATURE_V1 = 0x0100000C  # sizeof(nvmlTemperature_t) | 1 << 24
 _MEMORY_V2 = 0x02000028  # sizeof(nvmlMemory_v2_t) | 2 << 24
 
 # nvmlFieldValue_t: fieldId u32, scopeId u32, timestamp i64, latencyUsec i64, valueType u32,
-# nvmlReturn u32, value (8-byte union): 40 bytes. A read unpacks (valueType, nvmlReturn, the 8
-# value bytes as u64) for every field in one struct call.
+# nvmlReturn u32, value (8-byte union): 40 bytes. A read unpacks (timestamp, valueType,
+# nvmlReturn, the 8 value bytes as u64) for every field in one struct call: FIELD_STRIDE items
+# per field, at these offsets.
 _FIELD_VALUE_SIZE = 40
-_FIELD_VALUE_READ = "24xIIQ"
+_FIELD_VALUE_READ = "8xq8xIIQ"
+FIELD_STRIDE = 4
+FIELD_TS, FIELD_VT, FIELD_RC, FIELD_VALUE = range(FIELD_STRIDE)
 VT_DOUBLE, VT_UINT, VT_ULONG, VT_ULL, VT_SLL, VT_SINT, VT_USHORT = range(7)
 
 
@@ -106,12 +139,14 @@ def decode(value_type: int, raw: int) -> int | float | None:
 
 @dataclass
 class FieldSource:
-    """One metric from one or more (fieldId, scopeId) entries of the batch, summed."""
+    """One metric from one or more (fieldId, scopeId) entries of the batch, summed; with
+    ``timestamp`` the metric is the (single) entry's own timestamp (us since the epoch) instead."""
 
     label: str
     entries: list[tuple[int, int]]
     is_float: bool = False
     factor: float = 1  # float metrics: value / factor; int metrics: value * factor
+    timestamp: bool = False
 
 
 @dataclass
@@ -168,14 +203,30 @@ def candidate_sources(p: Any, handle: Any) -> dict[str, list[Source]]:
         key = f"nvmlDeviceGetClockInfo({label})"
         return call("nvmlDeviceGetClockInfo", (kind,), ctypes.c_uint(), "value", True, key=key)
 
-    def violation(policy: int, label: str) -> CallSource:
-        key = f"nvmlDeviceGetViolationStatus({label})"
-        return call("nvmlDeviceGetViolationStatus", (policy,), _ViolationTime(), "violationTime", key=key)
+    def violations() -> dict[str, list[Source]]:
+        """Each violation counter and its value's timestamp: the field, then the older call
+        (one buffer per policy, shared by the counter and its timestamp: one call fills both)."""
+        out: dict[str, list[Source]] = {}
+        for name, (field_name, policy) in VIOLATION_SOURCES.items():
+            value: list[Source] = [field(field_name)]
+            stamp: list[Source] = [
+                FieldSource(f"{field_name}.timestamp", [(fid(field_name), 0)], timestamp=True)
+            ]
+            if policy is not None:
+                code = int(getattr(p, policy[0], policy[1]))
+                buf = _ViolationTime()
+                key = f"nvmlDeviceGetViolationStatus({policy[0]})"
+                value.append(call("nvmlDeviceGetViolationStatus", (code,), buf, "violationTime", key=key))
+                stamp.append(call("nvmlDeviceGetViolationStatus", (code,), buf, "referenceTime", key=key))
+            out[f"violation_{name}_ns"] = value
+            out[f"violation_{name}_ts_us"] = stamp
+        return out
 
     util = _Utilization()
     mem_v2 = _MemoryV2(version=_MEMORY_V2)
     mw = 1000.0
     return {
+        **violations(),
         "power_instant_w": [field("NVML_FI_DEV_POWER_INSTANT", scope_gpu, True, mw)],
         "power_avg_w": [
             field("NVML_FI_DEV_POWER_AVERAGE", scope_gpu, True, mw),
@@ -197,14 +248,6 @@ def candidate_sources(p: Any, handle: Any) -> dict[str, list[Source]]:
         "throttle_reasons": [
             call("nvmlDeviceGetCurrentClocksEventReasons", (), ctypes.c_ulonglong()),
             call("nvmlDeviceGetCurrentClocksThrottleReasons", (), ctypes.c_ulonglong()),
-        ],
-        "violation_power_ns": [
-            field("NVML_FI_DEV_PERF_POLICY_POWER"),
-            violation(_PERF_POLICY_POWER, "NVML_PERF_POLICY_POWER"),
-        ],
-        "violation_thermal_ns": [
-            field("NVML_FI_DEV_PERF_POLICY_THERMAL"),
-            violation(_PERF_POLICY_THERMAL, "NVML_PERF_POLICY_THERMAL"),
         ],
         "util_gpu_pct": [call("nvmlDeviceGetUtilizationRates", (), util, "gpu", True)],
         "util_mem_pct": [call("nvmlDeviceGetUtilizationRates", (), util, "memory", True)],
@@ -242,7 +285,8 @@ class FieldBatch:
         self.unpack = struct.Struct("<" + _FIELD_VALUE_READ * self.count).unpack_from
 
     def fetch(self, fn: Any, handle: Any) -> tuple[int, tuple[int, ...]]:
-        """(overall nvmlReturn, flat (valueType, nvmlReturn, raw value) per entry)."""
+        """(overall nvmlReturn, flat (timestamp, valueType, nvmlReturn, raw value) per entry:
+        ``FIELD_STRIDE`` items each, at ``FIELD_TS`` .. ``FIELD_VALUE``)."""
         rc = int(fn(handle, self.count, self.buffer))
         return rc, (self.unpack(self.buffer) if rc == NVML_SUCCESS else ())
 

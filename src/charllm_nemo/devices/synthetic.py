@@ -52,6 +52,9 @@ Injection = tuple[str, float, float, int, float]
 factor); devices/synthetic_config.py's ``injection_tuples`` makes them from the config."""
 _THERMAL_BITS = THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["sw_thermal"] | THROTTLE_BITS["hw_thermal"]
 _HW_THERMAL = THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["hw_thermal"]
+# Metrics after nvlink_rx_bytes (the per-reason violation counters and the driver's timestamps
+# of their values): not modelled, null.
+_NOT_MODELLED: tuple[None, ...] = (None,) * (len(METRIC_NAMES) - METRIC_NAMES.index("nvlink_rx_bytes") - 1)
 _MAX_SEGMENTS = 16
 """Pieces one advance is cut into at the temperatures where the model changes (slowdown_c,
 shutdown_c): each crossing moves to a higher one, so a few are ever needed; the cap only bounds
@@ -269,7 +272,8 @@ class SyntheticDevice:
 
     def supported_metrics(self) -> dict[str, bool]:
         unsupported = {"power_memory_w", "temp_hotspot_c", "nvlink_tx_bytes", "nvlink_rx_bytes"}
-        return {m: m not in unsupported for m in METRIC_NAMES}
+        modelled = len(METRIC_NAMES) - len(_NOT_MODELLED)
+        return {m: i < modelled and m not in unsupported for i, m in enumerate(METRIC_NAMES)}
 
     def _operating_point(self, a: float, now: int) -> tuple[float, float, int, bool, bool]:
         """(delivered power W, SM clock MHz, throttle bits, power-limited, thermally limited) at
@@ -432,6 +436,7 @@ class SyntheticDevice:
                 int(self._pcie_rx),  # pcie_rx_bytes
                 None,  # nvlink_tx_bytes
                 None,  # nvlink_rx_bytes
+                *_NOT_MODELLED,  # the other per-reason violation counters and their timestamps
             )
 
 

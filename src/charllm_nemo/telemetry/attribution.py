@@ -40,7 +40,13 @@ from charllm_nemo.telemetry.counter_energy import (
     counter_envelope,
     energy_from_counter,
 )
-from charllm_nemo.telemetry.schema import INT_NULL, LIMITING_REASONS, THROTTLE_BITS, THROTTLE_REASONS
+from charllm_nemo.telemetry.schema import (
+    INT_NULL,
+    LIMITING_REASONS,
+    THROTTLE_BITS,
+    THROTTLE_REASONS,
+    VIOLATION_COUNTERS,
+)
 from charllm_nemo.telemetry.timelines import (
     GAP_PERIODS,
     MIN_COUNTER_TICKS,
@@ -118,8 +124,10 @@ ATTRIBUTION_COLUMNS: tuple[tuple[str, str, str], ...] = (
         for name, _ in THROTTLE_REASONS
     ),
     ("throttle_any_limiting_s", "s", "time any of LIMITING_REASONS was set (sample-and-hold)"),
-    ("violation_power_s", "s", "delta of violation_power_ns over the window"),
-    ("violation_thermal_s", "s", "delta of violation_thermal_ns over the window"),
+    *(
+        (f"violation_{name}_s", "s", f"delta of violation_{name}_ns (the driver's counter) over the window")
+        for name, _ in VIOLATION_COUNTERS
+    ),
     *((name, "B", f"delta of the {name} counter over the window") for name in _TRAFFIC_COUNTERS),
 )
 """Every output column of :func:`attribute_windows`: (name, unit, meaning), in output order."""
@@ -407,10 +415,9 @@ def attribute_windows(
             out[f"throttle_{name}_s"] = held[:, j]
         out["throttle_any_limiting_s"] = held[:, -1]
 
-    if want("violation_power_s"):
-        out["violation_power_s"] = _delta(*ints("violation_power_ns"), t0, t1) / NS_PER_S
-    if want("violation_thermal_s"):
-        out["violation_thermal_s"] = _delta(*ints("violation_thermal_ns"), t0, t1) / NS_PER_S
+    for name, _ in VIOLATION_COUNTERS:
+        if want(f"violation_{name}_s"):
+            out[f"violation_{name}_s"] = _delta(*ints(f"violation_{name}_ns"), t0, t1) / NS_PER_S
     for name in _TRAFFIC_COUNTERS:
         if want(name):
             out[name] = _delta(*ints(name), t0, t1)

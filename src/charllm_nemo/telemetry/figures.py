@@ -219,7 +219,7 @@ RANK_FIGURES: tuple[RankFigure, ...] = (
     RankFigure(
         "throttle_any_limiting_s",
         "s",
-        "time any limiting reason (power cap, slowdown, thermal, brake) was set",
+        "time any limiting reason (power cap, slowdown, thermal, brake, board limit, reliability) was set",
         aggregates=(
             ("all/ranks_throttled", "count_positive"),
             ("all/throttle_max_s", "max"),

@@ -112,6 +112,15 @@ THROTTLE_FAMILIES: tuple[Family, ...] = (
         "Time the hw_slowdown clock event bit was set (no DCGM field; in ns).",
         "hw_slowdown",
     ),
+    *(
+        Family(
+            f"charllm_clocks_event_reason_{name}_ns",
+            "counter",
+            f"Time the {name} clock event bit (0x{THROTTLE_BITS[name]:x}) was set (no DCGM field; in ns).",
+            name,
+        )
+        for name in ("board_limit", "reliability")
+    ),
 )
 """Per device, time each throttle bit was set since the exporter started (sample-and-hold over
 the sampled bitmask, as the attribution counts it). ``source``: a THROTTLE_BITS name."""
