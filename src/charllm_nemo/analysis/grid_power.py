@@ -5,9 +5,9 @@ and what a power floor would cost. Tables ``grid_power`` and ``grid_whatif``
 (docs/analysis.md, *The job as the grid sees it*).
 
 Time base: each rank's samples carry ``t_mono_ns`` (its host's CLOCK_MONOTONIC) and ``t_wall_ns``
-(its wall clock). A rank's wall time is ``t_mono_ns + wall_minus_monotonic_ns``, from the
-manifest's ``clock`` record when the run wrote one (with the host's NTP/PTP state, whose error
-estimate bounds the alignment between hosts), else the median ``t_wall_ns - t_mono_ns`` of its
+(its wall clock). A rank's wall time is ``t_mono_ns`` plus the offset of the manifest's ``clock``
+record when the run wrote one (telemetry/clock.py, with the host's NTP/PTP state, whose maximum
+error bounds the alignment between hosts), else the median ``t_wall_ns - t_mono_ns`` of its
 samples; then the hosts' wall clocks are trusted as they are and the alignment error is unknown.
 
 Memory: one rank's samples at a time; the aggregates are one float array per node, group and
@@ -52,9 +52,6 @@ line in ``problems`` (a longer run needs a longer ``--wave-step-ms``)."""
 
 RACK_MAP_CAP = 16 * 2**20
 """Largest host -> group map file read."""
-
-ERROR_KEYS = ("error_ns", "max_error_ns", "est_error_ns", "maxerror_ns")
-"""Keys of a manifest's ``clock.sync`` record read as the clock's error estimate (ns)."""
 
 
 @dataclass(frozen=True)
@@ -117,19 +114,33 @@ class RankClock:
 
 
 def rank_clock(manifest: Mapping[str, Any], t_mono: Array, t_wall: Array) -> RankClock | None:
-    """The manifest's ``clock`` record when it has one, else the samples' own wall clock (None
-    when neither gives a mapping)."""
+    """The manifest's ``clock`` record (telemetry/clock.py; docs/store.md) when the run wrote one,
+    else the samples' own wall clock (None when neither gives a mapping).
+
+    From the record: the offset is the middle of the start's and the close's wall-minus-monotonic
+    measurements (the start's alone when the run was not closed); its error against true time,
+    when the host's clock was synchronized at both, is the kernel's maximum error (the larger of
+    the two) plus the measurement's uncertainty plus half the offset's drift over the run; a host
+    not known to be synchronized has an unknown error."""
     clock = manifest.get("clock")
-    if isinstance(clock, Mapping) and isinstance(clock.get("wall_minus_monotonic_ns"), int):
-        raw = clock.get("sync")
-        sync: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        source = str(sync.get("source") or "unknown")
-        err = next((sync[k] for k in ERROR_KEYS if isinstance(sync.get(k), (int, float))), None)
-        off = sync.get("offset_ns")
+    start = clock.get("wall_minus_monotonic_ns_start") if isinstance(clock, Mapping) else None
+    if isinstance(clock, Mapping) and isinstance(start, int):
+        end = clock.get("wall_minus_monotonic_ns_end")
+        end = end if isinstance(end, int) else start
+        syncs = [clock.get("sync"), clock.get("sync_end") if clock.get("sync_end") is not None else {}]
+        first: Mapping[str, Any] = syncs[0] if isinstance(syncs[0], Mapping) else {}
+        source = str(first.get("source") or "unknown")
+        errors = [
+            s.get("max_error_ns")
+            for s in syncs
+            if isinstance(s, Mapping) and s and s.get("synchronized") is True
+        ]
+        unc = clock.get("measure_uncertainty_ns")
         error = None
-        if source not in ("none", "unknown") and err is not None and math.isfinite(float(err)):
-            error = abs(float(err)) + (abs(float(off)) if isinstance(off, (int, float)) else 0.0)
-        return RankClock(int(clock["wall_minus_monotonic_ns"]), "manifest", source, error)
+        known = [s for s in syncs if isinstance(s, Mapping) and s]
+        if errors and len(errors) == len(known) and all(isinstance(e, int) for e in errors):
+            error = float(max(errors)) + (unc if isinstance(unc, int) else 0) + abs(end - start) / 2
+        return RankClock((start + end) // 2, "manifest", source, error)
     ok = (t_wall > 0) & (t_mono > 0)
     if not ok.any():
         return None
