@@ -22,8 +22,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from charllm_nemo.analysis.analyze import analyze
 from charllm_nemo.analysis.pipeline_energy import PP_BLOAT_COLUMNS, PP_PROFILE_COLUMNS, inside_sums
+from charllm_nemo.analysis.store_writer import write_rank, write_summary
 from charllm_nemo.devices.synthetic import SyntheticParams
+from tests.analysis.helpers import HZ, MS
 from tests.deadline import deadline
 
 STEPS = 4
@@ -107,3 +110,78 @@ def test_inside_sums_counts_the_samples_in_each_window_edges_included():
     s, n = inside_sums(t, v, np.array([0, 15, 31, 10]), np.array([10, 30, 39, 40]))
     assert s.tolist() == [3.0, 4.0, 0.0, 14.0]  # NaN is no sample
     assert n.tolist() == [2, 1, 0, 3]
+
+
+def _square_wave_run(run: Path, steps: int = 4, hole_step: int | None = None) -> None:
+    """2 stages; step k spans [b, b + 0.9 s], b = 0.5 + k s: forward [b + 5 ms, b + 0.205 s],
+    a pipeline wait [b + 0.205, b + 0.505 s], backward [b + 0.505, b + 0.805 s]; sampled every 10 ms
+    at 500 W inside compute, 150 W inside the wait, 100 W elsewhere, clock 1500 MHz. Rank 1 has
+    no sample inside the wait of ``hole_step``."""
+    t_all = (np.arange(int((steps + 1) * HZ) + 1) * 10 * MS).astype(np.int64)
+    for r in range(2):
+        rows = []
+        for s in range(steps):
+            b = (500 + 1000 * s) * MS
+            rows += [("step", "step", s, b, b + 900 * MS), ("phase", "forward", s, b + 5 * MS, b + 205 * MS),
+                     ("phase", "pp-forward-send-backward-recv", s, b + 205 * MS, b + 505 * MS),
+                     ("phase", "backward", s, b + 505 * MS, b + 805 * MS)]  # fmt: skip
+        power = np.full(t_all.size, 100.0)
+        keep = np.ones(t_all.size, bool)
+        for kind, name, s, t0, t1 in rows:
+            inside = (t_all > t0) & (t_all < t1)
+            if kind == "phase":
+                power[inside] = 150.0 if name.startswith("pp-") else 500.0
+                if r == 1 and s == hole_step and name.startswith("pp-"):
+                    keep &= ~inside
+        t = t_all[keep]
+        samples = {"t_mono_ns": t, "power_instant_w": power[keep], "clock_sm_mhz": np.full(t.size, 1500.0),
+                   "temp_gpu_c": np.full(t.size, 50.0), "power_limit_w": np.full(t.size, 700.0),
+                   "throttle_reasons": np.zeros(t.size, np.int64)}  # fmt: skip
+        windows = {
+            "window_id": np.arange(len(rows), dtype=np.int64),
+            "kind": [x[0] for x in rows],
+            "name": [x[1] for x in rows],
+            "step": np.array([x[2] for x in rows], np.int64),
+            "microbatch": np.full(len(rows), -1, np.int64),
+            "t_begin_mono_ns": np.array([x[3] for x in rows], np.int64),
+            "t_end_mono_ns": np.array([x[4] for x in rows], np.int64),
+            "pp_stage": np.full(len(rows), r, np.int64),
+        }
+        man = {"world_size": 2, "host": "node0",
+               "config": {"model": {"name": "toy", "seq_length": 16},
+                          "batch": {"global_batch_size": 8, "micro_batch_size": 1},
+                          "parallel": {"tp": 1, "pp": 2, "cp": 1, "ep": 1}}}  # fmt: skip
+        write_rank(run, r, samples, windows, man)
+    write_summary(run, {"status": "complete", "model": "toy", "world_size": 2})
+
+
+def test_a_square_wave_gives_the_exact_wait_energy_and_profile(tmp_path):
+    _square_wave_run(tmp_path / "run", hole_step=2)
+    a = analyze(tmp_path / "run")
+    bloat = a.tables["pp_bloat"].to_pandas().sort_values(["rank", "step"])
+    assert len(bloat) == 2 * 3  # steps 1..3 are measured (the first is the warm-up)
+    assert bloat["wait_s"].tolist() == pytest.approx([0.3] * 6)
+    # 0.3 s x 150 W, the level sampled inside the waits, even where the attribution's straight
+    # lines from the compute samples on either side read more
+    assert bloat["wait_energy_j"].tolist() == pytest.approx([45.0] * 6)
+    assert (bloat["wait_energy_attributed_j"] > 45.0 + 1e-6).all()
+    src = dict(zip(zip(bloat["rank"], bloat["step"], strict=True), bloat["wait_power_from"], strict=True))
+    assert src[(1, 2)] == "rank_samples" and src[(0, 2)] == "step_samples"  # no sample in its wait
+    assert bloat["wait_share"].tolist() == pytest.approx([0.3 / 0.9] * 6)
+    profile = a.tables["pp_profile"].to_pandas()
+    assert tuple(profile.columns) == PP_PROFILE_COLUMNS
+    assert sorted(zip(profile["stage"], profile["instruction"], strict=True)) == [
+        (0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")]  # fmt: skip
+    for _, r in profile.iterrows():
+        want_s = 0.2 if r["instruction"] == "forward" else 0.3
+        assert r["time"] == pytest.approx(want_s) and r["power_w"] == pytest.approx(500.0)
+        assert r["energy"] == pytest.approx(500.0 * want_s) and r["frequency"] == 1500
+        assert r["p2p_power"] == pytest.approx(150.0) and r["windows"] == 3
+
+
+def test_a_run_without_a_pipeline_has_no_bloat_tables(tmp_path):
+    from tests.analysis.helpers import constant_run
+
+    constant_run(tmp_path / "run")
+    tables = analyze(tmp_path / "run").tables
+    assert "pp_bloat" not in tables and "pp_profile" not in tables and "runs" in tables

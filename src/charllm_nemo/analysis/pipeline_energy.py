@@ -90,58 +90,78 @@ def _samples(run: Run, rank: int) -> dict[str, Arr] | None:
     return {k: v[order] for k, v in out.items()}
 
 
+def _by(keys: Arr, values: Arr, n: int) -> Arr:
+    return np.bincount(keys, weights=values, minlength=n)
+
+
 def _rank_rows(
     run: str, rank: int, w: dict[str, Arr], s: dict[str, Arr]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(pp_bloat rows, per-window instruction records) of one rank's devices."""
+    """(pp_bloat rows, per-(stage, instruction) sums) of one rank's devices. Steps and
+    instructions are summed with bincount: linear in the rank's windows and samples."""
     bloat: list[dict[str, Any]] = []
     inst: list[dict[str, Any]] = []
+    ends = w["t_begin_mono_ns"] + np.rint(w["duration_s"] * 1e9).astype(np.int64)
+    is_pp = np.array([str(n).startswith("pp-") for n in w["name"]], bool)
     for dev in np.unique(w["device_index"]):
         sel = s["device_index"] == dev
         t, power, clock = s["t_mono_ns"][sel], s["power_instant_w"][sel], s["clock_sm_mhz"][sel]
         mine = (w["device_index"] == dev) & w["measured"]
-        ends = w["t_begin_mono_ns"] + np.rint(w["duration_s"] * 1e9).astype(np.int64)
-        is_wait = mine & (w["kind"] == "phase") & np.array([str(n).startswith("pp-") for n in w["name"]])
+        is_wait = mine & (w["kind"] == "phase") & is_pp
         p_sum, p_n = inside_sums(t, power, w["t_begin_mono_ns"], ends)
         c_sum, c_n = inside_sums(t, clock, w["t_begin_mono_ns"], ends)
         rank_n = int(p_n[is_wait].sum())
         rank_power = float(p_sum[is_wait].sum() / rank_n) if rank_n else float("nan")
         steps = np.flatnonzero(mine & (w["kind"] == "step"))
-        for i in steps:
-            waits = is_wait & (w["step"] == w["step"][i])
-            wait_s = float(w["duration_s"][waits].sum())
-            n = int(p_n[waits].sum())
+        if steps.size:
+            uniq, pos = np.unique(w["step"][steps], return_inverse=True)
+            k = np.searchsorted(uniq, w["step"][is_wait])  # each wait's step among them
+            k_ok = (k < uniq.size) & (uniq[np.minimum(k, uniq.size - 1)] == w["step"][is_wait])
+            k, m = k[k_ok], uniq.size
+            wi = np.flatnonzero(is_wait)[k_ok]
+            e, d = w["energy_j"][wi], w["duration_s"][wi]
+            fin = np.isfinite(e)
+            sums = {
+                "n": _by(k, np.ones(k.size), m), "time": _by(k, d, m), "p_sum": _by(k, p_sum[wi], m),
+                "p_n": _by(k, p_n[wi], m), "attr": _by(k, np.where(fin, e, 0.0), m),
+                "attr_d": _by(k, np.where(fin, d, 0.0), m),
+            }  # fmt: skip
+        for j, i in enumerate(steps):
+            q = pos[j]
+            wait_s, n = float(sums["time"][q]), int(sums["p_n"][q])
             if n:
-                pw, src = float(p_sum[waits].sum() / n), "step_samples"
+                pw, src = float(sums["p_sum"][q] / n), "step_samples"
             elif rank_n:
                 pw, src = rank_power, "rank_samples"
             else:
-                e, d = w["energy_j"][waits], w["duration_s"][waits]
-                ok = np.isfinite(e)
-                pw = float(e[ok].sum() / d[ok].sum()) if ok.any() and d[ok].sum() > 0 else float("nan")
-                src = "step_average"
+                attr_d = float(sums["attr_d"][q])
+                pw, src = (float(sums["attr"][q]) / attr_d if attr_d > 0 else float("nan")), "step_average"
             step_j, step_s = float(w["energy_j"][i]), float(w["duration_s"][i])
             energy = wait_s * pw if wait_s > 0 else 0.0
-            attributed = w["energy_j"][waits]
             bloat.append(
                 {
                     "run": run, "rank": rank, "device_index": int(dev), "pp_stage": int(w["pp_stage"][i]),
                     "step": int(w["step"][i]), "step_s": step_s, "step_energy_j": step_j,
-                    "waits": int(waits.sum()), "wait_s": wait_s,
+                    "waits": int(sums["n"][q]), "wait_s": wait_s,
                     "wait_share": wait_s / step_s if step_s > 0 else float("nan"),
                     "wait_samples": n, "wait_power_w": pw, "wait_power_from": src, "wait_energy_j": energy,
-                    "wait_energy_attributed_j": float(np.nansum(attributed)) if attributed.size else 0.0,
+                    "wait_energy_attributed_j": float(sums["attr"][q]),
                     "bloat_share": energy / step_j if step_j > 0 else float("nan"),
                 }
             )  # fmt: skip
         for name in ("forward", "backward"):
-            for i in np.flatnonzero(mine & (w["kind"] == "phase") & (w["name"] == name)):
+            ph = mine & (w["kind"] == "phase") & (w["name"] == name)
+            for stage in np.unique(w["pp_stage"][ph]):
+                x = ph & (w["pp_stage"] == stage)
+                e, c = w["energy_j"][x], w["clock_sm_avg_mhz"][x]
                 inst.append(
                     {
-                        "run": run, "rank": rank, "stage": int(w["pp_stage"][i]), "instruction": name,
-                        "time": float(w["duration_s"][i]), "p_sum": float(p_sum[i]), "p_n": int(p_n[i]),
-                        "c_sum": float(c_sum[i]), "c_n": int(c_n[i]), "energy_attr": float(w["energy_j"][i]),
-                        "clock_attr": float(w["clock_sm_avg_mhz"][i]), "p2p": rank_power,
+                        "run": run, "rank": rank, "stage": int(stage), "instruction": name,
+                        "windows": int(x.sum()), "time": float(w["duration_s"][x].sum()),
+                        "p_sum": float(p_sum[x].sum()), "p_n": int(p_n[x].sum()),
+                        "c_sum": float(c_sum[x].sum()), "c_n": int(c_n[x].sum()),
+                        "attr": float(np.nansum(e)), "attr_n": int(np.isfinite(e).sum()),
+                        "clock": float(np.nansum(c)), "clock_n": int(np.isfinite(c).sum()), "p2p": rank_power,
                     }
                 )  # fmt: skip
     return bloat, inst
@@ -153,27 +173,27 @@ def _profile(inst: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((r["run"], r["stage"], r["instruction"]), []).append(r)
     rows = []
     for (run, stage, name), rs in sorted(groups.items()):
-        time = float(np.mean([r["time"] for r in rs]))
-        n = sum(r["p_n"] for r in rs)
-        attr = np.array([r["energy_attr"] for r in rs])
-        attr_mean = float(np.nanmean(attr)) if np.isfinite(attr).any() else float("nan")
+
+        def total(key: str, rs: list[dict[str, Any]] = rs) -> float:
+            return float(sum(r[key] for r in rs))
+
+        time = total("time") / total("windows")
+        n = int(total("p_n"))
+        attr_mean = total("attr") / total("attr_n") if total("attr_n") else float("nan")
         if n:
-            power, src = sum(r["p_sum"] for r in rs) / n, "samples"
+            power, src = total("p_sum") / n, "samples"
         else:
-            power, src = attr_mean / time if time > 0 else float("nan"), "attributed"
-        cn = sum(r["c_n"] for r in rs)
-        clocks = np.array([r["clock_attr"] for r in rs])
-        freq = (
-            sum(r["c_sum"] for r in rs) / cn
-            if cn
-            else (float(np.nanmean(clocks)) if np.isfinite(clocks).any() else float("nan"))
-        )
-        p2p = np.array(sorted({(r["rank"], r["p2p"]) for r in rs}), dtype=float)[:, 1]
+            power, src = (attr_mean / time if time > 0 else float("nan")), "attributed"
+        if total("c_n"):
+            freq = total("c_sum") / total("c_n")
+        else:
+            freq = total("clock") / total("clock_n") if total("clock_n") else float("nan")
+        p2p = np.array([r["p2p"] for r in rs], float)
         rows.append(
             {
                 "run": run, "stage": stage, "instruction": name,
-                "frequency": round(float(freq)) if np.isfinite(freq) else None, "time": time,
-                "energy": time * power, "power_w": power, "windows": len(rs),
+                "frequency": round(freq) if np.isfinite(freq) else None, "time": time,
+                "energy": time * power, "power_w": power, "windows": int(total("windows")),
                 "ranks": len({r["rank"] for r in rs}), "samples": n, "energy_from": src,
                 "energy_attributed": attr_mean,
                 "p2p_power": float(np.nanmean(p2p)) if np.isfinite(p2p).any() else float("nan"),
