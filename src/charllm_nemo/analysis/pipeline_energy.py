@@ -223,14 +223,16 @@ def pipeline_tables(runs: list[Run], windows: pa.Table | None) -> dict[str, pa.T
         stages = pc.unique(pc.drop_null(wr.column("pp_stage")))
         if len(stages) < 2:
             continue
-        for rank in sorted(set(wr.column("rank").to_pylist())):
-            s = _samples(run, rank)
+        wr = wr.select(list(_WINDOW_COLS)).sort_by("rank")  # one pass, then each rank a slice
+        ranks, first = np.unique(_np(wr, "rank"), return_index=True)
+        for rank, lo, hi in zip(ranks, first, [*first[1:], wr.num_rows], strict=True):
+            s = _samples(run, int(rank))
             if s is None:
                 continue
-            t = wr.filter(pc.equal(wr.column("rank"), rank)).select(list(_WINDOW_COLS))
+            t = wr.slice(int(lo), int(hi - lo))
             w = {c: _np(t, c) for c in _WINDOW_COLS}
             w["measured"] = w["measured"].astype(bool)
-            b, i = _rank_rows(run.key, rank, w, s)
+            b, i = _rank_rows(run.key, int(rank), w, s)
             bloat += b
             inst += i
     if not bloat:
