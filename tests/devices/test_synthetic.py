@@ -147,12 +147,20 @@ def test_activity_follows_the_training_phases_reported_by_window_marks():
             assert marks.level() == 1.0
         with rec.window("phase", "optimizer"):
             assert marks.level() == 0.5
-            with rec.window("phase", "grad-sync"):  # any other phase: 0.7, the highest open wins
+            with rec.window("phase", "data-wait"):  # any other phase: 0.7, the highest open wins
                 assert marks.level() == 0.7
                 with rec.window("phase", "backward"):
                     assert marks.level() == 1.0
                 assert marks.level() == 0.7
             assert marks.level() == 0.5
+        # communication is low: pipeline send / receive (waits included) and gradient syncs
+        for comm in ("pp-forward-recv", "pp-backward-send-forward-recv", "grad-sync", "embedding-grad-sync"):
+            with rec.window("phase", comm):
+                assert marks.level() == 0.15
+                with rec.window("phase", "backward"):  # a sync overlapped with compute: compute
+                    assert marks.level() == 1.0
+                assert marks.level() == 0.15
+            assert marks.level() == 0.3
     assert marks.level() == 0.0
     marks("phase", "forward", False)  # an end without its begin changes nothing
     assert marks.level() == 0.0
@@ -163,6 +171,43 @@ def test_activity_follows_the_training_phases_reported_by_window_marks():
             with rec.window("phase", "forward"):
                 pass
     assert published == [0.3, 1.0, 0.3, 1.0, 0.3, 0.0]  # once per change, not per mark
+
+
+def test_power_swings_with_the_phases_of_a_pipeline_step():
+    """A 1F1B-like step on a device that follows marks: every compute phase reads the full
+    activity's power, every wait for the neighbour stage and the gradient sync the communication
+    level's, so one step's power rises and falls as a GPU's does."""
+    clock = Clock()
+    p = SyntheticParams()
+    backend = open_backend("synthetic", activity="marks", params=p, clock=clock)
+    dev = backend.devices[0]
+    rec = WindowRecorder()
+    rec.add_listener(backend.activity)
+
+    def power_after(seconds: float) -> float:
+        clock.advance(seconds)
+        return float(_get(dev.read(), "power_instant_w"))
+
+    compute, comm = p.peak_w, p.idle_w + 0.15 * (p.peak_w - p.idle_w)
+    seen: list[float] = []
+    with rec.window("step", step=0):
+        for phase in (
+            "forward",
+            "pp-forward-send-backward-recv",
+            "backward",
+            "pp-backward-send-forward-recv",
+        ):
+            with rec.window("phase", phase):
+                seen.append(power_after(0.02))
+        with rec.window("phase", "grad-sync"):
+            seen.append(power_after(0.02))
+        with rec.window("phase", "optimizer"):
+            seen.append(power_after(0.02))
+    seen.append(power_after(0.02))
+    assert seen == pytest.approx(
+        [compute, comm, compute, comm, comm, p.idle_w + 0.5 * (p.peak_w - p.idle_w), p.idle_w]
+    )
+    assert comm == pytest.approx(146.25)
 
 
 def test_the_factory_warns_loudly_that_synthetic_is_not_hardware(caplog):

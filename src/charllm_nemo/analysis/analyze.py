@@ -29,6 +29,7 @@ from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
 from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_run, rank_arrays
+from charllm_nemo.analysis.pipeline_energy import pipeline_tables
 from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
@@ -202,6 +203,7 @@ def analyze(
     if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
         tables["kernels"] = kernels
     tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems))  # docs/analysis.md
+    tables.update(pipeline_tables(runs, windows))  # pp_bloat, pp_profile: runs with a pipeline
     return Analysis(tables, runs, problems, windows_out if writer else None, windows)
 
 

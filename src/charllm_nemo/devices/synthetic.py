@@ -25,7 +25,9 @@ The model (defaults loosely follow an H200 SXM):
 * PCIe traffic grows with activity, so the 64-bit counter path is exercised end to end.
 
 Activity comes from something real: the window marks the training loop reports (forward and
-backward = 1.0, optimizer = 0.5, inside a step otherwise = 0.3, no window = 0), or this
+backward = 1.0, optimizer = 0.5, other phases 0.7, communication: pipeline send / receive and
+gradient syncs = 0.15, inside a step otherwise = 0.3, no window = 0: compute high, communication
+and pipeline bubbles low, so the power swings at the iteration period as a GPU's does), or this
 process's CPU use, or a fixed number / callable for tests. When the device is read in a separate
 sampling process, the marks cross over as one shared float64 (:class:`SharedActivity`) and
 "this process" means the training process (``observe_pid``).
@@ -92,10 +94,23 @@ class SyntheticParams:
     mem_total_bytes: int = 141 * 2**30
 
 
-_LEVELS = (1.0, 0.7, 0.5)
-"""Activity of an open phase: forward / backward, any other phase, the optimizer."""
-_LEVEL_OF = {"forward": 0, "backward": 0, "optimizer": 2}  # index into _LEVELS; others: 1
+_LEVELS = (1.0, 0.7, 0.5, 0.15)
+"""Activity of an open phase, highest first: forward / backward (compute), any other phase, the
+optimizer (memory-bound), communication (pipeline send / receive ``pp-*``, waiting for the
+neighbour stage included, and gradient syncs ``*grad-sync``: a GPU blocked in NCCL spins a few
+SMs and draws little more than idle). The highest open one wins, so a sync overlapped with
+backward draws compute power."""
+_LEVEL_OF = {"forward": 0, "backward": 0, "optimizer": 2}  # index into _LEVELS; others: 1 or 3
+_COMM = 3
 _IN_STEP, _IDLE = 0.3, 0.0
+
+
+def _level_index(name: str) -> int:
+    """The index in :data:`_LEVELS` of phase ``name`` (the phase names of steps/marks.py)."""
+    i = _LEVEL_OF.get(name)
+    if i is not None:
+        return i
+    return _COMM if name.startswith("pp-") or name.endswith("grad-sync") else 1
 
 
 class MarkActivity:
@@ -106,7 +121,8 @@ class MarkActivity:
     change, not per mark, since marks run on the training thread. An ``on_change`` that raises
     ValueError or TypeError (where it publishes to was released: the session is stopping) is
     dropped. The level is the highest activity of the phases open (:data:`_LEVELS`: 1.0
-    forward / backward, 0.5 optimizer, 0.7 other phases), 0.3 inside a step between phases, 0
+    forward / backward, 0.7 other phases, 0.5 optimizer, 0.15 communication: ``pp-*`` send /
+    receive and waits, ``*grad-sync``), 0.3 inside a step between phases, 0
     outside steps; kept as counts of open phases per activity, so a mark costs a few list
     operations."""
 
@@ -130,7 +146,7 @@ class MarkActivity:
         if gov is not None:
             gov.device.advance_now()  # the time since the last mark, at the level it had
         if kind == "phase":
-            i = _LEVEL_OF.get(name, 1)
+            i = _level_index(name)
             n = self._open[i] + (1 if is_begin else -1)
             self._open[i] = n if n > 0 else 0
         elif kind == "step":
@@ -175,6 +191,8 @@ class MarkActivity:
             return _LEVELS[1]
         if o[2]:
             return _LEVELS[2]
+        if o[3]:
+            return _LEVELS[3]
         return _IN_STEP if self._in_step > 0 else _IDLE
 
 
