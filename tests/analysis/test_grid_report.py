@@ -121,7 +121,7 @@ def test_the_wave_figure_draws_its_four_panels_with_plain_labels(
     assert len(zoom.patches) == 4  # the zoomed iterations, shaded
     assert (
         "GPU-visible power" in fig._suptitle.get_text()
-        and "alignment error 0.002 ms" in fig._suptitle.get_text()
+        and "alignment error 0.0022 ms" in fig._suptitle.get_text()
     )
     labels = [t.get_text() for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
     assert labels and not [t for t in labels if "$" in t or "mathdefault" in t]
