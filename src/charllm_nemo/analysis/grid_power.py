@@ -28,6 +28,7 @@ import pyarrow as pa
 from charllm_nemo.analysis import grid_metrics as gm
 from charllm_nemo.analysis.load import Run
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.figures import finite_or_none
 from charllm_nemo.telemetry.filecheck import printable
 from charllm_nemo.telemetry.layout import UnsafeFileError, read_bounded
 from charllm_nemo.telemetry.reader import CorruptSegmentWarning, read_segments
@@ -127,19 +128,20 @@ def rank_clock(manifest: Mapping[str, Any], t_mono: Array, t_wall: Array) -> Ran
     if isinstance(clock, Mapping) and isinstance(start, int):
         end = clock.get("wall_minus_monotonic_ns_end")
         end = end if isinstance(end, int) else start
-        syncs = [clock.get("sync"), clock.get("sync_end") if clock.get("sync_end") is not None else {}]
-        first: Mapping[str, Any] = syncs[0] if isinstance(syncs[0], Mapping) else {}
+        syncs = [s for s in (clock.get("sync"), clock.get("sync_end")) if s is not None]
+        first = syncs[0] if syncs and isinstance(syncs[0], Mapping) else {}
         source = str(first.get("source") or "unknown")
-        errors = [
-            s.get("max_error_ns")
+        max_errors = [
+            s["max_error_ns"]
             for s in syncs
-            if isinstance(s, Mapping) and s and s.get("synchronized") is True
+            if isinstance(s, Mapping)
+            and s.get("synchronized") is True
+            and isinstance(s.get("max_error_ns"), int)
         ]
         unc = clock.get("measure_uncertainty_ns")
         error = None
-        known = [s for s in syncs if isinstance(s, Mapping) and s]
-        if errors and len(errors) == len(known) and all(isinstance(e, int) for e in errors):
-            error = float(max(errors)) + (unc if isinstance(unc, int) else 0) + abs(end - start) / 2
+        if syncs and len(max_errors) == len(syncs):
+            error = float(max(max_errors)) + (unc if isinstance(unc, int) else 0) + abs(end - start) / 2
         return RankClock((start + end) // 2, "manifest", source, error)
     ok = (t_wall > 0) & (t_mono > 0)
     if not ok.any():
@@ -361,10 +363,6 @@ WHATIF_COLUMNS: tuple[str, ...] = (
 """``grid_whatif``'s columns (docs/analysis.md)."""
 
 
-def _nan_or(v: float) -> float | None:
-    return v if math.isfinite(v) else None
-
-
 def training_span(x: Array, wf: JobWaveform) -> Array:
     """``x`` from the first iteration's start to the last one's end (the whole of ``x`` without
     iterations): the spectrum and the 1 s averages read training, not the warm-up or the idle
@@ -410,7 +408,7 @@ def scope_row(x: Array, gpus: int, wf: JobWaveform, options: GridOptions) -> dic
         fleet_ramp_down_max_mw_per_s=rp.down[2] * scale,
         fleet_dominant_amplitude_mw=spec.dominant_amplitude_w * scale,
     )
-    return {k: (_nan_or(v) if isinstance(v, float) else v) for k, v in row.items()}
+    return {k: (finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
 def default_floors(wf: JobWaveform) -> tuple[float, ...]:
@@ -446,7 +444,7 @@ def whatif_rows(
             "fleet_extra_power_mw": w.extra_energy_j / span / wf.n_gpus * options.fleet_gpus / 1e6
             if options.fleet_gpus and span > 0 else math.nan,
         }  # fmt: skip
-        out.append({k: (_nan_or(v) if isinstance(v, float) else v) for k, v in row.items()})
+        out.append({k: (finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()})
     return out
 
 
