@@ -130,6 +130,18 @@ def _load_fn(mode: str) -> tuple[Any, str]:
     return cpu_load, "fp64 matmul 256x256 on the CPU (stub mode)"
 
 
+def wait_for_samples(tel: Any, n: int, timeout_s: float) -> float:
+    """Seconds until ``tel`` (a started TelemetrySession) has taken ``n`` samples; RuntimeError
+    naming its start-up error after ``timeout_s`` without them."""
+    t0 = time.monotonic()
+    while tel.health.samples < n:
+        if time.monotonic() - t0 > timeout_s:
+            why = tel.health.stop_reason
+            raise RuntimeError(f"the sampler took no {n} samples in {timeout_s:g} s ({why})")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
 def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float) -> dict[str, Any]:
     import numpy as np
 
@@ -153,6 +165,10 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     )
     tel.start()
     rec = tel.windows
+    # The windows begin once the sampler samples: its process can take seconds to start on a busy
+    # host (a CI VM at load 30 had not sampled within the 3 s load window of --quick: no figures).
+    waited = wait_for_samples(tel, 2, timeout_s=120.0)
+    log(f"load test: sampler sampling after {waited:.1f} s")
     time.sleep(0.3)  # a counter tick before the first window, so its energy can come from the counter
     log(f"load test: idle {idle_s:g} s, {what} {load_s:g} s, idle {idle_s:g} s, sampling at {hz:g} Hz")
     with rec.window("phase", "idle_before"):
