@@ -149,6 +149,7 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     from charllm_nemo.telemetry.reader import load_rank, to_arrays
     from charllm_nemo.telemetry.schema import decode_throttle
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.timelines import GAP_PERIODS, _Series, sample_period_ns
 
     load, what = _load_fn(mode)
     run_dir = out_dir / "load_run"
@@ -209,6 +210,15 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
             "throttle_reasons_seen": list(decode_throttle(union)),
             "energy_counter_j": e_counter,
             "energy_power_integral_j": e_power,
+            # the tool's figure (the counter, its edges from the power) and its stated bound; the
+            # integral's trapezoid bound (inf across a sampling gap, as a busy host leaves)
+            "energy_j": float(figs["energy_j"][i]),
+            "energy_bound_j": float(figs["energy_bound_j"][i]),
+            "energy_power_integral_bound_j": float(
+                _Series(t, p.astype(np.float64)).trapezoid_bound(
+                    np.array([t0]), np.array([t1]), GAP_PERIODS * sample_period_ns(t)
+                )[0]
+            ),
             "energy_ratio_counter_over_integral": e_counter / e_power if e_power else None,
             "energy_method": str(figs["energy_method"][i]),
         }
