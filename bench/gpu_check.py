@@ -132,6 +132,18 @@ def _load_fn(mode: str) -> tuple[Any, str]:
     return cpu_load, "fp64 matmul 256x256 on the CPU (stub mode)"
 
 
+def wait_for_samples(tel: Any, n: int, timeout_s: float) -> float:
+    """Seconds until ``tel`` (a started TelemetrySession) has taken ``n`` samples; RuntimeError
+    naming its start-up error after ``timeout_s`` without them."""
+    t0 = time.monotonic()
+    while tel.health.samples < n:
+        if time.monotonic() - t0 > timeout_s:
+            why = tel.health.stop_reason
+            raise RuntimeError(f"the sampler took no {n} samples in {timeout_s:g} s ({why})")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
 def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float) -> dict[str, Any]:
     import numpy as np
 
@@ -139,6 +151,7 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     from charllm_nemo.telemetry.reader import load_rank, to_arrays
     from charllm_nemo.telemetry.schema import decode_throttle
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.timelines import GAP_PERIODS, _Series, sample_period_ns
 
     load, what = _load_fn(mode)
     run_dir = out_dir / "load_run"
@@ -155,6 +168,10 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     )
     tel.start()
     rec = tel.windows
+    # The windows begin once the sampler samples: its process can take seconds to start on a busy
+    # host (a CI VM at load 30 had not sampled within the 3 s load window of --quick: no figures).
+    waited = wait_for_samples(tel, 2, timeout_s=120.0)
+    log(f"load test: sampler sampling after {waited:.1f} s")
     time.sleep(0.3)  # a counter tick before the first window, so its energy can come from the counter
     log(f"load test: idle {idle_s:g} s, {what} {load_s:g} s, idle {idle_s:g} s, sampling at {hz:g} Hz")
     with rec.window("phase", "idle_before"):
@@ -195,6 +212,15 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
             "throttle_reasons_seen": list(decode_throttle(union)),
             "energy_counter_j": e_counter,
             "energy_power_integral_j": e_power,
+            # the tool's figure (the counter, its edges from the power) and its stated bound; the
+            # integral's trapezoid bound (inf across a sampling gap, as a busy host leaves)
+            "energy_j": float(figs["energy_j"][i]),
+            "energy_bound_j": float(figs["energy_bound_j"][i]),
+            "energy_power_integral_bound_j": float(
+                _Series(t, p.astype(np.float64)).trapezoid_bound(
+                    np.array([t0]), np.array([t1]), GAP_PERIODS * sample_period_ns(t)
+                )[0]
+            ),
             "energy_ratio_counter_over_integral": e_counter / e_power if e_power else None,
             "energy_method": str(figs["energy_method"][i]),
         }

@@ -6,7 +6,8 @@ document; an HTML comment on the line just before a block changes that:
 
     <!-- docs-test: gpu REASON -->       GPU only: checked, not run (below)
     <!-- docs-test: slurm REASON -->     needs a SLURM cluster (a sweep's jobs): checked, not run
-    <!-- docs-test: dry-run REASON -->   runs on a CPU but costs minutes: checked, not run
+    <!-- docs-test: dry-run REASON -->   runs on a CPU but costs minutes, or is run for real by a
+                                         test REASON names: checked, not run
     <!-- docs-test: parse REASON -->     a fragment (names from its context): checked, not run
     <!-- docs-test: skip REASON -->      not run and not checked, REASON printed
     <!-- docs-test: output -->           (before a plain ``` block) what the block before it

@@ -47,9 +47,19 @@ def run_rc(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, st
 # -- sweeps ---------------------------------------------------------------------------------------
 
 
-UNREADABLE_SWEEPS = ["schema_other", "sweep_json_deep", "sweep_json_empty_object", "sweep_json_list"]
-"""WHOLE_FILE_CASES that give no sweep at all (the others are read, with a warning, as a sweep of
-no configuration: its name and folder are listed)."""
+UNREADABLE_SWEEPS = [
+    "runs_as_dict",
+    "schema_other",
+    "sweep_json_deep",
+    "sweep_json_empty_object",
+    "sweep_json_list",
+    "sweep_json_not_utf8",
+]
+"""WHOLE_FILE_CASES that give no sweep at all: every one (an empty sweep is no reading of a
+broken record)."""
+
+NO_RECORD = {"runs_as_dict": "field 'runs' is object, not a list", "sweep_json_not_utf8": "in field 'name'"}
+"""sweep.json cases that parse but are no record of the sweep, and the field their error names."""
 
 
 @pytest.mark.parametrize("case", UNREADABLE_SWEEPS)
@@ -60,6 +70,28 @@ def test_sweep_status_fails_when_its_only_sweep_is_unreadable(
     s = _sweep(tmp_path, raw=WHOLE_FILE_CASES[case])
     rc, text = run_rc(["sweep", "status", str(s), "--no-slurm"], capsys)
     assert rc == 2 and "error: no sweep under" in text, text
+    if case in NO_RECORD:  # the file, the field and the fix (was exit 0, an empty sweep)
+        assert f"{s / 'sweep.json'}: " in text and NO_RECORD[case] in text, text
+        assert "restore the file or write that field back" in text, text
+
+
+@pytest.mark.parametrize("case", sorted(NO_RECORD))
+def test_analysis_fails_on_a_sweep_json_that_is_no_record(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep with a readable run and a sweep.json that parses but is no record of the sweep:
+    analyze and report fail naming the file, the field and the fix (its out-of-memory and failed
+    configurations, the figures' gaps, silently went unseen, exit 0)."""
+    s = tmp_path / "sweep=demo"
+    constant_run(s / "run=good-1" / "attempt=1", ranks=1, seconds=1.0, steps=1)
+    (s / "sweep.json").write_bytes(WHOLE_FILE_CASES[case])
+    for argv in (
+        ["analyze", str(s), "--no-figures", "--out", str(tmp_path / "a")],
+        ["report", str(s), "--out", str(tmp_path / "r")],
+    ):
+        rc, text = run_rc(argv, capsys)
+        assert rc == 2 and f"error: {s / 'sweep.json'}: " in text and NO_RECORD[case] in text, (argv, text)
+        assert "restore the file or write that field back" in text, text
 
 
 # -- spreadsheet formulas in CSV cells ------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from charllm_nemo.alerts import ALERTS_FILE, AlertsConfig, alert_observer
 from charllm_nemo.steps import StepTelemetry
 from charllm_nemo.telemetry.config import Placement, TelemetryConfig, open_session
+from tests.deadline import deadline
 
 HZ = 100.0
 STALL_S = 1.0
@@ -44,6 +45,12 @@ def test_a_stalled_sampler_raises_the_sampler_health_alert(tmp_path: Path, sampl
     cfg = TelemetryConfig(out_dir=str(tmp_path), backend="synthetic", sampler=sampler, hz=HZ)
     session = open_session(cfg, Placement(), handle_signals=False)
     assert session.sampler_mode == sampler
+    # The stall must come while the sampler samples: its process took 5.4 s to start at load 35
+    # (two busy loops beside), after all 8 steps and the stall (1 sample, 0 deadlines missed).
+    until = time.monotonic() + deadline(60)
+    while session.health.samples < 2:
+        assert time.monotonic() < until, session.health
+        time.sleep(0.02)
     obs = alert_observer(AlertsConfig(console=False), run_dir=tmp_path)
     assert obs is not None
     st = StepTelemetry(session, Placement(), observers=[obs], phase_times=True, rank_info=True,

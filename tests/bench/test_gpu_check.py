@@ -45,8 +45,15 @@ def test_stub_mode_runs_every_part_and_writes_one_report(tmp_path):
     load = report["load"]["windows"]["load"]
     # the stand-in's power is a 300 W / 650 W square wave: the average sits between
     assert 300 < load["power_avg_w"] < 650 and load["power_peak_w"] == pytest.approx(650.0)
-    # counter vs integrated instant power, both of the same square wave: within a few percent
-    assert 0.95 < load["energy_ratio_counter_over_integral"] < 1.05
+    # The energy of the square wave, 475 W on average (to within half a period's 175 W x 0.1 s
+    # where the window is no whole number of 200 ms periods), lies within each figure's bound:
+    # the counter's (the tool's energy_j) and the sampled instant power's trapezoid (unbounded
+    # across a sampling gap). Was "counter / integral within 5 %": at load 30 the sampler's gaps
+    # left the integral 7 % low (1,323 J vs the counter's 1,426 J, truth 1,425 J): no defect.
+    truth, slack = 475.0 * load["duration_s"], 175.0 * 0.1
+    assert abs(load["energy_j"] - truth) <= load["energy_bound_j"] + slack, load
+    bound = load["energy_power_integral_bound_j"]
+    assert bound == float("inf") or abs(load["energy_power_integral_j"] - truth) <= bound + slack, load
     assert report["load"]["energy_counter_update_ms_median"] == pytest.approx(50.0, rel=0.1)
     # the driver buffers (bench/gpu_buffers.py): the stand-in samples every 20 ms, the same
     # square wave as the polled instant power

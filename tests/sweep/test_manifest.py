@@ -48,6 +48,30 @@ def test_the_manifest_round_trips_and_refuses_a_foreign_file(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (
+            b'{"schema": "charllm-sweep/1", "name": "s", "runs": [{"key": "k\xff", "attempts": []}]}',
+            "runs[0].key",
+        ),
+        (b'{"schema": "charllm-sweep/1", "name": "s", "runs": {"k": {"key": "k"}}}', "'runs' is object"),
+    ],
+)
+def test_a_manifest_that_is_no_record_of_its_sweep_is_refused_not_read_empty(
+    tmp_path: Path, raw: bytes, field: str
+) -> None:
+    """Bytes that are not UTF-8, or ``runs`` not a list: ConfigError naming the file, the field
+    and the fix. Read as an empty sweep (as before), a resumed sweep (the sweeper's
+    load_manifest) would have written an empty manifest over the configurations' states."""
+    (tmp_path / "sweep.json").write_bytes(raw)
+    with pytest.raises(ConfigError) as exc:
+        load_manifest(tmp_path)
+    assert str(exc.value).startswith(f"{tmp_path / 'sweep.json'}: ") and field in str(exc.value)
+    assert "restore the file" in str(exc.value)
+    assert (tmp_path / "sweep.json").read_bytes() == raw
+
+
+@pytest.mark.parametrize(
     ("recorded", "slurm", "state"),
     [
         ({"state": "running"}, "RUNNING", "running"),

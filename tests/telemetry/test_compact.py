@@ -172,7 +172,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "24 segment file(s) -> 4" in out
     # every row of both ranks rewritten: 2 x (30 samples + 6 windows) (was always "0 rows")
-    assert "; 72 rows rewritten" in out, out
+    assert "; 72 rows read, 72 rows written\n" in out, out
     assert main(["compact", str(tmp_path / "nope")]) == 2
     assert json.loads((tmp_path / "rank=0" / "manifest.json").read_text())["status"] == "complete"
 
@@ -230,6 +230,26 @@ def test_overlapping_compacted_ranges_are_read_once_and_said(tmp_path: Path) -> 
     assert any("overlap" in p for p in problems)
     assert [p.name for p in scan_run(tmp_path).ranks[0].samples] == ["samples-000000-000004.parquet"]
     assert load_run(tmp_path).samples.num_rows == unique  # one copy, for good
+
+
+def test_compact_counts_rows_held_twice_by_overlapping_files_once_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 43: "rows rewritten" was the rows written, which leave out the copies overlapping
+    files both held, without a word: now the rows read and written, and the difference said."""
+    unique = _overlapping(tmp_path)
+    folder = tmp_path / "rank=0"
+    files = scan_run(tmp_path).ranks[0]
+    held = {k: sum(pq.read_metadata(p).num_rows for p in getattr(files, k)) for k in ("samples", "windows")}
+    assert held["samples"] == unique + 10  # segments 2 and 3 (5 samples each) in both files
+    assert main(["compact", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    read, written = held["samples"] + held["windows"], unique + held["windows"]
+    assert (
+        f"; {read} rows read, {written} rows written (10 held twice by files with overlapping "
+        "segment ranges, written once)"
+    ) in out, out
+    assert pq.read_metadata(folder / "samples-000000-000004.parquet").num_rows == unique
 
 
 def test_every_compacted_file_is_one_a_reader_accepts(

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from charllm_nemo.analysis.load import Run
+from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.figures import finite_or_none
-from charllm_nemo.telemetry.layout import SIZE_CAPS, read_bounded, read_json
+from charllm_nemo.telemetry.filecheck import sweep_json_defect
+from charllm_nemo.telemetry.layout import SIZE_CAPS, UnsafeFileError, parse_json, read_bounded
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -142,7 +144,9 @@ def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]
     """Rows for the configurations a sweep's ``sweep.json`` lists in a :data:`GAP_STATES` state
     and that have no analysed run directory (an out-of-memory prediction never starts one), so
     the figures can show them as gaps. Model and layout come from the configuration's
-    overrides (``model=...``, ``layout=...`` / ``parallel=...``)."""
+    overrides (``model=...``, ``layout=...`` / ``parallel=...``). StoreError naming the file,
+    the field and the fix when a ``sweep.json`` is no record of its sweep (bytes that are not
+    UTF-8, ``runs`` not a list): read leniently, its gaps would silently go unseen."""
     rows: list[dict[str, Any]] = []
     seen: set[Path] = set()
     for d in run_dirs:
@@ -154,7 +158,14 @@ def sweep_gaps(run_dirs: list[Path], analysed: set[Path]) -> list[dict[str, Any]
         path = sweep_dir / "sweep.json"
         if not path.is_file() or path.is_symlink():
             continue
-        data = read_json(path, SIZE_CAPS["summary"], problems)
+        try:
+            raw = read_bounded(path, SIZE_CAPS["summary"])
+        except UnsafeFileError:
+            continue  # not a regular file, or over the cap: no gaps from it (its runs are read)
+        defect = sweep_json_defect(raw, path)
+        if defect is not None:  # read leniently, an empty sweep: its gaps would go unseen
+            raise StoreError(defect)
+        data = parse_json(raw, path, problems)
         entries = data.get("runs") if isinstance(data, dict) else None
         for e in entries if isinstance(entries, list) else []:
             if not isinstance(e, dict) or e.get("state") not in GAP_STATES:

@@ -82,12 +82,15 @@ def compacted_name(kind: str, first: int, last: int) -> str:
 
 @dataclass(frozen=True)
 class Compaction:
-    """What one compaction of one kind did: files read, the file written, rows, bytes removed."""
+    """What one compaction of one kind did: files read, the (last) file written, rows written
+    into compacted files, and the rows the files it rewrote held: more than those written by
+    the rows that files with overlapping segment ranges both held (written once)."""
 
     kind: str
     inputs: int
     output: Path | None
     rows: int
+    rows_read: int = 0
 
 
 def _sorted(kind: str, table: pa.Table) -> pa.Table:
@@ -145,10 +148,11 @@ def compact_files(
     max_rows = layout.MAX_SEGMENT_ROWS // FILE_SHARE  # read now: what the readers accept now
     max_size = layout.MAX_SEGMENT_UNPACKED // FILE_SHARE
     rewritten = 0  # rows written into compacted files, all batches
+    read = 0  # rows the files so rewritten held (overlapping files: some rows twice)
     written: Path | None = None
 
     def flush() -> None:
-        nonlocal batch, rows, size, written, rewritten, budget
+        nonlocal batch, rows, size, written, rewritten, read, budget
         if len(batch) >= 2:
             first, last = _number_range(batch[0][0])[0], _number_range(batch[-1][0])[1]
             # files whose ranges overlap hold some rows twice: one copy written (telemetry/overlap.py)
@@ -160,6 +164,7 @@ def compact_files(
                     p.unlink(missing_ok=True)
             _fsync_dir(folder)
             rewritten += table.num_rows
+            read += rows
         batch, rows, size, budget = [], 0, 0, UnpackBudget(budget.total)
 
     for p in paths:
@@ -185,7 +190,7 @@ def compact_files(
         rows += t.num_rows
         size += t.nbytes
     flush()
-    return Compaction(kind, len(paths), written, rewritten)
+    return Compaction(kind, len(paths), written, rewritten, read)
 
 
 def _castable(a: pa.Table, b: pa.Table) -> bool:
@@ -243,7 +248,16 @@ def cmd_compact(run_dir: str) -> int:
         print(f"charllm compact: {printable(exc, limit=400)}", file=sys.stderr)
         return 2
     rows = sum(c.rows for cs in done.values() for c in cs)
-    print(f"{len(done)} rank(s): {before} segment file(s) -> {after}; {rows:,} rows rewritten")
+    read = sum(c.rows_read for cs in done.values() for c in cs)
+    twice = (
+        f" ({read - rows:,} held twice by files with overlapping segment ranges, written once)"
+        if read != rows
+        else ""
+    )
+    print(
+        f"{len(done)} rank(s): {before} segment file(s) -> {after}; {read:,} rows read, "
+        f"{rows:,} rows written{twice}"
+    )
     for line in problems:
         print(f"  problem: {printable(line)}")
     return 0

@@ -265,3 +265,62 @@ def _memory_ok(memory: Mapping[str, Any]) -> bool:
         if not all(v is None or _KINDS["int"](v) for v in values):
             return False
     return True
+
+
+_SWEEP_JSON_FIX = (
+    "charllm's sweeper writes sweep.json as UTF-8 JSON with 'runs' a list of configurations "
+    "(docs/sweeps.md), so something else changed it: restore the file or write that field back "
+    "as the sweeper writes it, or move the sweep folder away to start the sweep anew (resuming "
+    "or analysing it as it is would drop each configuration's state)"
+)
+
+
+def sweep_json_defect(raw: bytes, path: Path | str) -> str | None:
+    """What makes the bytes of a sweep's ``sweep.json`` no record of the sweep though a lenient
+    reader would take them (as an empty sweep): bytes that are not UTF-8 (the field they sit
+    in named where it parses), or a ``runs`` field that is not a list. A message naming the
+    file, the field and the fix; None when neither (a file that does not parse is the
+    reader's to report)."""
+    import json
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        try:
+            where = _replaced_field(json.loads(raw.decode("utf-8", errors="replace")), "")
+        except (ValueError, RecursionError):
+            where = None
+        field = f", in field {printable(where, 80)!r}" if where else ""
+        return f"{path}: bytes that are not UTF-8 (first at byte {exc.start}{field}); {_SWEEP_JSON_FIX}"
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if runs is not None and not isinstance(runs, list):
+        return (
+            f"{path}: field 'runs' is {json_kind(runs)}, not a list of configurations "
+            f'([{{"key": ..., "state": ..., "attempts": [...]}}, ...]); {_SWEEP_JSON_FIX}'
+        )
+    return None
+
+
+def _replaced_field(value: object, at: str) -> str | None:
+    """The path (``name``, ``runs[0].key``) of the first key or string in ``value`` holding
+    U+FFFD, the replacement a lenient decoder left for bytes that are not UTF-8."""
+    if isinstance(value, str):
+        return (at or "(the whole file)") if "\ufffd" in value else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            here = f"{at}.{k}" if at else str(k)
+            if "\ufffd" in str(k):
+                return here
+            found = _replaced_field(v, here)
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _replaced_field(v, f"{at}[{i}]")
+            if found:
+                return found
+    return None

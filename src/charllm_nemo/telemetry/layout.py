@@ -348,10 +348,18 @@ def read_json(path: Path, cap: int, problems: list[str]) -> Any:
     """Parse the JSON file ``path`` (at most ``cap`` bytes). Returns None, with a line in
     ``problems`` naming the file and what is wrong, when it cannot be read or parsed."""
     try:
-        text = _decode(read_bounded(path, cap), path, problems)
-        return json.loads(text)
+        data = read_bounded(path, cap)
     except UnsafeFileError as exc:
         problems.append(str(exc))
+        return None
+    return parse_json(data, path, problems)
+
+
+def parse_json(data: bytes, path: Path, problems: list[str]) -> Any:
+    """The JSON value of ``data`` read from ``path`` (bytes that are not UTF-8 replaced, said);
+    None, with a line in ``problems`` naming the file, when it does not parse."""
+    try:
+        return json.loads(_decode(data, path, problems))
     except (ValueError, RecursionError) as exc:
         problems.append(f"{path}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})")
     return None

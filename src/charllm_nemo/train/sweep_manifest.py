@@ -62,18 +62,29 @@ MAX_FILE_BYTES = 16 * 2**20
 """Largest ``sweep.json`` / ``job.json`` read (a sweep of 10,000 configurations is ~10 MiB)."""
 
 
-def read_json(path: Path, problems: list[str] | None = None) -> dict[str, Any] | None:
+def read_json(path: Path, problems: list[str] | None = None, strict: bool = False) -> dict[str, Any] | None:
     """``path``'s JSON object, or None when it is missing or not one (a job killed mid-write
     cannot leave half a file, see :func:`write_json`, but a foreign file might be anything).
     Read through the hardened layer (telemetry/layout.py): no link followed, regular files only
     (a FIFO never blocks, ``/dev/zero`` is never read), at most :data:`MAX_FILE_BYTES`; what is
-    wrong is a line in ``problems``, naming the file."""
-    from charllm_nemo.telemetry.layout import read_json as read_bounded_json
+    wrong is a line in ``problems``, naming the file. ``strict`` (``sweep.json``): bytes that
+    are not UTF-8 or a ``runs`` that is not a list raise ConfigError naming the file, the field
+    and the fix, since read leniently they would be an empty sweep (and a resumed sweep would
+    write that over the configurations' states)."""
+    from charllm_nemo.telemetry.filecheck import sweep_json_defect
+    from charllm_nemo.telemetry.layout import UnsafeFileError, parse_json, read_bounded
 
     problems = [] if problems is None else problems
     if not os.path.lexists(path):
         return None
-    data = read_bounded_json(path, MAX_FILE_BYTES, problems)
+    try:
+        raw = read_bounded(path, MAX_FILE_BYTES)
+    except UnsafeFileError as exc:
+        problems.append(str(exc))
+        return None
+    if strict and (defect := sweep_json_defect(raw, path)) is not None:
+        raise ConfigError(defect)
+    data = parse_json(raw, path, problems)
     if data is not None and not isinstance(data, dict):
         problems.append(f"{path}: holds a JSON {type(data).__name__}, not an object; ignored")
         return None
@@ -187,9 +198,10 @@ class SweepManifest:
 
 def load_manifest(sweep_dir: Path, problems: list[str] | None = None) -> SweepManifest | None:
     """The manifest of ``sweep_dir``, or None if it has none or it cannot be read (then a line
-    in ``problems``); ConfigError when it is not ours."""
+    in ``problems``); ConfigError when it is not ours, or is ours but no record of the sweep
+    (bytes that are not UTF-8, ``runs`` not a list: :func:`read_json`'s ``strict``)."""
     problems = [] if problems is None else problems
-    d = read_json(sweep_dir / MANIFEST, problems)
+    d = read_json(sweep_dir / MANIFEST, problems, strict=True)
     if d is None:
         return None
     if d.get("schema") != SCHEMA:

@@ -13,6 +13,7 @@ from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.train.config import TrainConfig
+from charllm_nemo.train.cpu_rules import cpu_unsupported
 from charllm_nemo.train.layout import choices
 
 LAUNCHERS = ("local", "slurm", "none")
@@ -97,44 +98,6 @@ def run_problems(cfg: TrainConfig, device: str) -> list[str]:
     return problems
 
 
-def _fallback_cpu_problems(cfg: TrainConfig) -> list[str]:
-    """What a CPU run cannot do, per megatron-core 0.16's sources, when train/cpu.py (which owns
-    the authoritative list) cannot be imported."""
-    p, o, m, b = cfg.parallel, cfg.optim, cfg.model, cfg.batch
-    problems: list[str] = []
-    if p.sequence_parallel and p.tp > 1:
-        problems.append(
-            "parallel.sequence_parallel=true needs TransformerEngine or Apex (GPU only); set "
-            "parallel.sequence_parallel=false on CPU"
-        )
-    if o.tp_comm_overlap:
-        problems.append(
-            "optim.tp_comm_overlap=true needs TransformerEngine (GPU only); set it to false on CPU"
-        )
-    if p.cp > 1:
-        problems.append(
-            f"parallel.cp={p.cp}: context parallelism needs TransformerEngine attention (GPU only); set "
-            "parallel.cp=1 on CPU"
-        )
-    if p.fsdp:
-        problems.append(
-            "parallel.fsdp=true allocates on CUDA (both FSDP flavours); set parallel.fsdp=false on CPU"
-        )
-    if o.use_distributed_optimizer:
-        problems.append(
-            "optim.use_distributed_optimizer=true accepts only torch.cuda tensors in megatron-core "
-            "0.16; set it to false on CPU (optim=base or optim=recompute)"
-        )
-    if b.precision == "fp16":
-        problems.append("batch.precision=fp16 needs a CUDA loss scaler; use batch.precision=fp32 on CPU")
-    if m.num_experts is not None and m.moe_token_dispatcher != "allgather":
-        problems.append(
-            f"model.moe_token_dispatcher={m.moe_token_dispatcher!r}: only 'allgather' works on CPU; set "
-            "model.moe_token_dispatcher=allgather"
-        )
-    return problems
-
-
 def host_memory_bytes() -> int | None:
     """This host's memory (``MemTotal``), or None where /proc/meminfo cannot be read."""
     try:
@@ -148,13 +111,5 @@ def host_memory_bytes() -> int | None:
 
 
 def cpu_problems(cfg: TrainConfig) -> list[str]:
-    """``charllm_nemo.train.cpu.cpu_unsupported(cfg)`` when that module imports (it owns the CPU
-    rules), else this module's fallback list."""
-    try:
-        from charllm_nemo.train import cpu as cpu_module
-    except ImportError:
-        return _fallback_cpu_problems(cfg)
-    fn = getattr(cpu_module, "cpu_unsupported", None)
-    if fn is None:
-        return _fallback_cpu_problems(cfg)
-    return [str(p) for p in fn(cfg)]
+    """What ``cfg`` asks for that a CPU run cannot do (train/cpu_rules.py: no torch imported)."""
+    return cpu_unsupported(cfg)
