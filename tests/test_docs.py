@@ -42,6 +42,7 @@ from tests.docs_blocks import (
 )
 
 SKIPPED: list[str] = []
+SKIPPED_KEY = "docs_skipped"  # = tests/conftest.py
 _HELP: dict[tuple[str, ...], str] = {}
 DEMO = "charllm train model=tiny_gpt"
 """The run placeholders stand for: the quick start's own command (README.md, config.md), which
@@ -49,21 +50,13 @@ is then not run again (5 steps, one rank: ~10 s a time)."""
 _DRY: set[tuple[str, ...]] = set()  # dry runs done (the same line in two docs runs once)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _print_skipped(request: pytest.FixtureRequest) -> Iterator[None]:
+@pytest.fixture(autouse=True)
+def _report_skipped(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The commands a test did not run as written go on its report (tests/conftest.py prints them
+    at the end of the session, also when the tests ran in several worker processes)."""
+    before = len(SKIPPED)
     yield
-    if not SKIPPED:
-        return
-    rep = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    lines = ["", f"docs test: {len(SKIPPED)} command(s) not run as written, and why:", *SKIPPED]
-    # on the terminal even when output is captured: the list is the test's report, not a debug aid
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        for line in lines:
-            if rep is not None:
-                rep.write_line(line)
-            else:
-                print(line)
+    request.node.user_properties.extend((SKIPPED_KEY, line) for line in SKIPPED[before:])
 
 
 def env_for(tmp: Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ import pytest
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.train.sweep_manifest import load_manifest
 
+pytestmark = pytest.mark.xdist_group("slurm")  # one SLURM queue: these tests run in one worker
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "local-slurm.sh"
 CHARLLM = [sys.executable, "-m", "charllm_nemo.cli"]
