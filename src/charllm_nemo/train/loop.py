@@ -36,7 +36,6 @@ from charllm_nemo.telemetry.windows import WindowRecorder
 from charllm_nemo.train.config import TrainConfig, for_device
 from charllm_nemo.train.disk_full import DISK_FULL, DiskWatch, TelemetryDiskFull
 from charllm_nemo.train.dist import DistInfo, init_distributed, rank_env, resolve_device, shutdown_distributed
-from charllm_nemo.train.heap import HeapTrim
 from charllm_nemo.train.profile import StepProfiler
 from charllm_nemo.train.report import STEPS_FILE, SUMMARY_FILE
 
@@ -472,14 +471,12 @@ def _train(
     data_iter: Any = iters[0] if len(iters) == 1 else iters
     profiler = StepProfiler(cfg.telemetry.out_dir, dist.rank, cfg.telemetry.profile_steps)
     model: Any = bundle.chunks[0] if len(bundle.chunks) == 1 else bundle.chunks
-    heap = HeapTrim()  # glibc's free heap pages back to the kernel once a minute (train/heap.py)
     try:
         for step in range(b.train_steps):
             with profiler.step(step):  # telemetry.profile_steps: PyTorch profiler traces
                 train_step(st, step, bundle, forward_backward, data_iter, model, n_micro, cfg, reports_loss)
             assert st.last is not None
             result.record(st.last)
-            heap.after_step()
             if disk is not None:  # every rank: telemetry's store; rank 0: steps.jsonl too
                 disk.check(session, steps_file, step)
         # The last steps' figures (one more gather each, within one bounded wait); the session
