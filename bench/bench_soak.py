@@ -2,25 +2,36 @@
 
 Runs ``charllm train`` (default ``model=tiny_gpt nproc=2``, CPU, synthetic device: a high step
 rate, so hours of steps pass in minutes) for ``--minutes``, and every ``--every`` seconds reads,
-from /proc, the resident memory (VmRSS) of every process of the run: each rank
+from /proc, the resident memory of every process of the run: each rank
 (``charllm_nemo.train.worker``) and each telemetry process (the rank's ``RANK`` in its
-environment says whose), with the steps reported so far (lines of ``steps.jsonl``) and the
-store's files per kind (``samples``, ``windows``, ``buffered`` Parquet files in the rank
-folders). At the end, per process: its memory at each reading, and the least-squares slope of
-memory over the readings after ``--warmup`` seconds, in bytes per step and MB per hour at the
-run's step rate, with its standard error (the noise a slope must exceed to mean anything);
-then the file counts over time and their rate per rank-hour. Not a test: the figures in
-docs/benchmarks.md come from it.
+environment says whose), split as /proc/PID/status splits it (``RssAnon``: heap, arenas,
+stacks, what a leak grows; ``RssFile``: pages of mapped files, which the kernel can drop;
+``RssShmem``), with the steps reported so far (lines of ``steps.jsonl``) and the store's files
+per kind (``samples``, ``windows``, ``buffered`` Parquet files in the rank folders). At the
+end, per process and kind: its memory at each reading, and the least-squares slope over the
+readings after warm-up (``--warmup`` seconds and ``--warmup-steps`` steps both passed), in
+bytes per step and MB per hour at the run's step rate, with its standard error (the noise a
+slope must exceed to mean anything), the slopes of the first and second half of those readings
+(a warm-up that levels off: the second smaller) and the change over them; the anonymous
+mappings of /proc/PID/smaps whose resident bytes changed most over them (the brk ``[heap]`` of
+glibc's main arena, a thread arena, pymalloc's 1 MiB arenas, an allocator's reservation); then
+the file counts over time and their rate per rank-hour. ``--probe`` also reads, in every
+process, glibc's ``mallinfo2()`` (bytes the arenas hold, in use, free inside them) and
+pyarrow's memory pool (bench/soak_probe/sitecustomize.py, put on PYTHONPATH): in use flat while
+the arena grows is fragmentation, not a leak; ``--trim`` calls ``malloc_trim(0)`` after each
+probe reading (what the resident memory is with glibc's free pages given back). Not a test:
+the figures in docs/benchmarks.md come from it.
 
 Usage (the old code: ``--charllm /path/to/other/.venv/bin/charllm``)::
 
-    .venv/bin/python bench/bench_soak.py --minutes 5 [--every 15] [--warmup 150] [--charllm ...]
-        [-- extra overrides for charllm train]
+    .venv/bin/python bench/bench_soak.py --minutes 5 [--every 15] [--warmup 150] [--warmup-steps 1200]
+        [--probe [--trim]] [--charllm ...] [-- extra overrides for charllm train]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -37,10 +48,13 @@ KINDS = ("samples", "windows", "buffered")
 
 @dataclass
 class Track:
-    """One process's readings: (seconds since start, steps reported, resident bytes)."""
+    """One process's readings: (seconds since start, steps reported, resident bytes by kind),
+    and its anonymous mappings' resident bytes at the first reading after warm-up and the last."""
 
     name: str
-    readings: list[tuple[float, int, int]] = field(default_factory=list)
+    readings: list[tuple[float, int, dict[str, int]]] = field(default_factory=list)
+    maps_first: dict[str, tuple[int, int]] | None = None
+    maps_last: dict[str, tuple[int, int]] | None = None
 
 
 def _children() -> dict[int, list[int]]:
@@ -84,14 +98,64 @@ def describe(pid: int) -> str | None:
     return None
 
 
-def rss_bytes(pid: int) -> int | None:
+RSS_KINDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+"""/proc/PID/status's resident memory: the whole, then its parts: anonymous (heap, arenas,
+stacks: what a leak grows), file-backed (pages of mapped files: libraries, memmapped indexes,
+Parquet read through mmap; the kernel can drop them) and shared memory."""
+
+
+def rss_bytes(pid: int) -> dict[str, int] | None:
+    """The process's :data:`RSS_KINDS` in bytes (None when it is gone)."""
+    out: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            key = line.split(":", 1)[0]
+            if key in RSS_KINDS:
+                out[key] = int(line.split()[1]) * 1024
     except OSError:
         return None
-    return None
+    return out if len(out) == len(RSS_KINDS) else None
+
+
+def anon_mappings(pid: int) -> dict[str, tuple[int, int]] | None:
+    """Per mapping of /proc/PID/smaps holding anonymous pages: (bytes mapped, anonymous bytes
+    resident), keyed ``start name`` (the start stays while a heap or arena grows; name:
+    ``[heap]`` the main malloc arena's brk heap, ``[stack]``, or none: mmapped memory: glibc's
+    thread arenas (64 MiB reservations), large mallocs, pymalloc arenas, other allocators)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    key, size = "", 0
+    for line in text.splitlines():
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            key, size = f"{parts[0].split('-')[0]} {parts[5] if len(parts) > 5 else ''}".rstrip(), hi - lo
+        elif head == "Anonymous:" and key:
+            kb = int(line.split()[1])
+            if kb:
+                out[key] = (size, kb * 1024)
+    return out
+
+
+PROBE_KINDS = ("malloc_arena", "malloc_hblkhd", "malloc_uordblks", "malloc_fordblks", "arrow_bytes")
+"""What bench/soak_probe/sitecustomize.py reports that is reported here: glibc's bytes taken for
+its arenas, in mmapped chunks, in use, free inside the arenas; pyarrow's pool in use."""
+
+
+def probe_reading(folder: Path, pid: int) -> dict[str, int]:
+    """The process's last probe line (:data:`PROBE_KINDS`; those missing are left out)."""
+    try:
+        with open(folder / f"probe-{pid}.jsonl", "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().splitlines()
+        row = json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return {}
+    return {k: int(row[k]) for k in PROBE_KINDS if k in row}
 
 
 class LineCounter:
@@ -157,6 +221,12 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=5.0, help="how long the run goes (default 5)")
     p.add_argument("--every", type=float, default=15.0, help="seconds between readings (default 15)")
     p.add_argument("--warmup", type=float, default=150.0, help="seconds left out of the slopes (default 150)")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=1200,
+        help="steps left out of the slopes too (default 1,200: the rings of the last 1,000 steps full)",
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
         "--steps",
@@ -166,6 +236,14 @@ def main() -> int:
     )
     p.add_argument(
         "--charllm", default=str(Path(sys.executable).with_name("charllm")), help="the charllm to run"
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="in every process, read glibc's mallinfo2 and pyarrow's pool (bench/soak_probe/)",
+    )
+    p.add_argument(
+        "--trim", action="store_true", help="with --probe: malloc_trim(0) in every process after each reading"
     )
     p.add_argument("--keep", action="store_true", help="keep the run directory (default: removed)")
     p.add_argument("overrides", nargs="*", help="more charllm train overrides (after --)")
@@ -177,8 +255,18 @@ def main() -> int:
     ]  # fmt: skip
     print("running:", " ".join(cmd), flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs", flush=True)
+    env = dict(os.environ)
+    probe_dir = run.parent / "probe"
+    if a.probe:
+        probe_dir.mkdir()
+        here = str(Path(__file__).resolve().parent / "soak_probe")
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env |= {"CHARLLM_SOAK_PROBE_DIR": str(probe_dir), "CHARLLM_SOAK_PROBE_EVERY": str(a.every / 3)}
+        env |= {"CHARLLM_SOAK_PROBE_TRIM": "1"} if a.trim else {}
+        trim = ", malloc_trim(0) after each" if a.trim else ""
+        print(f"probe: mallinfo2/pyarrow every {a.every / 3:.1f} s{trim}")
     log = open(run.parent / "train.log", "wb")  # noqa: SIM115 - closed below
-    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     steps = LineCounter(run / "steps.jsonl")
     tracks: dict[int, Track] = {}
     files: list[tuple[float, int, dict[str, int]]] = []
@@ -195,10 +283,18 @@ def main() -> int:
                 rss = rss_bytes(pid) if name else None
                 if name is None or rss is None:
                     continue
-                tracks.setdefault(pid, Track(name)).readings.append((now, n, rss))
+                if a.probe:
+                    rss |= probe_reading(probe_dir, pid)
+                track = tracks.setdefault(pid, Track(name))
+                track.readings.append((now, n, rss))
+                if now >= a.warmup and n >= a.warmup_steps:
+                    maps = anon_mappings(pid)
+                    if track.maps_first is None:
+                        track.maps_first = maps
+                    track.maps_last = maps
             files.append((now, n, store_files(run)))
             mem = "  ".join(
-                f"{t.name}: {t.readings[-1][2] / 2**20:.1f} MB"
+                f"{t.name}: {t.readings[-1][2]['VmRSS'] / 2**20:.1f} MB"
                 for t in tracks.values()
                 if t.readings[-1][0] == now
             )
@@ -213,7 +309,7 @@ def main() -> int:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
         log.close()
-    report(tracks, files, loads, a.warmup, a.nproc)
+    report(tracks, files, loads, (a.warmup, a.warmup_steps), a.nproc)
     if not a.keep:
         shutil.rmtree(run.parent, ignore_errors=True)
     else:
@@ -225,10 +321,16 @@ def report(
     tracks: dict[int, Track],
     files: list[tuple[float, int, dict[str, int]]],
     loads: list[float],
-    warmup: float,
+    warmup: tuple[float, int],
     nproc: int,
 ) -> None:
-    late = [(t, n) for t, n, _ in files if t >= warmup]
+    """Print the readings and slopes; ``warmup`` (seconds, steps): the readings before both
+    passed are left out of the slopes."""
+
+    def warm(t: float, n: int) -> bool:
+        return t >= warmup[0] and n >= warmup[1]
+
+    late = [(t, n) for t, n, _ in files if warm(t, n)]
     if len(late) >= 2 and late[-1][0] > late[0][0]:
         rate = (late[-1][1] - late[0][1]) / (late[-1][0] - late[0][0])
     else:
@@ -236,23 +338,40 @@ def report(
     if loads:
         print(f"\nload average during the run: {min(loads):.1f} - {max(loads):.1f} (1 min)")
     print(f"step rate after warm-up: {rate:.1f} steps/s")
-    print("\nresident memory (MB) at each reading, and its slope after warm-up (slope +- standard error):")
+    print(
+        "\nresident memory (MB) at each reading by kind (VmRSS = RssAnon + RssFile + RssShmem), and its "
+        "slope after warm-up (slope +- standard error):"
+    )
     for track in sorted(tracks.values(), key=lambda t: t.name):
         r = track.readings
-        print(f"  {track.name}: " + " ".join(f"{b / 2**20:.1f}" for _, _, b in r))
-        after = [x for x in r if x[0] >= warmup]
-        per_step, se_step = slope([float(x[1]) for x in after], [float(x[2]) for x in after])
-        per_s, se_s = slope([x[0] for x in after], [float(x[2]) for x in after])
-        print(
-            f"    after {warmup:.0f} s ({len(after)} readings): {per_step:+.1f} +- {se_step:.1f} B/step, "
-            f"{per_s * 3600 / 2**20:+.2f} +- {se_s * 3600 / 2**20:.2f} MB/hour"
-        )
+        after = [x for x in r if warm(x[0], x[1])]
+        print(f"  {track.name} ({len(after)} readings after {warmup[0]:.0f} s and step {warmup[1]}):")
+        for kind in RSS_KINDS + PROBE_KINDS:
+            if any(kind not in m for _, _, m in after) or not after:
+                continue
+            values = " ".join(f"{m[kind] / 2**20:.1f}" if kind in m else "-" for _, _, m in r)
+            print(f"    {kind:8s} {values}")
+            per_step, se_step = slope([float(x[1]) for x in after], [float(x[2][kind]) for x in after])
+            per_s, se_s = slope([x[0] for x in after], [float(x[2][kind]) for x in after])
+            half = len(after) // 2
+            halves = [
+                slope([float(x[1]) for x in part], [float(x[2][kind]) for x in part])[0]
+                for part in (after[: half + 1], after[half:])
+            ]
+            change = after[-1][2][kind] - after[0][2][kind]
+            print(
+                f"             slope {per_step:+.1f} +- {se_step:.1f} B/step, "
+                f"{per_s * 3600 / 2**20:+.2f} +- {se_s * 3600 / 2**20:.2f} MB/hour; first half "
+                f"{halves[0]:+.1f}, second half {halves[1]:+.1f} B/step; {change / 2**10:+.0f} KB over "
+                f"steps {after[0][1]}-{after[-1][1]}"
+            )
+        report_mappings(track)
     print("\nstore files (all ranks; compacted ones in brackets) over time:")
     for t, n, c in files:
         print(
             f"  {t:6.0f} s  step {n:7d}  " + "  ".join(f"{k} {c[k]} ({c[k + '_compacted']})" for k in KINDS)
         )
-    late_files = [(t, c) for t, _, c in files if t >= warmup]
+    late_files = [(t, c) for t, n, c in files if warm(t, n)]
     if len(late_files) >= 3:
         print("  after warm-up, per rank-hour (slope of the count over time; at most, waiting uncompacted):")
         for k in KINDS:
@@ -262,6 +381,30 @@ def report(
                 f"    {k}: {per_s * 3600 / nproc:.0f} +- {se * 3600 / nproc:.0f} compacted files, "
                 f"{waiting:.0f} segments waiting"
             )
+
+
+def report_mappings(track: Track, top: int = 6) -> None:
+    """The anonymous mappings whose resident bytes changed most between the first reading after
+    warm-up and the last: where the anonymous memory went (the brk heap, an arena, ...)."""
+    first, last = track.maps_first, track.maps_last
+    if not first or not last:
+        return
+    keys = set(first) | set(last)
+    before = {k: first.get(k, (0, 0))[1] for k in keys}
+    after = {k: last.get(k, (0, 0))[1] for k in keys}
+    grown = sorted(keys, key=lambda k: -abs(after[k] - before[k]))[:top]
+    print(
+        f"    anonymous mappings, first reading after warm-up -> last: {len(first)} -> {len(last)}, "
+        f"{sum(before.values()) / 2**20:.1f} -> {sum(after.values()) / 2**20:.1f} MB resident; "
+        "largest changes:"
+    )
+    for k in grown:
+        _, _, name = k.partition(" ")
+        mapped = max(first.get(k, (0, 0))[0], last.get(k, (0, 0))[0])
+        print(
+            f"      {name or 'anon':8s} {mapped / 2**20:8.1f} MB mapped  {before[k] / 2**10:8.0f} -> "
+            f"{after[k] / 2**10:8.0f} KB resident ({(after[k] - before[k]) / 2**10:+.0f})"
+        )
 
 
 if __name__ == "__main__":
