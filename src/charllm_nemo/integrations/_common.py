@@ -263,7 +263,12 @@ def open_step_telemetry(
     out_dir = opts.resolved_out_dir()
     cfg = opts.telemetry_config(out_dir)
     config = {
-        "integration": {"framework": framework, "sources": dict(sources), "options": asdict(opts)},
+        "integration": {
+            "framework": framework,
+            "owner": OWNERS.get(framework, "open_step_telemetry"),
+            "sources": dict(sources),
+            "options": asdict(opts),
+        },
         "telemetry": asdict(cfg),
         **(dict(run_config) if run_config else {}),
     }

@@ -45,7 +45,7 @@ from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.figures import finite_or_none as _finite
 from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
-from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ
+from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ, health_counts
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
 
@@ -499,12 +499,12 @@ class StepTelemetry:
     def _health(self) -> tuple[float, float, float] | None:
         """The session's sampler health (its ``health`` property: a read of the shared block's
         counters in process mode) as HEALTH_FIELDS; None without a session, or where it cannot say."""
-        if self.session is None:
+        session = self.session
+        if session is None:
             return None
         try:
-            h = self.session.health
-            stopped = 1.0 if (h.devices_lost or h.stop_reason) else 0.0
-            return float(h.deadlines_missed), float(sum(h.nulls)), stopped
+            counts = getattr(session, "health_counts", None)
+            return counts() if counts is not None else health_counts(session.health)
         except Exception:  # health is a report, never a reason to fail a step; but say so once
             if not getattr(self, "_health_failed", False):
                 self._health_failed = True
@@ -540,15 +540,26 @@ class StepTelemetry:
         return torch.device("cpu")
 
     def _report(self, report: StepReport, rows: list[list[float]]) -> None:
-        """Rank 0: the step's cross-rank figures into its report, then to every observer."""
+        """Rank 0: the step's cross-rank figures into its report, then to every observer. An
+        observer with ``on_step_rows(report, rows)`` (the integrations' observer thread) puts
+        the figures in itself, off the training thread, when it is the only observer; else they
+        are put in here and it gets None (one thread writes the report, never two)."""
         if not self.is_reporting_rank:
             return
-        apply_rank_figures(report, rows)
-        for i, obs in enumerate(self.observers):
+        observers = self.observers
+        deferred = [getattr(obs, "on_step_rows", None) for obs in observers]
+        applied = None in deferred or len(deferred) > 1
+        if applied:
+            apply_rank_figures(report, rows)
+        for i, obs in enumerate(observers):
             if i in self._broken:
                 continue
             try:
-                obs.on_step(report)
+                take_rows = deferred[i]
+                if take_rows is None:
+                    obs.on_step(report)
+                else:
+                    take_rows(report, None if applied else rows)
             except Exception:  # an observer never stops training
                 log.exception("charllm: observer %s failed; it gets no more steps", type(obs).__name__)
                 self._broken.add(i)
