@@ -40,7 +40,7 @@ ARMS = ("off", "on")
 
 def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     from charllm_nemo.alerts import AlertsConfig, alert_observer
-    from charllm_nemo.steps import FunctionObserver, StepTelemetry
+    from charllm_nemo.steps import FunctionObserver, StepOptions, StepTelemetry
     from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -62,7 +62,10 @@ def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
             assert obs is not None
             observers.append(obs)
         apis[arm] = StepTelemetry(
-            s, Placement(), observers=observers, num_microbatches=n_micro, phase_times=on, rank_info=on
+            s,
+            Placement(),
+            options=StepOptions(num_microbatches=n_micro, phase_times=on, rank_info=on),
+            observers=observers,
         )
         timers[arm] = apis[arm].timers()
     per_round = max(1, steps // rounds)

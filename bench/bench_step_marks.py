@@ -63,7 +63,7 @@ def replay_step(st: Any, timers: Any, step: int, n_micro: int) -> None:
 def child(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     """This tree's figures (in this process): per mode, the median CPU and wall µs a step."""
     from charllm_nemo.metrics.flops import ModelShape
-    from charllm_nemo.steps import FunctionObserver, StepTelemetry
+    from charllm_nemo.steps import FunctionObserver, RateInputs, StepOptions, StepTelemetry
     from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -89,11 +89,9 @@ def child(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
         apis[mode] = StepTelemetry(
             s,
             Placement(),
-            model=shape,
-            global_batch_size=4,
-            peak_tflops_per_gpu=1.0,
+            options=StepOptions(num_microbatches=n_micro),
+            rates=RateInputs(shape, 4, peak_tflops_per_gpu=1.0),
             observers=[FunctionObserver(count)],
-            num_microbatches=n_micro,
         )
         timers[mode] = apis[mode].timers()
     per_round = max(1, steps // rounds)

@@ -241,6 +241,7 @@ def test_config_yaml_keeps_none_of_them(tmp_path) -> None:
 
 
 def test_manifest_and_wandb_config_keep_none_of_them(tmp_path) -> None:
+    from charllm_nemo.sinks.config import LoggerConfig
     from charllm_nemo.sinks.wandb import WandbSink
     from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -249,7 +250,7 @@ def test_manifest_and_wandb_config_keep_none_of_them(tmp_path) -> None:
     session.close("complete")
     manifest = (tmp_path / "run" / "rank=0" / "manifest.json").read_text()
     env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
-    sink = WandbSink(project="p", run_dir=tmp_path, env=env)
+    sink = WandbSink(LoggerConfig(name="wandb", project="p"), run_dir=tmp_path, env=env)
     kw = sink.init_kwargs({**config, "argv": ["--wandb-key", WANDB_KEY]}, {"config": config, "argv": ["x"]})
     text = repr(kw["config"]) + manifest
     for value in [*SECRETS.values(), WANDB_KEY]:
@@ -292,6 +293,7 @@ def test_secret_shapes_are_redacted_in_overrides_urls_flags_and_provider_keys() 
 
 
 def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
+    from charllm_nemo.sinks.config import LoggerConfig
     from charllm_nemo.sinks.wandb import WandbSink
     from charllm_nemo.telemetry.session import TelemetrySession
     from charllm_nemo.train import app
@@ -306,7 +308,7 @@ def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
     session.close("complete")
     text += (tmp_path / "run" / "rank=0" / "manifest.json").read_text()
     env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
-    kw = WandbSink(project="p", run_dir=tmp_path, env=env).init_kwargs(
+    kw = WandbSink(LoggerConfig(name="wandb", project="p"), run_dir=tmp_path, env=env).init_kwargs(
         {**config, "argv": ["--api-key", "Zq9ApiValue77", "maps=AIzaSyA1234567890abcdefghijklmnopqrstu"]}, {}
     )
     text += repr(kw["config"])
@@ -319,11 +321,13 @@ def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
 _WANDB_CHILD = """
 import sys
 from pathlib import Path
+from charllm_nemo.sinks.config import LoggerConfig
 from charllm_nemo.sinks.wandb import WandbSink
 run = Path(sys.argv[1])
 env = {"HOME": str(run), "NETRC": str(run / "none"), "WANDB_MODE": "offline"}
-sink = WandbSink(project="p", run_dir=run, env=env, upload_artifact=False, log_windows_table=False,
-                 settings={"x_disable_stats": True, "console": "off"})
+cfg = LoggerConfig(name="wandb", project="p", upload_artifact=False, log_windows_table=False,
+                   settings={"x_disable_stats": True, "console": "off"})
+sink = WandbSink(cfg, run_dir=run, env=env)
 sink.start({"model": {"name": "m"}}, {"argv": sys.argv})
 sink.finish(run)
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from charllm_nemo.alerts import ALERTS_FILE, AlertsConfig, alert_observer
-from charllm_nemo.steps import StepTelemetry
+from charllm_nemo.steps import StepOptions, StepTelemetry
 from charllm_nemo.telemetry.config import Placement, TelemetryConfig, open_session
 from tests.deadline import deadline
 
@@ -53,8 +53,8 @@ def test_a_stalled_sampler_raises_the_sampler_health_alert(tmp_path: Path, sampl
         time.sleep(0.02)
     obs = alert_observer(AlertsConfig(console=False), run_dir=tmp_path)
     assert obs is not None
-    st = StepTelemetry(session, Placement(), observers=[obs], phase_times=True, rank_info=True,
-                       total_steps=STEPS)  # fmt: skip
+    options = StepOptions(phase_times=True, rank_info=True, total_steps=STEPS)
+    st = StepTelemetry(session, Placement(), options=options, observers=[obs])
     for step in range(STEPS):
         st.begin_step(step)
         time.sleep(0.03)

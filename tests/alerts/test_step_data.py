@@ -8,7 +8,7 @@ import os
 import socket
 import time
 
-from charllm_nemo.steps import FunctionObserver, StepTelemetry
+from charllm_nemo.steps import FunctionObserver, StepOptions, StepTelemetry
 from charllm_nemo.steps.telemetry import ALERT_FIGURES, THREAD_MODE_FIGURES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.windows import WindowRecorder
@@ -33,8 +33,8 @@ def _run(phase_times, rank_info, steps=3):
     reports = []
     obs = InfoObserver(reports)
     st = StepTelemetry(
-        None, Placement(), recorder=WindowRecorder(), observers=[obs], num_microbatches=2,
-        phase_times=phase_times, rank_info=rank_info,
+        None, Placement(), options=StepOptions(num_microbatches=2, phase_times=phase_times,
+        rank_info=rank_info), observers=[obs], recorder=WindowRecorder(),
     )  # fmt: skip
     timers = st.timers()
     for step in range(steps):
@@ -84,7 +84,7 @@ def test_thread_mode_computes_what_the_alerts_read():
         windows = WindowRecorder()
 
     assert StepTelemetry(Session()).figures == THREAD_MODE_FIGURES
-    with_alerts = StepTelemetry(Session(), phase_times=True).figures
+    with_alerts = StepTelemetry(Session(), options=StepOptions(phase_times=True)).figures
     assert set(ALERT_FIGURES) <= set(with_alerts) and "throttle_sw_thermal_s" in with_alerts
 
 
@@ -108,7 +108,9 @@ def test_the_sampler_health_travels_with_phase_times():
             return None
 
     reports = []
-    st = StepTelemetry(Session(), observers=[FunctionObserver(reports.append)], phase_times=True)
+    st = StepTelemetry(
+        Session(), options=StepOptions(phase_times=True), observers=[FunctionObserver(reports.append)]
+    )
     for step in range(3):
         st.begin_step(step)
         st.end_step(loss=1.0)

@@ -184,3 +184,22 @@ def test_the_default_keys_of_log_figures_are_step_metrics():
     sink.finish(None, timeout_s=5)
     want = step_metrics(5, summary={"loss": 1.5, "step_time_s": 0.1}, per_rank=unpack_gathered(gathered))
     assert backend.calls == [("log_step", (5, want)), ("finish", None)]
+
+
+def test_the_thread_takes_its_queue_in_batches_not_a_wake_a_step(tmp_path):
+    # #40: the sink thread woke at every put (every step); now it rests batch_s between batches,
+    # and finish cuts the rest short: 30 steps put within the rest are taken in one more wake
+    backend = Recording()
+    sink = AsyncSink(backend, queue_size=64, batch_s=600.0)
+    sink.start({"a": 1}, {})  # wakes the thread: the first batch
+    end = time.monotonic() + deadline(30)
+    while not backend.calls and time.monotonic() < end:
+        time.sleep(0.01)
+    for s in range(30):
+        sink.log_step(s, {"x": float(s)})
+    assert backend.calls == [("start", {"a": 1})]  # resting: nothing taken yet
+    sink.finish(tmp_path, timeout_s=60)
+    assert not sink.report.timed_out  # finish did not wait out the rest (600 s)
+    assert [c[1][0] for c in backend.calls if c[0] == "log_step"] == list(range(30))
+    assert backend.calls[-1][0] == "finish" and sink.report.logged == 32
+    assert sink.wakes == 2

@@ -58,11 +58,15 @@ def test_an_unreachable_server_logs_offline_and_ends_at_once(
         import logging, time
         from pathlib import Path
         from charllm_nemo.sinks.base import AsyncSink, exit_now_if_abandoned
+        from charllm_nemo.sinks.config import LoggerConfig
         from charllm_nemo.sinks.wandb import WandbSink
         logging.basicConfig(level=logging.WARNING)
         d = Path({str(tmp_path)!r})
         sink = AsyncSink(
-            WandbSink(run_dir=d, mode="online", log_windows_table=False, upload_artifact=False),
+            WandbSink(
+                LoggerConfig(name="wandb", mode="online", log_windows_table=False, upload_artifact=False),
+                run_dir=d,
+            ),
             finish_timeout_s=30,
         )
         sink.start({{"model": {{"name": "tiny_gpt"}}}}, {{"backend": "synthetic"}})

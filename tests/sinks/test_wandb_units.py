@@ -11,6 +11,7 @@ import pytest
 
 from charllm_nemo.redact import REDACTED
 from charllm_nemo.sinks import wandb as wsink
+from charllm_nemo.sinks.config import LoggerConfig
 from charllm_nemo.sinks.wandb import (
     WandbSink,
     default_run_name,
@@ -61,7 +62,7 @@ def test_the_mode_is_offline_without_a_key_and_offline_always_wins(tmp_path):
 def test_the_offline_reason_is_said_once(tmp_path, caplog):
     wsink._announced.clear()
     nokey = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path)}
-    sink = WandbSink(env=nokey)
+    sink = WandbSink(LoggerConfig(name="wandb"), env=nokey)
     with caplog.at_level("WARNING", logger="charllm_nemo.sinks"):
         for _ in range(3):
             sink.init_kwargs({}, {})
@@ -113,11 +114,11 @@ def test_layout_tags_and_group_come_from_the_recipe():
 def test_init_arguments_offline(tmp_path):
     env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
     sink = WandbSink(
-        project="p",
-        tags=["mine", "tp4-pp4-dp2-cp2-vpp5"],
+        LoggerConfig(
+            name="wandb", project="p", tags=["mine", "tp4-pp4-dp2-cp2-vpp5"], settings={"console": "off"}
+        ),
         run_dir=tmp_path,
         env=env,
-        settings={"console": "off"},
     )
     kw = sink.init_kwargs({**CONFIG, "extra": {"token": "t0ken"}}, {"world_size": 64, "config": {"dup": 1}})
     assert kw["mode"] == "offline"
@@ -133,8 +134,9 @@ def test_init_arguments_offline(tmp_path):
 def test_shared_mode_needs_an_online_run_and_labels_each_writer(tmp_path):
     run_dir = tmp_path / "slurm-42.0"
     env = {"WANDB_API_KEY": "x", "SLURM_JOB_ID": "42", "NETRC": str(tmp_path / "missing")}
-    primary = WandbSink(shared=True, primary=True, label="node0-a", run_dir=run_dir, env=env)
-    secondary = WandbSink(shared=True, primary=False, label="node1-b", run_dir=run_dir, env=env)
+    shared = LoggerConfig(name="wandb", shared=True)
+    primary = WandbSink(shared, primary=True, label="node0-a", run_dir=run_dir, env=env)
+    secondary = WandbSink(shared, primary=False, label="node1-b", run_dir=run_dir, env=env)
     kp, ks = primary.init_kwargs(CONFIG, {}), secondary.init_kwargs(CONFIG, {})
     assert kp["mode"] == ks["mode"] == "shared"
     assert kp["id"] == ks["id"] == shared_run_id(run_dir, env)
@@ -145,7 +147,7 @@ def test_shared_mode_needs_an_online_run_and_labels_each_writer(tmp_path):
         "x_update_finish_state": False,
         "x_disable_meta": True,
     }
-    offline = WandbSink(shared=True, run_dir=run_dir, env={**env, "WANDB_MODE": "offline"})
+    offline = WandbSink(shared, run_dir=run_dir, env={**env, "WANDB_MODE": "offline"})
     assert offline.init_kwargs(CONFIG, {})["mode"] == "offline"
 
 
@@ -196,7 +198,7 @@ def test_the_artifact_holds_the_telemetry_files_and_respects_the_size_bound(tmp_
         "rank=1/samples-000000.parquet",
     ]
     fake = types.SimpleNamespace(Artifact=_FakeArtifact)
-    sink = WandbSink(artifact_max_mb=1.0)
+    sink = WandbSink(LoggerConfig(name="wandb", artifact_max_mb=1.0))
     sink.run, sink._wandb = _FakeRun(str(rd / "wandb" / "offline-run-1" / "files")), fake
     assert sink.log_run_artifact(rd)
     art = sink.run.artifacts[0]
@@ -204,7 +206,7 @@ def test_the_artifact_holds_the_telemetry_files_and_respects_the_size_bound(tmp_
     assert art.kw["metadata"]["ranks"] == ["rank=0", "rank=1"]
     assert [n for n, _ in art.files] == names and {p for _, p in art.files} == {"immutable"}
 
-    small = WandbSink(artifact_max_mb=0.05)  # 0.05 MiB < the two 50 kB segments
+    small = WandbSink(LoggerConfig(name="wandb", artifact_max_mb=0.05))  # 0.05 MiB < the two 50 kB segments
     small.run, small._wandb = _FakeRun(str(rd / "wandb" / "offline-run-1" / "files")), fake
     with caplog.at_level("INFO", logger="charllm_nemo.sinks"):
         assert not small.log_run_artifact(rd)
@@ -215,7 +217,7 @@ def test_the_artifact_holds_the_telemetry_files_and_respects_the_size_bound(tmp_
 
 def test_calls_before_start_raise_so_the_async_wrapper_counts_them():
     with pytest.raises(RuntimeError, match="start"):
-        WandbSink().log_step(0, {})
+        WandbSink(LoggerConfig(name="wandb")).log_step(0, {})
 
 
 def test_shared_run_ids_differ_for_run_directories_that_end_alike(tmp_path):
@@ -236,7 +238,8 @@ def test_a_linked_wandb_folder_in_the_run_is_refused_not_written_through(tmp_pat
     elsewhere.mkdir()
     (run / "wandb").symlink_to(elsewhere)
     env = {"HOME": str(tmp_path), "NETRC": str(tmp_path / "none"), "WANDB_MODE": "offline"}
-    sink = WandbSink(project="p", run_dir=run, env=env, settings={"x_disable_stats": True, "console": "off"})
+    cfg = LoggerConfig(name="wandb", project="p", settings={"x_disable_stats": True, "console": "off"})
+    sink = WandbSink(cfg, run_dir=run, env=env)
     with pytest.raises(StoreError, match="symbolic link"):
         sink.start({"model": {"name": "m"}}, {})
     assert list(elsewhere.iterdir()) == []

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from charllm_nemo.metrics.flops import ModelShape
-from charllm_nemo.steps import FunctionObserver, StepReport, StepsFileObserver, StepTelemetry
+from charllm_nemo.steps import (
+    FunctionObserver,
+    RateInputs,
+    StepOptions,
+    StepReport,
+    StepsFileObserver,
+    StepTelemetry,
+)
 from charllm_nemo.telemetry.config import Placement, TelemetryConfig, open_session
 from charllm_nemo.telemetry.windows import WindowRecorder
 
@@ -33,7 +40,7 @@ def test_the_timers_adapter_marks_our_windows_and_keeps_megatron_cores_own_timer
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # mcore's Timer syncs CUDA
     inner = timers_mod.Timers(log_level=2, log_option="max")
     rec = WindowRecorder()
-    st = StepTelemetry(None, Placement(), recorder=rec, num_microbatches=2)
+    st = StepTelemetry(None, Placement(), options=StepOptions(num_microbatches=2), recorder=rec)
     timers = st.timers(inner=inner)
     st.begin_step(0)
     _microbatches(timers, 2)
@@ -64,7 +71,9 @@ def test_without_windows_the_timers_are_the_frameworks_own_or_none() -> None:
     inner = object()
     off = StepTelemetry(None, Placement())  # no session, no recorder: nothing is recorded
     assert off.timers(inner=inner) is inner and off.timers() is None
-    steps_only = StepTelemetry(None, Placement(), recorder=WindowRecorder(), windows=["step"])
+    steps_only = StepTelemetry(
+        None, Placement(), options=StepOptions(windows=["step"]), recorder=WindowRecorder()
+    )
     assert steps_only.timers(inner=inner) is inner
 
 
@@ -75,13 +84,9 @@ def test_every_step_reaches_the_observers_once_in_order_with_its_figures(tmp_pat
     st = StepTelemetry(
         session,
         Placement(),
-        model=TINY,
-        global_batch_size=4,
-        peak_tflops_per_gpu=0.5,
-        attention_flops="causal",
+        options=StepOptions(num_microbatches=2, total_steps=6),
+        rates=RateInputs(TINY, 4, attention_flops="causal", peak_tflops_per_gpu=0.5),
         observers=[FunctionObserver(seen.append), StepsFileObserver(tmp_path / "steps.jsonl")],
-        num_microbatches=2,
-        total_steps=6,
     )
     timers = st.timers()
     returned = []

@@ -80,11 +80,37 @@ def test_a_session_that_hits_a_full_disk_ends_disk_full_and_stays_readable(tmp_p
     assert session.close("complete") == DISK_FULL  # idempotent
     assert len([r for r in caplog.records if "disk is full" in r.getMessage()]) == 1
     assert not [r for r in caplog.records if r.exc_info]  # no traceback
+    assert "choose another telemetry.out_dir / --out" in caplog.text  # charllm train's words
     run = load_run(tmp_path)
     m = run.manifests[0]
     assert m["status"] == DISK_FULL and m["disk_full"] is True and m["rows_unwritten"]["samples"] > 0
     assert run.samples.num_rows > 0 and run.problems == []
     assert not list((tmp_path / "rank=0").glob(".*"))  # no temporary, no reserve after close
+
+
+def test_the_disk_full_line_names_the_integrations_keyword(tmp_path, enospc_after, caplog):
+    # #40: a callback's user wrote out_dir=..., not telemetry.out_dir / --out
+    from charllm_nemo.telemetry.store import out_dir_option
+
+    assert (
+        out_dir_option({"integration": {"owner": "PowerThermalCallback"}})
+        == "PowerThermalCallback(out_dir=...)"
+    )
+    assert out_dir_option(None) == out_dir_option({"telemetry": {}}) == "telemetry.out_dir / --out"
+    config = {"integration": {"owner": "MegatronLMTelemetry"}}
+    session = TelemetrySession(
+        tmp_path, backend="synthetic", hz=200, sampler="thread", flush_interval_s=0.05, config=config
+    )
+    session.start()
+    enospc_after[0] = 0
+    with caplog.at_level(logging.ERROR, "charllm_nemo"):
+        deadline = time.monotonic() + 10
+        while not session.disk_full and time.monotonic() < deadline:
+            with session.windows.window("step", step=0):
+                time.sleep(0.02)
+        session.close("complete")
+    line = next(r.getMessage() for r in caplog.records if "disk is full" in r.getMessage())
+    assert line.endswith("Free space or choose another MegatronLMTelemetry(out_dir=...)"), line
 
 
 @contextlib.contextmanager

@@ -257,13 +257,18 @@ def open_step_telemetry(
     console / W&B that ``opts`` asks for. With ``opts.alerts``, rank 0 also gets the alert
     observer (``alerts_config``: an AlertsConfig, None = the defaults; ``on_alert``: called with
     each alert's dict) and every rank sums its phases and sends its facts once."""
-    from charllm_nemo.steps import ConsoleObserver, StepsFileObserver, StepTelemetry
+    from charllm_nemo.steps import ConsoleObserver, RateInputs, StepOptions, StepsFileObserver, StepTelemetry
     from charllm_nemo.telemetry.config import open_session
 
     out_dir = opts.resolved_out_dir()
     cfg = opts.telemetry_config(out_dir)
     config = {
-        "integration": {"framework": framework, "sources": dict(sources), "options": asdict(opts)},
+        "integration": {
+            "framework": framework,
+            "owner": OWNERS.get(framework, "open_step_telemetry"),
+            "sources": dict(sources),
+            "options": asdict(opts),
+        },
         "telemetry": asdict(cfg),
         **(dict(run_config) if run_config else {}),
     }
@@ -301,20 +306,26 @@ def open_step_telemetry(
         st = StepTelemetry(
             session,
             placement,
-            model=model,
-            global_batch_size=global_batch_size,
-            seq_length=seq_length,
-            attention_flops=opts.attention_flops,
-            peak_tflops_per_gpu=opts.peak_tflops_per_gpu,
-            precision=opts.precision,
+            options=StepOptions(
+                device=device,
+                windows=tuple(opts.windows),
+                total_steps=total_steps,
+                phase_times=alerts_on,
+                rank_info=alerts_on,
+                num_microbatches=num_microbatches,
+            ),
+            rates=None
+            if model is None or global_batch_size is None
+            else RateInputs(
+                model,
+                global_batch_size,
+                seq_length,
+                opts.attention_flops,
+                opts.peak_tflops_per_gpu,
+                opts.precision,
+            ),
             observers=obs,
             group=group,
-            device=device,
-            num_microbatches=num_microbatches,
-            windows=tuple(opts.windows),
-            total_steps=total_steps,
-            phase_times=alerts_on,
-            rank_info=alerts_on,
         )
     except BaseException:
         session.close("failed")

@@ -37,6 +37,7 @@ from collections import deque
 from typing import Any
 
 from charllm_nemo.integrations._common import LoggersObserver
+from charllm_nemo.steps.report import apply_rank_figures
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ SIGKILL, loses from steps.jsonl the reports still waiting: at most BATCH steps o
 their windows and samples are in the store)."""
 
 _STOP = object()
+_ROWS = object()  # (_ROWS, report, rows): a report whose rank figures are put in on the thread
 _RANK_INFO = "rank_info"
 
 
@@ -140,12 +142,18 @@ class ObserverThread:
         self._thread.start()
 
     def on_step(self, report: Any) -> None:
+        self.on_step_rows(report, None)
+
+    def on_step_rows(self, report: Any, rows: list[list[float]] | None) -> None:
+        """``report`` with every rank's vector (``rows``) still to be put in: done on the
+        thread (``apply_rank_figures``), before the observers get it (StepTelemetry hands
+        them over so when this is its only observer); None: the report is complete."""
         if len(self._pending) >= self.max_queued:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("charllm: step observers fell %d steps behind; reports dropped", self.max_queued)
             return
-        self._pending.append(report)
+        self._pending.append(report if rows is None else (_ROWS, report, rows))
         self._since += 1  # reports since the last signal (not the deque's length: the thread may lag)
         if self._since >= self.batch or time.monotonic() - self._last_wake >= self.max_delay_s:
             self._signal()
@@ -188,6 +196,14 @@ class ObserverThread:
                 self._dispatch(item)
 
     def _dispatch(self, item: Any) -> None:
+        if isinstance(item, tuple) and len(item) == 3 and item[0] is _ROWS:
+            _, item, rows = item
+            try:
+                apply_rank_figures(item, rows)
+            except Exception:
+                self.failed += 1
+                log.exception("charllm: a step report's figures could not be put in; it is dropped")
+                return
         rank_info = isinstance(item, tuple) and len(item) == 2 and item[0] == _RANK_INFO
         for obs in self.observers:
             try:

@@ -95,6 +95,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self.megatron_steps_seen = 0
         """Steps NeMo's MegatronStrategy ran (its ``on_megatron_step_start``)."""
         self._in_step = False
+        self._step_microbatches: int | None = None  # this step's, asked at its start
         self._optimizer_phase: Any = None
         self._timers_patched: list[tuple[Any, Any]] = []
 
@@ -156,7 +157,8 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         if st is None:
             return
         # NeMo's step.num_microbatches is None until its step starts: mcore's calculator knows it
-        st.begin_step(int(trainer.global_step), num_microbatches=_num_microbatches())
+        self._step_microbatches = _num_microbatches()
+        st.begin_step(int(trainer.global_step), num_microbatches=self._step_microbatches)
         self._in_step = True
 
     def on_megatron_step_start(self, step: Any) -> None:
@@ -183,7 +185,7 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._in_step = False
         st.end_step(
             loss=loss_of(outputs),
-            num_microbatches=_num_microbatches(),
+            num_microbatches=self._step_microbatches,
             grad_norm=_norm(self._grad_norm, trainer),
         )
         loggers = self._loggers
@@ -250,12 +252,21 @@ def _is_transformer_config(config: Any) -> bool:
 
 
 def _num_microbatches() -> int | None:
+    getter = _NUM_MICROBATCHES[0]
+    if getter is None:
+        try:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+        except ImportError:
+            return None  # not a Megatron run
+        getter = _NUM_MICROBATCHES[0] = get_num_microbatches
     try:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        return int(getter())
+    except (AssertionError, AttributeError, TypeError):
+        return None  # the calculator is not set up
 
-        return int(get_num_microbatches())
-    except (ImportError, AssertionError, AttributeError, TypeError):
-        return None  # not a Megatron run, or the calculator is not set up
+
+_NUM_MICROBATCHES: list[Callable[[], int] | None] = [None]
+"""megatron-core's ``get_num_microbatches``, looked up once (asked twice a step)."""
 
 
 def _shape_of(trainer: Any, pl_module: Any, attention: str) -> tuple[Any, int | None, int | None]:
@@ -328,8 +339,8 @@ class _SummaryRows:
     """Rank 0's step reports, kept for ``summary.json`` (what ``charllm train`` writes when
     training ends, docs/store.md): the medians and the last reports in bounded memory
     (charllm_nemo.steps.summary :class:`RunSummary`), the atomic write by its
-    :func:`write_summary`. An observer: the training thread only adds the report; rows are made
-    at the end."""
+    :func:`write_summary`. An observer on the observer thread (its copy of each report off the
+    training thread); written after that thread ended."""
 
     def __init__(self, trainer: Any, pl_module: Any, placement: Any, device: str, megatron: bool) -> None:
         import time
@@ -382,14 +393,14 @@ MERGE_ALERTS = True
 
 
 def _observers_off_thread(st: Any) -> None:
-    """Rank 0's ``steps.jsonl``, trainer's-loggers and alert observers onto one
+    """Rank 0's summary rows, ``steps.jsonl``, trainer's-loggers and alert observers onto one
     :class:`ObserverThread` (their work off the training thread, and one thread to wake, seldom:
     integrations/_observer_thread.py), where the first of them was (the alert observer is
     first: closed first, its last alerts reach the loggers and the W&B sink still open)."""
     from charllm_nemo.alerts import AlertObserver
     from charllm_nemo.steps import StepsFileObserver
 
-    kinds: tuple[type, ...] = (StepsFileObserver, ThreadedLoggersObserver)
+    kinds: tuple[type, ...] = (_SummaryRows, StepsFileObserver, ThreadedLoggersObserver)
     if MERGE_ALERTS:
         kinds += (AlertObserver,)
     moved = [o for o in st.observers if isinstance(o, kinds)]

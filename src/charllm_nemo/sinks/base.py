@@ -119,12 +119,18 @@ def exit_now_if_abandoned(code: int) -> None:
     os._exit(code)
 
 
+BATCH_S = 0.1
+"""The sink thread takes its queue at most about this often (s): a W&B key a tenth of a second
+later costs nothing; a thread woken every step costs the training thread a GIL hand-over each."""
+
+
 class AsyncSink:
     """Runs a sink's calls on a daemon thread through a bounded queue of ``queue_size`` items.
 
     The caller's ``start`` / ``log_step`` / ``log_figures`` / ``log_windows_table`` return at
     once (a queue put, a few µs; :meth:`log_figures` also leaves building the keys to the sink
-    thread). When the queue is full the new item is dropped and counted; the first drop
+    thread). The thread takes the queue in batches, at most about every ``batch_s`` seconds
+    (0: at every put). When the queue is full the new item is dropped and counted; the first drop
     is logged, and the total at finish. A backend call that raises is counted and its first
     exception (per method) is logged with the traceback; the sink goes on with the next item.
     If the backend's ``start`` raised, later items are skipped (counted), not sent.
@@ -143,6 +149,7 @@ class AsyncSink:
         finish_timeout_s: float = 60.0,
         name: str | None = None,
         step_keys: StepKeysBuilder | None = None,
+        batch_s: float = BATCH_S,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size={queue_size} must be >= 1")
@@ -161,6 +168,9 @@ class AsyncSink:
         self._drop_logged = False
         self._finish_called = False
         self._finished = threading.Event()
+        self.batch_s = float(batch_s)
+        self.wakes = 0  # times the thread woke to a queued item (the rest of a batch waits for none)
+        self._hurry = threading.Event()  # set by finish: no more resting between batches
         self._backend_finished = False
         self._report: SinkReport | None = None
         self._thread = threading.Thread(target=self._run, name=f"charllm-sink-{self.name}", daemon=True)
@@ -221,6 +231,7 @@ class AsyncSink:
         if self._finish_called:
             return
         self._finish_called = True
+        self._hurry.set()
         timeout = self.finish_timeout_s if timeout_s is None else float(timeout_s)
         t0 = time.monotonic()
         deadline = t0 + max(timeout, 0.0)
@@ -269,21 +280,38 @@ class AsyncSink:
 
     # -- worker side -------------------------------------------------------------------------
     def _run(self) -> None:
+        """Take what is queued, all of it, then rest ``batch_s`` (puts meanwhile wake nobody: a
+        queue put with no thread waiting is a notify of no one), so the thread wakes at most
+        about once a ``batch_s``, not once a step; :meth:`finish` cuts the rest short."""
         while True:
-            method, args = self._queue.get()
-            if method is _FINISH:
-                self._backend_finished = not self._broken and self._call("finish", args)
-                self._finished.set()
-                return
-            if self._broken:
-                self.skipped += 1
-                continue
-            self._in_flight = True
-            ok = self._call(method, args)
-            self._in_flight = False
-            if not ok and method == "start":
-                self._broken = True
-                log.warning("sink %s: start failed; its later calls are skipped", self.name)
+            item = self._queue.get()  # blocks until the first item
+            self.wakes += 1
+            while True:
+                if not self._handle(*item):
+                    return
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if self.batch_s > 0:
+                self._hurry.wait(self.batch_s)
+
+    def _handle(self, method: Any, args: tuple[Any, ...]) -> bool:
+        """One queued call; False after the finish (the thread ends)."""
+        if method is _FINISH:
+            self._backend_finished = not self._broken and self._call("finish", args)
+            self._finished.set()
+            return False
+        if self._broken:
+            self.skipped += 1
+            return True
+        self._in_flight = True
+        ok = self._call(method, args)
+        self._in_flight = False
+        if not ok and method == "start":
+            self._broken = True
+            log.warning("sink %s: start failed; its later calls are skipped", self.name)
+        return True
 
     def _call(self, method: str, args: tuple[Any, ...]) -> bool:
         """Call the backend; True when it returned, False when it raised (counted, logged once)."""

@@ -16,58 +16,13 @@ import math
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.sinks.base import AsyncSink
 from charllm_nemo.sinks.keys import StepKeys
+from charllm_nemo.sinks.logger_config import LOGGER_MODES, LOGGER_NAMES, LoggerConfig
 
-LOGGER_NAMES: tuple[str, ...] = ("console", "wandb", "none")
-LOGGER_MODES: tuple[str, ...] = ("auto", "online", "offline", "disabled")
-
-
-@dataclass
-class LoggerConfig:
-    """Where per-step metrics go, and how.
-
-    ``name``: ``console`` | ``wandb`` | ``none``. W&B: ``project``, ``entity`` (None = the
-    key's default entity), ``run_name`` (None = ``<model>-<layout>-<optim>``), ``group`` (None
-    = the sweep, from the run directory), ``tags`` (added to the recipe's: layout, model,
-    optim, precision, backend), ``mode`` (None / ``auto`` = online with an API key, else
-    offline; ``online`` | ``offline`` | ``disabled``), ``dir`` (where wandb/ goes; None =
-    ``$WANDB_DIR``, else the run directory), ``run_id`` (None = W&B's own; shared mode derives
-    one from the run directory). Keys: ``rank_figures`` the per-rank figures logged as
-    ``rank/<r>/<figure>`` (None = all of charllm_nemo.sinks.keys.STEP_FIGURE_KEYS; a list keeps
-    the key count down on large jobs), ``rank_every`` per-rank keys every N steps (aggregates
-    every step). Queue: ``queue_size`` items (a full queue drops new ones and
-    counts them), ``finish_timeout_s`` (the most the end of training waits for the other ranks
-    to close their telemetry, and then for the sink).
-    End of run: ``log_windows_table`` (at most ``table_max_rows`` rows), ``upload_artifact``
-    (skipped when the run directory is over ``artifact_max_mb`` MiB). ``shared``: W&B shared
-    mode, one writer per node (online only; see docs/wandb.md). ``settings``: extra
-    ``wandb.Settings`` fields, e.g. ``{console: "off", x_disable_stats: true}``.
-    """
-
-    name: str = "none"
-    project: str = "charllm-nemo"
-    entity: str | None = None
-    run_name: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
-    mode: str | None = None
-    dir: str | None = None
-    run_id: str | None = None
-    rank_figures: list[str] | None = None
-    rank_every: int = 1
-    queue_size: int = 1024
-    finish_timeout_s: float = 60.0
-    upload_artifact: bool = True
-    artifact_max_mb: float = 256.0
-    log_windows_table: bool = True
-    table_max_rows: int = 10_000
-    shared: bool = False
-    settings: dict[str, Any] = field(default_factory=dict)
+__all__ = ["LOGGER_MODES", "LOGGER_NAMES", "LoggerConfig", "build_sink", "validate_logger_config"]
 
 
 def validate_logger_config(cfg: LoggerConfig) -> None:
@@ -161,25 +116,12 @@ def build_sink(
     if not (primary or secondary):
         return None
     sink = WandbSink(
-        project=cfg.project,
-        entity=cfg.entity,
-        name=cfg.run_name,
-        group=cfg.group,
-        tags=cfg.tags,
-        mode=cfg.mode,
-        dir=cfg.dir,
+        cfg,
         run_dir=run_dir,
-        run_id=cfg.run_id,
-        upload_artifact=cfg.upload_artifact and cfg.artifact_max_mb > 0,
-        artifact_max_mb=cfg.artifact_max_mb,
-        log_windows_table=cfg.log_windows_table and cfg.table_max_rows > 0,
-        table_max_rows=cfg.table_max_rows,
-        shared=cfg.shared,
         primary=primary,
         label=_node_label(node_rank if node_rank is not None else (0 if primary else None))
         if cfg.shared
         else None,
-        settings=cfg.settings,
         env=env,
     )
     return AsyncSink(

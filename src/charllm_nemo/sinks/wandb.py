@@ -22,7 +22,7 @@ import math
 import netrc
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from charllm_nemo.redact import redact_secrets
 from charllm_nemo.sinks.base import Metrics
 from charllm_nemo.sinks.keys import STEP_KEY, finite
+from charllm_nemo.sinks.logger_config import LoggerConfig
 from charllm_nemo.telemetry.write import make_dir
 
 log = logging.getLogger("charllm_nemo.sinks")
@@ -297,60 +298,52 @@ def _regular(path: Path) -> bool:
 
 
 class WandbSink:
-    """A W&B run. Arguments mirror :class:`~charllm_nemo.sinks.config.LoggerConfig`.
+    """A W&B run, made from the ``logger`` config (:class:`~charllm_nemo.sinks.config.LoggerConfig`)
+    as it is: ``project``, ``entity``, ``run_name``, ``group``, ``tags``,
+    ``mode``, ``run_id``, the artifact and windows-table limits (a limit of 0 turns its part
+    off), ``shared``, ``settings`` (extra ``wandb.Settings`` fields, e.g. ``console: "off"``).
 
-    ``dir``: where wandb writes its ``wandb/`` folder (None: ``$WANDB_DIR``, else the run
-    directory given as ``run_dir``, else the working directory). ``shared``: W&B shared mode
-    (online only, experimental in wandb 0.31): ``primary`` for the writer that logs metrics,
-    ``label`` names this writer's system metrics and console logs, ``run_id`` is the run every
-    writer joins. ``settings``: extra ``wandb.Settings`` fields (e.g. ``console: "off"``,
-    ``x_disable_stats: true``). ``env``: the environment to decide the mode from (tests).
+    ``dir`` (the config's): where wandb writes its ``wandb/`` folder (None: ``$WANDB_DIR``, else
+    the run directory given as ``run_dir``, else the working directory). With ``shared`` (W&B
+    shared mode, online only, experimental in wandb 0.31): ``primary`` for the writer that logs
+    metrics, ``label`` names this writer's system metrics and console logs, ``run_id`` is the
+    run every writer joins. ``table_kinds``: the window kinds of the windows table. ``env``: the
+    environment to decide the mode from (tests).
     """
 
     def __init__(
         self,
+        config: LoggerConfig,
         *,
-        project: str = "charllm-nemo",
-        entity: str | None = None,
-        name: str | None = None,
-        group: str | None = None,
-        tags: Sequence[str] = (),
-        mode: str | None = None,
-        dir: str | os.PathLike[str] | None = None,
         run_dir: str | os.PathLike[str] | None = None,
-        run_id: str | None = None,
-        upload_artifact: bool = True,
-        artifact_max_mb: float = 256.0,
-        log_windows_table: bool = True,
-        table_max_rows: int = 10_000,
-        table_kinds: tuple[str, ...] = ("microbatch", "phase"),
-        shared: bool = False,
         primary: bool = True,
         label: str | None = None,
-        settings: Mapping[str, Any] | None = None,
+        table_kinds: tuple[str, ...] = ("microbatch", "phase"),
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.project = project
-        self.entity = entity
-        self.name = name
-        self.group = group
-        self.tags = list(tags)
-        self.requested_mode = mode
+        cfg = config
+        self.project = cfg.project
+        self.entity = cfg.entity
+        self.name = cfg.run_name
+        self.group = cfg.group
+        self.tags = list(cfg.tags)
+        self.requested_mode = cfg.mode
         self.run_dir = Path(run_dir) if run_dir is not None else None
         e = os.environ if env is None else env
-        self.dir = Path(dir) if dir is not None else (Path(e["WANDB_DIR"]) if e.get("WANDB_DIR") else None)
+        wandb_dir = e.get("WANDB_DIR")
+        self.dir = Path(cfg.dir) if cfg.dir is not None else (Path(wandb_dir) if wandb_dir else None)
         if self.dir is None and self.run_dir is not None:
             self.dir = self.run_dir
-        self.run_id = run_id
-        self.upload_artifact = upload_artifact
-        self.artifact_max_mb = float(artifact_max_mb)
-        self.log_windows_table_enabled = log_windows_table
-        self.table_max_rows = int(table_max_rows)
+        self.run_id = cfg.run_id
+        self.upload_artifact = cfg.upload_artifact and cfg.artifact_max_mb > 0
+        self.artifact_max_mb = float(cfg.artifact_max_mb)
+        self.log_windows_table_enabled = cfg.log_windows_table and cfg.table_max_rows > 0
+        self.table_max_rows = int(cfg.table_max_rows)
         self.table_kinds = tuple(table_kinds)
-        self.shared = shared
+        self.shared = cfg.shared
         self.primary = primary
         self.label = label
-        self.settings = dict(settings or {})
+        self.settings = dict(cfg.settings or {})
         self.env = env
         self.mode: str | None = None  # the mode in use, after start
         self.run: Any = None

@@ -3,7 +3,8 @@
 What a training loop or an integration imports:
 
 * :class:`StepTelemetry`: one per rank; ``timers(inner)`` for Megatron-Core's ``config.timers``,
-  ``begin_step`` / ``phase`` / ``end_step`` / ``finish``.
+  ``begin_step`` / ``phase`` / ``end_step`` / ``finish``; made with :class:`StepOptions` and
+  :class:`RateInputs` (or ready :class:`StepRates`).
 * :class:`StepReport`: one step over all ranks, as rank 0's observers receive it.
 * Observers: :class:`Observer` (the protocol), :class:`ConsoleObserver`,
   :class:`StepsFileObserver`, :class:`WandbObserver`, :class:`FunctionObserver`.
@@ -25,6 +26,7 @@ from charllm_nemo.steps.observers import (
     WandbObserver,
     format_report,
 )
+from charllm_nemo.steps.options import RateInputs, StepOptions
 from charllm_nemo.steps.rates import StepRates
 from charllm_nemo.steps.report import StepReport
 from charllm_nemo.steps.telemetry import StepOutcome, StepTelemetry
@@ -35,7 +37,9 @@ __all__ = [
     "ConsoleObserver",
     "FunctionObserver",
     "Observer",
+    "RateInputs",
     "StepMarker",
+    "StepOptions",
     "StepOutcome",
     "StepRates",
     "StepReport",

@@ -11,23 +11,33 @@ step's end, the Linux counters that say so, as deltas since its last read:
 * ``cpu_pressure_s``: time in which at least one task on the host waited for a CPU (PSI,
   ``/proc/pressure/cpu`` ``some total``, µs);
 * ``cpu_steal_share``: the share of all CPUs' time the hypervisor took (``/proc/stat`` ``cpu``
-  line: steal over the sum of its fields);
-* ``load_1m``: the one-minute load average (``/proc/loadavg``) over the CPUs this process may use.
+  line: steal over the sum of its fields), over the last :data:`STEAL_EVERY_NS` or more: the
+  kernel makes all of ``/proc/stat`` (every CPU's and interrupt's counts) for each read, the
+  dearest of the four, so it is read at most that often and a shorter step gets the share of
+  the span that ended last (a share, not a time: a span around the step says it);
+* ``load_1m``: the one-minute load average (``/proc/loadavg``) over the CPUs this process may
+  use, read at most every :data:`LOAD_EVERY_NS` (it moves over a minute).
 
 These are system files, not the run's: read directly, each bounded to one small ``os.pread``
 (the documented exception to the hardened read layer, which guards the run's own files). A
 counter the kernel does not have (no PSI before Linux 4.20 or with ``psi=0``, no schedstat
 without ``CONFIG_SCHEDSTATS``, not Linux) is NaN, never an error. A sample costs
-~30-60 µs on a loaded 2-core VM (the files stay open between samples).
+~30-60 µs on a loaded 2-core VM (the files stay open between samples); most steps read two.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 HOST_FIELDS: tuple[str, ...] = ("run_delay_s", "cpu_pressure_s", "cpu_steal_share", "load_1m")
 """What :meth:`HostPressure.sample` returns, in order (s, s, 0-1, runnable tasks per CPU)."""
+
+STEAL_EVERY_NS = 100_000_000
+"""``/proc/stat`` is read at most this often (ns): ``cpu_steal_share`` spans at least this long."""
+LOAD_EVERY_NS = 1_000_000_000
+"""``/proc/loadavg`` is read at most this often (ns)."""
 
 _MAX_READ = 4096  # the first line of /proc/stat (the "cpu" total) fits in far less on any host
 
@@ -109,33 +119,41 @@ class HostPressure:
         paths = (schedstat, "/proc/pressure/cpu", "/proc/stat", "/proc/loadavg")
         self._fds: list[int | None] = [_open(p) for p in paths]
         self._cpus = _cpus()
-        self._last = self._read()
-
-    def _read(self) -> tuple[float | None, float | None, tuple[int, int] | None]:
-        fds = self._fds
-        return (
-            parse_schedstat(_pread(fds[0])),
-            parse_psi_some_total(_pread(fds[1])),
-            parse_stat_cpu(_pread(fds[2])),
-        )
+        self._delay = parse_schedstat(_pread(self._fds[0]))
+        self._psi = parse_psi_some_total(_pread(self._fds[1]))
+        self._stat = parse_stat_cpu(_pread(self._fds[2]))
+        self._stat_at = self._load_at = time.monotonic_ns()
+        self._steal = math.nan
+        self._load = math.nan
+        self._load_at -= LOAD_EVERY_NS  # the first sample reads the load
 
     def sample(self) -> tuple[float, float, float, float]:
-        """:data:`HOST_FIELDS` over the time since the last call (NaN where not known)."""
-        now = self._read()
-        (d0, p0, s0), (d1, p1, s1) = self._last, now
-        self._last = now
+        """:data:`HOST_FIELDS` over the time since the last call (NaN where not known; the
+        steal share and the load as of their last read: module doc)."""
+        fds = self._fds
         nan = math.nan
+        d0, d1 = self._delay, parse_schedstat(_pread(fds[0]))
+        p0, p1 = self._psi, parse_psi_some_total(_pread(fds[1]))
+        self._delay, self._psi = d1, p1
         delay = d1 - d0 if d0 is not None and d1 is not None and d1 >= d0 else nan
         psi = p1 - p0 if p0 is not None and p1 is not None and p1 >= p0 else nan
-        steal = nan
-        if s0 is not None and s1 is not None and s1[1] > s0[1]:
-            steal = max(0.0, (s1[0] - s0[0]) / (s1[1] - s0[1]))
-        load = parse_load_1m(_pread(self._fds[3]))
-        return delay, psi, steal, nan if load is None else load / self._cpus
+        now = time.monotonic_ns()
+        if now - self._stat_at >= STEAL_EVERY_NS:
+            s0, s1 = self._stat, parse_stat_cpu(_pread(fds[2]))
+            self._stat, self._stat_at = s1, now
+            steal = nan
+            if s0 is not None and s1 is not None and s1[1] > s0[1]:
+                steal = max(0.0, (s1[0] - s0[0]) / (s1[1] - s0[1]))
+            self._steal = steal
+        if now - self._load_at >= LOAD_EVERY_NS:
+            load = parse_load_1m(_pread(fds[3]))
+            self._load, self._load_at = (nan if load is None else load / self._cpus), now
+        return delay, psi, self._steal, self._load
 
     def close(self) -> None:
         """Close the descriptors (a later sample reads NaN)."""
         fds, self._fds = self._fds, [None] * len(self._fds)
+        self._steal = self._load = math.nan
         for fd in fds:
             if fd is not None:
                 os.close(fd)

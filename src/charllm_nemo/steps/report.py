@@ -17,8 +17,8 @@ from typing import Any
 
 from charllm_nemo.steps.host import HOST_FIELDS
 from charllm_nemo.steps.marks import PHASE_GROUPS
-from charllm_nemo.telemetry.figures import RANK_FIGURES, combine
-from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_KEYS, combine_devices
+from charllm_nemo.telemetry.figures import RANK_FIGURES, combine, finite_or_none
+from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, combine_devices
 
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "loss_tokens", "loss", "loss_count", "step_time_s")
 """The first entries of a rank's vector: ``loss_sum`` / ``loss_tokens`` (a summed token loss and
@@ -157,8 +157,22 @@ def pack_rank_vector(
     head.extend([math.nan] * len(HEALTH_FIELDS) if health is None else [float(v) for v in health])
     if figures is None:
         return head + [math.nan] * len(STEP_FIGURE_KEYS)
+    one = figures if isinstance(figures, Mapping) else figures[0] if len(figures) == 1 else None
+    if one is not None:  # one device (one GPU a rank): its own values, as combine_devices leaves them
+        get = one.get
+        head.extend(v if type(v := get(c)) is float and v - v == 0 else _nan_or(v) for c in _COLUMNS)
+        return head
     combined = combine_devices(figures)
     return head + [combined[name] for name in STEP_FIGURE_KEYS]
+
+
+_COLUMNS = tuple(STEP_FIGURE_COLUMNS[name] for name in STEP_FIGURE_KEYS)
+"""The attribution column of each figure of the vector, in :data:`STEP_FIGURE_KEYS` order."""
+
+
+def _nan_or(value: Any) -> float:
+    v = finite_or_none(value)
+    return math.nan if v is None else v
 
 
 @dataclass(frozen=True)

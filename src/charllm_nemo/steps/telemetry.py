@@ -3,8 +3,9 @@ and phases begin and end; this does the rest.
 
 ::
 
-    st = StepTelemetry(session, placement, model=shape, global_batch_size=512,
-                       observers=[ConsoleObserver(total_steps=100)], device="cuda")
+    st = StepTelemetry(session, placement, options=StepOptions(device="cuda", total_steps=100),
+                       rates=RateInputs(shape, global_batch_size=512),
+                       observers=[ConsoleObserver(total_steps=100)])
     config.timers = st.timers(inner=config.timers)   # Megatron-Core's forward/backward marks
     for step in range(100):
         st.begin_step(step)
@@ -36,6 +37,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.steps.host import HostPressure
 from charllm_nemo.steps.marks import StepMarker, StepTiming
 from charllm_nemo.steps.observers import Observer
+from charllm_nemo.steps.options import RateInputs, StepOptions
 from charllm_nemo.steps.pending import MAX_FIGURES_LAG, PendingSteps, final_wait
 from charllm_nemo.steps.rates import StepRates
 from charllm_nemo.steps.report import StepReport, apply_rank_figures, combine_head, pack_rank_vector
@@ -45,7 +47,7 @@ from charllm_nemo.telemetry.attribution import ATTRIBUTION_COLUMN_NAMES
 from charllm_nemo.telemetry.config import Placement
 from charllm_nemo.telemetry.figures import finite_or_none as _finite
 from charllm_nemo.telemetry.rank_vector import STEP_FIGURE_COLUMNS, STEP_FIGURE_KEYS, THROTTLE_FIGURES
-from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ
+from charllm_nemo.telemetry.sample_loop import DEFAULT_HZ, health_counts
 from charllm_nemo.telemetry.schema import WINDOW_KINDS
 from charllm_nemo.telemetry.windows import WindowRecorder
 
@@ -116,32 +118,23 @@ class StepTelemetry:
 
     ``session``: the rank's started TelemetrySession (``open_session``), or None: no telemetry
     (steps are still timed, losses gathered and reports made). ``placement``: where the rank
-    sits (default: the session's rank and world size). ``model`` (a ModelShape) with
-    ``global_batch_size`` (sequences a step) and ``seq_length`` (default the shape's): FLOPs,
-    throughput and MFU, counted with ``attention_flops`` (``full`` | ``causal``; default the
-    shape's), against ``peak_tflops_per_gpu`` (default: looked up for the CUDA device and
-    ``precision``); or pass ready ``rates``. ``observers``: rank 0's (others ignore them).
-    ``group``: the torch.distributed group of the one gather a step (None: the default group
-    when initialised; none without). ``device``: ``cuda`` times marks with CUDA events resolved
-    at step end, else the host clock. ``num_microbatches`` per step (a step may change it),
-    ``num_chunks`` (virtual pipeline chunks on this rank) and ``group_size`` (mcore's
-    ``microbatch_group_size_per_vp_stage``) map the k-th forward to its microbatch.
-    ``windows``: the window kinds to record (default all; ``()`` none). ``total_steps``: the
-    last step asks for its figures at once. ``recorder``: a bare WindowRecorder to record into
-    when there is no session (tests). ``max_figure_wait_s``: the most a step waits for an
-    earlier step's overdue figures (None: up to two sampling periods, at most 50 ms; 0: never,
-    they are dropped); an attribute, so a caller may change it between steps. ``figures``: the
-    telemetry figures each rank reports (names of :data:`STEP_FIGURE_KEYS`; the others travel
-    as NaN). None: all of them where the telemetry process computes them (sampler ``process``),
-    :data:`THREAD_MODE_FIGURES` where they are computed on the training thread (sampler
-    ``thread``: about 1 ms a step for all of them, 0.1 ms for these, measured by
-    bench/bench_step_marks.py).
-    ``phase_times``: sum each step's phases by group on every rank (``StepReport.per_rank_timing``;
-    a pass over the step's marks at its end). ``rank_info``: at the first step's end every rank
-    sends its static facts once (host, local rank, device index, UUID, name, power limit:
-    :func:`rank_facts`; one ``all_gather_object``), and rank 0's observers that have
-    ``on_rank_info(list)`` get them before their first step. Both must be the same on every
-    rank (alerts set them: charllm_nemo.alerts).
+    sits (default: the session's rank and world size). ``options``: how its steps are cut and
+    telemetered (:class:`~charllm_nemo.steps.options.StepOptions`; None: the defaults).
+    ``rates``: ready :class:`StepRates`, or the :class:`~charllm_nemo.steps.options.RateInputs`
+    they are counted from (FLOPs, throughput and MFU; the peak looked up for the CUDA device
+    when not given); None: no rates. ``observers``: rank 0's (others ignore them). ``group``:
+    the torch.distributed group of the one gather a step (None: the default group when
+    initialised; none without). ``recorder``: a bare WindowRecorder to record into when there
+    is no session (tests). ``max_figure_wait_s`` is an attribute too: a caller may change it
+    between steps. Where the figures are computed on the training thread (sampler ``thread``)
+    only :data:`THREAD_MODE_FIGURES` are reported by default (about 1 ms a step for all of
+    them, 0.1 ms for these, measured by bench/bench_step_marks.py). With ``phase_times`` each
+    step's phases are summed by group on every rank (``StepReport.per_rank_timing``); with
+    ``rank_info`` every rank sends its static facts once at the first step's end (host, local
+    rank, device index, UUID, name, power limit: :func:`rank_facts`; one
+    ``all_gather_object``), and rank 0's observers that have ``on_rank_info(list)`` get them
+    before their first step. Both must be the same on every rank (alerts set them:
+    charllm_nemo.alerts).
     """
 
     def __init__(
@@ -149,27 +142,13 @@ class StepTelemetry:
         session: StepSession | None = None,
         placement: Placement | None = None,
         *,
-        model: Any = None,
-        global_batch_size: int | None = None,
-        seq_length: int | None = None,
-        attention_flops: str | None = None,
-        peak_tflops_per_gpu: float | None = None,
-        precision: str = "bf16",
-        rates: StepRates | None = None,
+        options: StepOptions | None = None,
+        rates: StepRates | RateInputs | None = None,
         observers: Sequence[Observer] = (),
         group: Any = None,
-        device: str = "cpu",
-        num_microbatches: int = 1,
-        num_chunks: int = 1,
-        group_size: int | None = None,
-        windows: Sequence[str] | None = None,
-        total_steps: int | None = None,
         recorder: WindowRecorder | None = None,
-        max_figure_wait_s: float | None = None,
-        figures: Sequence[str] | None = None,
-        phase_times: bool = False,
-        rank_info: bool = False,
     ) -> None:
+        o = options if options is not None else StepOptions()
         if placement is None:
             placement = (
                 Placement(session.rank, session.local_rank, session.world_size)
@@ -179,8 +158,8 @@ class StepTelemetry:
         self.session = session
         self.placement = placement
         self.group = group
-        self.total_steps = total_steps
-        kinds = tuple(WINDOW_KINDS if windows is None else windows)
+        self.total_steps = o.total_steps
+        kinds = tuple(WINDOW_KINDS if o.windows is None else o.windows)
         unknown = [k for k in kinds if k not in WINDOW_KINDS]
         if unknown:
             raise ConfigError(
@@ -190,31 +169,27 @@ class StepTelemetry:
         self.recorder = session.windows if session is not None else (recorder or WindowRecorder())
         if recorder is not None and session is None and placement.labels:
             self.recorder.set_labels(**placement.labels)
-        self.cuda = str(device).startswith("cuda")
+        self.cuda = str(o.device).startswith("cuda")
         self.marker = StepMarker(
             self.recorder,
-            num_microbatches=num_microbatches,
-            num_chunks=num_chunks,
-            group_size=group_size,
+            num_microbatches=o.num_microbatches,
+            num_chunks=o.num_chunks,
+            group_size=o.group_size,
             kinds=kinds if marking else (),
             cuda=self.cuda,
         )
-        self.marker.sum_phases = bool(phase_times)
+        self.marker.sum_phases = bool(o.phase_times)
         # the host's CPU contention per step, beside the phases (alerts: host contention)
-        self._host = HostPressure() if phase_times else None
+        self._host = HostPressure() if o.phase_times else None
         self._timings: dict[int, tuple[float, ...]] = {}  # step -> its RANK_TIMING_FIELDS, until due
-        self._rank_info = bool(rank_info)
+        self._rank_info = bool(o.rank_info)
         self.rank_infos: list[dict[str, Any]] | None = None
         """Every rank's static facts (index = rank) once exchanged (``rank_info``)."""
         self._torch, self.world_size, self.rank = self._process_group(group)
         self.is_reporting_rank = self.rank == 0
         self.observers: list[Observer] = list(observers) if self.is_reporting_rank else []
         self._broken: set[int] = set()
-        self.rates = rates
-        if rates is None and model is not None and global_batch_size is not None:
-            self.rates = self._rates(
-                model, global_batch_size, seq_length, attention_flops, peak_tflops_per_gpu, precision
-            )
+        self.rates = self._rates(rates) if isinstance(rates, RateInputs) else rates
         r = self.rates
         publish = getattr(session, "publish_step_rates", None)
         if r is not None and publish is not None:  # the live exporter's constants, once (docs/export.md)
@@ -230,12 +205,12 @@ class StepTelemetry:
             MAX_FIGURES_LAG if session is not None else 1, ready_s
         )
         self._final_wait_s = final_wait(hz)
-        self.figures = self._figure_names(session, figures)
-        if phase_times and figures is None and self.figures == THREAD_MODE_FIGURES:
+        self.figures = self._figure_names(session, o.figures)
+        if o.phase_times and o.figures is None and self.figures == THREAD_MODE_FIGURES:
             self.figures = (*THREAD_MODE_FIGURES, *ALERT_FIGURES)  # what the alerts read
         self.columns = figure_columns(self.figures)
         """The attribution columns asked of the session for :attr:`figures`."""
-        self.max_figure_wait_s = max_figure_wait_s
+        self.max_figure_wait_s = o.max_figure_wait_s
         self._comm_device: Any = None
         self._phases: dict[str, _Phase] = {}
         self._step: int | None = None
@@ -278,26 +253,19 @@ class StepTelemetry:
             return int(torch.distributed.get_world_size())
         return self.placement.world_size
 
-    def _rates(
-        self,
-        model: Any,
-        global_batch_size: int,
-        seq_length: int | None,
-        attention_flops: str | None,
-        peak: float | None,
-        precision: str,
-    ) -> StepRates | None:
+    def _rates(self, inputs: RateInputs) -> StepRates | None:
         name = units = None
+        peak, precision = inputs.peak_tflops_per_gpu, inputs.precision
         if self.cuda and peak is None and self._torch is not None and self._torch.cuda.is_available():
             props = self._torch.cuda.get_device_properties(self._torch.cuda.current_device())
             name, units = props.name, props.multi_processor_count
         try:
             rates = StepRates.for_model(
-                model,
-                global_batch_size,
+                inputs.model,
+                inputs.global_batch_size,
                 self._global_world_size(),
-                seq_length=seq_length,
-                attention_flops=attention_flops,
+                seq_length=inputs.seq_length,
+                attention_flops=inputs.attention_flops,
                 peak_tflops_per_gpu=peak,
                 device_name=name,
                 precision=precision,
@@ -502,12 +470,12 @@ class StepTelemetry:
     def _health(self) -> tuple[float, float, float] | None:
         """The session's sampler health (its ``health`` property: a read of the shared block's
         counters in process mode) as HEALTH_FIELDS; None without a session, or where it cannot say."""
-        if self.session is None:
+        session = self.session
+        if session is None:
             return None
         try:
-            h = self.session.health
-            stopped = 1.0 if (h.devices_lost or h.stop_reason) else 0.0
-            return float(h.deadlines_missed), float(sum(h.nulls)), stopped
+            counts = getattr(session, "health_counts", None)
+            return counts() if counts is not None else health_counts(session.health)
         except Exception:  # health is a report, never a reason to fail a step; but say so once
             if not getattr(self, "_health_failed", False):
                 self._health_failed = True
@@ -543,15 +511,26 @@ class StepTelemetry:
         return torch.device("cpu")
 
     def _report(self, report: StepReport, rows: list[list[float]]) -> None:
-        """Rank 0: the step's cross-rank figures into its report, then to every observer."""
+        """Rank 0: the step's cross-rank figures into its report, then to every observer. An
+        observer with ``on_step_rows(report, rows)`` (the integrations' observer thread) puts
+        the figures in itself, off the training thread, when it is the only observer; else they
+        are put in here and it gets None (one thread writes the report, never two)."""
         if not self.is_reporting_rank:
             return
-        apply_rank_figures(report, rows)
-        for i, obs in enumerate(self.observers):
+        observers = self.observers
+        deferred = [getattr(obs, "on_step_rows", None) for obs in observers]
+        applied = None in deferred or len(deferred) > 1
+        if applied:
+            apply_rank_figures(report, rows)
+        for i, obs in enumerate(observers):
             if i in self._broken:
                 continue
             try:
-                obs.on_step(report)
+                take_rows = deferred[i]
+                if take_rows is None:
+                    obs.on_step(report)
+                else:
+                    take_rows(report, None if applied else rows)
             except Exception:  # an observer never stops training
                 log.exception("charllm: observer %s failed; it gets no more steps", type(obs).__name__)
                 self._broken.add(i)

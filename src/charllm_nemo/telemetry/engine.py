@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from charllm_nemo.devices.base import Device
 from charllm_nemo.telemetry.buffered import BufferedStore
+from charllm_nemo.telemetry.sample_loop import health_counts
 from charllm_nemo.telemetry.sampler import Row, Sampler, SamplerHealth, rows_to_arrays, rows_to_table
 from charllm_nemo.telemetry.store import Flusher, RankStore, records_to_table
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
@@ -77,6 +78,10 @@ class Engine(Protocol):
     @property
     def health(self) -> SamplerHealth:
         """How the sampling has gone so far."""
+        ...
+
+    def health_counts(self) -> tuple[float, float, float]:
+        """What a rank sends of :attr:`health` each step (sample_loop ``health_counts``)."""
         ...
 
     @property
@@ -186,6 +191,9 @@ class ThreadEngine:
     @property
     def health(self) -> SamplerHealth:
         return self._sampler.health
+
+    def health_counts(self) -> tuple[float, float, float]:
+        return health_counts(self._sampler.health)
 
     @property
     def disk_full(self) -> bool:

@@ -190,6 +190,13 @@ class SamplerHealth:
         return d
 
 
+def health_counts(h: SamplerHealth) -> tuple[float, float, float]:
+    """What a rank sends of its sampler's health each step (steps/report.py ``HEALTH_FIELDS``):
+    deadlines missed, null readings of supported metrics (counts), and 1.0 once the sampler
+    stopped (a device lost, a stop reason), else 0.0."""
+    return float(h.deadlines_missed), float(sum(h.nulls)), 1.0 if (h.devices_lost or h.stop_reason) else 0.0
+
+
 class NullWatch:
     """Counts, per metric, the readings in which a metric that its device supported at open came
     back null: a read that failed while sampling (NOT_SUPPORTED for a while, a timeout). Each

@@ -83,6 +83,7 @@ from charllm_nemo.telemetry.store import (
     RankStore,
     SegmentWriter,
     clear_rank_folder,
+    out_dir_option,
     rank_dir,
     warm_up_parquet_writer,
 )
@@ -255,6 +256,7 @@ class TelemetrySession:
                         "live_window_s": live_window_s,
                         "driver_buffers": self._driver_buffers,
                         "export": export,  # telemetry.export (telemetry/export/): the process's
+                        "out_dir_option": out_dir_option(config),  # the disk-full line's words
                     },
                     nice=nice,
                     collector_sched=policy,
@@ -275,6 +277,7 @@ class TelemetrySession:
                 export.get("mode"),
             )
         self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
+        self.store.segments.out_dir_option = out_dir_option(config)
         self.compact_at_close = True
         """At close, the rank folder's segments become a few large files (telemetry/compact.py)."""
         self.engine: Engine = (
@@ -390,6 +393,11 @@ class TelemetrySession:
         metric), whichever engine samples."""
         return self.engine.health
 
+    def health_counts(self) -> tuple[float, float, float]:
+        """:attr:`health` as a rank sends it each step (deadlines missed, null readings, 1.0
+        once sampling stopped): read without making a SamplerHealth in process mode."""
+        return self.engine.health_counts()
+
     @property
     def disk_full(self) -> bool:
         """Whether telemetry hit a full disk (ENOSPC / EDQUOT) and stopped writing: its segments
@@ -472,7 +480,9 @@ class TelemetrySession:
         pid = failed.pid
         counts = failed.stop_for_takeover()
         reason = failed.health.stop_reason or "it exited"
+        option = self.store.segments.out_dir_option
         self.store.segments = SegmentWriter.continuing(self.store.dir, counts)
+        self.store.segments.out_dir_option = option
         self.store.manifest["telemetry_process_lost"] = {
             "pid": pid,
             "reason": reason,

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,10 @@ class SegmentWriter:
     rank's folder, atomically, and counts them. Thread-safe. ``first_seq`` continues a
     numbering another writer began (the training process after its telemetry process died)."""
 
+    out_dir_option = "telemetry.out_dir / --out"
+    """How the user named the run directory, for the disk-full line (an integration's session
+    sets its keyword: :func:`out_dir_option`)."""
+
     def __init__(self, folder: Path, first_seq: dict[str, int] | None = None) -> None:
         self.dir = folder
         self._seq = {"samples": 0, "windows": 0, **(first_seq or {})}
@@ -284,9 +288,10 @@ class SegmentWriter:
         log.error(
             "telemetry: the disk is full (%s); telemetry stops writing this rank's samples and "
             "windows. What was written stays readable; the manifest will say status %r. Free space "
-            "or choose another telemetry.out_dir / --out",
+            "or choose another %s",
             why,
             DISK_FULL,
+            self.out_dir_option,
         )
 
     def counts(self) -> dict[str, Any]:
@@ -301,6 +306,15 @@ class SegmentWriter:
             out["rows_unwritten"] = dict(self.rows_unwritten)
             out["disk_full"] = True
         return out
+
+
+def out_dir_option(config: Mapping[str, Any] | None) -> str:
+    """How the user named the run directory, from the run's config as the manifest holds it:
+    an integration's keyword (``PowerThermalCallback(out_dir=...)``; its config's
+    ``integration.owner``), else ``charllm train``'s and the CLI's."""
+    integration = (config or {}).get("integration")
+    owner = integration.get("owner") if isinstance(integration, Mapping) else None
+    return f"{owner}(out_dir=...)" if isinstance(owner, str) and owner else SegmentWriter.out_dir_option
 
 
 def check_writable(folder: Path) -> None:

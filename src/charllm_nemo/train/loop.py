@@ -516,6 +516,7 @@ def _step_telemetry(
     from charllm_nemo.steps import (
         ConsoleObserver,
         Observer,
+        StepOptions,
         StepsFileObserver,
         StepTelemetry,
         WandbObserver,
@@ -564,15 +565,17 @@ def _step_telemetry(
     return StepTelemetry(
         session,
         Placement(dist.rank, dist.local_rank, dist.world_size),
+        options=StepOptions(
+            device=dist.device,
+            windows=kinds,
+            total_steps=cfg.batch.train_steps,
+            phase_times=alerts_on,
+            rank_info=alerts_on,
+            num_microbatches=n_micro,
+            num_chunks=len(bundle.chunks),
+            group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
+        ),
         rates=rates,
         observers=observers,
-        device=dist.device,
-        num_microbatches=n_micro,
-        num_chunks=len(bundle.chunks),
-        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
-        windows=kinds,
-        total_steps=cfg.batch.train_steps,
         recorder=rec,
-        phase_times=alerts_on,
-        rank_info=alerts_on,
     )

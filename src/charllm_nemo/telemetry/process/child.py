@@ -276,6 +276,8 @@ class _Service(threading.Thread):
                 live_window_s=float(self.store["live_window_s"]),
                 buffered=buffered,
             )
+            if self.store.get("out_dir_option"):  # the disk-full line names it as the user did
+                self.collector.writer.out_dir_option = str(self.store["out_dir_option"])
             if self.store.get("export"):  # telemetry.export (telemetry/export/); never stops the store
                 self.collector.exporter = _exporter(
                     self.store["export"], devices, config["figures_period_ns"]

@@ -62,6 +62,9 @@ class ProcessEngine:
     def health(self) -> SamplerHealth:
         return self._sampler.health
 
+    def health_counts(self) -> tuple[float, float, float]:
+        return self._sampler.health_counts()
+
     @property
     def disk_full(self) -> bool:
         return self._sampler.disk_full

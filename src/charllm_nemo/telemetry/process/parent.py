@@ -89,8 +89,13 @@ from charllm_nemo.telemetry.sample_loop import (
     Row,
     SamplerHealth,
     counter_every,
+    health_counts,
     validate_hz,
 )
+
+_H_DEADLINES_MISSED = shm.H_HEALTH + shm.HEALTH_FIELDS.index("deadlines_missed")
+_H_DEVICES_LOST = shm.H_HEALTH + shm.HEALTH_FIELDS.index("devices_lost")
+_N_NULLS = len(SamplerHealth(hz=1.0).nulls)  # one count per schema metric
 
 log = logging.getLogger("charllm_nemo.sampler")
 
@@ -478,6 +483,22 @@ class ProcessSampler:
             if self._final is not None:
                 return self._final
             return self._snapshot()
+
+    def health_counts(self) -> tuple[float, float, float]:
+        """:func:`~charllm_nemo.telemetry.sample_loop.health_counts` of :attr:`health`, read
+        straight from the block (a rank sends them every step: no SamplerHealth is made)."""
+        with self._lock:
+            block = self._block
+            if self._final is not None or block is None or self._start_error is not None:
+                return health_counts(self._final if self._final is not None else self._snapshot())
+            q = block.q
+            nulls = q[shm.H_NULLS0 : shm.H_NULLS0 + _N_NULLS]
+            stopped = (
+                q[_H_DEVICES_LOST]
+                or q[H_STATE] in (STOPPED, FAILED)
+                or (self._proc is not None and self._proc.poll() is not None)
+            )
+            return float(q[_H_DEADLINES_MISSED]), float(sum(nulls)), 1.0 if stopped else 0.0
 
     def _snapshot(self) -> SamplerHealth:
         h = SamplerHealth(hz=self.hz, startup_ns=self._startup_ns)
