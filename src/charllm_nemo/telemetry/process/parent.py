@@ -92,10 +92,11 @@ from charllm_nemo.telemetry.sample_loop import (
     health_counts,
     validate_hz,
 )
+from charllm_nemo.telemetry.schema import METRICS
 
 _H_DEADLINES_MISSED = shm.H_HEALTH + shm.HEALTH_FIELDS.index("deadlines_missed")
 _H_DEVICES_LOST = shm.H_HEALTH + shm.HEALTH_FIELDS.index("devices_lost")
-_N_NULLS = len(SamplerHealth(hz=1.0).nulls)  # one count per schema metric
+_N_NULLS = len(METRICS)  # one null count per schema metric (SamplerHealth.nulls)
 
 log = logging.getLogger("charllm_nemo.sampler")
 
