@@ -84,11 +84,13 @@ def make_rank(run: Path, rank: int, seconds: float, hz: float, segment_s: float,
     return n
 
 
-def analyze_once(run: Path, out: Path) -> tuple[float, float, int, str]:
-    """``charllm analyze --no-figures`` of ``run`` in a child process: (wall s, CPU s of the
-    child and the workers it reaped, the largest RSS among them in bytes, its first output line),
-    from the child's own rusage (``os.wait4``)."""
+def analyze_once(run: Path, out: Path, extra: tuple[str, ...] = ()) -> tuple[float, float, int, str]:
+    """``charllm analyze --no-figures`` of ``run`` in a child process (``extra``: more
+    arguments, e.g. ``--engine spark``): (wall s, CPU s of the child and the processes it reaped,
+    the largest RSS among them in bytes, its first output line), from the child's own rusage
+    (``os.wait4``)."""
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "analyze", str(run), "--no-figures", "--out", str(out)]
+    cmd += list(extra)
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
