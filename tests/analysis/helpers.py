@@ -141,7 +141,8 @@ def phased_run(
 
 def rough_run(run: Path, seed: int) -> None:
     """2 ranks on 2 hosts: a square-wave power with NaN gaps, an energy counter that moves every
-    30 ms and resets once, throttle bits that come and go, temperatures that drift."""
+    30 ms and resets once, throttle bits that come and go, temperatures that drift; rank 1's
+    sampler stalls for 0.5 s."""
     rng = np.random.default_rng(seed)
     n = 700
     t = (np.arange(n) * 10 * MS + rng.integers(0, MS, n)).astype(np.int64)
@@ -159,6 +160,9 @@ def rough_run(run: Path, seed: int) -> None:
             "pcie_tx_bytes": np.cumsum(rng.integers(0, 1000, n)).astype(np.int64),
             "power_limit_w": np.full(n, 700.0),
         }  # fmt: skip
+        if r == 1:  # a stalled sampler: 0.5 s without a sample
+            keep = (np.arange(n) < 550) | (np.arange(n) >= 600)
+            samples = {k: v[keep] for k, v in samples.items()}
         b = (500 + np.arange(5) * 1000) * MS
         windows = {
             "window_id": np.arange(5, dtype=np.int64), "kind": ["step"] * 5, "name": ["step"] * 5,

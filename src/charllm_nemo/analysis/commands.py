@@ -82,7 +82,9 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
     from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import write_with
 
-    progress.stage(f"starting Spark (master {printable(args.spark_master or 'local[*]')})")
+    progress.stage(
+        f"starting Spark (master {printable(args.spark_master or 'spark-submit / $SPARK_MASTER / local[*]')})"
+    )
     try:
         session = spark_session(args.spark_master)
     except ImportError as exc:
