@@ -84,11 +84,13 @@ def make_rank(run: Path, rank: int, seconds: float, hz: float, segment_s: float,
     return n
 
 
-def analyze_once(run: Path, out: Path) -> tuple[float, float, int, str]:
-    """``charllm analyze --no-figures`` of ``run`` in a child process: (wall s, CPU s of the
-    child and the workers it reaped, the largest RSS among them in bytes, its first output line),
-    from the child's own rusage (``os.wait4``)."""
+def analyze_once(run: Path, out: Path, extra: tuple[str, ...] = ()) -> tuple[float, float, int, str]:
+    """``charllm analyze --no-figures`` of ``run`` in a child process (``extra``: more
+    arguments, e.g. ``--engine spark``): (wall s, CPU s of the child and the processes it reaped,
+    the largest RSS among them in bytes, its first output line), from the child's own rusage
+    (``os.wait4``)."""
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "analyze", str(run), "--no-figures", "--out", str(out)]
+    cmd += list(extra)
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -101,6 +103,27 @@ def analyze_once(run: Path, out: Path) -> tuple[float, float, int, str]:
         raise SystemExit(f"charllm analyze failed ({proc.returncode}):\n{text}")
     first = text.strip().splitlines()[0] if text.strip() else ""
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, first
+
+
+FLOOR = """
+SELECT filename, count(*) AS n, avg(power_instant_w) AS power_avg_w, max(power_instant_w) AS power_peak_w,
+       max(temp_gpu_c) AS temp_gpu_peak_c, max(energy_mj) - min(energy_mj) AS energy_mj,
+       sum(CASE WHEN throttle_reasons & 4 <> 0 THEN 1 ELSE 0 END) AS throttled
+FROM read_parquet({files}, filename = true) GROUP BY filename
+"""
+"""DuckDB's floor: a per-rank reduction (plain means, not time-weighted) over the same files."""
+
+
+def duckdb_floor(run: Path) -> tuple[float, float]:
+    """The :data:`FLOOR` query in a child process: (wall s, CPU s)."""
+    files = sorted(str(p) for p in run.rglob("samples*.parquet"))
+    code = f"import duckdb; duckdb.connect().sql({FLOOR.format(files=files)!r}).fetchall()"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit("the DuckDB floor query failed")
+    return time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
 
 
 def files_in(run: Path) -> int:
@@ -120,13 +143,21 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=3, help="analyses of each layout (the median is printed)")
     ap.add_argument("--dir", help="where to write the store (default: a temporary folder, removed after)")
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["uncompacted", "compacted"],
+        choices=["uncompacted", "compacted"],
+        help="compacted alone writes one segment per rank (no 7,200 files per rank-hour to write)",
+    )
     args = ap.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-analyze-"))
     run = root / "run"
     try:
         t0 = time.perf_counter()
+        segment_s = args.segment_s if "uncompacted" in args.layouts else args.seconds
         total = sum(
-            make_rank(run, r, args.seconds, args.hz, args.segment_s, args.ranks) for r in range(args.ranks)
+            make_rank(run, r, args.seconds, args.hz, segment_s, args.ranks) for r in range(args.ranks)
         )
         write_summary(run, {"status": "complete", "model": "bench", "world_size": args.ranks})
         gen_s = time.perf_counter() - t0
@@ -136,7 +167,7 @@ def main() -> int:
               f"({args.segment_s:g} s segments), "
               f"written in {gen_s:.1f} s")  # fmt: skip
         results = {}
-        for layout in ("uncompacted", "compacted"):
+        for layout in args.layouts:
             if layout == "compacted":
                 t1 = time.perf_counter()
                 compact_run(run)
@@ -151,6 +182,11 @@ def main() -> int:
             print(f"{layout}: median of {args.repeats}: wall {wall:.2f} s "
                   f"({total / wall / 1e6:.2f} M samples/s), CPU {cpu:.2f} s, peak RSS "
                   f"{results[layout][2] / 2**20:.0f} MiB | {rows[0][3]}")  # fmt: skip
+            floor = sorted(duckdb_floor(run) for _ in range(args.repeats))[args.repeats // 2]
+            print(f"{layout}: DuckDB floor, same files (per-rank means, peaks): wall {floor[0]:.2f} s, "
+                  f"CPU {floor[1]:.2f} s; analyze / floor CPU x{cpu / floor[1]:.1f}")  # fmt: skip
+        if len(results) < 2:
+            return 0
         (uw, uc, _), (cw, cc, _) = results["uncompacted"], results["compacted"]
         print(f"uncompacted / compacted: wall x{uw / cw:.2f}, CPU x{uc / cc:.2f}; "
               f"load average now {os.getloadavg()[0]:.1f} (on a loaded machine the CPU time is the "

@@ -137,3 +137,40 @@ def phased_run(
                           "parallel": {"tp": 1, "pp": 1, "cp": 1, "ep": 1}}}  # fmt: skip
         write_rank(run, r, samples, windows, man)
     write_summary(run, {"status": "complete", "model": "toy", "world_size": len(layout)})
+
+
+def rough_run(run: Path, seed: int) -> None:
+    """2 ranks on 2 hosts: a square-wave power with NaN gaps, an energy counter that moves every
+    30 ms and resets once, throttle bits that come and go, temperatures that drift; rank 1's
+    sampler stalls for 0.5 s."""
+    rng = np.random.default_rng(seed)
+    n = 700
+    t = (np.arange(n) * 10 * MS + rng.integers(0, MS, n)).astype(np.int64)
+    for r in range(2):
+        p = np.where((np.arange(n) // 25) % 2 == 0, 300.0, 650.0) + 10 * r
+        p[rng.choice(n, 20, replace=False)] = np.nan
+        e = np.cumsum(np.nan_to_num(p, nan=300.0) * 10).astype(np.int64)
+        e = e[(np.arange(n) // 3) * 3]
+        e[400:] -= e[400]  # a reset (driver reload)
+        mask = np.where(p > 600, 0x4, 0).astype(np.int64) | np.where(np.arange(n) % 97 < 10, 0x40, 0)
+        samples = {
+            "t_mono_ns": t, "power_instant_w": p, "energy_mj": e,
+            "temp_gpu_c": 50 + np.arange(n) / 100 + r, "temp_hbm_c": 45 + np.arange(n) / 200,
+            "clock_sm_mhz": np.where(p > 600, 1500.0, 1980.0), "throttle_reasons": mask,
+            "pcie_tx_bytes": np.cumsum(rng.integers(0, 1000, n)).astype(np.int64),
+            "power_limit_w": np.full(n, 700.0),
+        }  # fmt: skip
+        if r == 1:  # a stalled sampler: 0.5 s without a sample
+            keep = (np.arange(n) < 550) | (np.arange(n) >= 600)
+            samples = {k: v[keep] for k, v in samples.items()}
+        b = (500 + np.arange(5) * 1000) * MS
+        windows = {
+            "window_id": np.arange(5, dtype=np.int64), "kind": ["step"] * 5, "name": ["step"] * 5,
+            "step": np.arange(5, dtype=np.int64), "microbatch": np.full(5, -1, np.int64),
+            "t_begin_mono_ns": b.astype(np.int64), "t_end_mono_ns": (b + 900 * MS).astype(np.int64),
+            "pp_stage": np.zeros(5, np.int64),
+        }  # fmt: skip
+        m = {"world_size": 2, "host": f"h{r}", "config": {"model": {"name": "toy", "seq_length": 32},
+             "batch": {"global_batch_size": 8, "micro_batch_size": 1}}}  # fmt: skip
+        write_rank(run, r, samples, windows, m, segment_rows=128)
+    write_summary(run, {"status": "complete", "model": "toy", "world_size": 2})

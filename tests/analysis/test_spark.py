@@ -8,55 +8,14 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze
-from charllm_nemo.analysis.spark import RANK_COLUMNS, collect, spark_tables
-from charllm_nemo.analysis.store_writer import write_rank, write_summary
+from charllm_nemo.analysis.columns import TABLE_COLUMNS, names
+from charllm_nemo.analysis.spark import collect, spark_tables
 
-from .helpers import MS, constant_run
-
-NODE_COLUMNS = (
-    "ranks", "devices", "power_avg_w", "device_power_peak_w", "energy_j", "temp_gpu_avg_c",
-    "temp_gpu_peak_c", "temp_gpu_peak_spread_c", "clock_sm_avg_mhz", "clock_sm_avg_min_mhz",
-)  # fmt: skip
-RUN_EXACT = ("measured_steps", "execution_time_s", "samples_per_s", "tokens_per_s")
-RUN_APPROX = ("energy_j", "efficiency_samples_per_s_per_mj", "tokens_per_j")  # edges: one counter period
-
-
-def rough_run(run: Path, seed: int) -> None:
-    """2 ranks on 2 hosts: a square-wave power with NaN gaps, an energy counter that moves every
-    30 ms and resets once, throttle bits that come and go, temperatures that drift."""
-    rng = np.random.default_rng(seed)
-    n = 700
-    t = (np.arange(n) * 10 * MS + rng.integers(0, MS, n)).astype(np.int64)
-    for r in range(2):
-        p = np.where((np.arange(n) // 25) % 2 == 0, 300.0, 650.0) + 10 * r
-        p[rng.choice(n, 20, replace=False)] = np.nan
-        e = np.cumsum(np.nan_to_num(p, nan=300.0) * 10).astype(np.int64)
-        e = e[(np.arange(n) // 3) * 3]
-        e[400:] -= e[400]  # a reset (driver reload)
-        mask = np.where(p > 600, 0x4, 0).astype(np.int64) | np.where(np.arange(n) % 97 < 10, 0x40, 0)
-        samples = {
-            "t_mono_ns": t, "power_instant_w": p, "energy_mj": e,
-            "temp_gpu_c": 50 + np.arange(n) / 100 + r, "temp_hbm_c": 45 + np.arange(n) / 200,
-            "clock_sm_mhz": np.where(p > 600, 1500.0, 1980.0), "throttle_reasons": mask,
-            "pcie_tx_bytes": np.cumsum(rng.integers(0, 1000, n)).astype(np.int64),
-            "power_limit_w": np.full(n, 700.0),
-        }  # fmt: skip
-        b = (500 + np.arange(5) * 1000) * MS
-        windows = {
-            "window_id": np.arange(5, dtype=np.int64), "kind": ["step"] * 5, "name": ["step"] * 5,
-            "step": np.arange(5, dtype=np.int64), "microbatch": np.full(5, -1, np.int64),
-            "t_begin_mono_ns": b.astype(np.int64), "t_end_mono_ns": (b + 900 * MS).astype(np.int64),
-            "pp_stage": np.zeros(5, np.int64),
-        }  # fmt: skip
-        m = {"world_size": 2, "host": f"h{r}", "config": {"model": {"name": "toy", "seq_length": 32},
-             "batch": {"global_batch_size": 8, "micro_batch_size": 1}}}  # fmt: skip
-        write_rank(run, r, samples, windows, m, segment_rows=128)
-    write_summary(run, {"status": "complete", "model": "toy", "world_size": 2})
+from .helpers import constant_run, rough_run
 
 
 def local_tables(path: Path) -> dict[str, dict[tuple, dict]]:
@@ -74,21 +33,28 @@ def same(a: object, b: object, rel: float = 1e-9) -> bool:
     return b is not None and float(b) == pytest.approx(float(a), rel=rel, abs=1e-9)  # type: ignore[arg-type]
 
 
+KEYS = {"ranks": ("run", "rank", "device_index"), "nodes": ("run", "host"), "runs": ("run",)}
+
+
 def check_equal(local: dict, ranks: list[dict], nodes: list[dict], runs: list[dict]) -> None:
-    assert len(ranks) == len(local["ranks"]) and len(nodes) == len(local["nodes"])
-    for r in ranks:
-        want = local["ranks"][(r["run"], int(r["rank"]), r["device_index"])]
-        assert want["host"] == r["host"]
-        numeric = [c for c in RANK_COLUMNS if c not in ("run", "rank", "device_index", "host")]
-        bad = [c for c in numeric if not same(want[c], r[c])]
-        assert not bad, {c: (want[c], r[c]) for c in bad}
-    for n in nodes:
-        want = local["nodes"][(n["run"], n["host"])]
-        assert all(same(want[c], n[c]) for c in NODE_COLUMNS), (want, n)
-    for row in runs:
-        want = local["runs"][(row["run"],)]
-        assert all(same(want[c], row[c]) for c in RUN_EXACT), (want, row)
-        assert all(same(want[c], row[c], rel=0.01) for c in RUN_APPROX), (want, row)
+    """Every column the Spark engine writes (analysis/columns.py) equal to the local engine's,
+    to the agreement the declaration states; the Spark tables hold exactly those columns."""
+    for table, rows in (("ranks", ranks), ("nodes", nodes), ("runs", runs)):
+        assert len(rows) == len(local[table]), table
+        declared = TABLE_COLUMNS[table]
+        for row in rows:
+            assert set(row) == set(names(table, "spark")), (table, set(row) ^ set(names(table, "spark")))
+            key = tuple(int(row[k]) if k == "rank" else row[k] for k in KEYS[table])
+            want = local[table][key]
+            bad = {}
+            for col in declared:
+                if "spark" not in col.engines:
+                    continue
+                a, b = want[col.name], row[col.name]
+                ok = a == b if isinstance(a, str) or isinstance(b, str) else same(a, b, col.rel)
+                if not ok:
+                    bad[col.name] = (a, b)
+            assert not bad, (table, key, bad)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +107,41 @@ def test_real_spark_local2_through_the_cli_equals_the_local_engine(store: Path, 
             active.stop()
     tables = {name: pq.read_table(out / f"{name}.parquet").to_pylist() for name in ("ranks", "nodes", "runs")}
     check_equal(local_tables(store), tables["ranks"], tables["nodes"], tables["runs"])
+
+
+def test_spark_submit_runs_the_cli_as_docs_analysis_says(store: Path, tmp_path: Path) -> None:
+    """docs/analysis.md's ``spark-submit ... charllm_nemo/cli.py analyze PATH --engine spark``:
+    the master is spark-submit's (no --spark-master), the tables equal the local engine's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("pyspark")
+    if not _java():
+        pytest.skip("no Java for Spark (apt-get install openjdk-17-jre-headless)")
+    submit = Path(sys.executable).parent / "spark-submit"
+    if not submit.is_file():
+        pytest.skip("no spark-submit beside this Python (pip install -e '.[spark]')")
+    import charllm_nemo.cli as cli
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PATH": f"{submit.parent}:{os.environ['PATH']}"}
+    env.pop("SPARK_MASTER", None)
+    cmd = [str(submit), "--master", "local[2]", cli.__file__, "analyze", str(store), "--engine", "spark"]
+    proc = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "engine: spark" in proc.stdout
+    tables = {name: pq.read_table(out / f"{name}.parquet").to_pylist() for name in ("ranks", "nodes", "runs")}
+    check_equal(local_tables(store), tables["ranks"], tables["nodes"], tables["runs"])
+
+
+def test_no_frame_runs_to_the_partitions_end(store: Path) -> None:
+    """Spark evaluates a frame ending at UNBOUNDED FOLLOWING (and starting after the current row)
+    by re-aggregating the rest of the partition for each row: quadratic in samples per device
+    (issue #45: 1,367 s for 2 x 26 k samples). Every frame of the plan runs from the partition's
+    start instead (the SQL sqlframe generates from the same DataFrame code)."""
+    sqlframe = pytest.importorskip("sqlframe.duckdb")
+    t = spark_tables(sqlframe.DuckDBSession(), store)
+    for name in ("ranks", "runs"):
+        sql = getattr(t, name).sql(optimize=False).upper()
+        assert "UNBOUNDED FOLLOWING" not in sql, name
+    assert "UNBOUNDED PRECEDING" in t.ranks.sql(optimize=False).upper()

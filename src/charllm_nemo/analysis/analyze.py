@@ -28,14 +28,14 @@ from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
 from charllm_nemo.analysis.kernels import kernel_table
-from charllm_nemo.analysis.load import Run, find_runs, open_run, rank_arrays
+from charllm_nemo.analysis.load import Run, find_runs, open_run
 from charllm_nemo.analysis.pipeline_energy import pipeline_tables
-from charllm_nemo.analysis.rank_tables import RankTables, rank_tables
+from charllm_nemo.analysis.rank_tables import RankTables, reduce_files
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
 from charllm_nemo.progress import Progress
-from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, open_parquet
+from charllm_nemo.telemetry.layout import SIZE_CAPS, open_parquet
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
 from charllm_nemo.telemetry.write import AtomicOutput, atomic_file, make_dir, write_text, write_with
 
@@ -97,14 +97,6 @@ def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
         for rank, rt, problems in pool.map(reduce_files, files, chunksize=chunk):
             run.problems.extend(problems)
             yield rank, rt
-
-
-def reduce_files(files: RankFiles) -> tuple[int, RankTables | None, list[str]]:
-    """Load and reduce one rank from its files: (rank, its tables or None when it has no
-    samples, problems met). A worker process's task."""
-    problems: list[str] = []
-    data = rank_arrays(files, problems)
-    return files.rank, (rank_tables(data) if data is not None else None), problems
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:

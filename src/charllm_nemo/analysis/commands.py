@@ -21,13 +21,15 @@ if TYPE_CHECKING:
 _EXTRA_HINT = "the analysis needs the 'analysis' extra: pip install -e '.[analysis]' (duckdb, matplotlib)"
 
 
-def _imports_ok() -> bool:
-    try:
-        import duckdb  # noqa: F401
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        print(f"charllm: {exc.name} is not installed; {_EXTRA_HINT}", file=sys.stderr)
-        return False
+def _imports_ok(figures: bool = True) -> bool:
+    """The analysis extra is installed (matplotlib only where figures are drawn). Looked up, not
+    imported: ``--no-figures`` never imports matplotlib (issue #45)."""
+    from importlib.util import find_spec
+
+    for name in ("duckdb", "matplotlib") if figures else ("duckdb",):
+        if find_spec(name) is None:
+            print(f"charllm: {name} is not installed; {_EXTRA_HINT}", file=sys.stderr)
+            return False
     return True
 
 
@@ -42,7 +44,7 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Write every table (and, unless --no-figures, every figure) for the runs under PATH."""
-    if not _imports_ok():
+    if not _imports_ok(figures=not args.no_figures):
         return 2
     from charllm_nemo.analysis.analyze import analyze, to_jsonable, write_tables
     from charllm_nemo.errors import ConfigError
@@ -87,7 +89,9 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
     from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import write_with
 
-    progress.stage(f"starting Spark (master {printable(args.spark_master or 'local[*]')})")
+    progress.stage(
+        f"starting Spark (master {printable(args.spark_master or 'spark-submit / $SPARK_MASTER / local[*]')})"
+    )
     try:
         session = spark_session(args.spark_master)
     except ImportError as exc:

@@ -16,7 +16,9 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-RUN_SQL = """
+from charllm_nemo.analysis.columns import NODE_REDUCTIONS, RUN_DERIVED, RUN_DEVICE_REDUCTIONS, select_list
+
+RUN_SQL = f"""
 WITH span AS (
     SELECT run,
            max(span_s) AS execution_time_s,
@@ -38,24 +40,13 @@ WITH span AS (
     FROM spans GROUP BY run
 ), dev AS (
     SELECT run,
-           avg(power_avg_w) AS power_avg_sampled_w, max(power_peak_w) AS power_peak_w,
-           avg(temp_gpu_avg_c) AS temp_gpu_avg_c, max(temp_gpu_peak_c) AS temp_gpu_peak_c,
-           avg(temp_hbm_avg_c) AS temp_hbm_avg_c, max(temp_hbm_peak_c) AS temp_hbm_peak_c,
-           avg(clock_sm_avg_mhz) AS clock_sm_avg_mhz,
-           count(*) AS devices_sampled
+           {select_list(RUN_DEVICE_REDUCTIONS, "           ")}
     FROM devices GROUP BY run
 )
 SELECT i.*, s.measured_steps, s.execution_time_s, s.energy_j, s.energy_bound_j, s.energy_methods,
        s.devices_without_energy,
-       i.global_batch_size * s.measured_steps / s.execution_time_s AS samples_per_s,
-       i.global_batch_size * i.seq_length * s.measured_steps / s.execution_time_s AS tokens_per_s,
-       (i.global_batch_size * s.measured_steps / s.execution_time_s) / (s.energy_j / 1e6)
-           AS efficiency_samples_per_s_per_mj,
-       i.global_batch_size * i.seq_length * s.measured_steps / s.energy_j AS tokens_per_j,
-       s.energy_j / (i.global_batch_size * s.measured_steps) AS energy_per_sample_j,
-       s.energy_j / (i.global_batch_size * i.seq_length * s.measured_steps) AS energy_per_token_j,
-       s.power_avg_w, d.power_avg_sampled_w, d.power_peak_w, d.temp_gpu_avg_c, d.temp_gpu_peak_c,
-       d.temp_hbm_avg_c, d.temp_hbm_peak_c, d.clock_sm_avg_mhz, d.devices_sampled
+       {select_list(RUN_DERIVED)},
+       s.power_avg_w, {", ".join(f"d.{name}" for name, _ in RUN_DEVICE_REDUCTIONS)}
 FROM info i LEFT JOIN span s USING (run) LEFT JOIN dev d USING (run)
 ORDER BY i.sweep NULLS FIRST, i.model, i.run
 """
@@ -72,14 +63,9 @@ ORDER BY model, layout, platform
 """
 
 
-NODE_SQL = """
+NODE_SQL = f"""
 SELECT run, host,
-       count(DISTINCT rank) AS ranks, count(*) AS devices,
-       sum(power_avg_w) AS power_avg_w, max(power_peak_w) AS device_power_peak_w,
-       sum(coalesce(energy_counter_j, energy_trapezoid_j)) AS energy_j,
-       avg(temp_gpu_avg_c) AS temp_gpu_avg_c, max(temp_gpu_peak_c) AS temp_gpu_peak_c,
-       max(temp_gpu_peak_c) - min(temp_gpu_peak_c) AS temp_gpu_peak_spread_c,
-       avg(clock_sm_avg_mhz) AS clock_sm_avg_mhz, min(clock_sm_avg_mhz) AS clock_sm_avg_min_mhz
+       {select_list(NODE_REDUCTIONS)}
 FROM devices GROUP BY run, host ORDER BY run, host
 """
 

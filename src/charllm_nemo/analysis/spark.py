@@ -12,20 +12,24 @@ explicitly, so Spark never globs a directory an attacker arranged; the rank is e
 ``rank=N`` folder, as a Hive partition. The run's small files (manifests, summary, config) are read on the
 driver as the single-host analysis reads them.
 
-Tables, with the same columns and definitions as the single-host engine's (docs/analysis.md):
+Tables, with the columns analysis/columns.py declares for each engine (one declaration: the
+node and run aggregates are the same SQL text the local engine's DuckDB runs, through ``F.expr``):
 
 * ``ranks``: one row per (run, rank, device) over the whole sampled span: samples, duration,
-  time-weighted average and peak power, GPU and HBM temperatures, SM clock, the energy counter's
-  increase (non-negative deltas only) and its resets, integrated power, throttle shares
-  (sample-and-hold), traffic counter increases, the host;
+  coverage and the longest gap, time-weighted average and peak power, GPU and HBM temperatures,
+  SM clock, the energy counter's increase (non-negative deltas only), its resets and update
+  period, integrated power and the two's disagreement, throttle shares (sample-and-hold),
+  traffic counter increases, the power limit, the host. Every window is a running frame (rows
+  from the partition's start, in ascending or descending time) or ``lag``: linear in samples.
+  Not here: the attribution's whole-span ``energy_j``, ``energy_bound_j``, ``energy_method``.
 * ``nodes``: per (run, host), from ``ranks``;
-* ``runs``: per run, the measured span (every step window but the first, as
-  ``summary.json``'s medians) with its energy summed over devices, and the figures derived from
-  it (samples/s, tokens/s, the efficiency metric, tokens per joule). The span's energy is the
-  energy counter's non-negative steps from the last sample at or before the span's start to the
-  first at or after its end (integrated power where a device has no counter): the single-host
-  engine interpolates at the span's edges instead, so the two agree within one counter period's
-  energy per device (tests: within 1 %).
+* ``runs``: per run, its description (run_info.py), the measured span (every step window but
+  the first, as ``summary.json``'s medians) with its energy summed over devices, the figures
+  derived from it, and the per-run aggregates over ``ranks``. The span's energy is the energy
+  counter's non-negative steps from the last sample at or before the span's start to the first
+  at or after its end (integrated power where a device has no counter): the single-host engine
+  interpolates at the span's edges instead, so the two agree within one counter period's energy
+  per device (tests: within 1 %). Not here: ``energy_bound_j``, ``energy_methods``.
 
 Not on Spark (yet): the per-window attribution, the findings tables and the figures, which the
 single-host engine computes from the same store.
@@ -38,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from charllm_nemo.analysis.columns import NODE_REDUCTIONS, RUN_DERIVED, RUN_DEVICE_REDUCTIONS, names
 from charllm_nemo.analysis.load import find_runs, open_run
-from charllm_nemo.analysis.run_info import run_info
+from charllm_nemo.analysis.run_info import INFO_TYPES, run_info
 from charllm_nemo.telemetry.schema import THROTTLE_REASONS
+from charllm_nemo.telemetry.timelines import GAP_PERIODS
 
 FLOAT_MEANS = (("power_instant_w", "power_avg_w"), ("temp_gpu_c", "temp_gpu_avg_c"),
                ("temp_hbm_c", "temp_hbm_avg_c"), ("clock_sm_mhz", "clock_sm_avg_mhz"))  # fmt: skip
@@ -58,14 +64,8 @@ COUNTERS = (
 )
 KEYS = ("run", "rank", "device_index")
 
-RANK_COLUMNS = (
-    "run", "rank", "host", "device_index", "duration_s", "n_samples", "power_avg_w", "power_peak_w",
-    "temp_gpu_avg_c", "temp_gpu_peak_c", "temp_hbm_avg_c", "temp_hbm_peak_c", "clock_sm_avg_mhz",
-    "energy_counter_j", "energy_counter_resets", "energy_trapezoid_j",
-    "pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes",
-    *(f"throttle_{name}_share" for name, _ in THROTTLE_REASONS),
-)  # fmt: skip
-"""The ``ranks`` columns the Spark engine computes (the single-host table has these and more)."""
+RANK_COLUMNS = names("ranks", "spark")
+"""The ``ranks`` columns the Spark engine computes (analysis/columns.py declares them)."""
 
 
 @dataclass
@@ -118,7 +118,13 @@ def rank_table(session: Any, samples: Any, hosts: Any) -> Any:
     F, W = _api(session)
     have = set(samples.columns)
     s = samples.where(F.col("t_mono_ns").isNotNull()).dropDuplicates([*KEYS, "t_mono_ns"])
-    ahead = W.partitionBy(*KEYS).orderBy("t_mono_ns").rowsBetween(1, W.unboundedFollowing)
+    # "Every later row" as a running frame over the rows in descending time: Spark evaluates
+    # rowsBetween(1, unboundedFollowing) with its UnboundedFollowingWindowFunctionFrame, which
+    # re-aggregates the whole rest of the partition for each row (O(n^2) in samples per device;
+    # 1,367 s for 2 x 26 k samples, issue #45), and a frame from the partition's start
+    # incrementally (O(n)). Times are unique here (dropDuplicates), so the two frames hold the
+    # same rows.
+    ahead = W.partitionBy(*KEYS).orderBy(F.col("t_mono_ns").desc()).rowsBetween(W.unboundedPreceding, -1)
     behind = W.partitionBy(*KEYS).orderBy("t_mono_ns").rowsBetween(W.unboundedPreceding, -1)
     cols: list[Any] = [F.col(k) for k in (*KEYS, "t_mono_ns")]
     aggs: list[Any] = [
@@ -177,28 +183,58 @@ def rank_table(session: Any, samples: Any, hosts: Any) -> Any:
                 0
             )
             aggs.append((F.sum(held) / span).alias(f"throttle_{name}_share"))
-    out = s.select(*cols, *[F.col(c) for c in have if c in {p for p, _ in PEAKS}]).groupBy(*KEYS).agg(*aggs)
+    # The sampling's gaps: each step between consecutive samples (coverage, gap_max_s)
+    cols.append(
+        (F.col("t_mono_ns") - F.lag("t_mono_ns").over(W.partitionBy(*KEYS).orderBy("t_mono_ns"))).alias("g__")
+    )
+    if "power_limit_w" in have:
+        cols.append(F.when(~F.isnan("power_limit_w"), F.col("power_limit_w")).alias("limit__"))
+        aggs.append(F.median("limit__").alias("power_limit_w"))
+    else:
+        aggs.append(F.lit(None).cast("double").alias("power_limit_w"))
+    rows = s.select(*cols, *[F.col(c) for c in have if c in {p for p, _ in PEAKS}])
+    if "energy_mj" in have:
+        # the counter's update period: the median time between the samples at which it changed
+        changed = F.col("energy_mj__v").isNotNull() & (F.col("energy_mj__v") != F.col("energy_mj__p.v"))
+        rows = rows.withColumn("chg__", F.when(changed, F.col("t_mono_ns")))
+        rows = rows.withColumn("chg_prev__", F.max("chg__").over(behind))
+        aggs.append((F.median(F.col("chg__") - F.col("chg_prev__")) / 1e9).alias("energy_counter_period_s"))
+    else:
+        aggs.append(F.lit(None).cast("double").alias("energy_counter_period_s"))
+    aggs += [
+        F.median("g__").alias("g_median__"),
+        F.max("g__").alias("g_max__"),
+        (F.max("t_mono_ns") - F.min("t_mono_ns")).alias("span_ns__"),
+    ]
+    out = rows.groupBy(*KEYS).agg(*aggs)
+    # a step longer than GAP_PERIODS median steps is uncovered (docs/attribution.md, Coverage)
+    med = out.select(*KEYS, "g_median__")
+    ok = rows.select(*KEYS, "g__").join(med, on=list(KEYS))
+    ok = ok.groupBy(*KEYS).agg(
+        F.sum(F.when(F.col("g__") <= GAP_PERIODS * F.col("g_median__"), F.col("g__")).otherwise(0)).alias(
+            "ok__"
+        )
+    )
+    out = out.join(ok, on=list(KEYS), how="left")
+    n, span = F.col("n_samples"), F.col("span_ns__")
+    out = out.withColumn(
+        "coverage", F.when(n >= 3, F.col("ok__") / span).when(n == 2, F.lit(0.0)).otherwise(F.lit(None))
+    ).withColumn("gap_max_s", F.when(n >= 2, F.col("g_max__") / 1e9))
+    trap = F.col("energy_trapezoid_j") if "power_instant_w" in have else F.lit(None).cast("double")
+    counter = F.col("energy_counter_j") if "energy_mj" in have else F.lit(None).cast("double")
+    out = out.withColumn(
+        "energy_disagreement", F.when(trap.isNotNull() & (trap != 0), (counter - trap) / trap)
+    ).drop("g_median__", "g_max__", "ok__", "span_ns__")
     return out.join(hosts, on=["run", "rank"], how="left")
 
 
 def node_table(session: Any, ranks: Any) -> Any:
     """The ``nodes`` table from ``ranks`` (docs/analysis.md)."""
     F, _ = _api(session)
-    return ranks.groupBy("run", "host").agg(
-        F.countDistinct("rank").alias("ranks"),
-        F.count("*").alias("devices"),
-        F.sum("power_avg_w").alias("power_avg_w"),
-        F.max("power_peak_w").alias("device_power_peak_w"),
-        F.sum(F.coalesce(F.col("energy_counter_j"), F.col("energy_trapezoid_j"))).alias("energy_j"),
-        F.avg("temp_gpu_avg_c").alias("temp_gpu_avg_c"),
-        F.max("temp_gpu_peak_c").alias("temp_gpu_peak_c"),
-        (F.max("temp_gpu_peak_c") - F.min("temp_gpu_peak_c")).alias("temp_gpu_peak_spread_c"),
-        F.avg("clock_sm_avg_mhz").alias("clock_sm_avg_mhz"),
-        F.min("clock_sm_avg_mhz").alias("clock_sm_avg_min_mhz"),
-    )
+    return ranks.groupBy("run", "host").agg(*(F.expr(expr).alias(name) for name, expr in NODE_REDUCTIONS))
 
 
-def run_table(session: Any, samples: Any, windows: Any, info: Any) -> Any:
+def run_table(session: Any, samples: Any, windows: Any, info: Any, ranks: Any) -> Any:
     """The ``runs`` table's measured-span figures per run (see the module docstring)."""
     F, W = _api(session)
     steps = windows.where((F.col("kind") == "step") & F.col("t_end_mono_ns").isNotNull())
@@ -237,39 +273,36 @@ def run_table(session: Any, samples: Any, windows: Any, info: Any) -> Any:
         F.max((F.col("e") - F.col("b")) / 1e9).alias("span_s"),
         F.max("k").alias("measured_steps"),
     )
+    has_energy = F.col("span_energy_j").isNotNull() & ~F.isnan("span_energy_j")
     per_run = dev.groupBy("run").agg(
         F.max("span_s").alias("execution_time_s"),
         F.sum("span_energy_j").alias("energy_j"),
         F.max("measured_steps").alias("measured_steps"),
+        F.sum(F.when(has_energy, 0).otherwise(1)).alias("devices_without_energy"),
+        F.sum(F.when(has_energy, 1).otherwise(0)).alias("devices_with_energy__"),
     )
+    per_run = per_run.withColumn(
+        "power_avg_w",
+        F.col("energy_j")
+        / F.col("execution_time_s")
+        / F.when(F.col("devices_with_energy__") > 0, F.col("devices_with_energy__")),
+    ).drop("devices_with_energy__")
     out = info.join(per_run, on="run", how="left")
-    samples_per_s = F.col("global_batch_size") * F.col("measured_steps") / F.col("execution_time_s")
-    return (
-        out.withColumn("samples_per_s", samples_per_s)
-        .withColumn("tokens_per_s", samples_per_s * F.col("seq_length"))
-        .withColumn("efficiency_samples_per_s_per_mj", samples_per_s / (F.col("energy_j") / 1e6))
-        .withColumn(
-            "tokens_per_j",
-            F.col("global_batch_size") * F.col("seq_length") * F.col("measured_steps") / F.col("energy_j"),
-        )
-    )
+    for name, expr in RUN_DERIVED:
+        out = out.withColumn(name, F.expr(expr))
+    return _with_devices(session, out, ranks)
 
 
-INFO_COLUMNS = (
-    "run",
-    "sweep",
-    "model",
-    "layout",
-    "world_size",
-    "device",
-    "global_batch_size",
-    "seq_length",
-    "status",
-)
-INFO_SCHEMA = (
-    "run string, sweep string, model string, layout string, world_size bigint, device string, "
-    "global_batch_size bigint, seq_length bigint, status string"
-)
+def _with_devices(session: Any, runs: Any, ranks: Any) -> Any:
+    """The runs table's per-run aggregates over its ``ranks`` rows (analysis/columns.py)."""
+    F, _ = _api(session)
+    dev = ranks.groupBy("run").agg(*(F.expr(expr).alias(name) for name, expr in RUN_DEVICE_REDUCTIONS))
+    return runs.join(dev, on="run", how="left")
+
+
+INFO_COLUMNS = tuple(INFO_TYPES)
+_SPARK_TYPES = {"string": "string", "int": "bigint", "float": "double", "bool": "boolean"}
+INFO_SCHEMA = ", ".join(f"{k} {_SPARK_TYPES[v]}" for k, v in INFO_TYPES.items())
 """Typed: a column that is null in every run (no sweep) leaves nothing for Spark to infer."""
 
 
@@ -298,7 +331,10 @@ def spark_tables(session: Any, path: str | Path) -> SparkTables:
     hosts = session.createDataFrame(host_rows, "run string, rank int, host string")
     ranks = rank_table(session, samples, hosts)
     info = session.createDataFrame(info_rows, INFO_SCHEMA)
-    runs = run_table(session, samples, _read(session, F, window_files), info) if window_files else info
+    if window_files:
+        runs = run_table(session, samples, _read(session, F, window_files), info, ranks)
+    else:
+        runs = _with_devices(session, info, ranks)
     return SparkTables(ranks, node_table(session, ranks), runs, problems)
 
 
@@ -318,7 +354,8 @@ def to_arrow(df: Any) -> Any:
 
 def spark_session(master: str | None) -> Any:
     """A pyspark session (``master``: ``local[2]``, ``spark://host:7077``, ``yarn``; default
-    ``$SPARK_MASTER`` or ``local[*]``). ImportError names the extra when pyspark is missing."""
+    ``$SPARK_MASTER``, else spark-submit's ``--master``, else ``local[*]``). ImportError names
+    the extra when pyspark is missing."""
     import os
 
     try:
@@ -326,4 +363,6 @@ def spark_session(master: str | None) -> Any:
     except ImportError as exc:
         raise ImportError("--engine spark needs pyspark: pip install -e '.[spark]' (and Java 17)") from exc
     builder = SparkSession.builder.appName("charllm analyze")
-    return builder.master(master or os.environ.get("SPARK_MASTER") or "local[*]").getOrCreate()
+    url = master or os.environ.get("SPARK_MASTER")
+    # no master named: spark-submit's --master (its default: local[*]), never overridden here
+    return (builder.master(url) if url else builder).getOrCreate()
