@@ -17,10 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from charllm_nemo.analysis.run_info import INFO_TYPES
-from charllm_nemo.telemetry.schema import THROTTLE_REASONS
+from charllm_nemo.telemetry.schema import THROTTLE_REASONS, VIOLATION_COUNTERS
 
 BOTH = ("local", "spark")
 LOCAL = ("local",)
+
+COUNTERS_WHY = (
+    "the driver's per-reason counters against the sampled bits, and the bits' transitions "
+    "(issue #46), are computed by the local engine only so far"
+)
 
 SPAN_EDGES = (
     "the runs' span energy: Spark takes the counter's steps between the samples that bracket the "
@@ -90,6 +95,21 @@ RANK_COLUMNS: tuple[Column, ...] = (
         for name, _ in THROTTLE_REASONS
     ),
     Column("power_limit_w", "median of the power limit samples"),
+    *(
+        Column(
+            f"throttle_{name}_per_min", f"times a minute the '{name}' bit turned on", LOCAL, why=COUNTERS_WHY
+        )
+        for name, _ in THROTTLE_REASONS
+    ),
+    *(
+        Column(f"violation_{name}_{kind}", f"{what} (analysis/throttle_counters.py)", LOCAL, why=COUNTERS_WHY)
+        for name, _ in VIOLATION_COUNTERS
+        for kind, what in (
+            ("counter_s", f"the driver's '{name}' time counter's increase over its counted segments"),
+            ("sampled_s", "time its reason bits were sampled set over the same segments"),
+            ("diff_s", "counter_s - sampled_s"),
+        )
+    ),
 )
 """The ``ranks`` table: one row per (run, rank, device) over the whole sampled span."""
 
