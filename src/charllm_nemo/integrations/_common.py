@@ -257,7 +257,8 @@ def open_step_telemetry(
     console / W&B that ``opts`` asks for. With ``opts.alerts``, rank 0 also gets the alert
     observer (``alerts_config``: an AlertsConfig, None = the defaults; ``on_alert``: called with
     each alert's dict) and every rank sums its phases and sends its facts once."""
-    from charllm_nemo.steps import ConsoleObserver, RateInputs, StepOptions, StepsFileObserver, StepTelemetry
+    from charllm_nemo.steps import ConsoleObserver, RateInputs, StepOptions, StepsFileObserver
+    from charllm_nemo.steps.open import build_step_telemetry
     from charllm_nemo.telemetry.config import open_session
 
     out_dir = opts.resolved_out_dir()
@@ -284,34 +285,32 @@ def open_step_telemetry(
             obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
             obs.append(_wandb_observer(wandb_config, out_dir, config, session))
-    alerts_on = bool(opts.alerts)
-    if alerts_on and placement.rank == 0:
+
+    def alerter(others: Sequence[Any]) -> Any:
+        """Rank 0's alert observer, reporting to our W&B sink and the framework's loggers."""
         from charllm_nemo.alerts import AlertsConfig, alert_observer
         from charllm_nemo.steps.observers import WandbObserver
 
-        sink = next((o.sink for o in obs if isinstance(o, WandbObserver)), None)
-        hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
+        sink = next((o.sink for o in others if isinstance(o, WandbObserver)), None)
+        hooks: list[Any] = [o.log_alert for o in others if isinstance(o, LoggersObserver)]
         if on_alert is not None:
             hooks.append(on_alert)
-        alerter = alert_observer(
+        return alert_observer(
             alerts_config or AlertsConfig(),
             run_dir=out_dir,
             sink=sink,
             hooks=hooks,
             collectives_in_phases=collectives_in_phases(),
         )
-        if alerter is not None:  # first: closed first, its last queued alerts reach the others open
-            obs.insert(0, alerter)
+
     try:
-        st = StepTelemetry(
+        st = build_step_telemetry(
             session,
             placement,
-            options=StepOptions(
+            StepOptions(
                 device=device,
                 windows=tuple(opts.windows),
                 total_steps=total_steps,
-                phase_times=alerts_on,
-                rank_info=alerts_on,
                 num_microbatches=num_microbatches,
             ),
             rates=None
@@ -325,6 +324,7 @@ def open_step_telemetry(
                 opts.precision,
             ),
             observers=obs,
+            alerter=alerter if opts.alerts else None,
             group=group,
         )
     except BaseException:
