@@ -1,6 +1,7 @@
 """#44: the path from a config to a running step telemetry takes typed option objects, not
-their fields one by one, and the integrations open it one way (integrations/_common.py
-``open_step_telemetry``)."""
+their fields one by one; the integrations open it one way (integrations/_common.py
+``open_step_telemetry``), and that and the trainer make it through one function
+(steps/open.py ``build_step_telemetry``)."""
 
 from __future__ import annotations
 

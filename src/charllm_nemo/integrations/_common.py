@@ -232,18 +232,29 @@ def collectives_in_phases() -> bool:
     return any(int(n or 1) > 1 for n in sizes)
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a framework says of its run, for :func:`open_step_telemetry`: ``model`` (a
+    ModelShape) with ``global_batch_size`` (sequences a step) and ``seq_length`` (default the
+    shape's) for throughput and MFU (no rates without both of the first two); ``device``
+    (``cuda``: marks timed with CUDA events); ``num_microbatches`` a step; ``total_steps`` (the
+    last step asks for its figures at once; the console's progress)."""
+
+    model: Any = None
+    global_batch_size: int | None = None
+    seq_length: int | None = None
+    device: str = "cpu"
+    num_microbatches: int = 1
+    total_steps: int | None = None
+
+
 def open_step_telemetry(
     opts: IntegrationOptions,
     placement: Placement,
     *,
     framework: str,
     sources: Mapping[str, str],
-    model: Any = None,
-    global_batch_size: int | None = None,
-    seq_length: int | None = None,
-    device: str = "cpu",
-    num_microbatches: int = 1,
-    total_steps: int | None = None,
+    run: RunFacts | None = None,
     observers: Sequence[Any] = (),
     run_config: Mapping[str, Any] | None = None,
     group: Any = None,
@@ -253,7 +264,8 @@ def open_step_telemetry(
 ) -> tuple[StepTelemetry, str]:
     """Open this rank's session and its StepTelemetry from ``opts``; returns it with the run
     directory. ``sources``: where each window kind's boundaries come from (written into the
-    manifest under ``integration.sources``). ``observers``: rank 0's, besides steps.jsonl /
+    manifest under ``integration.sources``). ``run``: what the framework says of the run (None:
+    nothing: no rates, the host clock). ``observers``: rank 0's, besides steps.jsonl /
     console / W&B that ``opts`` asks for. With ``opts.alerts``, rank 0 also gets the alert
     observer (``alerts_config``: an AlertsConfig, None = the defaults; ``on_alert``: called with
     each alert's dict) and every rank sums its phases and sends its facts once."""
@@ -261,6 +273,7 @@ def open_step_telemetry(
     from charllm_nemo.steps.open import build_step_telemetry
     from charllm_nemo.telemetry.config import open_session
 
+    run = run if run is not None else RunFacts()
     out_dir = opts.resolved_out_dir()
     cfg = opts.telemetry_config(out_dir)
     config = {
@@ -282,7 +295,7 @@ def open_step_telemetry(
         if opts.steps_file:
             obs.append(StepsFileObserver(Path(out_dir) / "steps.jsonl"))
         if opts.console:
-            obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
+            obs.append(ConsoleObserver(run.total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
             obs.append(_wandb_observer(wandb_config, out_dir, config, session))
 
@@ -308,17 +321,17 @@ def open_step_telemetry(
             session,
             placement,
             StepOptions(
-                device=device,
+                device=run.device,
                 windows=tuple(opts.windows),
-                total_steps=total_steps,
-                num_microbatches=num_microbatches,
+                total_steps=run.total_steps,
+                num_microbatches=run.num_microbatches,
             ),
             rates=None
-            if model is None or global_batch_size is None
+            if run.model is None or run.global_batch_size is None
             else RateInputs(
-                model,
-                global_batch_size,
-                seq_length,
+                run.model,
+                run.global_batch_size,
+                run.seq_length,
                 opts.attention_flops,
                 opts.peak_tflops_per_gpu,
                 opts.precision,
