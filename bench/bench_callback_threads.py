@@ -36,7 +36,7 @@ def child(arm: str, steps: int, step_ms: float, out: str) -> None:
     import thread_wakeups
     from charllm_nemo.integrations import _observer_thread
     from charllm_nemo.integrations import nemo as callback
-    from charllm_nemo.integrations._common import IntegrationOptions, open_step_telemetry
+    from charllm_nemo.integrations._common import IntegrationOptions, RunFacts, open_step_telemetry
     from charllm_nemo.metrics.flops import ModelShape
     from charllm_nemo.telemetry.config import Placement
 
@@ -53,8 +53,8 @@ def child(arm: str, steps: int, step_ms: float, out: str) -> None:
     )
     opts = IntegrationOptions(backend="synthetic", out_dir=tempfile.mkdtemp(prefix="bench-threads-"), hz=100)
     st, _ = open_step_telemetry(
-        opts, Placement(), framework="nemo", sources={"step": "bench"}, model=shape,
-        global_batch_size=4, seq_length=64, total_steps=steps + 20,
+        opts, Placement(), framework="nemo", sources={"step": "bench"},
+        run=RunFacts(model=shape, global_batch_size=4, seq_length=64, total_steps=steps + 20),
     )  # fmt: skip
     callback._observers_off_thread(st)
     timers = st.timers()

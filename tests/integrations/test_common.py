@@ -13,6 +13,7 @@ from charllm_nemo.errors import ConfigError
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
     LoggersObserver,
+    RunFacts,
     loss_of,
     open_step_telemetry,
 )
@@ -274,8 +275,8 @@ def test_mfu_that_cannot_be_computed_on_this_device_is_said_once(
         caplog.clear()
         with caplog.at_level("WARNING"):
             st, _ = open_step_telemetry(
-                opts, Placement(), framework="test", sources={"step": "test"}, model=shape,
-                global_batch_size=4, seq_length=32,
+                opts, Placement(), framework="test", sources={"step": "test"},
+                run=RunFacts(model=shape, global_batch_size=4, seq_length=32),
             )  # fmt: skip
             for step in range(2):
                 st.begin_step(step)

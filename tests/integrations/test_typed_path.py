@@ -1,6 +1,7 @@
 """#44: the path from a config to a running step telemetry takes typed option objects, not
-their fields one by one, and the integrations open it one way (integrations/_common.py
-``open_step_telemetry``)."""
+their fields one by one; the integrations open it one way (integrations/_common.py
+``open_step_telemetry``), and that and the trainer make it through one function
+(steps/open.py ``build_step_telemetry``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,15 @@ def test_every_integration_opens_its_step_telemetry_through_open_step_telemetry(
     for name in ("nemo.py", "bridge.py", "megatron_lm.py"):  # nemo.py: NeMo 2 and plain Lightning
         calls = _calls(SRC / "integrations" / name)
         assert "open_step_telemetry" in calls, name
-        assert not calls & {"StepTelemetry", "open_session", "TelemetrySession"}, name
-    # and only open_step_telemetry makes one among the integrations
-    makers = [p.name for p in (SRC / "integrations").glob("*.py") if "StepTelemetry" in _calls(p)]
-    assert makers == ["_common.py"]
+        assert not calls & {"StepTelemetry", "open_session", "TelemetrySession", "build_step_telemetry"}, name
+
+
+def test_the_trainer_and_the_integrations_build_step_telemetry_through_one_function() -> None:
+    # integrations/_common.py's open_step_telemetry and the trainer call steps/open.py's
+    # build_step_telemetry (train and integrations are one layer: it sits below both) ...
+    for path in (SRC / "integrations" / "_common.py", SRC / "train" / "loop.py"):
+        calls = _calls(path)
+        assert "build_step_telemetry" in calls, path.name
+    # ... and no module of src/ but that one constructs a StepTelemetry
+    makers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "StepTelemetry" in _calls(p))
+    assert makers == ["steps/open.py"]

@@ -6,9 +6,10 @@ The public API (what a user imports from here; docs/integrations.md says how to 
 * :class:`PowerThermalBridgeCallback` (bridge.py): Megatron-Bridge callback.
 * :class:`MegatronLMTelemetry`, :class:`StepBoundaryTimers` (megatron_lm.py): Megatron-LM
   ``pretrain_gpt.py``-style loops, without patching Megatron-LM.
-* :class:`IntegrationOptions`, :func:`open_step_telemetry` (_common.py): the plain-value options
-  every integration takes (sampling rate in Hz, where to log) and the call that opens a rank's
-  :class:`~charllm_nemo.steps.StepTelemetry` from them.
+* :class:`IntegrationOptions`, :func:`open_step_telemetry`, :class:`RunFacts` (_common.py): the
+  plain-value options every integration takes (sampling rate in Hz, where to log), the call that
+  opens a rank's :class:`~charllm_nemo.steps.StepTelemetry` from them, and what the framework
+  says of its run (model shape, batch, device, microbatches, steps).
 
 Imported lazily: ``import charllm_nemo.integrations`` imports none of lightning, torch, megatron
 or wandb; each name imports its module (and its framework) when first used.
@@ -26,6 +27,7 @@ _WHERE = {
     "MegatronLMTelemetry": "megatron_lm",
     "StepBoundaryTimers": "megatron_lm",
     "IntegrationOptions": "_common",
+    "RunFacts": "_common",
     "open_step_telemetry": "_common",
 }
 

@@ -232,18 +232,29 @@ def collectives_in_phases() -> bool:
     return any(int(n or 1) > 1 for n in sizes)
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a framework says of its run, for :func:`open_step_telemetry`: ``model`` (a
+    ModelShape) with ``global_batch_size`` (sequences a step) and ``seq_length`` (default the
+    shape's) for throughput and MFU (no rates without both of the first two); ``device``
+    (``cuda``: marks timed with CUDA events); ``num_microbatches`` a step; ``total_steps`` (the
+    last step asks for its figures at once; the console's progress)."""
+
+    model: Any = None
+    global_batch_size: int | None = None
+    seq_length: int | None = None
+    device: str = "cpu"
+    num_microbatches: int = 1
+    total_steps: int | None = None
+
+
 def open_step_telemetry(
     opts: IntegrationOptions,
     placement: Placement,
     *,
     framework: str,
     sources: Mapping[str, str],
-    model: Any = None,
-    global_batch_size: int | None = None,
-    seq_length: int | None = None,
-    device: str = "cpu",
-    num_microbatches: int = 1,
-    total_steps: int | None = None,
+    run: RunFacts | None = None,
     observers: Sequence[Any] = (),
     run_config: Mapping[str, Any] | None = None,
     group: Any = None,
@@ -253,13 +264,16 @@ def open_step_telemetry(
 ) -> tuple[StepTelemetry, str]:
     """Open this rank's session and its StepTelemetry from ``opts``; returns it with the run
     directory. ``sources``: where each window kind's boundaries come from (written into the
-    manifest under ``integration.sources``). ``observers``: rank 0's, besides steps.jsonl /
+    manifest under ``integration.sources``). ``run``: what the framework says of the run (None:
+    nothing: no rates, the host clock). ``observers``: rank 0's, besides steps.jsonl /
     console / W&B that ``opts`` asks for. With ``opts.alerts``, rank 0 also gets the alert
     observer (``alerts_config``: an AlertsConfig, None = the defaults; ``on_alert``: called with
     each alert's dict) and every rank sums its phases and sends its facts once."""
-    from charllm_nemo.steps import ConsoleObserver, RateInputs, StepOptions, StepsFileObserver, StepTelemetry
+    from charllm_nemo.steps import ConsoleObserver, RateInputs, StepOptions, StepsFileObserver
+    from charllm_nemo.steps.open import build_step_telemetry
     from charllm_nemo.telemetry.config import open_session
 
+    run = run if run is not None else RunFacts()
     out_dir = opts.resolved_out_dir()
     cfg = opts.telemetry_config(out_dir)
     config = {
@@ -281,50 +295,49 @@ def open_step_telemetry(
         if opts.steps_file:
             obs.append(StepsFileObserver(Path(out_dir) / "steps.jsonl"))
         if opts.console:
-            obs.append(ConsoleObserver(total_steps, placement.world_size, progress=False))
+            obs.append(ConsoleObserver(run.total_steps, placement.world_size, progress=False))
         if opts.log_to == "wandb":
             obs.append(_wandb_observer(wandb_config, out_dir, config, session))
-    alerts_on = bool(opts.alerts)
-    if alerts_on and placement.rank == 0:
+
+    def alerter(others: Sequence[Any]) -> Any:
+        """Rank 0's alert observer, reporting to our W&B sink and the framework's loggers."""
         from charllm_nemo.alerts import AlertsConfig, alert_observer
         from charllm_nemo.steps.observers import WandbObserver
 
-        sink = next((o.sink for o in obs if isinstance(o, WandbObserver)), None)
-        hooks: list[Any] = [o.log_alert for o in obs if isinstance(o, LoggersObserver)]
+        sink = next((o.sink for o in others if isinstance(o, WandbObserver)), None)
+        hooks: list[Any] = [o.log_alert for o in others if isinstance(o, LoggersObserver)]
         if on_alert is not None:
             hooks.append(on_alert)
-        alerter = alert_observer(
+        return alert_observer(
             alerts_config or AlertsConfig(),
             run_dir=out_dir,
             sink=sink,
             hooks=hooks,
             collectives_in_phases=collectives_in_phases(),
         )
-        if alerter is not None:  # first: closed first, its last queued alerts reach the others open
-            obs.insert(0, alerter)
+
     try:
-        st = StepTelemetry(
+        st = build_step_telemetry(
             session,
             placement,
-            options=StepOptions(
-                device=device,
+            StepOptions(
+                device=run.device,
                 windows=tuple(opts.windows),
-                total_steps=total_steps,
-                phase_times=alerts_on,
-                rank_info=alerts_on,
-                num_microbatches=num_microbatches,
+                total_steps=run.total_steps,
+                num_microbatches=run.num_microbatches,
             ),
             rates=None
-            if model is None or global_batch_size is None
+            if run.model is None or run.global_batch_size is None
             else RateInputs(
-                model,
-                global_batch_size,
-                seq_length,
+                run.model,
+                run.global_batch_size,
+                run.seq_length,
                 opts.attention_flops,
                 opts.peak_tflops_per_gpu,
                 opts.precision,
             ),
             observers=obs,
+            alerter=alerter if opts.alerts else None,
             group=group,
         )
     except BaseException:

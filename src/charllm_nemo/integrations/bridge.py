@@ -32,6 +32,7 @@ from typing import Any
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
     LoggersObserver,
+    RunFacts,
     loss_of,
     open_step_telemetry,
     options_signature,
@@ -105,12 +106,14 @@ class PowerThermalBridgeCallback:
             placement,
             framework="megatron-bridge",
             sources=SOURCES,
-            model=shape,
-            global_batch_size=int(gbs) if gbs else None,
-            seq_length=int(seq) if seq else None,
-            device=_default_device(),
-            num_microbatches=_num_microbatches() or 1,
-            total_steps=getattr(train_cfg, "train_iters", None),
+            run=RunFacts(
+                model=shape,
+                global_batch_size=int(gbs) if gbs else None,
+                seq_length=int(seq) if seq else None,
+                device=_default_device(),
+                num_microbatches=_num_microbatches() or 1,
+                total_steps=getattr(train_cfg, "train_iters", None),
+            ),
             observers=observers,
             on_alert=self.on_alert,
         )

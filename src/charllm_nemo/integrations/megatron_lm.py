@@ -42,6 +42,7 @@ from typing import Any
 
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
+    RunFacts,
     open_step_telemetry,
     options_signature,
     quiet_option_errors,
@@ -220,11 +221,13 @@ class MegatronLMTelemetry:
             placement,
             framework="megatron-lm",
             sources=SOURCES,
-            model=shape,
-            global_batch_size=global_batch_size,
-            seq_length=seq_length,
-            device=device,
-            num_microbatches=_num_microbatches() or 1,
+            run=RunFacts(
+                model=shape,
+                global_batch_size=global_batch_size,
+                seq_length=seq_length,
+                device=device,
+                num_microbatches=_num_microbatches() or 1,
+            ),
             observers=observers,
             on_alert=self.on_alert,
         )

@@ -34,6 +34,7 @@ from typing import Any
 
 from charllm_nemo.integrations._common import (
     IntegrationOptions,
+    RunFacts,
     loss_of,
     open_step_telemetry,
     options_signature,
@@ -135,12 +136,14 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
             placement,
             framework="nemo" if megatron else "lightning",
             sources=self.sources,
-            model=model,
-            global_batch_size=gbs,
-            seq_length=seq,
-            device=device,
-            num_microbatches=_num_microbatches() or 1,
-            total_steps=int(trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else None,
+            run=RunFacts(
+                model=model,
+                global_batch_size=gbs,
+                seq_length=seq,
+                device=device,
+                num_microbatches=_num_microbatches() or 1,
+                total_steps=int(trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else None,
+            ),
             observers=observers,
             on_alert=self.on_alert,
         )

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -518,9 +519,9 @@ def _step_telemetry(
         Observer,
         StepOptions,
         StepsFileObserver,
-        StepTelemetry,
         WandbObserver,
     )
+    from charllm_nemo.steps.open import build_step_telemetry
     from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.train.model import uses_transformer_engine
     from charllm_nemo.train.report import train_rates
@@ -546,36 +547,34 @@ def _step_telemetry(
             observers.append(ConsoleObserver(cfg.batch.train_steps, dist.world_size, synthetic=synthetic))
         if sink is not None:
             observers.append(WandbObserver(sink, finish=False))
+
     # Alerts (docs/alerts.md): every rank sums its phases and sends its facts once; rank 0
     # watches. Off (alerts=off, or no telemetry to judge): no observer, nothing summed or sent.
-    alerts_on = cfg.alerts.enabled and session is not None
-    if alerts_on and dist.rank == 0:
+    def alerter(others: Sequence[Observer]) -> Observer | None:
         from charllm_nemo.alerts import alert_observer
 
-        stages = _stage_layout(cfg, dist, layout)
         p = cfg.parallel
         # tensor / expert / context parallel collectives sit inside the forward and backward
         coupled = any((size or 1) > 1 for size in (p.tp, p.ep, p.cp))
-        obs = alert_observer(
+        stages = _stage_layout(cfg, dist, layout)
+        return alert_observer(
             cfg.alerts, run_dir=cfg.telemetry.out_dir, sink=sink, stages=stages, collectives_in_phases=coupled
         )
-        if obs is not None:  # first: closed first, its last queued alerts reach the others open
-            observers.insert(0, obs)
+
     config = bundle.config
-    return StepTelemetry(
+    return build_step_telemetry(
         session,
         Placement(dist.rank, dist.local_rank, dist.world_size),
-        options=StepOptions(
+        StepOptions(
             device=dist.device,
             windows=kinds,
             total_steps=cfg.batch.train_steps,
-            phase_times=alerts_on,
-            rank_info=alerts_on,
             num_microbatches=n_micro,
             num_chunks=len(bundle.chunks),
             group_size=getattr(config, "microbatch_group_size_per_vp_stage", None),
         ),
         rates=rates,
         observers=observers,
+        alerter=alerter if cfg.alerts.enabled and session is not None else None,
         recorder=rec,
     )
