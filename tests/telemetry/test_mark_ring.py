@@ -289,3 +289,46 @@ def test_the_store_counts_round_trip_through_the_header(block):
     assert shm.read_store_counts(block.q) == counts
     words = [w for kind in shm.STORE_WORDS.values() for w in kind] + list(shm.COLLECTOR_COUNTERS.values())
     assert len(set(words)) == len(words), "two named store words share a header word"
+
+
+def _ring_state(b) -> tuple:
+    lay = b.layout
+    q = b.q
+    return (
+        q[shm.H_MARK_WRITE],
+        q[shm.H_MARKS_DROPPED],
+        list(q[lay.marks0 : lay.marks0 + lay.mark_capacity * RECORD_LEN]),
+        list(q[lay.checks0 : lay.checks0 + lay.mark_capacity]),
+    )
+
+
+@pytest.mark.parametrize("flushed", [0, 3, 5])  # room: 1 record (the log only), 4, 6
+def test_a_batched_step_log_and_request_are_one_publish_with_the_same_records(flushed):
+    # The step log (5 ints + head: 1 record here, padded) then the request, as end_step writes
+    # them: batched, nothing is published before the block ends, then the ring holds exactly
+    # what two separate writes leave (where the ring lacks room, the same drops).
+    blocks = []
+    try:
+        for _ in range(2):
+            name = f"charllm-test-{secrets.token_hex(4)}"
+            blocks.append((name, shm.create(name, _layout())))
+        (_, one), (_, two) = blocks
+        writers = [mark_ring.MarkWriter(one), mark_ring.MarkWriter(two)]
+        for b, w in zip((one, two), writers, strict=True):
+            for i in range(3):  # the ring already holds 3 records (cap 8) ...
+                w.emit(_window(i))
+            for i in range(3, 7):  # ... then 4 more, the first `flushed` of all taken
+                w.emit(_window(i))
+            b.q[shm.H_MARKS_FLUSHED] = flushed
+        writers[0].emit_step_log([11, 12, 13], [14, 15])
+        writers[0].request_figures(9, 1_000, 2_000, mask=0b11, batch=2)
+        with writers[1].batched():
+            writers[1].emit_step_log([11, 12, 13], [14, 15])
+            writers[1].request_figures(9, 1_000, 2_000, mask=0b11, batch=2)
+            assert two.q[shm.H_MARK_WRITE] == 7  # held: nothing published yet
+        assert _ring_state(two) == _ring_state(one)
+        assert writers[1].dropped == writers[0].dropped
+    finally:
+        for name, b in blocks:
+            b.close()
+            shm.unlink(name)
