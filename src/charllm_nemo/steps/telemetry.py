@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,14 +344,12 @@ class StepTelemetry:
         if self._step is None:
             raise RuntimeError("end_step() without begin_step()")
         step, self._step = self._step, None
-        ring = _mark_writer(self.session)
-        with ring.batched() if ring is not None else nullcontext():  # log + request: one write
-            timing = self.marker.end_step()
-            host = self._host.sample() if self._host is not None and timing.phases is not None else ()
-            self._timings[step] = (timing.seconds, *(timing.phases or ()), *host)
-            if self._rank_info and self.rank_infos is None:
-                self._exchange_rank_info()
-            self._request(timing, step)
+        timing = self.marker.end_step()
+        host = self._host.sample() if self._host is not None and timing.phases is not None else ()
+        self._timings[step] = (timing.seconds, *(timing.phases or ()), *host)
+        if self._rank_info and self.rank_infos is None:
+            self._exchange_rank_info()
+        self._request(timing, step)
         due = self.pending.due()
         figures = None
         if due is not None:
@@ -565,10 +563,3 @@ def rank_facts(session: StepSession | None, placement: Placement) -> dict[str, A
         except Exception:  # a device that cannot be read now: the limit stays unknown
             log.debug("no power limit for the rank facts", exc_info=True)
     return info
-
-
-def _mark_writer(session: Any) -> Any:
-    """The session's mark-ring writer (process mode: the step's log and its figure request go
-    to the telemetry process in one write), or None."""
-    engine = getattr(session, "engine", None)
-    return getattr(getattr(engine, "sampler", None), "marks", None)

@@ -182,8 +182,6 @@ class ProcessEngine:
     def stop_for_takeover(self) -> dict[str, Any]:
         """Stop what is left of a telemetry process lost mid-run (its salvage stores what the
         rings still hold) and return its store's counts, for the thread engine that goes on."""
-        if self._sampler.marks is not None:
-            self._sampler.marks.flush_held()  # this step's log, held for one write with its request
         self.detach()
         self._requests.clear()
         self._sampler.stop(1.0)
@@ -191,10 +189,8 @@ class ProcessEngine:
 
     def close(self, windows: WindowRecorder, open_records: Sequence[Record]) -> EngineClosed:
         marks = self._sampler.marks
-        if marks is not None:
-            marks.flush_held()
-            if open_records:
-                marks.emit_many(list(open_records))
+        if marks is not None and open_records:
+            marks.emit_many(list(open_records))
         self.detach()  # marks after close stay in the recorder, not sent to a block that is gone
         self._sampler.stop()
         counts = self._sampler.store_counts()

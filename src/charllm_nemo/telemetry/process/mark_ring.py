@@ -59,8 +59,7 @@ import struct
 import threading
 import zlib
 from array import array
-from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from charllm_nemo.telemetry.process.ring import (
@@ -226,38 +225,6 @@ class MarkWriter:
         self._names_used = block.q[H_NAMES_BYTES]
         self.dropped = 0
         self.overflow_names = 0
-        self._held: list[tuple[int, Sequence[Sequence[int]], bool]] | None = None
-
-    @contextmanager
-    def batched(self) -> Iterator[None]:
-        """Writes inside the block (a step's log, then its figure request) are held and published
-        on exit in one locked write of consecutive records, in order; where the ring lacks room
-        for all of them, each is written (or dropped) on its own as it would have been. Not
-        nested: an inner block writes with the outer one."""
-        if self._held is not None:
-            yield
-            return
-        self._held = []
-        try:
-            yield
-        finally:
-            self.flush_held()
-            self._held = None
-
-    def flush_held(self) -> None:
-        """Publish what a :meth:`batched` block holds so far (before a stop or a takeover reads
-        the ring); its later writes are held again."""
-        held = self._held
-        if not held:
-            return
-        self._held = None
-        try:
-            if len(held) == 1:
-                self._write(*held[0])
-            else:
-                self._write_held(held)
-        finally:
-            self._held = []
 
     def emit(self, rec: Record) -> None:
         """Write one record (a window or a figure request); drop it if the ring is full."""
@@ -282,9 +249,6 @@ class MarkWriter:
         record) and publish them. Where the ring lacks room for all: ``whole``, drop them all;
         else write the records that fit (then each part is one record) and drop the rest. The
         drops are counted."""
-        if self._held is not None:
-            self._held.append((n, parts, whole))
-            return
         q = self.block.q
         try:
             with self._lock:
@@ -301,30 +265,6 @@ class MarkWriter:
                 q[H_MARK_WRITE] = w + n
         except ValueError:  # the block was released by a concurrent close: nowhere to write
             self.dropped += n
-
-    def _write_held(self, held: Sequence[tuple[int, Sequence[Sequence[int]], bool]]) -> None:
-        """Publish the writes of a :meth:`batched` block: all in one write where the ring has
-        room for all of them (each padded to whole records), else one by one."""
-        total = sum(n for n, _, _ in held)
-        q = self.block.q
-        try:
-            with self._lock:
-                w = q[H_MARK_WRITE]
-                if self.cap - (w - q[H_MARKS_FLUSHED]) >= total:
-                    parts: list[Sequence[int]] = []
-                    for n, these, _ in held:
-                        size = sum(map(len, these))
-                        parts.extend(these)
-                        if size < n * RECORD_LEN:
-                            parts.append(_ZEROS[: n * RECORD_LEN - size])
-                    write_ring(q, self.base, self.checks, self.cap, w, *parts)
-                    q[H_MARK_WRITE] = w + total
-                    return
-        except ValueError:  # the block was released by a concurrent close: nowhere to write
-            self.dropped += total
-            return
-        for n, these, whole in held:
-            self._write(n, these, whole)
 
     def publish_name(self, code: int, text: str) -> None:
         """Append name ``code`` (codes arrive in order 0, 1, 2, ...) to the names area."""
