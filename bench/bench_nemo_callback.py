@@ -131,34 +131,49 @@ class TimedTimers:
     around the adapter in the ON steps and around NeMo's Timers in the OFF steps: the proxy
     costs both arms the same, so the difference is the adapter's."""
 
-    def __init__(self, target: Any, acc: list[float]) -> None:
-        self._target, self._acc = target, acc
+    def __init__(self, target: Any, acc: list[float], profile: Any = None) -> None:
+        self._target, self._acc, self._profile = target, acc, profile
 
     def __call__(self, name: str, *a: Any, **k: Any) -> Any:
+        prof = self._profile
         t, c = time.perf_counter(), time.thread_time()
+        if prof is not None:
+            prof.enable()
         timer = self._target(name, *a, **k)
+        if prof is not None:
+            prof.disable()
         self._acc[0] += time.perf_counter() - t
         self._acc[1] += time.thread_time() - c
-        return _TimedTimer(timer, self._acc)
+        return _TimedTimer(timer, self._acc, prof)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
 
 
 class _TimedTimer:
-    def __init__(self, timer: Any, acc: list[float]) -> None:
-        self._timer, self._acc = timer, acc
+    def __init__(self, timer: Any, acc: list[float], profile: Any = None) -> None:
+        self._timer, self._acc, self._profile = timer, acc, profile
 
     def start(self, *a: Any, **k: Any) -> Any:
+        prof = self._profile
         t, c = time.perf_counter(), time.thread_time()
+        if prof is not None:
+            prof.enable()
         out = self._timer.start(*a, **k)
+        if prof is not None:
+            prof.disable()
         self._acc[0] += time.perf_counter() - t
         self._acc[1] += time.thread_time() - c
         return out
 
     def stop(self, *a: Any, **k: Any) -> Any:
+        prof = self._profile
         t, c = time.perf_counter(), time.thread_time()
+        if prof is not None:
+            prof.enable()
         out = self._timer.stop(*a, **k)
+        if prof is not None:
+            prof.disable()
         self._acc[0] += time.perf_counter() - t
         self._acc[1] += time.thread_time() - c
         return out
@@ -230,7 +245,7 @@ def interleaved_callback(
             super().on_train_start(trainer, pl_module)
             self.timers_acc = [0.0, 0.0]
             self._timed = {
-                id(c): (TimedTimers(c.timers, self.timers_acc), TimedTimers(inner, self.timers_acc))
+                id(c): (TimedTimers(c.timers, self.timers_acc, profile), TimedTimers(inner, self.timers_acc))
                 for c, inner in self._timers_patched
             }
             if stop_child:
@@ -513,7 +528,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--log-to", default="trainer", choices=["trainer", "none"])
     ap.add_argument("--pairs", type=int, default=0, help="part b: process pairs (0: part a only)")
-    ap.add_argument("--profile", action="store_true", help="part a: cProfile the step hooks")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="part a: cProfile the step hooks and the adapter's calls (ON steps)",
+    )
     ap.add_argument(
         "--stop-child",
         action="store_true",

@@ -130,6 +130,7 @@ class MarkActivity:
         self, schedule: Sequence[Injection] = (), clock: Callable[[], int] = time.monotonic_ns
     ) -> None:
         self._open = [0] * len(_LEVELS)  # phases open per activity level
+        self._index: dict[str, int] = {}  # phase name -> its _level_index, cached
         self._in_step = 0
         self.seen_any = False
         self.on_change: Callable[[float], object] | None = None
@@ -146,7 +147,9 @@ class MarkActivity:
         if gov is not None:
             gov.device.advance_now()  # the time since the last mark, at the level it had
         if kind == "phase":
-            i = _level_index(name)
+            i = self._index.get(name)
+            if i is None:
+                i = self._index[name] = _level_index(name)
             n = self._open[i] + (1 if is_begin else -1)
             self._open[i] = n if n > 0 else 0
         elif kind == "step":
@@ -156,7 +159,11 @@ class MarkActivity:
                 if self._first_step_ns is None:
                     self._first_step_ns = self._clock()
         if self.on_change is not None:
-            value = self.level()
+            o = self._open  # level(), inline: this runs on every mark of the training thread
+            value = (
+                _LEVELS[0] if o[0] else _LEVELS[1] if o[1] else _LEVELS[2] if o[2] else _LEVELS[3] if o[3]
+                else _IN_STEP if self._in_step > 0 else _IDLE
+            )  # fmt: skip
             if self.schedule:
                 value += 2.0 * self.injected(self._clock())
             if value != self._published:
