@@ -182,6 +182,7 @@ def test_nvml_stand_in_rows_are_stored_exactly_including_64_bit_counters_above_2
             f"0 pcie_rx_bytes {2**62 + 7}",
             f"0 energy_mj {big + 2}",
             "0 temp_memory_c NOT_SUPPORTED",
+            "0 violation_ts_us 1700000000123456",  # the driver's own stamp, fixed: else it moves
         ],
         "values",
         0.3,
@@ -200,6 +201,7 @@ def test_nvml_stand_in_rows_are_stored_exactly_including_64_bit_counters_above_2
     assert all(reading == gauges_only for reading in readings if reading not in whole)
     assert _value(expected, "pcie_tx_bytes") == big and _value(expected, "energy_mj") == big + 2
     assert _value(expected, "pcie_rx_bytes") == 2**62 + 7
+    assert _value(expected, "violation_power_ts_us") == 1700000000123456
     assert _value(expected, "temp_hbm_c") is None and _value(expected, "power_instant_w") == 251.234
     assert (np.diff(r["t"]) > 0).all()
     assert h["samples"] == len(readings) and h["stop_reason"] == "stopped" and h["rows_lost"] == 0
