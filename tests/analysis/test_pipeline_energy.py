@@ -99,7 +99,9 @@ def test_pipeline_bloat_matches_wait_time_x_sampled_power_and_the_profile_loads(
             r = row.iloc[0]
             assert r["frequency"] == int(p.clock_max_mhz) and r["time"] > 0
             assert r["energy"] == pytest.approx(r["time"] * r["power_w"])
-            assert r["power_w"] == pytest.approx(p.peak_w, rel=0.05)  # compute draws the peak
+            # compute draws more than a wait (the peak while the device is cool; a run stretched by
+            # a loaded host heats it, and the synthetic thermal model then holds 90 C below the peak)
+            assert r["p2p_power"] < r["power_w"] <= p.peak_w * 1.05
             assert r["p2p_power"] == pytest.approx(wait_level, rel=0.05)
     assert pq.read_table(out / "pp_profile.parquet").num_rows == len(profile)
 
