@@ -88,8 +88,8 @@ lane_mypy() { .venv/bin/mypy; }
 DURATIONS=--durations=25
 # The main lane runs its tests in CHARLLM_TEST_WORKERS processes (pytest-xdist; default 2, one per
 # core of the CI machine; 0: in pytest's own process). Most tests wait on subprocesses, samplers
-# and deadlines, so two workers on 2 cores take ~40 % less time; tests that share a resource run in
-# one worker (the SLURM queue: xdist_group "slurm"; --dist loadgroup).
+# and deadlines: two workers took the lane from 1,345 s to 870-879 s on a quiet 2-core VM (-35 %).
+# Tests that share a resource run in one worker (the SLURM queue: xdist_group "slurm"; --dist loadgroup).
 WORKERS=${CHARLLM_TEST_WORKERS:-2}
 lane_pytest() {
   local xdist=()

@@ -281,6 +281,7 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path, wandb_env: d
     result = _run_child(
         tmp_path,
         """
+        import time
         import torch
         import lightning.pytorch as pl
         from lightning.pytorch.loggers import CSVLogger
@@ -291,6 +292,7 @@ def test_plain_lightning_trainer_gives_step_windows(tmp_path: Path, wandb_env: d
                 self.lin = torch.nn.Linear(16, 1)
             def training_step(self, batch, batch_idx):
                 x, y = batch
+                time.sleep(0.02)  # steps of ~4 sample periods: the W&B read-back asks a sampled peak
                 return torch.nn.functional.mse_loss(self.lin(x), y)
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.01)
