@@ -134,6 +134,21 @@ def test_loggers_observer_gives_numbers_under_the_prefix_at_the_reports_step() -
     assert all(v is not None for v in metrics.values())
 
 
+def test_loggers_observer_logs_at_the_trainers_cadence_and_the_last_step_at_close() -> None:
+    # every=3 (Lightning's log_every_n_steps): steps s with (s + 1) % 3 == 0, as Lightning logs its
+    # own metrics, and the last report at close; an alert is logged whatever the step
+    got: list[int] = []
+    obs = LoggersObserver(lambda m, s: got.append(s), prefix="charllm/", every=3)
+    for s in range(7):
+        obs.on_step(StepReport(step=s, loss=1.0, step_time_s=0.1))
+    assert got == [2, 5]
+    obs.log_alert({"kind": "throttle", "step": 6, "rank": 0})
+    obs.close("complete")
+    assert got == [2, 5, 6, 6]  # step 6's report, then the alert at its step
+    obs.close("complete")
+    assert got == [2, 5, 6, 6]  # logged once
+
+
 def test_wandb_or_trainer_loggers_never_both(tmp_path: Path, wandb_env: dict[str, str]) -> None:
     # log_to="wandb": charllm's W&B sink is an observer (offline here); the trainer's loggers
     # get nothing. #40: the sink was built but never started, so W&B got nothing: read the

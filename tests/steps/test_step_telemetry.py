@@ -67,6 +67,43 @@ def test_the_timers_adapter_marks_our_windows_and_keeps_megatron_cores_own_timer
     assert quiet.unmatched_marks == 0
 
 
+def test_the_adapter_asks_the_inner_timers_until_megatron_has_made_the_timer(monkeypatch) -> None:
+    # Megatron's Timers gives its dummy for a level above its own until a call at a lower level
+    # makes the real timer; from then on it returns that timer for every level, and the adapter
+    # keeps it per name. Any other Timers is asked on every call.
+    torch = pytest.importorskip("torch")
+    timers_mod = pytest.importorskip("megatron.core.timers")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    inner = timers_mod.Timers(log_level=1, log_option="max")
+    st = StepTelemetry(None, Placement(), recorder=WindowRecorder())
+    timers = st.timers(inner=inner)
+    st.begin_step(0)
+    dummy = timers("forward-compute", log_level=2)
+    assert dummy._theirs is inner._dummy_timer
+    real = timers("forward-compute", log_level=1)
+    assert real._theirs is inner._timers["forward-compute"]
+    assert timers("forward-compute") is real and timers("forward-compute", log_level=2) is real
+    real.start()
+    dummy.stop()  # one window: the open state is the name's, whichever wrapper marks it
+    st.end_step()
+    assert st.unmatched_marks == 0
+
+    asked: list[str] = []
+
+    class Theirs:
+        def start(self, barrier: bool = False) -> None: ...
+        def stop(self, barrier: bool = False) -> None: ...
+
+    def other_timers(name: str, log_level: int | None = None) -> Theirs:
+        asked.append(name)
+        return Theirs()
+
+    other = StepTelemetry(None, Placement(), recorder=WindowRecorder()).timers(inner=other_timers)
+    for _ in range(3):
+        other("forward-compute").start()
+    assert asked == ["forward-compute"] * 3
+
+
 def test_without_windows_the_timers_are_the_frameworks_own_or_none() -> None:
     inner = object()
     off = StepTelemetry(None, Placement())  # no session, no recorder: nothing is recorded

@@ -83,8 +83,8 @@ class ThreadedLoggersObserver(LoggersObserver):
     ``prefix``: as LoggersObserver's. Alerts (``log_alert``) are logged with the next report,
     and at close."""
 
-    def __init__(self, loggers: list[Any], prefix: str = "charllm/") -> None:
-        super().__init__(self._deliver, prefix)
+    def __init__(self, loggers: list[Any], prefix: str = "charllm/", every: int = 1) -> None:
+        super().__init__(self._deliver, prefix, every)
         safe = [thread_safe_logger(lg) for lg in loggers]
         self.direct = [lg for lg, ok in zip(loggers, safe, strict=True) if ok]
         """Loggers the thread logs to itself."""
@@ -101,6 +101,7 @@ class ThreadedLoggersObserver(LoggersObserver):
 
     def close(self, status: str) -> None:
         """On the training thread, after the observer thread ended."""
+        self._log_last()
         self._log_alerts()  # raised since the last report
         self.flush()
 

@@ -129,7 +129,9 @@ class PowerThermalCallback(Callback):  # type: ignore[misc]
         self._loggers = None
         if self.options.log_to == "trainer" and trainer.global_rank == 0 and trainer.loggers:
             # run on the observer thread (integrations/_observer_thread.py)
-            self._loggers = ThreadedLoggersObserver(list(trainer.loggers), self.options.key_prefix)
+            self._loggers = ThreadedLoggersObserver(
+                list(trainer.loggers), self.options.key_prefix, every=_log_every(trainer)
+            )
             observers.append(self._loggers)
         self.telemetry, self.run_dir = open_step_telemetry(
             self.options,

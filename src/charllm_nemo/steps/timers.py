@@ -17,23 +17,43 @@ from typing import Any
 class ForwardingTimer:
     """One name's timer: the inner timer's ``start`` then our mark; our mark then the inner
     ``stop`` (our window lies inside theirs, their barrier outside it). Anything else
-    (``elapsed``, ``reset``, ``active_time``) is the inner timer's. The four methods are bound
-    once (a mark runs between two pieces of training work: every lookup there costs)."""
+    (``elapsed``, ``reset``, ``active_time``) is the inner timer's.
 
-    __slots__ = ("_our_start", "_our_stop", "_ours", "_their_start", "_their_stop", "_theirs")
+    The mark is :class:`~charllm_nemo.steps.marks.MarkTimer`'s, spelled out here on ``ours``'s
+    state rather than called: a Python call fewer per mark, ~24 marks a step (part a of
+    bench/bench_nemo_callback.py measures the adapter). ``ours`` keeps the open state, so every
+    wrapper of one name (one per inner timer) shares it."""
+
+    __slots__ = ("_m", "_ours", "_their_start", "_their_stop", "_theirs")
 
     def __init__(self, ours: Any, theirs: Any) -> None:
         self._ours = ours
+        self._m = ours._m
         self._theirs = theirs
-        self._our_start, self._our_stop = ours.start, ours.stop
         self._their_start, self._their_stop = theirs.start, theirs.stop
 
     def start(self, barrier: bool = False) -> None:
         self._their_start(barrier=barrier)
-        self._our_start()
+        m, ours = self._m, self._ours
+        serial = m._serial
+        if not serial:
+            m.unmatched += 1
+            return
+        ours._open_in = serial
+        m._log.extend((ours._k_begin, m._clock()))
+        for fn in m._listeners:
+            fn("phase", ours._phase, True)
 
     def stop(self, barrier: bool = False) -> None:
-        self._our_stop()
+        m, ours = self._m, self._ours
+        serial = m._serial
+        if not serial or ours._open_in != serial:
+            m.unmatched += 1
+        else:
+            ours._open_in = 0
+            m._log.extend((ours._k_end, m._clock()))
+            for fn in m._listeners:
+                fn("phase", ours._phase, False)
         self._their_stop(barrier=barrier)
 
     def __getattr__(self, name: str) -> Any:
@@ -47,27 +67,45 @@ class TimersAdapter:
     """What goes in ``TransformerConfig.timers``: ``adapter(name, log_level)`` is a timer that
     marks our window (``marker(name)``) and forwards to ``inner(name, log_level)`` when there is
     an inner Timers; without one it is our timer alone. Names that are not windows
-    (``forward-backward``, ``interval-time``, ...) get the inner timer untouched. The inner
-    Timers is asked every call (it decides its timer by name and level); what we wrap it in is
-    made once per name and inner timer."""
+    (``forward-backward``, ``interval-time``, ...) get the inner timer untouched. ``inner`` is
+    fixed at construction.
+
+    The inner Timers decides its timer by name and level; once Megatron-Core's ``Timers`` has
+    made a name's timer (it is in its ``_timers`` registry) it returns that one for every level,
+    so from then on the answer is kept per name and the inner Timers is not asked again (one
+    Python call fewer per ``config.timers`` call, ~26 a step; its check that a later level
+    equals the first one is skipped). Before that (a level above its log level gives its dummy
+    timer, a later call may make the real one), and for any other Timers, it is asked every call."""
 
     def __init__(self, marker: Any, inner: Any = None) -> None:
         self.marker = marker
         self.inner = inner
+        self._fixed: dict[str, Any] = {}  # name -> what every call of it returns from now on
         self._wrapped: dict[str, Any] = {}  # name -> its ForwardingTimer, or _NOT_OURS
 
     def __call__(self, name: str, log_level: int | None = None) -> Any:
+        fixed = self._fixed.get(name)
+        if fixed is not None:
+            return fixed
+        return self._ask(name, log_level)
+
+    def _ask(self, name: str, log_level: int | None) -> Any:
         inner = self.inner
-        if inner is None:
-            return self.marker(name, log_level)
+        if inner is None:  # the marker keeps one timer per name
+            timer = self._fixed[name] = self.marker(name, log_level)
+            return timer
         theirs = inner(name, log_level) if log_level is not None else inner(name)
         wrapped = self._wrapped.get(name)
-        if wrapped is not None:
-            if wrapped is _NOT_OURS:
-                return theirs
-            if wrapped._theirs is theirs:
-                return wrapped
-        return self._wrap(name, log_level, theirs)
+        if wrapped is _NOT_OURS:
+            answer = theirs
+        elif wrapped is not None and wrapped._theirs is theirs:
+            answer = wrapped
+        else:
+            answer = self._wrap(name, log_level, theirs)
+        registry = getattr(inner, "_timers", None)
+        if isinstance(registry, dict) and registry.get(name) is theirs:
+            self._fixed[name] = answer
+        return answer
 
     def _wrap(self, name: str, log_level: int | None, theirs: Any) -> Any:
         """The first call of a name (or a new inner timer for it: a level may give a dummy)."""
