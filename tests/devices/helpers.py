@@ -1,5 +1,6 @@
-"""What the device backends' tests share: a metric's value in a reading, and the stand-in NVML's
-device read with some of its metrics refused (the refusal's checks with it)."""
+"""What the device backends' tests share: a metric's value in a reading, a clock the synthetic
+device's tests move by hand, and the stand-in NVML's device read with some of its metrics
+refused (the refusal's checks with it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ from charllm_nemo.telemetry.schema import METRIC_INDEX
 def value(reading: tuple[Any, ...], metric: str) -> Any:
     """``metric``'s value in a device's ``reading`` (schema order)."""
     return reading[METRIC_INDEX[metric]]
+
+
+class Clock:
+    """A monotonic clock in ns that stands still until :meth:`advance` moves it."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += int(seconds * 1e9)
 
 
 def read_refused(
