@@ -17,6 +17,7 @@ import pytest
 
 from charllm_nemo.analysis.grid_power import GRID_POWER_COLUMNS, WHATIF_COLUMNS
 from charllm_nemo.cli import main
+from tests.deadline import deadline
 
 from .test_grid_power import HIGH, LOW, RANKS, stand_in
 
@@ -88,7 +89,7 @@ def test_a_cpu_microbatch_sweep_reports_swing_and_frequency_per_configuration(tm
     pytest.importorskip("megatron.core")
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "-m", "+sweep=cpu_microbatch",
            f"sweep.dir={tmp_path}", "batch.micro_batch_size=1,4", "batch.train_steps=4"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline(600), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     out = tmp_path / "out"
     assert main(["report", str(tmp_path), "--out", str(out), "--html", str(tmp_path / "r.html")]) == 0

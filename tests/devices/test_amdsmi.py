@@ -18,12 +18,12 @@ try:
 except ImportError:  # tests/devices is not a package, so the repository root may not be on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.fakes import fake_amdsmi as fa
-
 from charllm_nemo.devices import amdsmi as amd
 from charllm_nemo.devices import factory
 from charllm_nemo.devices.base import Backend, Device
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, THROTTLE_BITS, VIOLATION_COUNTERS
+from charllm_nemo.telemetry.schema import METRICS, THROTTLE_BITS, VIOLATION_COUNTERS
+from tests.devices.helpers import value
 
 MIB = 2**20
 GIB = 2**30
@@ -51,10 +51,6 @@ def opened() -> Iterator[Callable[..., amd.AmdSmiBackend]]:
     yield open_
     for backend in backends:
         backend.close()
-
-
-def value(reading: tuple[Any, ...], name: str) -> Any:
-    return reading[METRIC_INDEX[name]]
 
 
 def energy_mj(ticks: int, resolution_uj: float) -> int:

@@ -21,6 +21,7 @@ import pytest
 from charllm_nemo.devices.base import Backend, Device
 from charllm_nemo.errors import BackendUnavailable, ConfigError, DeviceLost
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRIC_NAMES, METRICS, VIOLATION_COUNTERS
+from tests.devices.helpers import assert_unavailable_once, read_refused, value
 
 pynvml = pytest.importorskip("pynvml")
 nvml = pytest.importorskip("charllm_nemo.devices.nvml")
@@ -33,10 +34,6 @@ FI_TOTAL_ENERGY = 83
 FI_NVLINK_TX = 138
 FI_NVLINK_RX = 139
 ALL_LINKS = 0xFFFFFFFF
-
-
-def value(reading: tuple[Any, ...], metric: str) -> Any:
-    return reading[METRIC_INDEX[metric]]
 
 
 @pytest.fixture
@@ -262,25 +259,20 @@ def test_square_wave_energy_is_its_area(fake_nvml: Any) -> None:
 def test_not_supported_is_none_logged_once_and_not_called_again(
     fake_nvml: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake_nvml.script(
+    readings, supported = read_refused(
+        fake_nvml,
+        caplog,
         """
         0 clocks_event_reasons NOT_SUPPORTED
         0 power_limit_mw NOT_SUPPORTED
         0 temp_memory_c NOT_SUPPORTED
         0 power_memory_mw NOT_SUPPORTED
-        """
+        """,
+        reads=5,
     )
-    caplog.set_level(logging.INFO, logger="charllm_nemo.devices")
-    with nvml.open_backend() as b:
-        dev = b.devices[0]
-        fake_nvml.reset_counts()
-        readings = [dev.read() for _ in range(5)]
-        supported = dev.supported_metrics()
-    for metric in ("throttle_reasons", "power_limit_w", "temp_hbm_c", "power_memory_w"):
-        assert supported[metric] is False
-        assert all(value(r, metric) is None for r in readings)
-        lines = [r.getMessage() for r in caplog.records if f" {metric} not available" in r.getMessage()]
-        assert len(lines) == 1, lines
+    assert_unavailable_once(
+        ("throttle_reasons", "power_limit_w", "temp_hbm_c", "power_memory_w"), readings, supported, caplog
+    )
     assert supported["power_instant_w"] is True
     assert sum(supported.values()) == len(METRICS) - 4
     # skipped after the probe: no call, no field entry

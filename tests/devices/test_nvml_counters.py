@@ -4,21 +4,17 @@ workload-profile state in the identity (manifest), through the stand-in NVML."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 
-from charllm_nemo.telemetry.schema import METRIC_INDEX, VIOLATION_COUNTERS, decode_throttle
+from charllm_nemo.telemetry.schema import VIOLATION_COUNTERS, decode_throttle
+from tests.devices.helpers import assert_unavailable_once, read_refused, value
 
 pynvml = pytest.importorskip("pynvml")
 nvml = pytest.importorskip("charllm_nemo.devices.nvml")
 
 FI_SYNC_BOOST, FI_BOARD_LIMIT, FI_SW_THERM = 76, 77, 269
-
-
-def value(reading: tuple[Any, ...], metric: str) -> Any:
-    return reading[METRIC_INDEX[metric]]
 
 
 def test_the_ids_this_code_falls_back_to_are_the_bindings() -> None:
@@ -85,24 +81,22 @@ def test_not_supported_per_field_is_read_once_then_skipped(
 ) -> None:
     # The clock-event reason fields have no older call: NOT_SUPPORTED leaves them null, and the
     # policy counters whose field and call both refuse are null too; the rest go on.
-    fake_nvml.script(
+    readings, supported = read_refused(
+        fake_nvml,
+        caplog,
         """
         0 field:269 NOT_SUPPORTED
         0 field:76 NOT_SUPPORTED
         0 violation_sync_boost_ns NOT_SUPPORTED
-        """
+        """,
+        reads=4,
     )
-    caplog.set_level(logging.INFO, logger="charllm_nemo.devices")
-    with nvml.open_backend() as b:
-        dev = b.devices[0]
-        fake_nvml.reset_counts()
-        readings = [dev.read() for _ in range(4)]
-        supported = dev.supported_metrics()
-    for metric in ("violation_sw_thermal_ns", "violation_sw_thermal_ts_us", "violation_sync_boost_ns"):
-        assert supported[metric] is False
-        assert all(value(r, metric) is None for r in readings)
-        lines = [r.getMessage() for r in caplog.records if f" {metric} not available" in r.getMessage()]
-        assert len(lines) == 1, lines
+    assert_unavailable_once(
+        ("violation_sw_thermal_ns", "violation_sw_thermal_ts_us", "violation_sync_boost_ns"),
+        readings,
+        supported,
+        caplog,
+    )
     assert fake_nvml.field_calls(FI_SW_THERM) == 0 and fake_nvml.field_calls(FI_SYNC_BOOST) == 0
     assert fake_nvml.calls("nvmlDeviceGetViolationStatus") == 0
     assert all(value(r, "violation_hw_thermal_ns") == 1008 for r in readings)

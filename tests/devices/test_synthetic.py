@@ -13,29 +13,15 @@ from charllm_nemo.devices.base import ActivityInput, activity_input
 from charllm_nemo.devices.factory import ProcessPlan, open_in_process, process_plan
 from charllm_nemo.devices.synthetic import MarkActivity, SyntheticParams
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS, decode_throttle
+from charllm_nemo.telemetry.schema import METRICS, decode_throttle
 from charllm_nemo.telemetry.windows import WindowRecorder
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += int(seconds * 1e9)
+from tests.devices.helpers import Clock, value
 
 
 def _dev(activity, params=None):
     clock = Clock()
     backend = open_backend("synthetic", activity=activity, params=params or SyntheticParams(), clock=clock)
     return backend.devices[0], clock
-
-
-def _get(reading, name):
-    return reading[METRIC_INDEX[name]]
 
 
 def test_a_reading_has_every_metric_in_schema_units():
@@ -49,7 +35,7 @@ def test_a_reading_has_every_metric_in_schema_units():
         if m.kind == "int" and v is not None:
             assert isinstance(v, int), m.name
     # unsupported metrics are null, never invented
-    assert _get(r, "nvlink_tx_bytes") is None and _get(r, "temp_hotspot_c") is None
+    assert value(r, "nvlink_tx_bytes") is None and value(r, "temp_hotspot_c") is None
     assert not dev.supported_metrics()["nvlink_tx_bytes"]
 
 
@@ -62,31 +48,31 @@ def test_power_follows_activity_between_idle_and_the_cap():
     ):
         dev, clock = _dev(level)
         clock.advance(0.01)
-        assert _get(dev.read(), "power_instant_w") == pytest.approx(expected)
+        assert value(dev.read(), "power_instant_w") == pytest.approx(expected)
 
 
 def test_temperature_rises_as_a_first_order_system_towards_ambient_plus_r_times_p():
     # half activity, no cap: T(t) = T_inf + (T0 - T_inf) exp(-t / tau)
     p = SyntheticParams()
     dev, clock = _dev(0.5, p)
-    t0 = _get(dev.read(), "temp_gpu_c")
+    t0 = value(dev.read(), "temp_gpu_c")
     power = p.idle_w + 0.5 * (p.peak_w - p.idle_w)
     t_inf = p.ambient_c + p.r_gpu_c_per_w * power
     for _ in range(100):  # 10 s in 0.1 s steps: exact for piecewise-constant power
         clock.advance(0.1)
-        temp = _get(dev.read(), "temp_gpu_c")
+        temp = value(dev.read(), "temp_gpu_c")
     assert temp == pytest.approx(t_inf + (t0 - t_inf) * math.exp(-10.0 / p.tau_gpu_s), rel=1e-9)
-    assert _get(dev.read(), "temp_hbm_c") < temp  # HBM: smaller R, slower
+    assert value(dev.read(), "temp_hbm_c") < temp  # HBM: smaller R, slower
 
 
 def test_the_energy_counter_integrates_power_and_ticks_at_its_update_period():
     p = SyntheticParams(energy_update_ms=50.0)
     dev, clock = _dev(0.0, p)  # idle: 75 W
-    e0 = _get(dev.read(), "energy_mj")
+    e0 = value(dev.read(), "energy_mj")
     values = []
     for _ in range(100):  # 1 s in 10 ms steps
         clock.advance(0.01)
-        values.append(_get(dev.read(), "energy_mj"))
+        values.append(value(dev.read(), "energy_mj"))
     distinct = sorted(set(values))
     assert 18 <= len(distinct) <= 22  # ~20 updates in 1 s at 50 ms
     assert values[-1] - e0 == pytest.approx(p.idle_w * 1e3 * 1.0, rel=0.06)  # 75 J = 75000 mJ
@@ -98,10 +84,10 @@ def test_by_default_full_activity_stays_under_the_cap_unthrottled():
     dev, clock = _dev(1.0, p)
     clock.advance(0.5)
     r = dev.read()
-    assert _get(r, "power_instant_w") == pytest.approx(p.peak_w) and p.peak_w < 0.85 * p.power_limit_w
-    assert not decode_throttle(_get(r, "throttle_reasons"))
-    assert _get(r, "clock_sm_mhz") == p.clock_max_mhz
-    assert _get(r, "violation_power_ns") == 0
+    assert value(r, "power_instant_w") == pytest.approx(p.peak_w) and p.peak_w < 0.85 * p.power_limit_w
+    assert not decode_throttle(value(r, "throttle_reasons"))
+    assert value(r, "clock_sm_mhz") == p.clock_max_mhz
+    assert value(r, "violation_power_ns") == 0
 
 
 def test_full_activity_over_a_lower_cap_lowers_the_clock_and_says_why():
@@ -109,10 +95,10 @@ def test_full_activity_over_a_lower_cap_lowers_the_clock_and_says_why():
     dev, clock = _dev(1.0, p)
     clock.advance(0.5)
     r = dev.read()
-    assert "sw_power_cap" in decode_throttle(_get(r, "throttle_reasons"))
+    assert "sw_power_cap" in decode_throttle(value(r, "throttle_reasons"))
     dyn = (p.power_limit_w - p.idle_w) / (p.peak_w - p.idle_w)
-    assert _get(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * dyn ** (1 / 3))
-    assert _get(r, "violation_power_ns") == 500_000_000
+    assert value(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * dyn ** (1 / 3))
+    assert value(r, "violation_power_ns") == 500_000_000
 
 
 def test_over_the_temperature_limit_clocks_drop_and_sw_thermal_is_set():
@@ -121,17 +107,17 @@ def test_over_the_temperature_limit_clocks_drop_and_sw_thermal_is_set():
     for _ in range(50):
         clock.advance(0.1)
         r = dev.read()
-    assert "sw_thermal" in decode_throttle(_get(r, "throttle_reasons"))
-    assert _get(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * p.thermal_clock_factor)
-    assert _get(r, "violation_thermal_ns") > 0
+    assert "sw_thermal" in decode_throttle(value(r, "throttle_reasons"))
+    assert value(r, "clock_sm_mhz") == pytest.approx(p.clock_max_mhz * p.thermal_clock_factor)
+    assert value(r, "violation_thermal_ns") > 0
 
 
 def test_idle_sets_the_idle_reason_and_the_idle_clock():
     dev, clock = _dev(0.0)
     clock.advance(0.1)
     r = dev.read()
-    assert decode_throttle(_get(r, "throttle_reasons")) == ("idle",)
-    assert _get(r, "clock_sm_mhz") == SyntheticParams().clock_idle_mhz
+    assert decode_throttle(value(r, "throttle_reasons")) == ("idle",)
+    assert value(r, "clock_sm_mhz") == SyntheticParams().clock_idle_mhz
 
 
 def test_activity_follows_the_training_phases_reported_by_window_marks():
@@ -186,7 +172,7 @@ def test_power_swings_with_the_phases_of_a_pipeline_step():
 
     def power_after(seconds: float) -> float:
         clock.advance(seconds)
-        return float(_get(dev.read(), "power_instant_w"))
+        return float(value(dev.read(), "power_instant_w"))
 
     compute, comm = p.peak_w, p.idle_w + 0.15 * (p.peak_w - p.idle_w)
     seen: list[float] = []
@@ -260,14 +246,14 @@ def test_a_device_opened_by_plan_follows_the_level_published_from_the_other_side
         "synthetic", [0], plan, parent_pid=os.getpid(), published_level=lambda: published[0]
     )
     dev = backend.devices[0]
-    assert _get(dev.read(), "util_gpu_pct") == 0.0  # marks, nothing published yet: idle
+    assert value(dev.read(), "util_gpu_pct") == 0.0  # marks, nothing published yet: idle
     trainer_side = open_backend("synthetic", activity="marks").activity
     assert trainer_side is not None
     trainer_side.on_change = lambda level: published.__setitem__(0, level)
     rec = WindowRecorder()
     rec.add_listener(trainer_side)
     with rec.window("step", step=0), rec.window("phase", "forward"):
-        assert _get(dev.read(), "util_gpu_pct") == 100.0
+        assert value(dev.read(), "util_gpu_pct") == 100.0
     assert published == [0.0]
 
 

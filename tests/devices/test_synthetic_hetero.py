@@ -19,22 +19,8 @@ from charllm_nemo.devices.synthetic_config import (
 )
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.config import TelemetryConfig, telemetry_problems
-from charllm_nemo.telemetry.schema import METRIC_INDEX, decode_throttle
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += int(seconds * 1e9)
-
-
-def _get(reading, name):
-    return reading[METRIC_INDEX[name]]
+from charllm_nemo.telemetry.schema import decode_throttle
+from tests.devices.helpers import Clock, value
 
 
 def _run_steps(backend, clock, steps, compute_s=0.4, gap_s=0.1):
@@ -68,33 +54,33 @@ def test_a_poorly_cooled_device_runs_hotter_reaches_its_limit_and_clocks_down():
     cfg = SyntheticConfig(devices={"1": SyntheticDeviceConfig(cooling=0.5, tau_s=1.0)})
     (cool, c0), (hot, c1) = _backend(cfg, 0), _backend(cfg, 1)
     r_cool, r_hot = _run_steps(cool, c0, 20), _run_steps(hot, c1, 20)
-    t_cool = [_get(r, "temp_gpu_c") for r in r_cool]
-    t_hot = [_get(r, "temp_gpu_c") for r in r_hot]
+    t_cool = [value(r, "temp_gpu_c") for r in r_cool]
+    t_hot = [value(r, "temp_gpu_c") for r in r_hot]
     assert max(t_cool) < SyntheticParams().temp_limit_c
     assert max(t_hot) > SyntheticParams().temp_limit_c
     assert all(h > c for h, c in zip(t_hot[2:], t_cool[2:], strict=True))
-    hot_reasons = [decode_throttle(_get(r, "throttle_reasons")) for r in r_hot]
+    hot_reasons = [decode_throttle(value(r, "throttle_reasons")) for r in r_hot]
     assert any("sw_thermal" in r for r in hot_reasons)
-    assert not any("sw_thermal" in decode_throttle(_get(r, "throttle_reasons")) for r in r_cool)
+    assert not any("sw_thermal" in decode_throttle(value(r, "throttle_reasons")) for r in r_cool)
     thermal = [r for r, names in zip(r_hot, hot_reasons, strict=True) if "sw_thermal" in names]
     # thermally limited: the clock is the cool device's times the thermal factor (0.8)
-    assert _get(thermal[-1], "clock_sm_mhz") == pytest.approx(
-        _get(r_cool[-1], "clock_sm_mhz") * SyntheticParams().thermal_clock_factor
+    assert value(thermal[-1], "clock_sm_mhz") == pytest.approx(
+        value(r_cool[-1], "clock_sm_mhz") * SyntheticParams().thermal_clock_factor
     )
-    assert _get(r_hot[-1], "violation_thermal_ns") > 0 == _get(r_cool[-1], "violation_thermal_ns")
+    assert value(r_hot[-1], "violation_thermal_ns") > 0 == value(r_cool[-1], "violation_thermal_ns")
 
 
 def test_a_lower_power_limit_caps_power_and_is_reported():
     cfg = SyntheticConfig(devices={"0": SyntheticDeviceConfig(power_limit_w=400.0)})
     b, clock = _backend(cfg, 0)
     r = _run_steps(b, clock, 3)[-1]
-    assert _get(r, "power_limit_w") == 400.0
-    assert _get(r, "power_instant_w") == pytest.approx(400.0)
-    assert "sw_power_cap" in decode_throttle(_get(r, "throttle_reasons"))
+    assert value(r, "power_limit_w") == 400.0
+    assert value(r, "power_instant_w") == pytest.approx(400.0)
+    assert "sw_power_cap" in decode_throttle(value(r, "throttle_reasons"))
     # P ∝ f^3 on the dynamic part: (400-75)/(peak-75) of the dynamic power -> its cube root of the clock
     p = SyntheticParams()
     expected = p.clock_max_mhz * ((400 - p.idle_w) / (p.peak_w - p.idle_w)) ** (1 / 3)
-    assert _get(r, "clock_sm_mhz") == pytest.approx(expected)
+    assert value(r, "clock_sm_mhz") == pytest.approx(expected)
 
 
 def test_an_injected_window_by_steps_sets_its_reasons_and_lowers_the_clock_only_then():
@@ -102,12 +88,12 @@ def test_an_injected_window_by_steps_sets_its_reasons_and_lowers_the_clock_only_
     cfg = SyntheticConfig(devices={"0": SyntheticDeviceConfig(throttle=[window])})
     b, clock = _backend(cfg, 0)
     rows = _run_steps(b, clock, 6)
-    reasons = [decode_throttle(_get(r, "throttle_reasons")) for r in rows]
+    reasons = [decode_throttle(value(r, "throttle_reasons")) for r in rows]
     on = [("hw_slowdown" in r and "hw_power_brake" in r) for r in reasons]
     assert on == [False, False, True, True, False, False]
-    clocks = [_get(r, "clock_sm_mhz") for r in rows]
+    clocks = [value(r, "clock_sm_mhz") for r in rows]
     assert clocks[2] == pytest.approx(0.5 * clocks[0]) and clocks[4] == pytest.approx(clocks[0])
-    assert _get(rows[3], "violation_thermal_ns") > 0  # hw_slowdown counts as thermal, like NVML's
+    assert value(rows[3], "violation_thermal_ns") > 0  # hw_slowdown counts as thermal, like NVML's
 
 
 def test_an_injected_window_by_seconds_counts_from_the_first_step():
@@ -116,7 +102,7 @@ def test_an_injected_window_by_seconds_counts_from_the_first_step():
     b, clock = _backend(cfg, 0)
     clock.advance(30.0)  # time before the first step does not count
     rows = _run_steps(b, clock, 6, compute_s=0.4, gap_s=0.1)  # reads at 0.4, 0.9, 1.4, 1.9, 2.4 s
-    on = ["sw_thermal" in decode_throttle(_get(r, "throttle_reasons")) for r in rows]
+    on = ["sw_thermal" in decode_throttle(value(r, "throttle_reasons")) for r in rows]
     assert on == [False, False, True, True, False, False]
 
 
@@ -138,7 +124,7 @@ def test_the_window_crosses_into_the_telemetry_process_with_the_level():
         parent.activity("phase", "forward", True)
         clock.advance(0.1)
         r = child.read()
-        seen.append((_get(r, "util_gpu_pct"), decode_throttle(_get(r, "throttle_reasons"))))
+        seen.append((value(r, "util_gpu_pct"), decode_throttle(value(r, "throttle_reasons"))))
         parent.activity("phase", "forward", False)
         parent.activity("step", "step", False)
     assert [u for u, _ in seen] == [100.0, 100.0, 100.0]  # the level crossed whole

@@ -123,8 +123,9 @@ def _pipeline(out, nproc, extra=()):
 NO_HOT_RUNS = 3
 """Runs of an uneven pipeline with no hot device (5 until 2026-12-06). A rank alone in its stage
 is a straggler only on its device's evidence (a limiting reason its peers lack and a clock that
-loses the threshold: alerts/detect.py, ``_evidence``), which an unthrottled synthetic device never
-gives, whatever the timing: the verdict does not rest on the host's scheduling, which the runs
+loses the threshold: alerts/straggler.py, ``StragglerWatch.evidence``), which an unthrottled
+synthetic device never gives, whatever the timing: the verdict does not rest on the host's
+scheduling, which the runs
 sample (3 of them, beside the hot-device runs below, which assert in each attempt that no rank
 but the hot one is named: 4 to 12 more runs a layout). The rule itself is decided on constructed
 steps in tests/alerts/test_pipeline.py (a stage heavier by design is no straggler)."""

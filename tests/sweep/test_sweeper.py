@@ -115,13 +115,11 @@ def test_every_cpu_sweep_configuration_is_valid_on_cpu(name: str, capsys: pytest
     assert verdicts and all(": valid;" in line for line in verdicts), out
 
 
-def _sbatch_script(overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The sbatch script the preset's launcher would submit for one job (map_array intercepted)."""
-    import submitit
+def _launcher(cls: Any, overrides: list[str], tmp_path: Path) -> Any:
+    """The sweep launcher ``cls`` as Hydra makes it for ``overrides``: the composed config's
+    launcher parameters, its submitit folder under ``tmp_path``, the config set."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
-
-    from hydra_plugins.charllm_sweeps.launchers import CharllmSlurmLauncher
 
     app.register_resolvers()
     with initialize_config_dir(config_dir=str(app.find_conf_dir()), version_base="1.3"):
@@ -130,8 +128,18 @@ def _sbatch_script(overrides: list[str], tmp_path: Path, monkeypatch: pytest.Mon
     params: dict[str, Any] = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)  # type: ignore[assignment]
     params.pop("_target_")
     params["submitit_folder"] = str(tmp_path / "submitit" / "%j")
-    launcher = CharllmSlurmLauncher(**params)
+    launcher = cls(**params)
     launcher.config = cfg
+    return launcher
+
+
+def _sbatch_script(overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The sbatch script the preset's launcher would submit for one job (map_array intercepted)."""
+    import submitit
+
+    from hydra_plugins.charllm_sweeps.launchers import CharllmSlurmLauncher
+
+    launcher = _launcher(CharllmSlurmLauncher, overrides, tmp_path)
     scripts: list[str] = []
 
     def fake_map_array(executor: Any, fn: Any, *iterables: Any) -> list[Any]:
@@ -217,8 +225,6 @@ def test_the_wait_for_a_sweeps_jobs_says_how_many_ended_and_how_long(
     # The launchers' own poll loop (SLURM's and submitit_local's are one) over two jobs that end on
     # the 2nd and 4th poll: progress lines name the stage, the count ended and the states left.
     import submitit
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import JobReturn
 
     from hydra_plugins.charllm_sweeps import launchers
@@ -244,16 +250,8 @@ def test_the_wait_for_a_sweeps_jobs_says_how_many_ended_and_how_long(
     monkeypatch.setenv("CHARLLM_PROGRESS_EVERY_S", "0")  # every stage and count, at once
     monkeypatch.setattr(launchers, "POLL_S", 0.0)
     monkeypatch.setattr(submitit.AutoExecutor, "map_array", fake_map_array)
-    app.register_resolvers()
     overrides = ["+sweep=cpu_microbatch", "hydra/launcher=local_2ranks", f"sweep.dir={tmp_path}"]
-    with initialize_config_dir(config_dir=str(app.find_conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    params: dict[str, Any] = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)  # type: ignore[assignment]
-    params.pop("_target_")
-    params["submitit_folder"] = str(tmp_path / "submitit" / "%j")
-    launcher = launchers.CharllmLocalLauncher(**params)
-    launcher.config = cfg
+    launcher = _launcher(launchers.CharllmLocalLauncher, overrides, tmp_path)
     launcher.launch([["batch.micro_batch_size=1"], ["batch.micro_batch_size=2"]], initial_job_idx=0)
     err = capsys.readouterr().err
     assert "charllm sweep: submitting 2 job(s) to submitit_local" in err

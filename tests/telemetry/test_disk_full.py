@@ -31,6 +31,14 @@ def _rows(n: int, t0: int = 0) -> list[tuple[object, ...]]:
     return [(t0 + i, t0 + i, 1, 0, reading) for i in range(n)]
 
 
+def _step_until_disk_full(session: TelemetrySession, seconds: float = 10) -> None:
+    """Steps of 20 ms on ``session`` until its store finds the disk full or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not session.disk_full and time.monotonic() < deadline:
+        with session.windows.window("step", step=0):
+            time.sleep(0.02)
+
+
 @pytest.fixture
 def enospc_after(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Parquet writes succeed ``budget[0]`` times, then fail as a full disk does: part of the
@@ -70,10 +78,7 @@ def test_a_session_that_hits_a_full_disk_ends_disk_full_and_stays_readable(tmp_p
     assert not session.disk_full
     enospc_after[0] = 0
     with caplog.at_level(logging.ERROR, "charllm_nemo"):
-        deadline = time.monotonic() + 10
-        while not session.disk_full and time.monotonic() < deadline:
-            with session.windows.window("step", step=0):
-                time.sleep(0.02)
+        _step_until_disk_full(session)
         time.sleep(0.3)  # more flushes on the full disk
         assert session.disk_full
         assert session.close("complete") == DISK_FULL
@@ -104,10 +109,7 @@ def test_the_disk_full_line_names_the_integrations_keyword(tmp_path, enospc_afte
     session.start()
     enospc_after[0] = 0
     with caplog.at_level(logging.ERROR, "charllm_nemo"):
-        deadline = time.monotonic() + 10
-        while not session.disk_full and time.monotonic() < deadline:
-            with session.windows.window("step", step=0):
-                time.sleep(0.02)
+        _step_until_disk_full(session)
         session.close("complete")
     line = next(r.getMessage() for r in caplog.records if "disk is full" in r.getMessage())
     assert line.endswith("Free space or choose another MegatronLMTelemetry(out_dir=...)"), line

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.telemetry.export_endpoint import parse, scrape_at_step, serving_session
 
 from charllm_nemo.devices.contract import INT_NULL, THROTTLE_BITS
 from charllm_nemo.errors import ConfigError
@@ -27,7 +28,6 @@ from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
-LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(?:[A-Za-z_][A-Za-z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
 
 def _state() -> ExportState:
@@ -46,33 +46,13 @@ def _chunk(t: list[int], **cols: list[float]) -> dict[str, np.ndarray]:
     return out
 
 
-def _parse(text: str) -> dict[str, list[tuple[str, float]]]:
-    """name -> [(labels text, value)], checking every line's syntax and that each series follows
-    its family's HELP and TYPE."""
-    typed: set[str] = set()
-    out: dict[str, list[tuple[str, float]]] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            name, kind = line[7:].split(" ")
-            assert kind in ("gauge", "counter")
-            typed.add(name)
-            continue
-        if line.startswith("# HELP "):
-            continue
-        m = LINE.match(line)
-        assert m, line
-        assert m.group(1) in typed, line
-        out.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
-    return out
-
-
 def test_render_keeps_dcgm_names_and_labels_and_skips_missing_values() -> None:
     st = _state()
     st.set_parallel({"pp_stage": 1, "tp_rank": 0})
     st.take_samples(
         _chunk([0, 10], power_avg_w=[100.0, math.nan], energy_mj=[5000, INT_NULL], temp_gpu_c=[40.0, 41.0])
     )
-    series = _parse(st.render().decode())
+    series = parse(st.render().decode())
     # The newest non-null value of each column; a column never seen has no series at all.
     assert series["DCGM_FI_DEV_POWER_USAGE"][0][1] == 100.0
     assert series["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"][0][1] == 5000  # a counter, no _total
@@ -99,7 +79,7 @@ def test_throttle_time_is_held_until_the_next_mask_across_chunks() -> None:
     assert held["sw_power_cap"] == 10 + 20  # 0-10 and 10-30
     assert held["hw_thermal"] == 20 + 20  # 10-30 and 50-70; the null at 45 holds nothing
     assert held["idle"] == 0
-    series = _parse(st.render().decode())
+    series = parse(st.render().decode())
     assert series["DCGM_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP_NS"][0][1] == 30
     assert series["DCGM_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN_NS"][0][1] == 40
 
@@ -109,13 +89,13 @@ def test_step_figures_throughput_and_mfu() -> None:
     fig = {"energy_j": 50.0, "power_avg_w": 100.0, "throttle_any_limiting_s": 0.125}
     st.take_step(7, 0.5, {0: fig}, (4096.0, 2e12, 1e13))
     st.take_step(8, 0.5, {0: fig}, (0.0, 0.0, 0.0))  # rates unknown: no throughput, no MFU
-    s = _parse(st.render().decode())
+    s = parse(st.render().decode())
     assert s["charllm_step"][0][1] == 8
     assert s["charllm_step_throttle_share"][0][1] == 0.25
     assert s["charllm_steps_total"][0][1] == 2 and s["charllm_energy_joules_total"][0][1] == 100.0
     assert "charllm_step_mfu" not in s and "charllm_step_tokens_per_second" not in s
     st.take_step(9, 0.5, {0: fig}, (4096.0, 2e12, 1e13))
-    s = _parse(st.render().decode())
+    s = parse(st.render().decode())
     assert s["charllm_step_tokens_per_second"][0][1] == 8192.0
     assert s["charllm_step_mfu"][0][1] == pytest.approx(0.4)  # 2e12 / 0.5 s / 1e13
     # The step is a gauge, never a label.
@@ -228,18 +208,6 @@ def test_the_query_parser_finds_what_it_must() -> None:
     assert dashboard_metrics("a + on (gpu) b") == {"a", "b"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(url: str) -> dict[str, list[tuple[str, float]]]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        return _parse(r.read().decode())
-
-
 def _steps(session, n: int) -> None:
     for step in range(n):
         t0 = time.monotonic_ns()
@@ -248,27 +216,13 @@ def _steps(session, n: int) -> None:
 
 
 def test_one_rank_endpoint_serves_its_step_figures_as_stored(tmp_path: Path) -> None:
-    port = _free_port()
-    cfg = TelemetryConfig(
-        backend="synthetic",
-        sampler="process",
-        out_dir=str(tmp_path / "run"),
-        export="prometheus",
-        export_port=port,
-    )
-    session = open_session(cfg, Placement(0, 0, 1, 1, {"pp_stage": 0}))
+    session, url = serving_session(tmp_path)
     try:
         session.publish_step_rates(1000.0, 1e12, 1e14)
         _steps(session, 6)
-        deadline = time.monotonic() + 30
-        s: dict[str, list[tuple[str, float]]] = {}
-        while time.monotonic() < deadline:
-            s = _metrics(f"http://127.0.0.1:{port}/metrics")
-            if s.get("charllm_step", [("", -1)])[0][1] == 5:
-                break
-            time.sleep(0.1)
+        s = scrape_at_step(url, 5)
         with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+            urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=10)
     finally:
         session.close()
     assert s["charllm_step"][0][1] == 5 and s["charllm_steps_total"][0][1] == 6
@@ -299,7 +253,7 @@ def test_textfile_mode_writes_the_rank_file(tmp_path: Path) -> None:
     finally:
         session.close()
     assert sorted(p.name for p in folder.iterdir()) == ["charllm-rank2.prom"]
-    s = _parse((folder / "charllm-rank2.prom").read_text())
+    s = parse((folder / "charllm-rank2.prom").read_text())
     assert 'dl_rank="2"' in s["DCGM_FI_DEV_POWER_USAGE"][0][0]
     assert s["charllm_steps_total"][0][1] == 3  # the close writes the last figures
 

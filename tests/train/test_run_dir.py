@@ -15,16 +15,6 @@ from charllm_nemo.train import app
 from charllm_nemo.train.config_io import load_train_config
 from tests.deadline import deadline
 
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def fake_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spawned ranks run tests/train/_fake_worker.py instead of the Megatron-Core loop."""
-    monkeypatch.setenv("CHARLLM_WORKER_TARGET", "_fake_worker:run")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("CHARLLM_FAKE_MODE", "ok")
-
 
 def test_a_generated_name_that_is_taken_gets_a_suffix(tmp_path: Path) -> None:
     base = tmp_path / "runs" / "20261204-203000"

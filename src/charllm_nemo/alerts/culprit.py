@@ -207,12 +207,13 @@ def host_alert(
     timing: Sequence[Mapping[str, float]],
     over: Mapping[str, Mapping[str, float]],
     arr: Arrival | None,
+    alike: bool,
 ) -> dict[str, Any] | None:
     """For ``rank``, which held its peers ``straggler_steps`` steps in a row with no device
-    evidence (charllm_nemo.alerts.detect.AlertDetector calls it): the ``host_contention`` alert
-    where its device runs like its peers' and :func:`host_verdict` finds the host's CPUs
-    contended; else None, the verdict held (counted in ``det.held``, why in ``det.held_last``).
-    Rate-limited per host."""
+    evidence (charllm_nemo.alerts.straggler.StragglerWatch calls it): the ``host_contention``
+    alert where its device runs like its peers' (``alike``) and :func:`host_verdict` finds the
+    host's CPUs contended; else None, the verdict held (counted in ``det.held``, the detector's,
+    why in ``det.held_last``). Rate-limited per host."""
     cfg = det.cfg
     peers = v.peers(rank)
     if arr is not None and arr.last == rank:
@@ -223,7 +224,6 @@ def host_alert(
         w = over[worst]
         held_s = w["value_s"] - w["peers_median_s"]
         how = f"{worst} {100 * w['excess']:+.0f}% over its peers' median"
-    alike = det.device_alike(rank, v)
     facts = None
     if alike:
         facts = host_verdict(rank, peers, timing, held_s, cfg.host_pressure, cfg.straggler_min_s)
@@ -291,7 +291,7 @@ def throttle_cost(
     baseline_s, cost, lost_s, said, note)``. ``comp``: its compute (s); ``cool``: its
     unthrottled peers' compute (empty where their phases hold waits for it); ``base_comp``: its
     own median unthrottled compute over ``base_steps`` steps; ``loss``: its clock's loss
-    (AlertDetector._loss) and ``clock`` its clock (MHz). The first baseline that exists, in the
+    (AlertDetector.loss) and ``clock`` its clock (MHz). The first baseline that exists, in the
     order peers, own steps, clock; a timing baseline that makes the cost negative (it measured
     faster: that timing holds the others' waits or the host's noise, not its device) is set
     aside for the clock, and ``note`` says why. Never a negative cost or loss."""

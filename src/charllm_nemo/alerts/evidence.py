@@ -30,6 +30,11 @@ def median_or_none(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def ms_text(s: float) -> str:
+    """``s`` seconds in milliseconds for an alert's message: whole ones from 10 ms, tenths below."""
+    return f"{1e3 * s:.0f} ms" if s >= 0.01 else f"{1e3 * s:.1f} ms"
+
+
 def median_without(ordered: list[float], v: float | None) -> float | None:
     """The median of ``ordered`` (sorted) with one occurrence of ``v`` left out (``v`` None or
     not in it: nothing left out): a rank's peers' median in O(log n), not a new list per rank."""
