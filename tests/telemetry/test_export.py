@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.deadline import deadline
 from tests.telemetry.export_endpoint import parse, scrape_at_step, serving_session
 
 from charllm_nemo.devices.contract import INT_NULL, THROTTLE_BITS
@@ -344,6 +345,15 @@ def test_step_telemetry_publishes_the_rates_once_at_setup() -> None:
     assert calls == [(16 * 512, 2e12, 100e12)]
 
 
+def _otlp_step(bodies: list[dict]) -> float | None:
+    """The ``charllm_step`` gauge of the last OTLP body received (None: none yet, or no step)."""
+    for body in bodies[-1:]:
+        for m in body["resourceMetrics"][0]["scopeMetrics"][0]["metrics"]:
+            if m["name"] == "charllm_step":
+                return float(m["gauge"]["dataPoints"][0]["asDouble"])
+    return None
+
+
 def test_otlp_mode_pushes_the_same_series_with_the_rank_on_the_resource(tmp_path: Path) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -377,7 +387,11 @@ def test_otlp_mode_pushes_the_same_series_with_the_rank_on_the_resource(tmp_path
         session = open_session(cfg, Placement(1, 1, 2, 2, {"pp_stage": 1}))
         try:
             _steps(session, 3)
-            time.sleep(0.5)
+            # a periodic push (every 0.2 s) with a step's figures before the close's: waited
+            # for, not slept for (a loaded machine takes seconds to compute them)
+            until = time.monotonic() + deadline(10)
+            while _otlp_step(bodies) is None and time.monotonic() < until:
+                time.sleep(0.05)
         finally:
             session.close()  # pushes once more
     finally:
