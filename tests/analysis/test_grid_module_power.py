@@ -2,7 +2,7 @@
 module's power (``power_module_w``, NVML power scope MODULE), that is summed and labelled as
 module power; a run where only some do sums the GPUs' own power, with a problem line; and the
 whole path from the stand-in NVML (module scope served, or NOT_SUPPORTED as on an H100) through
-the sampler's samples and manifest to the table's label."""
+the sampler's samples and manifest to the table's label and the GPU check's line."""
 
 from __future__ import annotations
 
@@ -89,3 +89,14 @@ def test_module_scope_from_the_stand_in_nvml_to_the_table(tmp_path: Path, served
     assert job["power_column"] == ("power_module_w" if served else "power_instant_w")
     assert job["mean_w"] == pytest.approx(300.0 + (EXTRA_W if served else 0.0))
     assert not [p for p in problems if "module" in p]
+    # what the GPU check (bench/gpu_run.sh -> bench/gpu_counters.py) reports of the same run
+    from bench.gpu_counters import counter_check, summary_lines
+
+    result = counter_check(out)
+    assert result["module_power"]["supported"] is served
+    (line,) = [x for x in summary_lines(result) if "module power scope" in x]
+    if served:
+        assert "supported, median 395.0000 W beside the GPU's 300.0000 W" in line
+        assert "NVML_FI_DEV_POWER_INSTANT[scope=0x1]" in line
+    else:
+        assert line.endswith("not supported on this device")
