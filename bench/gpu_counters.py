@@ -9,6 +9,8 @@ the counter's value when it was read (the sample's wall clock minus the driver's
 the value: median and max, ms). Per reason bit: the share of the run it was set and its 0 -> 1
 transitions per minute. Also the device's power-smoothing / workload-profile state as the
 manifest recorded it. The same columns as the ``ranks`` table (analysis/throttle_counters.py).
+And whether the device serves the module power scope (NVML_POWER_SCOPE_MODULE: a Grace module's
+GPU + CPU + memory; an H100 / H200 does not): :func:`module_power`.
 
 Run from gpu_check.py (both modes); figures in stub mode describe the stand-in library, whose
 counters do not move.
@@ -67,6 +69,29 @@ def counter_check(run_dir: Path) -> dict[str, Any]:
         "counters": counters,
         "bits": bits,
         "power_state": extra.get("power_state"),
+        "module_power": module_power(extra, s),
+    }
+
+
+def module_power(extra: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """Whether the device serves the module power scope (the manifest's ``power_scopes``, and
+    the samples), from which source, and its median beside the GPU's own instant power (W)."""
+    import numpy as np
+
+    scopes = extra.get("power_scopes") or {}
+
+    def median(column: str) -> float | None:
+        x = np.asarray(s.get(column, []), dtype=np.float64)
+        x = x[np.isfinite(x)]
+        return float(np.median(x)) if x.size else None
+
+    module_w = median("power_module_w")
+    return {
+        "supported": scopes.get("power_module_w") == "module" and module_w is not None,
+        "source": (extra.get("metric_sources") or {}).get("power_module_w"),
+        "power_scopes": scopes,
+        "module_w_median": module_w,
+        "gpu_w_median": median("power_instant_w"),
     }
 
 
@@ -90,6 +115,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     shown = [f"{n} {100 * b['share']:.1f} % ({b['per_min']:.1f}/min)" for n, b in seen.items()]
     lines.append("  bits set: " + (", ".join(shown) or "none"))
     lines.append(f"  power state: {result['power_state']}")
+    m = result["module_power"]
+    lines.append(
+        f"  module power scope (NVML_POWER_SCOPE_MODULE, Grace modules): supported, median "
+        f"{f(m['module_w_median'])} W beside the GPU's {f(m['gpu_w_median'])} W ({m['source']})"
+        if m["supported"]
+        else "  module power scope (NVML_POWER_SCOPE_MODULE, Grace modules): not supported on this device"
+    )
     return lines
 
 

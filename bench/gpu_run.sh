@@ -20,8 +20,10 @@ fi
 python3 bench/gpu_check.py --mode gpu --out /tmp/gpucheck "${MCORE019[@]}" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 cp /tmp/gpucheck/gpu_check.json "$OUT/" 2>/dev/null
-# The driver's per-reason throttle counters vs the sampled reason bits on this GPU (#46).
+# The driver's per-reason throttle counters vs the sampled reason bits on this GPU (#46), and whether
+# it serves the module power scope (Grace modules; an H100 / H200 says not supported).
 python3 bench/gpu_counters.py /tmp/gpucheck/load_run "$OUT/gpu_counters.json" 2>&1 | tee "$OUT/gpu_counters.log"
 tar -czf "$OUT/gpucheck_runs.tar.gz" -C /tmp gpucheck 2>/dev/null
 ls -la "$OUT"
+grep -h "module power scope" "$OUT/gpu_counters.log" || echo "module power scope: not reported (bench/gpu_counters.py failed?)"
 exit "$rc"

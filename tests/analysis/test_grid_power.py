@@ -44,11 +44,13 @@ def stand_in(
     high: float = HIGH,
     period: float = T,
     micro: int = 1,
+    module_extra_w: list[float | None] | None = None,
 ) -> None:
     """The run (peak ``high`` W, iteration ``period`` s, ``micro`` in its config): rank r's
     samples at true times ``i x 10 ms + r x 2.5 ms + jitter``; its monotonic
     stamps are true wall time less its host's offset; its wall clock (and its manifest mapping)
-    is off by ``clock_error_s[r]``."""
+    is off by ``clock_error_s[r]``. With ``module_extra_w[r]`` (not None) the rank's GPU is part of
+    a Grace module whose power (``power_module_w``) is the GPU's plus that."""
     rng = np.random.default_rng(46)
     steps = int(SECONDS / period) - 1
     for r in range(RANKS):
@@ -91,6 +93,9 @@ def stand_in(
             "t_wall_ns": mono + WALL_MINUS_MONO[r] + err_ns,
             "power_instant_w": wave(true_s, high, period),
         }
+        extra = (module_extra_w or [None] * RANKS)[r]
+        if extra is not None:
+            samples["power_module_w"] = samples["power_instant_w"] + extra
         write_rank(run, r, samples, windows, manifest)
     write_summary(run, {"status": "complete", "model": "toy", "world_size": RANKS})
 

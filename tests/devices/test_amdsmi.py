@@ -123,6 +123,8 @@ def test_each_metric_in_schema_units_on_an_mi300x(install, opened) -> None:
         # NVML's other per-reason counters and the driver timestamps: none on AMD
         **{f"violation_{n}_ns": None for n, _ in VIOLATION_COUNTERS if n not in ("power", "thermal")},
         **{f"violation_{n}_ts_us": None for n, _ in VIOLATION_COUNTERS},
+        "power_module_w": None,  # NVML's module power scope: amdsmi has none
+        "power_module_avg_w": None,
     }
     assert dict(zip((m.name for m in METRICS), reading, strict=True)) == expected
     for metric, v in zip(METRICS, reading, strict=True):

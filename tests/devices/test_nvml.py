@@ -106,6 +106,7 @@ def test_every_metric_in_schema_units(fake_nvml: Any) -> None:
         0 power_instant_mw 312345
         0 power_average_mw 298765
         0 power_memory_mw 45678
+        0 power_module_extra_mw 150000
         0 energy_mj 987654321
         0 temp_gpu_c 61
         0 temp_memory_c 52
@@ -135,6 +136,8 @@ def test_every_metric_in_schema_units(fake_nvml: Any) -> None:
         "power_instant_w": 312.345,  # mW -> W
         "power_avg_w": 298.765,
         "power_memory_w": 45.678,
+        "power_module_w": 462.345,  # the Grace module: the GPU's 312.345 W and the rest, 150 W
+        "power_module_avg_w": 448.765,
         "energy_mj": 987654321,  # mJ stays mJ
         "temp_gpu_c": 61.0,
         "temp_hbm_c": 52.0,
@@ -274,7 +277,9 @@ def test_not_supported_is_none_logged_once_and_not_called_again(
         ("throttle_reasons", "power_limit_w", "temp_hbm_c", "power_memory_w"), readings, supported, caplog
     )
     assert supported["power_instant_w"] is True
-    assert sum(supported.values()) == len(METRICS) - 4
+    # and the module scope, which the stand-in (as an H100 / H200) does not serve by default
+    assert not supported["power_module_w"] and not supported["power_module_avg_w"]
+    assert sum(supported.values()) == len(METRICS) - 6
     # skipped after the probe: no call, no field entry
     assert fake_nvml.calls("nvmlDeviceGetCurrentClocksEventReasons") == 0
     assert fake_nvml.calls("nvmlDeviceGetCurrentClocksThrottleReasons") == 0

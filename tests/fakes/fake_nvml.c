@@ -25,9 +25,13 @@
  *   Device statements: DEV KEY VALUE, DEV = an index or '*' (every device).
  *     Quantities (VALUE = an integer, decimal or 0x-hex, or an error name: the error is then
  *     returned by every entry point that serves the quantity; a number clears the error):
- *       power_instant_mw      field NVML_FI_DEV_POWER_INSTANT (186), scope GPU/MODULE
+ *       power_instant_mw      field NVML_FI_DEV_POWER_INSTANT (186), scope GPU (0)
  *       power_average_mw      field NVML_FI_DEV_POWER_AVERAGE (185) and nvmlDeviceGetPowerUsage
  *       power_memory_mw       fields 185/186 with scopeId NVML_POWER_SCOPE_MEMORY (2)
+ *       power_module_extra_mw fields 186 / 185 with scopeId NVML_POWER_SCOPE_MODULE (1) report
+ *                             the GPU's instant (square wave included) / average power plus
+ *                             this: the rest of a Grace module (CPU, its memory). Default
+ *                             NOT_SUPPORTED, as on a GPU that is not part of a Grace module
  *       energy_mj             nvmlDeviceGetTotalEnergyConsumption, fields 83 and 191
  *                             (in dynamic mode: the counter's value at the start)
  *       temp_gpu_c            nvmlDeviceGetTemperature[V](NVML_TEMPERATURE_GPU)
@@ -231,6 +235,7 @@ enum { VT_DOUBLE = 0, VT_UINT = 1, VT_ULONG = 2, VT_ULL = 3, VT_SLL = 4, VT_SINT
     X(POWER_INSTANT, "power_instant_mw", 250000)        \
     X(POWER_AVERAGE, "power_average_mw", 245000)        \
     X(POWER_MEMORY, "power_memory_mw", 40000)           \
+    X(POWER_MODULE_EXTRA, "power_module_extra_mw", 0)   \
     X(ENERGY, "energy_mj", 1000000000ULL)               \
     X(TEMP_GPU, "temp_gpu_c", 55)                       \
     X(TEMP_GPU_MAX, "temp_gpu_max_c", 63)               \
@@ -430,6 +435,7 @@ static void device_defaults(fake_device *d, unsigned int index, long long now) {
     snprintf(d->pci_bus_id, sizeof d->pci_bus_id, "00000000:%02X:00.0", 0x18 + index);
     for (int i = 0; i < Q_COUNT; i++) d->q[i] = q_defaults[i];
     d->q_err[Q_C2C_ENABLED] = NVML_ERROR_NOT_SUPPORTED;
+    d->q_err[Q_POWER_MODULE_EXTRA] = NVML_ERROR_NOT_SUPPORTED;
     d->q_err[Q_PWR_SMOOTHING_ENABLED] = NVML_ERROR_NOT_SUPPORTED;
     d->q_err[Q_PWR_SMOOTHING_PROFILE] = NVML_ERROR_NOT_SUPPORTED;
     d->q_err[Q_WORKLOAD_REQUESTED] = NVML_ERROR_NOT_SUPPORTED;
@@ -1419,15 +1425,21 @@ static nvmlReturn_t field_value(fake_device *d, unsigned int id, unsigned int sc
     *vt = VT_UINT;
     switch (id) {
         case FI_POWER_INSTANT:
+            if (scope == SCOPE_MODULE && d->q_err[Q_POWER_MODULE_EXTRA]) return d->q_err[Q_POWER_MODULE_EXTRA];
             if (scope == SCOPE_GPU || scope == SCOPE_MODULE) {
                 if (d->q_err[Q_POWER_INSTANT]) return d->q_err[Q_POWER_INSTANT];
-                *out = power_instant_at(d, now);
+                *out = power_instant_at(d, now) + (scope == SCOPE_MODULE ? d->q[Q_POWER_MODULE_EXTRA] : 0);
                 return NVML_SUCCESS;
             }
             if (scope == SCOPE_MEMORY) return qval(d, Q_POWER_MEMORY, out);
             return NVML_ERROR_NOT_SUPPORTED;
         case FI_POWER_AVERAGE:
-            if (scope == SCOPE_GPU || scope == SCOPE_MODULE) return qval(d, Q_POWER_AVERAGE, out);
+            if (scope == SCOPE_MODULE && d->q_err[Q_POWER_MODULE_EXTRA]) return d->q_err[Q_POWER_MODULE_EXTRA];
+            if (scope == SCOPE_GPU || scope == SCOPE_MODULE) {
+                nvmlReturn_t rc = qval(d, Q_POWER_AVERAGE, out);
+                if (!rc && scope == SCOPE_MODULE) *out += d->q[Q_POWER_MODULE_EXTRA];
+                return rc;
+            }
             if (scope == SCOPE_MEMORY) return qval(d, Q_POWER_MEMORY, out);
             return NVML_ERROR_NOT_SUPPORTED;
         case FI_TOTAL_ENERGY_CONSUMPTION:

@@ -637,6 +637,8 @@ def test_sample_columns_name_what_the_figures_read() -> None:
         "mem_used_bytes",
         "power_limit_w",
         "power_memory_w",
+        "power_module_w",  # read by the job power waveform (analysis/grid_power.py), not here
+        "power_module_avg_w",
         "clock_mem_mhz",
         # the driver's timestamps of the violation counters: kept in the samples, not used here
         *(f"violation_{name}_ts_us" for name, _ in VIOLATION_COUNTERS),

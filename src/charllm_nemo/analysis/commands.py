@@ -113,6 +113,7 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
 
 
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
+    from charllm_nemo.analysis.grid_power import scope_name
     from charllm_nemo.telemetry.filecheck import printable
 
     runs = tables["runs"].to_pylist()
@@ -130,7 +131,8 @@ def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
     for r in wave.to_pylist() if wave is not None else []:
         if r["scope"] == "job":
             print(
-                f"  {printable(r['run'])}: job power (GPU-visible): swing {_fmt(r['swing_p50_w'])} W "
+                f"  {printable(r['run'])}: job power ({scope_name(r['power_scope'])}): swing "
+                f"{_fmt(r['swing_p50_w'])} W "
                 f"({_fmt(r['swing_pct_of_peak'])} % of peak) per iteration, ramps up to "
                 f"{_fmt(r['ramp_up_max_w_per_s'])} W/s, dominant {_fmt(r['dominant_hz'])} Hz "
                 f"(iterations {_fmt(r['iteration_hz'])} Hz)"

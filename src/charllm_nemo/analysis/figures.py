@@ -28,8 +28,8 @@ PAPER_FIGURES: dict[str, tuple[str, str]] = {
     "throttle_slowdown": ("Fig. 13", "per rank: time throttled against the slowdown it causes"),
     "kernels": ("Fig. 15", "one run: share of traced GPU time per kernel category, per rank"),
     "excursions": ("beyond the paper", "per microbatch: peak / average power and the largest 100 ms rise"),
-    "powerwave": ("beyond the paper", "one run's GPU-visible job power: waveform, zoom, spectrum with "
-                  "the critical band, power-floor what-if"),
+    "powerwave": ("beyond the paper", "one run's job power (GPU-visible or Grace module): waveform, zoom, "
+                  "spectrum with the critical band, power-floor what-if"),
     "gridsweep": ("beyond the paper", "per configuration: swing per iteration and dominant frequency"),
 }  # fmt: skip
 """Each figure's file name (``timeline`` and ``kernels`` prefix one per run), the paper's figure

@@ -16,7 +16,7 @@ from matplotlib.ticker import FuncFormatter
 
 from charllm_nemo.analysis import grid_metrics as gm
 from charllm_nemo.analysis.figures_sweep import save
-from charllm_nemo.analysis.grid_power import POWER_SCOPE, GridOptions, job_waveform, training_span
+from charllm_nemo.analysis.grid_power import GridOptions, job_waveform, scope_name, training_span
 from charllm_nemo.analysis.load import Run
 
 MAX_WAVE_RUNS = 4
@@ -122,8 +122,8 @@ def wave_figure(run: Run, grid_power: pa.Table, whatif: pa.Table, stem: Path) ->
     err = wf.alignment_error_s
     align = "unknown" if err is None else f"{err * 1e3:.3g} ms"
     fig.suptitle(
-        f"{run.key}: {POWER_SCOPE}\n{wf.n_gpus} GPUs; swing {row['swing_p50_w'] or float('nan'):.4g} W per "
-        f"iteration; hosts' alignment error {align}",
+        f"{run.key}: {wf.power_scope}\n{wf.n_gpus} GPUs; swing {row['swing_p50_w'] or float('nan'):.4g} W "
+        f"per iteration; hosts' alignment error {align}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -160,6 +160,13 @@ def sweep_figure(grid_power: pa.Table, runs: pa.Table, stem: Path) -> list[Path]
     a2.scatter([r["iteration_hz"] or np.nan for r in rows], y, color="k", marker="x", label="iteration")
     a2.set_xlabel("frequency (Hz)")
     a2.legend(fontsize=7)
-    fig.suptitle(f"Which configuration swings least: {POWER_SCOPE}", fontsize=9)
+    scopes = {r["power_scope"] for r in rows}
+    what = (
+        next(iter(scopes))
+        if len(scopes) == 1
+        else "power scopes differ: "
+        + ", ".join(sorted(f"{_short(r['run'])} {scope_name(r['power_scope'])}" for r in rows))
+    )
+    fig.suptitle(f"Which configuration swings least: {what}", fontsize=9)
     fig.tight_layout()
     return save(fig, stem)

@@ -40,7 +40,20 @@ Array = np.ndarray[Any, Any]
 POWER_SCOPE = (
     "GPU-visible power (the sampled GPUs' instant board power; CPU, NIC, switches and cooling not included)"
 )
-"""What the waveform is, said beside every figure of it."""
+"""What the waveform is, said beside every figure of it (``power_instant_w`` summed)."""
+
+MODULE_POWER_SCOPE = (
+    "module power (GPU+CPU+memory of the Grace module: NVML power scope MODULE; NIC, switches "
+    "and cooling not included)"
+)
+"""What the waveform is when every sampled GPU reports its module's power (``power_module_w``:
+GH200 / GB200, devices-nvml.md): that is summed instead of the GPUs' own."""
+
+
+def scope_name(power_scope: str) -> str:
+    """The short name of a ``power_scope`` label: ``module`` or ``GPU-visible``."""
+    return "module" if power_scope == MODULE_POWER_SCOPE else "GPU-visible"
+
 
 MAX_GAP_S = 0.1
 """Samples further apart than this are not interpolated across: the grid points between are
@@ -190,11 +203,29 @@ class _Sum:
         return out
 
 
+class _Sums:
+    """The job's, each node's and each group's :class:`_Sum` of one power column."""
+
+    def __init__(self, groups: Mapping[str, str]) -> None:
+        self.job = _Sum()
+        self.nodes: dict[str, _Sum] = {}
+        self.groups: dict[str, _Sum] = {}
+        self._group_of = groups
+
+    def add(self, host: str, k0: int, x: Array) -> None:
+        self.job.add(k0, x)
+        self.nodes.setdefault(host, _Sum()).add(k0, x)
+        if host in self._group_of:
+            self.groups.setdefault(self._group_of[host], _Sum()).add(k0, x)
+
+
 @dataclass
 class JobWaveform:
-    """A run's GPU-visible power on one grid: ``t0_ns`` (wall clock of point 0), ``step_s``; the
-    job's, each node's and each group's sums (W, NaN where some GPU of it was not covered), the
-    GPUs in each, the iterations (grid index ranges), the alignment error (s; None: unknown)."""
+    """A run's power on one grid: ``t0_ns`` (wall clock of point 0), ``step_s``; the job's, each
+    node's and each group's sums (W, NaN where some GPU of it was not covered), the GPUs in each,
+    the iterations (grid index ranges), the alignment error (s; None: unknown); what the watts are
+    (``power_scope``: :data:`POWER_SCOPE` or :data:`MODULE_POWER_SCOPE`) and the samples column
+    summed (``power_column``)."""
 
     t0_ns: int
     step_s: float
@@ -206,20 +237,29 @@ class JobWaveform:
     iteration_period_s: float
     alignment_error_s: float | None
     time_base: str
+    power_scope: str = POWER_SCOPE
+    power_column: str = "power_instant_w"
 
 
 def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWaveform | None:
     """Read ``run`` one rank at a time and build its waveform (None when no rank has instant
     power; with a line in ``problems`` when the ranks' samples never overlap). A segment that
-    cannot be read is skipped here without a line: the analysis's own read of it reports it."""
+    cannot be read is skipped here without a line: the analysis's own read of it reports it.
+
+    Where every device with instant power also reports its module's power (``power_module_w``,
+    NVML power scope MODULE: a Grace module's GPU + CPU + memory), the module power is summed
+    instead and the waveform says so (``power_scope``); where only some do, the GPUs' own power
+    is summed, with a line in ``problems``. Both sums are built while the module power lasts."""
     seen: list[str] = []
     step_ns = max(1, round(options.step_s * 1e9))
-    job, nodes, groups = _Sum(), dict[str, _Sum](), dict[str, _Sum]()
+    gpu_sums: _Sums = _Sums(options.groups)
+    module_sums: _Sums | None = _Sums(options.groups)
+    without_module: list[str] = []  # "rank r device d" with instant power but no module power
     clocks: dict[str, list[RankClock]] = {}
     steps: tuple[Array, Array] | None = None
     for r in run.ranks:
         files = run.files.ranks[r]
-        cols = ["t_mono_ns", "t_wall_ns", "device_index", "power_instant_w"]
+        cols = ["t_mono_ns", "t_wall_ns", "device_index", "power_instant_w", "power_module_w"]
         with warnings.catch_warnings():  # warned of once, by the analysis's own read
             warnings.simplefilter("ignore", CorruptSegmentWarning)
             t = read_segments(files.samples, "samples", SAMPLES_SCHEMA, seen, cols)
@@ -228,6 +268,7 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
         mono = _ints(t, "t_mono_ns")
         clock = rank_clock(run.manifests.get(r, {}), mono, _ints(t, "t_wall_ns"))
         power = t.column("power_instant_w").to_numpy(zero_copy_only=False).astype(np.float64)
+        module = t.column("power_module_w").to_numpy(zero_copy_only=False).astype(np.float64)
         if clock is None or not np.isfinite(power).any():
             continue
         host = str(run.manifests.get(r, {}).get("host") or "?")
@@ -246,7 +287,7 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
             k0, k1 = -(-int(w[ok].min()) // step_ns), int(w[ok].max()) // step_ns  # the absolute grid
             if k1 <= k0:
                 continue
-            if job.span_with(k0, k1 - k0 + 1) > MAX_GRID_POINTS:
+            if gpu_sums.job.span_with(k0, k1 - k0 + 1) > MAX_GRID_POINTS:
                 problems.append(
                     f"{run.path}: rank {r} device {d}'s samples would stretch the job power waveform past "
                     f"{MAX_GRID_POINTS} points of {options.step_s:g} s (a clock far off, or a run this long "
@@ -254,15 +295,32 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
                 )
                 continue
             grid = np.arange(k1 - k0 + 1) * (step_ns / 1e9)  # s since grid point k0
-            x = gm.resample_linear((w[ok] - k0 * step_ns) / 1e9, p[ok], grid, MAX_GAP_S)
-            job.add(k0, x)
-            nodes.setdefault(host, _Sum()).add(k0, x)
-            if host in options.groups:
-                groups.setdefault(options.groups[host], _Sum()).add(k0, x)
+            gpu_sums.add(host, k0, gm.resample_linear((w[ok] - k0 * step_ns) / 1e9, p[ok], grid, MAX_GAP_S))
+            m = module[mine]
+            okm = np.isfinite(m) & sane[mine] & (w > 0)
+            if okm.sum() < 2:
+                without_module.append(f"rank {r} device {d}")
+                module_sums = None  # one device without it: the GPUs' own power is summed
+            elif module_sums is not None:
+                x = gm.resample_linear((w[okm] - k0 * step_ns) / 1e9, m[okm], grid, MAX_GAP_S)
+                module_sums.add(host, k0, x)
         if steps is None:
             steps = _step_times(files.windows, clock, seen)
-    if job.members == 0:  # no instant power (a backend without it): no waveform, no row
+    if gpu_sums.job.members == 0:  # no instant power (a backend without it): no waveform, no row
         return None
+    with_module = gpu_sums.job.members - len(without_module)
+    if with_module and without_module:
+        problems.append(
+            f"{run.path}: {with_module} GPU(s) report module power (NVML power scope MODULE) but "
+            f"{', '.join(without_module[:4])}{' ...' if len(without_module) > 4 else ''} do(es) not: "
+            "the job power waveform sums the GPUs' own power (GPU-visible) for all of them"
+        )
+    sums, scope, column = (
+        (module_sums, MODULE_POWER_SCOPE, "power_module_w")
+        if module_sums is not None
+        else (gpu_sums, POWER_SCOPE, "power_instant_w")
+    )
+    job = sums.job
     covered = np.flatnonzero(job.count == job.members)
     if len(covered) < 2:
         problems.append(f"{run.path}: the ranks' samples never overlap in time; no job power waveform")
@@ -274,9 +332,9 @@ def job_waveform(run: Run, options: GridOptions, problems: list[str]) -> JobWave
     error, base = _alignment(clocks)
     return JobWaveform(
         t0_ns, options.step_s, x, job.members,
-        {h: (s.series(k0, n), s.members) for h, s in sorted(nodes.items())},
-        {g: (s.series(k0, n), s.members) for g, s in sorted(groups.items())},
-        iterations, period, error, base,
+        {h: (s.series(k0, n), s.members) for h, s in sorted(sums.nodes.items())},
+        {g: (s.series(k0, n), s.members) for g, s in sorted(sums.groups.items())},
+        iterations, period, error, base, scope, column,
     )  # fmt: skip
 
 
@@ -344,7 +402,7 @@ def _alignment(clocks: dict[str, list[RankClock]]) -> tuple[float | None, str]:
 
 
 GRID_POWER_COLUMNS: tuple[str, ...] = (
-    "run", "scope", "name", "gpus", "power_scope", "time_base", "alignment_error_s", "step_s",
+    "run", "scope", "name", "gpus", "power_scope", "power_column", "time_base", "alignment_error_s", "step_s",
     "resample", "duration_s", "peak_w", "trough_w", "mean_w", "iterations", "iteration_period_s",
     "iteration_hz", "swing_p50_w", "swing_max_w", "swing_pct_of_peak", "ramp_window_s",
     "ramp_up_p50_w_per_s", "ramp_up_p99_w_per_s", "ramp_up_max_w_per_s",
@@ -381,9 +439,9 @@ def scope_row(x: Array, gpus: int, wf: JobWaveform, options: GridOptions) -> dic
     spec = gm.spectrum(steady, dt, options.band_hz, options.segment_s)
     coarse = gm.block_average(gm.longest_covered(steady), dt, 1.0)
     row: dict[str, Any] = {
-        "gpus": gpus, "power_scope": POWER_SCOPE, "time_base": wf.time_base,
-        "alignment_error_s": wf.alignment_error_s, "step_s": dt, "resample": "linear",
-        "duration_s": len(x) * dt, "peak_w": peak,
+        "gpus": gpus, "power_scope": wf.power_scope, "power_column": wf.power_column,
+        "time_base": wf.time_base, "alignment_error_s": wf.alignment_error_s, "step_s": dt,
+        "resample": "linear", "duration_s": len(x) * dt, "peak_w": peak,
         "trough_w": float(np.nanmin(x)) if np.isfinite(x).any() else math.nan,
         "mean_w": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan,
         "iterations": sw.iterations, "iteration_period_s": wf.iteration_period_s,

@@ -176,9 +176,10 @@ def figure_quality(analysis: Analysis, runs: list[str]) -> str:
 
 
 WAVE_COLUMNS = (
-    "run", "layout", "micro_batch_size", "gpus", "swing_p50_w", "swing_pct_of_peak", "ramp_up_max_w_per_s",
-    "ramp_down_max_w_per_s", "dominant_hz", "dominant_amplitude_w", "iteration_hz", "band_share",
-    "swing_1s_avg_w", "alignment_error_s", "fleet_gpus", "fleet_swing_mw", "fleet_ramp_up_max_mw_per_s",
+    "run", "layout", "micro_batch_size", "gpus", "power_column", "swing_p50_w", "swing_pct_of_peak",
+    "ramp_up_max_w_per_s", "ramp_down_max_w_per_s", "dominant_hz", "dominant_amplitude_w", "iteration_hz",
+    "band_share", "swing_1s_avg_w", "alignment_error_s", "fleet_gpus", "fleet_swing_mw",
+    "fleet_ramp_up_max_mw_per_s",
 )  # fmt: skip
 """The report's comparison of the runs' job power (from ``grid_power``'s job rows and ``runs``)."""
 
@@ -194,7 +195,9 @@ def power_wave_section(analysis: Analysis, table_html: TableHtml) -> str:
     rows.sort(key=lambda r: (r["swing_pct_of_peak"] is None, r["swing_pct_of_peak"] or 0.0))
     head = (
         "<h2>Job power as the grid sees it</h2><p>GPU-visible power only (CPU, NIC, switches and cooling "
-        "are not in it), summed over the job's GPUs on one time base; the least swing first. A 1 s "
+        "are not in it), summed over the job's GPUs on one time base; where every GPU reports its Grace "
+        "module's power, module power (GPU+CPU+memory of the module) instead: each run's "
+        "<code>power_scope</code> says which. The least swing first. A 1 s "
         "average (<code>swing_1s_avg_w</code>) hides most of the swing and of the ramp rate "
         "(docs/analysis.md, <i>The job as the grid sees it</i>).</p>"
     )

@@ -76,6 +76,8 @@ PACKAGE_METRICS: tuple[str, ...] = ("power_instant_w", "power_avg_w", "energy_mj
 
 NOT_EXPOSED: dict[str, str] = {
     "power_memory_w": "amdsmi reports no memory-rail power",
+    "power_module_w": "amdsmi has no module power scope (an APU's socket power is power_instant_w)",
+    "power_module_avg_w": "amdsmi has no module power scope",
     "pcie_tx_bytes": (
         "amdsmi has no cumulative PCIe byte counter (gpu_metrics pcie_bandwidth_acc is an "
         "accumulated GB/s figure with no direction; amdsmi_get_gpu_pci_throughput blocks ~1 s)"

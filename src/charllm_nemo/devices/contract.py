@@ -127,6 +127,19 @@ METRICS: tuple[Metric, ...] = (
             "hw_power_brake",
         )
     ),
+    Metric(
+        "power_module_w",
+        "float",
+        "W",
+        "instantaneous module power (NVML_POWER_SCOPE_MODULE: the whole Grace module, GPU + CPU + "
+        "memory, on GH200 / GB200) where the device reports it",
+    ),
+    Metric(
+        "power_module_avg_w",
+        "float",
+        "W",
+        "module power averaged by the driver (1 s; NVML_POWER_SCOPE_MODULE) where the device reports it",
+    ),
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)

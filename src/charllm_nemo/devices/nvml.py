@@ -1,7 +1,8 @@
 """NVML backend: NVIDIA GPUs through nvidia-ml-py (module ``pynvml``).
 
 What one ``read()`` costs: one batched ``nvmlDeviceGetFieldValues`` call for everything NVML
-exposes as a field (instant / average / memory power, energy, HBM temperature, the per-reason
+exposes as a field (instant / average power of the GPU, memory and, on Grace modules, module
+scope; energy, HBM temperature, the per-reason
 violation time counters with each value's own timestamp, PCIe and NVLink byte counters), plus
 one call per remaining source
 (temperatures, clocks, clock-event reasons, utilization, memory, enforced power limit).
@@ -54,6 +55,7 @@ from charllm_nemo.devices.nvml_sources import (
     NVML_ERROR_GPU_IS_LOST,
     NVML_SUCCESS,
     PER_LINK_FALLBACK,
+    POWER_SCOPES,
     VT_UINT,
     VT_ULL,
     VT_ULONG,
@@ -248,7 +250,11 @@ class NvmlDevice:
                     ) from exc
                 return None
 
-        extra: dict[str, Any] = {"metric_sources": sources, "energy_counter_unit": "mJ"}
+        extra: dict[str, Any] = {
+            "metric_sources": sources,
+            "power_scopes": {m: scope if m in sources else None for m, scope in POWER_SCOPES.items()},
+            "energy_counter_unit": "mJ",
+        }
         if self.buffers is not None:
             extra["driver_buffers"] = {
                 "metrics": list(self.buffers.metrics),

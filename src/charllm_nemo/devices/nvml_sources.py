@@ -67,8 +67,9 @@ VIOLATION_SOURCES: dict[str, tuple[str, tuple[str, int] | None]] = {
     "hw_thermal": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN", None),
     "hw_power_brake": ("NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN", None),
 }
-_POWER_SCOPE_GPU = 0
-_POWER_SCOPE_MEMORY = 2
+_POWER_SCOPE_GPU = 0  # nvml.h nvmlPowerScopeType_t: the GPU alone
+_POWER_SCOPE_MODULE = 1  # the whole module: GPU + Grace CPU + memory (GH200 / GB200); else NOT_SUPPORTED
+_POWER_SCOPE_MEMORY = 2  # the GPU's memory
 _SCOPE_ALL_LINKS = 0xFFFFFFFF  # nvml.h: "A scopeId of UINT_MAX returns aggregate value"
 NVLINK_MAX_LINKS = 18  # only if the binding does not say (nvidia-ml-py 13 says 36)
 
@@ -173,6 +174,7 @@ def candidate_sources(p: Any, handle: Any) -> dict[str, list[Source]]:
 
     scope_memory = int(getattr(p, "NVML_POWER_SCOPE_MEMORY", _POWER_SCOPE_MEMORY))
     scope_gpu = int(getattr(p, "NVML_POWER_SCOPE_GPU", _POWER_SCOPE_GPU))
+    scope_module = int(getattr(p, "NVML_POWER_SCOPE_MODULE", _POWER_SCOPE_MODULE))
 
     def field(name: str, scope: int = 0, is_float: bool = False, factor: float = 1) -> FieldSource:
         label = name if scope == 0 else f"{name}[scope={scope:#x}]"
@@ -236,6 +238,9 @@ def candidate_sources(p: Any, handle: Any) -> dict[str, list[Source]]:
             field("NVML_FI_DEV_POWER_INSTANT", scope_memory, True, mw),
             field("NVML_FI_DEV_POWER_AVERAGE", scope_memory, True, mw),
         ],
+        # No fallback between instant and average here: the grid waveform reads the instant one.
+        "power_module_w": [field("NVML_FI_DEV_POWER_INSTANT", scope_module, True, mw)],
+        "power_module_avg_w": [field("NVML_FI_DEV_POWER_AVERAGE", scope_module, True, mw)],
         "energy_mj": [
             field("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"),
             call("nvmlDeviceGetTotalEnergyConsumption", (), ctypes.c_ulonglong()),
@@ -263,6 +268,17 @@ def candidate_sources(p: Any, handle: Any) -> dict[str, list[Source]]:
         "nvlink_tx_bytes": [field("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", _SCOPE_ALL_LINKS, False, 1024)],
         "nvlink_rx_bytes": [field("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", _SCOPE_ALL_LINKS, False, 1024)],
     }
+
+
+POWER_SCOPES: dict[str, str] = {
+    "power_instant_w": "gpu",
+    "power_avg_w": "gpu",
+    "power_memory_w": "memory",
+    "power_module_w": "module",
+    "power_module_avg_w": "module",
+}
+"""The NVML power scope (``nvmlPowerScopeType_t``) of every power column's sources: what the
+manifest records per device (``identity.extra["power_scopes"]``, null where unsupported)."""
 
 
 PER_LINK_FALLBACK = {

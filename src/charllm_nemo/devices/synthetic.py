@@ -461,7 +461,7 @@ class SyntheticDevice:
                 int(self._pcie_rx),  # pcie_rx_bytes
                 None,  # nvlink_tx_bytes
                 None,  # nvlink_rx_bytes
-                *_NOT_MODELLED,  # the other per-reason violation counters and their timestamps
+                *_NOT_MODELLED,  # the other per-reason violation counters, their timestamps, module power
             )
 
 
