@@ -20,7 +20,7 @@ process, glibc's ``mallinfo2()`` (bytes the arenas hold, in use, free inside the
 pyarrow's memory pool (bench/soak_probe/sitecustomize.py, put on PYTHONPATH): in use flat while
 the arena grows is fragmentation, not a leak; ``--trim`` calls ``malloc_trim(0)`` after each
 probe reading (what the resident memory is with glibc's free pages given back). Not a test:
-the figures in docs/benchmarks.md come from it.
+the figures in docs/soak.md come from it.
 
 The CPU time (user + system) each process used after warm-up is printed too (per step and as
 a share of a core): what a change of allocator costs.

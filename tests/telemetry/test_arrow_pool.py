@@ -1,7 +1,7 @@
 """The telemetry process's pyarrow allocates from jemalloc, which gives freed pages back (issue 48).
 
 With pyarrow's default mimalloc, the pages of past compactions' merges stayed in mimalloc's
-reservation and the telemetry process's resident memory crept up (docs/benchmarks.md, "The
+reservation and the telemetry process's resident memory crept up (docs/soak.md, "The
 bound per process"). The training process starts its telemetry process with
 ``ARROW_DEFAULT_MEMORY_POOL=jemalloc`` unless the user chose a pool; the training process's
 own pool is not touched.

@@ -97,7 +97,7 @@ def arrow_pool_env(env: dict[str, str]) -> dict[str, str]:
     which pyarrow sets to give freed pages back to the kernel at once, instead of its default
     mimalloc, whose reservation kept the pages of past compactions' merges (its resident part
     grew by 0.5 to 14.7 MB in half an hour of a soak; with jemalloc the telemetry process ran
-    ~5-10 MB lower, at the same CPU: docs/benchmarks.md, issue 48). An environment
+    ~5-10 MB lower, at the same CPU: docs/soak.md, issue 48). An environment
     variable, read when pyarrow is imported (it makes its default pool then, so it cannot be
     switched later for everything). Nothing when the user chose a pool
     (``ARROW_DEFAULT_MEMORY_POOL``) or this pyarrow was built without jemalloc. Called in the
