@@ -20,7 +20,10 @@ process, glibc's ``mallinfo2()`` (bytes the arenas hold, in use, free inside the
 pyarrow's memory pool (bench/soak_probe/sitecustomize.py, put on PYTHONPATH): in use flat while
 the arena grows is fragmentation, not a leak; ``--trim`` calls ``malloc_trim(0)`` after each
 probe reading (what the resident memory is with glibc's free pages given back). Not a test:
-the figures in docs/benchmarks.md come from it.
+the figures in docs/soak.md come from it.
+
+The CPU time (user + system) each process used after warm-up is printed too (per step and as
+a share of a core): what a change of allocator costs.
 
 Usage (the old code: ``--charllm /path/to/other/.venv/bin/charllm``)::
 
@@ -114,7 +117,14 @@ def rss_bytes(pid: int) -> dict[str, int] | None:
                 out[key] = int(line.split()[1]) * 1024
     except OSError:
         return None
-    return out if len(out) == len(RSS_KINDS) else None
+    if len(out) != len(RSS_KINDS):
+        return None
+    try:  # utime + stime, fields 14 and 15 of /proc/PID/stat (after the command's closing paren)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["cpu_ticks"] = int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+    return out
 
 
 def anon_mappings(pid: int) -> dict[str, tuple[int, int]] | None:
@@ -364,6 +374,13 @@ def report(
                 f"{per_s * 3600 / 2**20:+.2f} +- {se_s * 3600 / 2**20:.2f} MB/hour; first half "
                 f"{halves[0]:+.1f}, second half {halves[1]:+.1f} B/step; {change / 2**10:+.0f} KB over "
                 f"steps {after[0][1]}-{after[-1][1]}"
+            )
+        if len(after) >= 2:
+            cpu = (after[-1][2]["cpu_ticks"] - after[0][2]["cpu_ticks"]) / os.sysconf("SC_CLK_TCK")
+            wall, done = after[-1][0] - after[0][0], after[-1][1] - after[0][1]
+            print(
+                f"    CPU (user + system) after warm-up: {cpu:.1f} s over {wall:.0f} s "
+                f"({100 * cpu / wall:.1f} % of a core), {1e3 * cpu / max(done, 1):.2f} ms a step"
             )
         report_mappings(track)
     print("\nstore files (all ranks; compacted ones in brackets) over time:")

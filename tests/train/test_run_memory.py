@@ -8,7 +8,8 @@ stays allocated between step 1,500 and step 3,000: past the warm-up (the rings o
 1,000 steps full, the medians' sketch in use) it must not grow with the steps. Counted bytes,
 not time or RSS: the machine's load cannot change them. No telemetry session: its buffers hold
 the last seconds of samples, which grow with time until full, not with steps (the soak
-benchmark, bench/bench_soak.py, watches whole processes for hours).
+benchmark, bench/bench_soak.py, watches whole processes for hours). docs/soak.md states the
+bound per process; this test holds its first line: what charllm keeps per step.
 """
 
 from __future__ import annotations

@@ -244,6 +244,7 @@ class ProcessSampler:
         try:
             from charllm_nemo.telemetry.process import child as telemetry_process
 
+            env |= telemetry_process.arrow_pool_env(env)
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", telemetry_process.CHILD_CODE],
                 stdin=subprocess.PIPE,
