@@ -118,14 +118,9 @@ def test_real_spark_local2_through_the_cli_equals_the_local_engine(store: Path, 
     from charllm_nemo.cli import main
 
     out = tmp_path / "out"
+    args = ["analyze", str(store), "--engine", "spark", "--spark-master", "local[2]", "--no-figures"]
     try:
-        assert (
-            main(
-                ["analyze", str(store), "--engine", "spark", "--spark-master", "local[2]", "--out", str(out),
-                 "--no-figures"]  # fmt: skip
-            )
-            == 0
-        )
+        assert main([*args, "--out", str(out)]) == 0
     finally:
         from pyspark.sql import SparkSession
 
@@ -153,7 +148,8 @@ def test_spark_submit_runs_the_cli_as_docs_analysis_says(store: Path, tmp_path: 
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PATH": f"{submit.parent}:{os.environ['PATH']}"}
     env.pop("SPARK_MASTER", None)
     cmd = [str(submit), "--master", "local[2]", cli.__file__, "analyze", str(store), "--engine", "spark"]
-    proc = subprocess.run([*cmd, "--out", str(out), "--no-figures"], env=env, capture_output=True, text=True, check=False)
+    cmd += ["--out", str(out), "--no-figures"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "engine: spark" in proc.stdout
     same_tables(store, out, tmp_path)

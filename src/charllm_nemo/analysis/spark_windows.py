@@ -23,7 +23,6 @@ were written by the tool has none of these.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,9 @@ _INT_WINDOW_COLUMNS = tuple(c for c in WINDOW_COLUMNS if c not in ("kind", "name
 _INT_SAMPLES = frozenset(c for c in SAMPLE_COLUMNS if pa.types.is_integer(SAMPLES_SCHEMA.field(c).type))
 _PARTS = ("devices", "spans", "windows")
 _FILE, _ROW = "file__", "row__"
-_KEYS = pa.schema([("part__", pa.string()), ("run__", pa.string()), ("rank__", pa.int64()), ("seq__", pa.int64())])
+_KEYS = pa.schema(
+    [("part__", pa.string()), ("run__", pa.string()), ("rank__", pa.int64()), ("seq__", pa.int64())]
+)
 Order = dict[tuple[str, int], dict[str, list[str]]]
 
 
@@ -84,7 +85,11 @@ def _ordered(table: pa.Table, files: list[str]) -> pa.Table:
 
 
 def reduce_group(
-    key: tuple[Any, ...], samples: pa.Table, windows: pa.Table, order: Order, hosts: dict[tuple[str, int], str]
+    key: tuple[Any, ...],
+    samples: pa.Table,
+    windows: pa.Table,
+    order: Order,
+    hosts: dict[tuple[str, int], str],
 ) -> pa.Table:
     """One (run, rank) group: the local engine's reduction of it (nothing when it has no
     sample), as rows of :data:`OUT_SCHEMA`."""
