@@ -157,14 +157,11 @@ def analyze(
                 if rt is None or not rt.devices:
                     continue
                 n_ranks += 1
-                consts = {"run": run.key}
-                devices.append(_with(_arrow(rt.devices), **consts, rank=str(rank), host=hosts.get(rank, "?")))
-                if rt.span:
-                    spans.append(_with(_arrow(rt.span), **consts))
-                if rt.windows:
-                    wt = _with(_arrow(rt.windows), **consts)
-                    wt = wt.add_column(1, "rank", pa.array(np.full(wt.num_rows, rank, np.int32)))
-                    wt = wt.add_column(2, "host", pa.array([hosts.get(rank, "?")] * wt.num_rows, pa.string()))
+                dt, st, wt = rank_rows(run.key, rank, hosts.get(rank, "?"), rt)
+                devices.append(dt)
+                if st is not None:
+                    spans.append(st)
+                if wt is not None:
                     if windows_out is not None:
                         if writer is None:
                             out_file = AtomicOutput(windows_out)
@@ -188,6 +185,23 @@ def analyze(
     infos += sweep_gaps(run_dirs, {r.path for r in runs})
     if not runs:
         raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
+    analysis = assemble(runs, infos, devices, spans, kept, problems, grid)
+    analysis.windows_path = windows_out if writer else None
+    return analysis
+
+
+def assemble(
+    runs: list[Run],
+    infos: list[dict[str, Any]],
+    devices: list[pa.Table],
+    spans: list[pa.Table],
+    kept: list[pa.Table],
+    problems: list[str],
+    grid: GridOptions | None = None,
+) -> Analysis:
+    """Every table from the runs' per-rank rows (``devices``, ``spans`` and the ``kept`` window
+    columns, each as :func:`analyze` builds them from :mod:`.rank_tables`): what both engines
+    share once the per-rank reduction is done (the Spark engine's: analysis/spark_windows.py)."""
     windows = pa.concat_tables(kept) if kept else None
     tables = _tables(infos, devices, spans, kept)
     stages = _stages(windows)
@@ -196,7 +210,22 @@ def analyze(
         tables["kernels"] = kernels
     tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems))  # docs/analysis.md
     tables.update(pipeline_tables(runs, windows))  # pp_bloat, pp_profile: runs with a pipeline
-    return Analysis(tables, runs, problems, windows_out if writer else None, windows)
+    return Analysis(tables, runs, problems, None, windows)
+
+
+def rank_rows(
+    run: str, rank: int, host: str, rt: RankTables
+) -> tuple[pa.Table, pa.Table | None, pa.Table | None]:
+    """A reduced rank's rows as Arrow tables: its ``ranks`` rows, its span row (None without
+    measured steps) and its windows (None without any), keyed by run, rank and host."""
+    devices = _with(_arrow(rt.devices), run=run, rank=str(rank), host=host)
+    span = _with(_arrow(rt.span), run=run) if rt.span else None
+    if not rt.windows:
+        return devices, span, None
+    wt = _with(_arrow(rt.windows), run=run)
+    wt = wt.add_column(1, "rank", pa.array(np.full(wt.num_rows, rank, np.int32)))
+    wt = wt.add_column(2, "host", pa.array([host] * wt.num_rows, pa.string()))
+    return devices, span, wt
 
 
 def _stages(windows: pa.Table | None) -> dict[str, dict[int, Any]]:

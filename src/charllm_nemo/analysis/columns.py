@@ -10,6 +10,11 @@ the two run the same text. The per-device ``ranks`` reductions are numpy on the 
 (analysis/rank_tables.py, over the attribution's timelines) and window expressions on Spark:
 their definitions are written here, and tests/analysis/test_columns.py fails when an engine's
 table has a column this module does not declare for it, or lacks one that it does.
+
+Engine ``spark`` here is the DataFrame-API tables of analysis/spark.py (:func:`spark_tables`:
+window expressions, also on DuckDB through sqlframe). ``charllm analyze --engine spark``
+(analysis/spark_windows.py) runs the local engine's per-rank reduction on Spark instead and
+writes every ``local`` column of every table (tests/analysis/test_spark.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ LOCAL = ("local",)
 
 COUNTERS_WHY = (
     "the driver's per-reason counters against the sampled bits, and the bits' transitions "
-    "(issue #46), are computed by the local engine only so far"
+    "(issue #46), are not in the DataFrame-API tables (--engine spark has them: spark_windows.py)"
 )
 
 SPAN_EDGES = (
@@ -72,19 +77,22 @@ RANK_COLUMNS: tuple[Column, ...] = (
         "energy_j",
         "the attribution's energy over the whole sampled span",
         LOCAL,
-        why="the attribution's counter-tick model and bound run on the local engine only",
+        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
+        "(--engine spark has them: spark_windows.py)",
     ),
     Column(
         "energy_bound_j",
         "the bound on energy_j",
         LOCAL,
-        why="the attribution's counter-tick model and bound run on the local engine only",
+        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
+        "(--engine spark has them: spark_windows.py)",
     ),
     Column(
         "energy_method",
         "how energy_j was measured",
         LOCAL,
-        why="the attribution's counter-tick model and bound run on the local engine only",
+        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
+        "(--engine spark has them: spark_windows.py)",
     ),
     *(
         Column(name, f"the {name} counter's non-negative steps, summed")
@@ -169,13 +177,13 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "energy_bound_j",
         "sum of the devices' span bounds",
         LOCAL,
-        why="the attribution's bound runs on the local engine only",
+        why="the attribution's bound is not in the DataFrame-API tables (--engine spark has it)",
     ),
     Column(
         "energy_methods",
         "the span energies' methods",
         LOCAL,
-        why="the attribution's methods run on the local engine only",
+        why="the attribution's methods are not in the DataFrame-API tables (--engine spark has them)",
     ),
     Column("devices_without_energy", "devices whose span energy was not measurable"),
     *(

@@ -57,8 +57,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     out = _out_dir(args)
     with Progress("charllm analyze") as progress:
         if args.engine == "spark":
-            return _analyze_on_spark(args, out, progress)
-        analysis = analyze(args.path, out / "windows.parquet", progress, wave)
+            spark = _analyze_on_spark(args, out, progress, wave)
+            if isinstance(spark, int):
+                return spark
+            analysis = spark
+        else:
+            analysis = analyze(args.path, out / "windows.parquet", progress, wave)
         progress.stage("writing the tables")
         written = write_tables(analysis, out, True if args.windows_csv else None)
         if not args.no_figures:
@@ -71,7 +75,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print()
         return 0
     _print_summary(analysis.tables, analysis.problems)
-    print(f"wrote {len(written)} files to {out}")
+    print(f"wrote {len(written)} files to {out}" + (" (engine: spark)" if args.engine == "spark" else ""))
     return 0
 
 
@@ -79,15 +83,16 @@ MAX_PRINTED_PROBLEMS = 50
 """Problems printed to the terminal (20,000 empty rank folders make 20,000; the file has all)."""
 
 
-def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -> int:
-    """``--engine spark``: the ``ranks``, ``nodes`` and ``runs`` tables computed by Spark
-    (analysis/spark.py), written as Parquet and CSV into ``out``."""
+def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress, wave: Any) -> Any:
+    """``--engine spark``: the per-rank reduction on Spark, every table from its rows
+    (analysis/spark_windows.py); the window table written to ``out/windows.parquet``. Returns
+    the Analysis, or an exit status when Spark cannot start."""
     import pyarrow.parquet as pq
 
-    from charllm_nemo.analysis.csv_cells import write_csv
-    from charllm_nemo.analysis.spark import spark_session, spark_tables, to_arrow
+    from charllm_nemo.analysis.spark import spark_session
+    from charllm_nemo.analysis.spark_windows import spark_analysis
     from charllm_nemo.telemetry.filecheck import printable
-    from charllm_nemo.telemetry.write import write_with
+    from charllm_nemo.telemetry.write import make_dir, write_with
 
     progress.stage(
         f"starting Spark (master {printable(args.spark_master or 'spark-submit / $SPARK_MASTER / local[*]')})"
@@ -97,19 +102,13 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress) -
     except ImportError as exc:
         print(f"charllm analyze: {exc}", file=sys.stderr)
         return 2
-    progress.stage("listing the store's segments for Spark")
-    tables = spark_tables(session, args.path)
-    for i, name in enumerate(("ranks", "nodes", "runs")):
-        # Spark computes lazily: each table's job runs here, the longest wait of the command
-        progress.stage(f"Spark computes the {name} table ({i + 1} of 3)")
-        table = to_arrow(getattr(tables, name))
-        write_with(out / f"{name}.parquet", partial(pq.write_table, table))
-        write_csv(out / f"{name}.csv", table)
-        print(f"{name}: {table.num_rows} row(s)")
-    for p in tables.problems:
-        print(f"  problem: {p}")
-    print(f"wrote 6 files to {out} (engine: spark)")
-    return 0
+    # Spark computes lazily: the reduction of every rank runs here, the longest wait of the command
+    progress.stage("Spark reduces every rank (attribution, device figures, spans)")
+    analysis = spark_analysis(session, args.path, wave)
+    if analysis.windows is not None:
+        make_dir(out)
+        analysis.windows_path = write_with(out / "windows.parquet", partial(pq.write_table, analysis.windows))
+    return analysis
 
 
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:

@@ -1,5 +1,5 @@
-"""``charllm analyze --engine spark``: the per-rank reductions and the run tables on Apache Spark,
-for a fleet's store on shared or object storage.
+"""The ``ranks``, ``nodes`` and ``runs`` tables as Spark DataFrames (window expressions), for a
+fleet's store on shared or object storage; and the Spark session of ``--engine spark``.
 
 Written against the PySpark DataFrame API only (``functions``, ``Window``, ``DataFrame``), so the
 same code runs on a Spark cluster (``pyspark``; also under ``spark-submit``) and, for tests and
@@ -31,8 +31,9 @@ node and run aggregates are the same SQL text the local engine's DuckDB runs, th
   interpolates at the span's edges instead, so the two agree within one counter period's energy
   per device (tests: within 1 %). Not here: ``energy_bound_j``, ``energy_methods``.
 
-Not on Spark (yet): the per-window attribution, the findings tables and the figures, which the
-single-host engine computes from the same store.
+Not in these DataFrame tables: the per-window attribution, the findings and the other tables.
+``charllm analyze --engine spark`` does not use them: it runs the local engine's per-rank
+reduction on Spark (analysis/spark_windows.py) and writes every table and the window table.
 """
 
 from __future__ import annotations
@@ -357,6 +358,7 @@ def spark_session(master: str | None) -> Any:
     ``$SPARK_MASTER``, else spark-submit's ``--master``, else ``local[*]``). ImportError names
     the extra when pyspark is missing."""
     import os
+    import sys
 
     try:
         from pyspark.sql import SparkSession
@@ -364,5 +366,7 @@ def spark_session(master: str | None) -> Any:
         raise ImportError("--engine spark needs pyspark: pip install -e '.[spark]' (and Java 17)") from exc
     builder = SparkSession.builder.appName("charllm analyze")
     url = master or os.environ.get("SPARK_MASTER")
+    if url and url.startswith("local"):  # the workers run this Python, where the package is
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     # no master named: spark-submit's --master (its default: local[*]), never overridden here
     return (builder.master(url) if url else builder).getOrCreate()
