@@ -45,7 +45,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from charllm_nemo.devices.base import activity_input
+from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
 from charllm_nemo.telemetry.manifest import session_manifest
@@ -174,38 +174,10 @@ class TelemetrySession:
             self.windows.add_listener(activity)
         process: ProcessSampler | None = None
         if mode == "process":
-            ranks = local_ranks_from_env(os.environ) if placement is None else place.local_world_size
-            setting = opts.process.collector_sched
-            policy, why = resolve_collector_sched(setting, ranks, opts.process.rank_threads)
-            self.collector_sched = {"setting": setting, "policy": policy, "why": why}
-            # The backend the parent ended up with (auto resolved, index fallback applied); the
-            # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
-            named = backend == self.source or self.source == "synthetic"
-            export = None if opts.process.export is None else dict(opts.process.export)
-            try:
-                process = ProcessSampler(
-                    self.source,
-                    [d.identity.index for d in self.backend.devices],
-                    backend_options if named else {},
-                    self.hz,
-                    store={
-                        "rank_dir": rank_dir(self.out_dir, self.rank),
-                        "flush_interval_s": opts.store.flush_interval_s,
-                        "live_window_s": opts.store.live_window_s,
-                        "driver_buffers": opts.store.driver_buffers,
-                        "export": export,  # telemetry.export (telemetry/export/): the process's
-                        "out_dir_option": out_dir_option(config),  # the disk-full line's words
-                    },
-                    process=dataclasses.replace(opts.process, collector_sched=policy),
-                    counter_hz=counter_hz,
-                )
-            except ConfigError as exc:
-                if opts.sampler == "process":
-                    self.backend.close()
-                    raise
-                log.info("telemetry: sampling in a thread: %s", exc)
-                mode = "thread"
-                self.collector_sched = None  # no telemetry process, no collector thread
+            # the node's ranks: the placement's, or the launcher's word for a session given none
+            local_ranks = local_ranks_from_env(os.environ) if placement is None else place.local_world_size
+            process = self._process_sampler(backend, backend_options, config, local_ranks)
+            mode = "process" if process is not None else "thread"
         self.sampler_mode = mode
         if opts.process.export and mode != "process":
             log.warning(
@@ -237,6 +209,50 @@ class TelemetrySession:
         self._redeliver_sigterm = False  # a SIGTERM held back until the close is done
         self._closed_fully = False
         self._final_status = "running"  # close() sets it: what the manifest says at the end
+
+    def _process_sampler(
+        self,
+        asked: str | Backend,
+        backend_options: dict[str, Any],
+        config: dict[str, Any] | None,
+        local_ranks: int,
+    ) -> ProcessSampler | None:
+        """The telemetry process's sampler for this session (not started), with its collector
+        policy resolved (``self.collector_sched`` says which and why); None where it cannot be
+        had and ``sampler=auto`` (then this rank samples in a thread). ``asked``: the backend
+        the options named; ``local_ranks``: the node's ranks (``collector_sched=auto``)."""
+        opts = self.options
+        setting = opts.process.collector_sched
+        policy, why = resolve_collector_sched(setting, local_ranks, opts.process.rank_threads)
+        self.collector_sched = {"setting": setting, "policy": policy, "why": why}
+        # The backend this process ended up with (auto resolved, index fallback applied); the
+        # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
+        named = asked == self.source or self.source == "synthetic"
+        export = None if opts.process.export is None else dict(opts.process.export)
+        try:
+            return ProcessSampler(
+                self.source,
+                [d.identity.index for d in self.backend.devices],
+                backend_options if named else {},
+                self.hz,
+                store={
+                    "rank_dir": rank_dir(self.out_dir, self.rank),
+                    "flush_interval_s": opts.store.flush_interval_s,
+                    "live_window_s": opts.store.live_window_s,
+                    "driver_buffers": opts.store.driver_buffers,
+                    "export": export,  # telemetry.export (telemetry/export/): the process's
+                    "out_dir_option": out_dir_option(config),  # the disk-full line's words
+                },
+                process=dataclasses.replace(opts.process, collector_sched=policy),
+                counter_hz=self._counter_hz,
+            )
+        except ConfigError as exc:
+            if opts.sampler == "process":
+                self.backend.close()
+                raise
+            log.info("telemetry: sampling in a thread: %s", exc)
+            self.collector_sched = None  # no telemetry process, no collector thread
+            return None
 
     def _thread_engine(self, counter_hz: float | None, earlier_windows: int = 0) -> ThreadEngine:
         return ThreadEngine(

@@ -208,8 +208,9 @@ class ProcessOptions:
                 nice_problem(self.nice),
                 collector_sched_problem(self.collector_sched),
                 None
-                if isinstance(t, int) and not isinstance(t, bool) and t >= 1
-                else f"ProcessOptions.rank_threads={t!r} must be an integer >= 1 (1 on a GPU)",
+                if isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                else f"ProcessOptions.rank_threads={t!r} must be an integer >= 0 (1 on a GPU: its training "
+                "thread; on a CPU its intra-op threads)",
             ]
         )
 
