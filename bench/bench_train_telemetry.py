@@ -270,6 +270,7 @@ class Rig:
         handle_signals); this rank's placement; the run's config in its manifest."""
         from dataclasses import asdict, fields
 
+        from charllm_nemo.telemetry.placement import local_ranks_from_env
         from charllm_nemo.telemetry.session import TelemetrySession
         from charllm_nemo.telemetry.session_options import (
             Placement,
@@ -292,7 +293,9 @@ class Rig:
             own = {f.name for f in fields(kind)}
             parts[name] = kind(**{k: flat.pop(k) for k in list(flat) if k in own})
         options = SessionOptions(**flat, **parts)
-        placement = Placement(self.dist.rank, self.dist.local_rank, self.dist.world_size)
+        dist = self.dist
+        local_world = local_ranks_from_env(os.environ, dist.world_size)  # as the session read it
+        placement = Placement(dist.rank, dist.local_rank, dist.world_size, local_world)
         config = asdict(self.cfg)
         return TelemetrySession(
             out_dir, options, placement=placement, config=config, handle_signals=handle_signals

@@ -258,7 +258,7 @@ from charllm_nemo.telemetry.session_options import SessionOptions
 
 with sigterm_unwinds():  # as a locally launched rank runs
     options = SessionOptions(backend="synthetic", hz=100, sampler=sys.argv[2])
-session = TelemetrySession(sys.argv[1], options).start()
+    session = TelemetrySession(sys.argv[1], options).start()
     close_store = session.store.close
 
     def close_store_during_sigterm(*args, **kwargs):  # the second delivery lands while it closes
