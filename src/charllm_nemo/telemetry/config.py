@@ -68,9 +68,8 @@ class TelemetryConfig:
     nice: int = DEFAULT_NICE
     collector_sched: str = DEFAULT_COLLECTOR_SCHED  # its collector thread: normal | idle | auto
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
-    overwrite: bool = (
-        DEFAULT_OVERWRITE  # out_dir may hold an earlier run: replace it (default: refuse to start)
-    )
+    # out_dir may hold an earlier run: replace it (default: refuse to start).
+    overwrite: bool = DEFAULT_OVERWRITE
     required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
