@@ -223,14 +223,11 @@ class Rig:
         """A StepTelemetry as ``charllm train`` builds one (train/loop.py ``_step_telemetry``, no
         observers): over ``session`` (figures asked for and read), or only marking into
         ``recorder``, or neither (telemetry off: nothing marked, ``config.timers`` None)."""
-        return self.step_telemetry(
-            session,
-            self.placement,
-            num_microbatches=self.n_micro,
-            group_size=self.group_size,
-            windows=list(self.cfg.telemetry.windows) if session is not None or recorder is not None else [],
-            recorder=recorder,
-        )
+        from charllm_nemo.steps import StepOptions
+
+        windows = list(self.cfg.telemetry.windows) if session is not None or recorder is not None else []
+        options = StepOptions(num_microbatches=self.n_micro, group_size=self.group_size, windows=windows)
+        return self.step_telemetry(session, self.placement, options=options, recorder=recorder)
 
     def count_figures(self, session: Any) -> None:
         """Count the figure calls the step API makes on ``session`` (asked, not ready, requested)."""
