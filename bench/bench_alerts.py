@@ -43,15 +43,15 @@ def part_a(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     from charllm_nemo.steps import FunctionObserver, StepOptions, StepTelemetry
     from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     apis, timers, sessions = {}, {}, []
     for arm in ARMS:
         s = TelemetrySession(
             tempfile.mkdtemp(prefix=f"bench-alerts-{arm}-"),
-            backend="synthetic",
-            hz=100.0,
-            sampler="process",
-            backend_options={"activity": "marks"},
+            SessionOptions(
+                backend="synthetic", hz=100.0, sampler="process", backend_options={"activity": "marks"}
+            ),
             handle_signals=False,
         ).start()
         sessions.append(s)

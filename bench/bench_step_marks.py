@@ -66,6 +66,7 @@ def child(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     from charllm_nemo.steps import FunctionObserver, RateInputs, StepOptions, StepTelemetry
     from charllm_nemo.telemetry.config import Placement
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     # tiny_gpt's shape: the rates are computed every step; their size does not matter
     shape = ModelShape(2, 64, 4, 256, 1024, 64)  # layers, hidden, heads, ffn, vocab, seq
@@ -74,10 +75,7 @@ def child(steps: int, rounds: int, n_micro: int) -> dict[str, Any]:
     for mode in MODES:
         s = TelemetrySession(
             tempfile.mkdtemp(prefix=f"bench-marks-{mode}-"),
-            backend="synthetic",
-            hz=HZ,
-            sampler=mode,
-            backend_options={"activity": "marks"},
+            SessionOptions(backend="synthetic", hz=HZ, sampler=mode, backend_options={"activity": "marks"}),
             handle_signals=False,
         ).start()
         s.windows.set_labels(pp_stage=0, tp_rank=0, dp_rank=0, ep_rank=0, cp_rank=0)

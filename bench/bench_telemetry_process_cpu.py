@@ -36,11 +36,16 @@ def thread_cpu_ns(pid: int) -> dict[int, int]:
 
 def one(config: str, seconds: float, hz: float, step_ms: float, microbatches: int) -> dict[str, float]:
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions, StoreOptions
 
     flush = 0.5 if config != "no-flush" else 10 * seconds + 60
     out = tempfile.mkdtemp(prefix="bench-tpcpu-")
     s = TelemetrySession(
-        out, backend="synthetic", hz=hz, sampler="process", flush_interval_s=flush, handle_signals=False
+        out,
+        SessionOptions(
+            backend="synthetic", hz=hz, sampler="process", store=StoreOptions(flush_interval_s=flush)
+        ),
+        handle_signals=False,
     )
     s.start()
     try:

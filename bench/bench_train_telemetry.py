@@ -223,14 +223,11 @@ class Rig:
         """A StepTelemetry as ``charllm train`` builds one (train/loop.py ``_step_telemetry``, no
         observers): over ``session`` (figures asked for and read), or only marking into
         ``recorder``, or neither (telemetry off: nothing marked, ``config.timers`` None)."""
-        return self.step_telemetry(
-            session,
-            self.placement,
-            num_microbatches=self.n_micro,
-            group_size=self.group_size,
-            windows=list(self.cfg.telemetry.windows) if session is not None or recorder is not None else [],
-            recorder=recorder,
-        )
+        from charllm_nemo.steps import StepOptions
+
+        windows = list(self.cfg.telemetry.windows) if session is not None or recorder is not None else []
+        options = StepOptions(num_microbatches=self.n_micro, group_size=self.group_size, windows=windows)
+        return self.step_telemetry(session, self.placement, options=options, recorder=recorder)
 
     def count_figures(self, session: Any) -> None:
         """Count the figure calls the step API makes on ``session`` (asked, not ready, requested)."""
@@ -264,24 +261,42 @@ class Rig:
         c1 = time.thread_time_ns()
         return t1 - t0, st.last.local_step_time_s, (c1 - c0) / 1e9
 
-    def session_kwargs(self, **defaults: Any) -> dict[str, Any]:
-        """The ON arm's TelemetrySession keywords; ``defaults`` and then --session-option on top."""
-        from dataclasses import asdict
+    def session(self, out_dir: Path, **defaults: Any) -> Any:
+        """The ON arm's TelemetrySession (not started): its options, ``defaults`` and then
+        --session-option on top (a field of SessionOptions, StoreOptions or ProcessOptions, or
+        handle_signals); this rank's placement; the run's config in its manifest."""
+        from dataclasses import asdict, fields
 
-        dist = self.dist
-        kwargs: dict[str, Any] = {
+        from charllm_nemo.telemetry.placement import local_ranks_from_env
+        from charllm_nemo.telemetry.session import TelemetrySession
+        from charllm_nemo.telemetry.session_options import (
+            Placement,
+            ProcessOptions,
+            SessionOptions,
+            StoreOptions,
+        )
+
+        flat: dict[str, Any] = {
             "backend": "synthetic",
             "hz": HZ,
-            "rank": dist.rank,
-            "local_rank": dist.local_rank,
-            "world_size": dist.world_size,
-            "config": asdict(self.cfg),
             "flush_interval_s": FLUSH_INTERVAL_S,
             "backend_options": {"activity": "marks"},
             **defaults,
+            **self.opts.get("session_options", {}),
         }
-        kwargs.update(self.opts.get("session_options", {}))
-        return kwargs
+        handle_signals = flat.pop("handle_signals", True)
+        parts = {}
+        for name, kind in (("store", StoreOptions), ("process", ProcessOptions)):
+            own = {f.name for f in fields(kind)}
+            parts[name] = kind(**{k: flat.pop(k) for k in list(flat) if k in own})
+        options = SessionOptions(**flat, **parts)
+        dist = self.dist
+        local_world = local_ranks_from_env(os.environ, dist.world_size)  # as the session read it
+        placement = Placement(dist.rank, dist.local_rank, dist.world_size, local_world)
+        config = asdict(self.cfg)
+        return TelemetrySession(
+            out_dir, options, placement=placement, config=config, handle_signals=handle_signals
+        )
 
 
 def total_steps(opts: dict[str, Any]) -> int:
@@ -407,7 +422,6 @@ class BlockRun:
         """(the block's StepTelemetry, sampler or None, closer) of one block."""
         from charllm_nemo.devices.factory import open_backend as open_synthetic
         from charllm_nemo.telemetry.sampler import Sampler
-        from charllm_nemo.telemetry.session import TelemetrySession
         from charllm_nemo.telemetry.windows import WindowRecorder
 
         rig = self.rig
@@ -441,7 +455,7 @@ class BlockRun:
             sampler.start()
             return st, sampler, sampler.stop
         t_s = time.perf_counter()
-        session = TelemetrySession(rig.out_root / f"block-{idx:04d}", **rig.session_kwargs()).start()
+        session = rig.session(rig.out_root / f"block-{idx:04d}").start()
         session.windows.set_labels(**rig.dist.labels())
         self.acc["session_start_ms"].append((time.perf_counter() - t_s) * 1e3)
         # "session": everything but the loop's per-step figures (marks into the session only);
@@ -623,10 +637,8 @@ def block_result(
 def open_step_session(rig: Rig) -> tuple[Any, int, float]:
     """(the one session of step mode, its telemetry process's pid, its start ms); refused
     (BenchRefused) unless it samples in a separate process, which OFF steps SIGSTOP."""
-    from charllm_nemo.telemetry.session import TelemetrySession
-
     t_s = time.perf_counter()
-    session = TelemetrySession(rig.out_root / "steps", **rig.session_kwargs(sampler="process")).start()
+    session = rig.session(rig.out_root / "steps", sampler="process").start()
     session_start_ms = (time.perf_counter() - t_s) * 1e3
     pid = getattr(session.sampler, "pid", None)
     if session.sampler_mode != "process" or pid is None:
@@ -1124,7 +1136,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra TelemetrySession keyword for the on/session arms (repeatable), e.g. flush_interval_s=1.0",
+        help="extra session option for the on/session arms (repeatable; a field of SessionOptions, "
+        "StoreOptions or ProcessOptions), e.g. flush_interval_s=1.0",
     )
     ap.add_argument(
         "--model-set",

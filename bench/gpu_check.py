@@ -151,21 +151,18 @@ def load_test(mode: str, out_dir: Path, idle_s: float, load_s: float, hz: float)
     from charllm_nemo.telemetry.reader import load_rank, to_arrays
     from charllm_nemo.telemetry.schema import decode_throttle
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions, StoreOptions
     from charllm_nemo.telemetry.timelines import GAP_PERIODS, _Series, sample_period_ns
 
     load, what = _load_fn(mode)
     run_dir = out_dir / "load_run"
-    tel = TelemetrySession(
-        run_dir,
-        backend="nvml",
-        hz=hz,
-        devices=[0],
-        # Every counter with every sample: this part measures the energy counter's own update
-        # period (training runs read the counters at telemetry.counter_hz, 10 Hz by default).
-        counter_hz=hz,
-        config={"gpu_check": "load", "load": what},
-        overwrite=True,  # a rerun with the same --out replaces its runs
+    # Every counter with every sample: this part measures the energy counter's own update
+    # period (training runs read the counters at telemetry.counter_hz, 10 Hz by default).
+    # overwrite: a rerun with the same --out replaces its runs.
+    options = SessionOptions(
+        backend="nvml", hz=hz, devices=[0], counter_hz=hz, store=StoreOptions(overwrite=True)
     )
+    tel = TelemetrySession(run_dir, options, config={"gpu_check": "load", "load": what})
     tel.start()
     rec = tel.windows
     # The windows begin once the sampler samples: its process can take seconds to start on a busy

@@ -44,14 +44,18 @@ launch_local(None, int(sys.argv[2]), run_dir=sys.argv[1],
 def rank_main(out: str) -> None:
     """One rank: telemetry session, steps until killed, summary after the close."""
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import Placement, SessionOptions, StoreOptions
     from charllm_nemo.train.worker import sigterm_unwinds
 
     rank = int(os.environ["RANK"])
     with sigterm_unwinds():
         session = TelemetrySession(
-            out, backend="synthetic", hz=100, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-            sampler="process", flush_interval_s=0.2,
-        ).start()  # fmt: skip
+            out,
+            SessionOptions(
+                backend="synthetic", hz=100, sampler="process", store=StoreOptions(flush_interval_s=0.2)
+            ),
+            placement=Placement(rank=rank, world_size=int(os.environ["WORLD_SIZE"])),
+        ).start()
         status = "complete"
         try:
             for step in range(100_000):

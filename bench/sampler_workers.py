@@ -330,6 +330,7 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
     from charllm_nemo.devices.factory import open_backend
     from charllm_nemo.telemetry.sampler import Sampler
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     work, label = make_workload(opts["workload"])
     backend = open_backend("nvml")
@@ -368,9 +369,10 @@ def worker_deadlines(opts: dict[str, Any]) -> None:
                     # beside the sampling loop. start() returns once it samples, before this
                     # segment's clock starts.
                     session = TelemetrySession(
-                        Path(run_root) / f"seg-{len(startups)}", backend="nvml", hz=hz,
-                        sampler="process", handle_signals=False,
-                    ).start()  # fmt: skip
+                        Path(run_root) / f"seg-{len(startups)}",
+                        SessionOptions(backend="nvml", hz=hz, sampler="process"),
+                        handle_signals=False,
+                    ).start()
                     s = session.sampler
                     startups.append(s.health.startup_ns / 1e9)
                 else:

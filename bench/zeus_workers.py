@@ -155,10 +155,11 @@ def worker_ours(opts: dict[str, Any]) -> None:
     t0_wall = time.perf_counter()
     t0_cpu = time.process_time_ns()
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     t_import = time.perf_counter() - t0_wall
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as tmp:
-        sess = TelemetrySession(tmp, backend="nvml", hz=opts["hz"], handle_signals=False)
+        sess = TelemetrySession(tmp, SessionOptions(backend="nvml", hz=opts["hz"]), handle_signals=False)
         sess.start()
         while sess.sampler.health.samples < 1:
             time.sleep(0.0005)

@@ -1,5 +1,6 @@
 """Each default and each check is declared once in src/ (issue 44): the sampling rate's default
-and range check, how long a figure request waits for its batch, and the finite-number filter.
+and range check, the session options' defaults (telemetry/session_options.py), how long a figure
+request waits for its batch, and the finite-number filter.
 Read from the source (ast), so a copy pasted anywhere under src/ fails here."""
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ ONCE = {
     "MIN_HZ": "telemetry/sample_loop.py",
     "MAX_HZ": "telemetry/sample_loop.py",
     "MAX_HOLD_NS": "telemetry/process/mark_ring.py",
+    "DEFAULT_NICE": "telemetry/placement.py",
+    "DEFAULT_COLLECTOR_SCHED": "telemetry/placement.py",
+    "DEFAULT_SAMPLER": "telemetry/placement.py",
+    "DEFAULT_OVERWRITE": "telemetry/session_options.py",
+    "DEFAULT_DRIVER_BUFFERS": "telemetry/session_options.py",
 }
 """Module-level names declared (assigned) in exactly one file."""
 

@@ -244,9 +244,12 @@ def test_manifest_and_wandb_config_keep_none_of_them(tmp_path) -> None:
     from charllm_nemo.sinks.config import LoggerConfig
     from charllm_nemo.sinks.wandb import WandbSink
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     config = {"model": {"name": "m", "moe_token_dispatcher_type": "alltoall"}, "extra": dict(SECRETS)}
-    session = TelemetrySession(tmp_path / "run", backend="synthetic", hz=50, sampler="thread", config=config)
+    session = TelemetrySession(
+        tmp_path / "run", SessionOptions(backend="synthetic", hz=50, sampler="thread"), config=config
+    )
     session.close("complete")
     manifest = (tmp_path / "run" / "rank=0" / "manifest.json").read_text()
     env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}
@@ -296,6 +299,7 @@ def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
     from charllm_nemo.sinks.config import LoggerConfig
     from charllm_nemo.sinks.wandb import WandbSink
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
     from charllm_nemo.train import app
     from charllm_nemo.train.config_io import save_train_config
 
@@ -304,7 +308,9 @@ def test_config_yaml_manifest_and_wandb_keep_no_secret_shape(tmp_path) -> None:
     )
     text = save_train_config(cfg, tmp_path / "config.yaml").read_text()
     config = {"extra": {"url": "https://a/c?sig=AbCdEf1234%2Bxyz%3D", "k": "sk_live_51HqLyjWDarjtT1zdp7dcAB"}}
-    session = TelemetrySession(tmp_path / "run", backend="synthetic", hz=50, sampler="thread", config=config)
+    session = TelemetrySession(
+        tmp_path / "run", SessionOptions(backend="synthetic", hz=50, sampler="thread"), config=config
+    )
     session.close("complete")
     text += (tmp_path / "run" / "rank=0" / "manifest.json").read_text()
     env = {"NETRC": str(tmp_path / "missing"), "HOME": str(tmp_path), "WANDB_MODE": "offline"}

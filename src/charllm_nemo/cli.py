@@ -41,23 +41,23 @@ def _busy(seconds: float) -> None:
 
 def cmd_telemetry(args: argparse.Namespace) -> int:
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions, StoreOptions
 
     out = Path(args.out)
     options: dict[str, Any] = {"activity": "marks"} if args.backend == "synthetic" else {}
     backend, devices = args.backend, None
     if args.devices is not None:
         backend, devices, options = resolve_devices(args.backend, args.devices, options)
-    session = TelemetrySession(
-        out,
+    session_options = SessionOptions(
         backend=backend,
         devices=devices,
         hz=args.hz,
         sampler=args.sampler,
-        config={"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s},
         backend_options=options,
-        overwrite=args.overwrite,
-        driver_buffers=not args.no_driver_buffers,
+        store=StoreOptions(overwrite=args.overwrite, driver_buffers=not args.no_driver_buffers),
     )
+    config = {"command": "telemetry", "seconds": args.seconds, "step_s": args.step_s}
+    session = TelemetrySession(out, session_options, config=config)
     n_dev = len(session.backend.devices)
     session.start()
     print(

@@ -18,6 +18,7 @@ from charllm_nemo.cli import main
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 STALLED = 2
 STALL_S = 1.0
@@ -27,9 +28,10 @@ def _record(out: Path) -> tuple[int, int]:
     """Four steps of ~0.3 s (the stalled one ~1.6 s) on a real session with its telemetry
     process; returns the CLOCK_MONOTONIC ns the process was stopped and continued."""
     with TelemetrySession(
-        out, backend="synthetic", hz=100, sampler="process", backend_options={"activity": "marks"},
+        out,
+        SessionOptions(backend="synthetic", hz=100, sampler="process", backend_options={"activity": "marks"}),
         handle_signals=False,
-    ) as tel:  # fmt: skip
+    ) as tel:
         assert tel.sampler_mode == "process"
         pid = tel.sampler.pid
         assert pid is not None

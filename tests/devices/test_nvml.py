@@ -641,10 +641,14 @@ def test_a_rank_beyond_the_gpus_samples_the_one_it_maps_to_not_all_of_them(
     # GPU 4 % 3 = 1 (train/dist.py); telemetry samples that one, not every GPU (each rank would
     # count all of their energy as its own).
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import Placement, SessionOptions
 
     fake_nvml.set_global("device_count", 3)
     tel = TelemetrySession(
-        tmp_path, backend="auto", local_rank=4, rank=4, sampler="thread", handle_signals=False
+        tmp_path,
+        SessionOptions(backend="auto", sampler="thread"),
+        placement=Placement(rank=4, local_rank=4, world_size=5, local_world_size=5),
+        handle_signals=False,
     )
     try:
         assert [d.identity.index for d in tel.backend.devices] == [1]
@@ -658,6 +662,7 @@ def test_a_rank_samples_the_gpu_its_cuda_visible_devices_uuid_names(
     # CUDA_VISIBLE_DEVICES by UUID (abbreviated, as CUDA accepts): local rank 1 drives the GPU
     # the second entry names, physically 0 here, not GPU 1.
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import Placement, SessionOptions
 
     fake_nvml.set_global("device_count", 3)
     fake_nvml.set(0, "uuid", "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6")
@@ -668,10 +673,8 @@ def test_a_rank_samples_the_gpu_its_cuda_visible_devices_uuid_names(
     def own_device(local_rank: int) -> list[int]:
         tel = TelemetrySession(
             tmp_path / str(next(runs)),
-            backend="nvml",
-            local_rank=local_rank,
-            rank=local_rank,
-            sampler="thread",
+            SessionOptions(backend="nvml", sampler="thread"),
+            placement=Placement(local_rank, local_rank, 2, 2),
             handle_signals=False,
         )
         try:

@@ -16,10 +16,21 @@ from charllm_nemo.sinks.base import AsyncSink
 from charllm_nemo.sinks.wandb import WandbSink
 from charllm_nemo.steps import ConsoleObserver, StepsFileObserver, StepTelemetry, WandbObserver
 from charllm_nemo.steps.marks import StepMarker
+from charllm_nemo.telemetry.engine import ThreadEngine
+from charllm_nemo.telemetry.process.parent import ProcessSampler
+from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import Placement, ProcessOptions, SessionOptions, StoreOptions
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "charllm_nemo"
 
 PATH_CLASSES = (
+    TelemetrySession,
+    SessionOptions,
+    StoreOptions,
+    ProcessOptions,
+    Placement,
+    ThreadEngine,
+    ProcessSampler,
     StepTelemetry,
     StepMarker,
     WandbSink,
@@ -32,9 +43,9 @@ PATH_CLASSES = (
     ObserverThread,
     AlertObserver,
 )
-"""The objects a config becomes on the way to a running step telemetry (the option records
-themselves, TelemetryConfig / LoggerConfig / AlertsConfig / StepOptions, are the typed configs:
-one field per option)."""
+"""The objects a config becomes on the way to a running step telemetry, the session's typed
+options among them (the config records themselves, TelemetryConfig / LoggerConfig / AlertsConfig
+/ StepOptions, are the typed configs: one field per option)."""
 
 
 def test_no_constructor_on_the_path_takes_more_than_8_parameters() -> None:
@@ -67,3 +78,13 @@ def test_the_trainer_and_the_integrations_build_step_telemetry_through_one_funct
     # ... and no module of src/ but that one constructs a StepTelemetry
     makers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "StepTelemetry" in _calls(p))
     assert makers == ["steps/open.py"]
+
+
+def test_the_config_becomes_session_options_in_one_place() -> None:
+    # telemetry/config.py session_options is the one maker from a config; cli.py's
+    # `charllm telemetry` builds its own from its flags (no config); the session makes the
+    # defaults when given none; nothing else in src/ does.
+    makers = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "SessionOptions" in _calls(p))
+    assert makers == ["cli.py", "telemetry/config.py", "telemetry/session.py"]
+    sessions = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "TelemetrySession" in _calls(p))
+    assert sessions == ["cli.py", "telemetry/config.py"]

@@ -28,6 +28,7 @@ from charllm_nemo.sinks.windows_table import windows_table_rows
 from charllm_nemo.telemetry.join import attribute_run
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import Placement, SessionOptions
 
 from .wandb_reader import find_wandb_file, read_run
 
@@ -61,12 +62,9 @@ def _two_rank_run(run_dir: Path, config: dict[str, Any]) -> tuple[list[dict[str,
     sessions = [
         TelemetrySession(
             run_dir,
-            backend="synthetic",
-            hz=250,
-            rank=r,
-            world_size=2,
+            SessionOptions(backend="synthetic", hz=250, backend_options={"activity": 0.9 if r == 0 else 0.3}),
+            placement=Placement(rank=r, world_size=2),
             config=config,
-            backend_options={"activity": 0.9 if r == 0 else 0.3},
             handle_signals=False,
         ).start()
         for r in range(2)

@@ -24,12 +24,13 @@ from charllm_nemo.telemetry.clock import (
 from charllm_nemo.telemetry.filecheck import validate_manifest
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 
 @pytest.mark.parametrize("sampler", ["thread", "process"])
 def test_the_manifest_maps_every_sample_stamp_to_the_wall_clock(tmp_path, sampler):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=100, sampler=sampler, handle_signals=False
+        tmp_path, SessionOptions(backend="synthetic", hz=100, sampler=sampler), handle_signals=False
     ) as tel:
         running = dict(tel.manifest["clock"])
     run = load_run(tmp_path)

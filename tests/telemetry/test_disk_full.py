@@ -23,6 +23,7 @@ from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.sampler import rows_to_table
 from charllm_nemo.telemetry.schema import METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions, StoreOptions
 from charllm_nemo.telemetry.store import DISK_FULL, SegmentWriter
 
 
@@ -72,7 +73,12 @@ def test_a_full_disk_stops_the_writer_with_one_line_and_no_temporary(tmp_path, e
 
 def test_a_session_that_hits_a_full_disk_ends_disk_full_and_stays_readable(tmp_path, enospc_after, caplog):
     enospc_after[0] = 10**9  # the start (its warm-up write) is not the disk's problem
-    session = TelemetrySession(tmp_path, backend="synthetic", hz=200, sampler="thread", flush_interval_s=0.05)
+    session = TelemetrySession(
+        tmp_path,
+        SessionOptions(
+            backend="synthetic", hz=200, sampler="thread", store=StoreOptions(flush_interval_s=0.05)
+        ),
+    )
     session.start()
     time.sleep(0.3)
     assert not session.disk_full
@@ -104,7 +110,11 @@ def test_the_disk_full_line_names_the_integrations_keyword(tmp_path, enospc_afte
     assert out_dir_option(None) == out_dir_option({"telemetry": {}}) == "telemetry.out_dir / --out"
     config = {"integration": {"owner": "MegatronLMTelemetry"}}
     session = TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, sampler="thread", flush_interval_s=0.05, config=config
+        tmp_path,
+        SessionOptions(
+            backend="synthetic", hz=200, sampler="thread", store=StoreOptions(flush_interval_s=0.05)
+        ),
+        config=config,
     )
     session.start()
     enospc_after[0] = 0
@@ -145,7 +155,12 @@ def test_a_real_full_disk_in_either_mode(tmp_path, sampler, capfd, caplog):
     # room within a second; the final manifest still fits (the store's reserve).
     with _small_tmpfs(tmp_path, "4m") as disk:
         out = disk / "run"
-        session = TelemetrySession(out, backend="synthetic", hz=500, sampler=sampler, flush_interval_s=0.05)
+        session = TelemetrySession(
+            out,
+            SessionOptions(
+                backend="synthetic", hz=500, sampler=sampler, store=StoreOptions(flush_interval_s=0.05)
+            ),
+        )
         session.start()
         _fill(disk, 40_000)
         deadline = time.monotonic() + 20

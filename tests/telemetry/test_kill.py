@@ -164,11 +164,13 @@ def test_a_normal_exit_writes_a_complete_run(tmp_path):
 _SIGTERM_IN_A_MARK = """
 import os, signal, sys, time
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 prev = {prev}
 if prev is not None:
     signal.signal(signal.SIGTERM, prev)
-session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+options = SessionOptions(backend="synthetic", hz=100, sampler=sys.argv[2])
+session = TelemetrySession(sys.argv[1], options).start()
 with session.windows.window("step", step=0):
     pass
 # SIGTERM while the training thread is inside the recorder, holding its lock (as in any mark):
@@ -210,12 +212,14 @@ _SIGTERM_DURING_CLOSE = """
 import os, signal, sys
 from charllm_nemo.telemetry import session as session_module
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 def earlier(signum, frame):  # the trainer's: unwind the rank
     raise SystemExit(143)
 
 signal.signal(signal.SIGTERM, earlier)
-session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+options = SessionOptions(backend="synthetic", hz=100, sampler=sys.argv[2])
+session = TelemetrySession(sys.argv[1], options).start()
 with session.windows.window("step", step=0):
     pass
 close_store = session.store.close
@@ -250,9 +254,11 @@ _PARENT_DEATH_TWICE = """
 import os, signal, sys
 from charllm_nemo.train.worker import sigterm_unwinds
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 with sigterm_unwinds():  # as a locally launched rank runs
-    session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler=sys.argv[2]).start()
+    options = SessionOptions(backend="synthetic", hz=100, sampler=sys.argv[2])
+    session = TelemetrySession(sys.argv[1], options).start()
     close_store = session.store.close
 
     def close_store_during_sigterm(*args, **kwargs):  # the second delivery lands while it closes
@@ -293,13 +299,14 @@ def test_the_launchers_death_sigterm_twice_leaves_a_closed_store_and_the_summary
 _HANDLER_RESETS_TO_DEFAULT = """
 import os, signal, sys
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 def earlier(signum, frame):  # "unwind, and a second SIGTERM kills at once"
     signal.signal(signum, signal.SIG_DFL)
     raise SystemExit(143)
 
 signal.signal(signal.SIGTERM, earlier)
-session = TelemetrySession(sys.argv[1], backend="synthetic", hz=100, sampler="thread").start()
+session = TelemetrySession(sys.argv[1], SessionOptions(backend="synthetic", hz=100, sampler="thread")).start()
 close_store = session.store.close
 
 def close_store_during_sigterm(*args, **kwargs):

@@ -32,6 +32,7 @@ from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.schema import METRIC_INDEX, METRICS
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import Placement, ProcessOptions, SessionOptions
 
 SHM = Path("/dev/shm")
 
@@ -82,11 +83,13 @@ def test_synthetic_rows_cross_the_ring_into_the_store_with_their_values_and_mono
     t_before = time.monotonic_ns()
     with TelemetrySession(
         tmp_path,
-        backend="synthetic",
-        devices=[0, 1],
-        hz=500,
-        sampler="process",
-        backend_options={"count": 2, "activity": 1.0},
+        SessionOptions(
+            backend="synthetic",
+            devices=[0, 1],
+            hz=500,
+            sampler="process",
+            backend_options={"count": 2, "activity": 1.0},
+        ),
         handle_signals=False,
     ) as tel:
         assert tel.sampler_mode == "process" and tel.sampler.running
@@ -125,6 +128,7 @@ _NVML_CHILD = textwrap.dedent(
     from charllm_nemo.telemetry.reader import load_run
     from charllm_nemo.telemetry.schema import METRICS
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     out, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     expected = None
@@ -132,8 +136,8 @@ _NVML_CHILD = textwrap.dedent(
         backend = open_backend("nvml", [0])
         expected = backend.devices[0].read()
         backend.close()
-    opts = dict(backend="nvml", hz=200, counter_hz=10, sampler="process", handle_signals=False)
-    with TelemetrySession(out, **opts) as tel:
+    opts = SessionOptions(backend="nvml", hz=200, counter_hz=10, sampler="process")
+    with TelemetrySession(out, opts, handle_signals=False) as tel:
         assert tel.sampler_mode == "process"
         time.sleep(seconds)
         running = tel.sampler.running
@@ -225,9 +229,10 @@ def test_a_collector_lapped_by_the_sample_ring_counts_what_it_lost(tmp_path, mon
     monkeypatch.setattr(parent, "MIN_CAPACITY", 32)
     monkeypatch.setattr(parent, "RING_SECONDS", 0.0)
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=1000, sampler="process", backend_options={"activity": 0.5},
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=1000, sampler="process", backend_options={"activity": 0.5}),
         handle_signals=False,
-    ) as tel:  # fmt: skip
+    ) as tel:
         assert tel.sampler.capacity == 32
         time.sleep(0.5)
         assert 0 < len(tel.live_rows()) <= 32  # what the ring still holds
@@ -242,9 +247,10 @@ def test_a_collector_lapped_by_the_sample_ring_counts_what_it_lost(tmp_path, mon
 
 def test_without_marks_auto_follows_the_training_process_cpu_then_the_marks(tmp_path):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, sampler="process", backend_options={"activity": "auto"},
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=200, sampler="process", backend_options={"activity": "auto"}),
         handle_signals=False,
-    ) as tel:  # fmt: skip
+    ) as tel:
         end = time.perf_counter() + 0.8
         while time.perf_counter() < end - 0.5:  # this process busy: the child sees it in /proc/<ppid>/stat
             pass
@@ -273,8 +279,9 @@ def test_the_telemetry_process_exits_and_unlinks_its_block_when_the_parent_is_ki
     code = (
         "import sys, time\n"
         "from charllm_nemo.telemetry.session import TelemetrySession\n"
-        "tel = TelemetrySession(sys.argv[1], backend='synthetic', hz=1000, sampler='process',\n"
-        "                       handle_signals=False).start()\n"
+        "from charllm_nemo.telemetry.session_options import SessionOptions\n"
+        "opts = SessionOptions(backend='synthetic', hz=1000, sampler='process')\n"
+        "tel = TelemetrySession(sys.argv[1], opts, handle_signals=False).start()\n"
         "print(tel.sampler.pid, tel.sampler.shm_name, tel.sampler.running, flush=True)\n"
         "time.sleep(60)\n"
     )
@@ -327,9 +334,10 @@ def test_blocks_of_runs_killed_whole_are_swept_and_every_other_block_is_kept():
 
 def test_a_crashed_telemetry_process_is_reported_and_its_block_still_unlinked(tmp_path):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=500, sampler="process", backend_options={"activity": 1.0},
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=500, sampler="process", backend_options={"activity": 1.0}),
         handle_signals=False,
-    ) as tel:  # fmt: skip
+    ) as tel:
         time.sleep(0.1)
         s = tel.sampler
         name, child = s.shm_name, s.pid
@@ -355,7 +363,7 @@ def test_a_session_whose_sampling_process_cannot_start_samples_in_a_thread(tmp_p
 
     monkeypatch.setattr(tp, "CHILD_CODE", "raise SystemExit(3)")
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=500, sampler="process", handle_signals=False
+        tmp_path, SessionOptions(backend="synthetic", hz=500, sampler="process"), handle_signals=False
     ) as tel:
         assert tel.sampler_mode == "thread" and tel.sampler.running
         time.sleep(0.1)
@@ -383,14 +391,17 @@ def test_sampler_mode_auto_is_a_process_at_every_rate_and_unknown_modes_are_refu
     assert resolve_sampler_mode("thread", 1000) == "thread"
     assert resolve_sampler_mode("process", 10) == "process"
     with pytest.raises(ConfigError, match=r"telemetry\.sampler='fork'.*auto, thread, process"):
-        TelemetrySession(tmp_path, backend="synthetic", hz=100, sampler="fork")
+        TelemetrySession(tmp_path, SessionOptions(backend="synthetic", hz=100, sampler="fork"))
     assert not any(tmp_path.iterdir())
     with pytest.raises(ConfigError, match="cannot cross into the sampling process"):
         TelemetrySession(
-            tmp_path, backend="synthetic", hz=100, sampler="process", backend_options={"activity": abs}
+            tmp_path,
+            SessionOptions(backend="synthetic", hz=100, sampler="process", backend_options={"activity": abs}),
         )
     tel = TelemetrySession(
-        tmp_path / "a", backend="synthetic", hz=1000, backend_options={"activity": abs}, handle_signals=False
+        tmp_path / "a",
+        SessionOptions(backend="synthetic", hz=1000, backend_options={"activity": abs}),
+        handle_signals=False,
     )
     assert tel.sampler_mode == "thread"  # auto: a callable activity cannot cross; stays in a thread
     tel.close()
@@ -399,9 +410,7 @@ def test_sampler_mode_auto_is_a_process_at_every_rate_and_unknown_modes_are_refu
 def test_a_session_in_process_mode_stores_marked_steps_whose_marks_drive_the_model(tmp_path):
     with TelemetrySession(
         tmp_path,
-        backend="synthetic",
-        hz=1000,
-        backend_options={"activity": "marks"},
+        SessionOptions(backend="synthetic", hz=1000, backend_options={"activity": "marks"}),
         handle_signals=False,
     ) as tel:
         assert tel.sampler_mode == "process" and tel.sampler.running
@@ -454,9 +463,11 @@ def _thread_nices(pid: int) -> dict[str, int]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 @pytest.mark.parametrize("nice", [None, 7, 19])
 def test_every_thread_of_the_telemetry_process_runs_at_telemetry_nice(tmp_path, nice):
-    kw = {} if nice is None else {"nice": nice}
+    process = ProcessOptions() if nice is None else ProcessOptions(nice=nice)
     rank_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    with TelemetrySession(tmp_path, backend="synthetic", handle_signals=False, **kw) as tel:
+    with TelemetrySession(
+        tmp_path, SessionOptions(backend="synthetic", process=process), handle_signals=False
+    ) as tel:
         assert tel.sampler_mode == "process"
         child = tel.sampler.pid
         assert _wait_until(lambda: len(_thread_nices(child)) >= 2, 5.0)  # sampling + collector
@@ -473,8 +484,11 @@ def test_every_thread_of_the_telemetry_process_runs_at_telemetry_nice(tmp_path, 
 def test_collector_sched_puts_the_collector_thread_alone_under_sched_idle(
     tmp_path, setting, rank_threads, policy
 ):
-    kw = {"collector_sched": setting, "local_ranks": 1, "rank_threads": rank_threads}
-    with TelemetrySession(tmp_path, backend="synthetic", handle_signals=False, **kw) as tel:
+    process = ProcessOptions(collector_sched=setting, rank_threads=rank_threads)
+    opts = SessionOptions(backend="synthetic", process=process)
+    with TelemetrySession(
+        tmp_path, opts, placement=Placement(local_world_size=1), handle_signals=False
+    ) as tel:
         assert tel.sampler_mode == "process"
         assert tel.collector_sched is not None and tel.collector_sched["policy"] == policy
         child = tel.sampler.pid
@@ -512,7 +526,9 @@ def test_collector_sched_auto_is_idle_only_where_a_cpu_is_spare():
     with pytest.raises(ConfigError, match=r"telemetry\.collector_sched='lowest'.*auto, idle, normal"):
         resolve_collector_sched("lowest", 1)
     with pytest.raises(ConfigError, match=r"telemetry\.collector_sched"):
-        TelemetrySession("unused", backend="synthetic", collector_sched="batch")
+        TelemetrySession(
+            "unused", SessionOptions(backend="synthetic", process=ProcessOptions(collector_sched="batch"))
+        )
 
 
 @pytest.mark.parametrize(
@@ -556,7 +572,7 @@ def test_the_cgroup_cpu_quota_caps_the_usable_cpus(tmp_path, cgroup, files, want
 @pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "19"])
 def test_telemetry_nice_out_of_range_is_refused_naming_the_field(tmp_path, bad):
     with pytest.raises(ConfigError, match=r"telemetry\.nice"):
-        TelemetrySession(tmp_path, backend="synthetic", nice=bad)
+        TelemetrySession(tmp_path, SessionOptions(backend="synthetic", process=ProcessOptions(nice=bad)))
 
 
 def test_sigkill_of_the_training_process_of_a_1khz_run_loses_no_sample_and_leaves_no_sampler(tmp_path):
@@ -593,7 +609,9 @@ def test_sigkill_of_the_training_process_of_a_1khz_run_loses_no_sample_and_leave
 def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column(tmp_path):
     steps = []
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, backend_options={"activity": "marks"}, handle_signals=False
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=200, backend_options={"activity": "marks"}),
+        handle_signals=False,
     ) as tel:
         assert tel.sampler_mode == "process"
         for step in range(4):
@@ -634,7 +652,7 @@ def test_live_figures_of_a_process_session_equal_the_stored_run_for_every_column
 
 
 def test_a_request_for_some_figures_is_asked_again_when_more_are_wanted(tmp_path):
-    with TelemetrySession(tmp_path, backend="synthetic", hz=200, handle_signals=False) as tel:
+    with TelemetrySession(tmp_path, SessionOptions(backend="synthetic", hz=200), handle_signals=False) as tel:
         t0 = time.monotonic_ns()
         time.sleep(0.05)
         t1 = time.monotonic_ns()
@@ -651,7 +669,9 @@ def test_a_request_for_some_figures_is_asked_again_when_more_are_wanted(tmp_path
 
 def test_a_telemetry_process_that_dies_loses_only_its_last_flush_of_samples_and_no_window(tmp_path):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, backend_options={"activity": 1.0}, handle_signals=False
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=200, backend_options={"activity": 1.0}),
+        handle_signals=False,
     ) as tel:
         time.sleep(0.7)  # at least one flush by the telemetry process
         os.kill(tel.sampler.pid, signal.SIGKILL)
@@ -704,11 +724,12 @@ _NVML_SESSION_CHILD = textwrap.dedent(
     from charllm_nemo.telemetry.reader import load_rank, load_run, to_arrays
     from charllm_nemo.telemetry.schema import INT_NULL
     from charllm_nemo.telemetry.session import TelemetrySession
+    from charllm_nemo.telemetry.session_options import SessionOptions
 
     out = sys.argv[1]
     steps = []
-    opts = dict(backend="nvml", hz=200, counter_hz=20, sampler=sys.argv[2], handle_signals=False)
-    with TelemetrySession(out, **opts) as tel:
+    opts = SessionOptions(backend="nvml", hz=200, counter_hz=20, sampler=sys.argv[2])
+    with TelemetrySession(out, opts, handle_signals=False) as tel:
         mode, period = tel.sampler_mode, tel.figures_period_ns
         for step in range(4):
             t0 = time.monotonic_ns()

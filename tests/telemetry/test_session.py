@@ -22,15 +22,14 @@ from charllm_nemo.telemetry.placement import (
 )
 from charllm_nemo.telemetry.reader import load_run
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions, StoreOptions
 
 
 def test_marked_steps_land_in_the_store_and_attribute_per_step(tmp_path):
     with TelemetrySession(
         tmp_path,
-        backend="synthetic",
-        hz=200,
+        SessionOptions(backend="synthetic", hz=200, backend_options={"activity": "marks"}),
         config={"model": "x"},
-        backend_options={"activity": "marks"},
         handle_signals=False,
     ) as tel:
         for step in range(3):
@@ -65,7 +64,9 @@ def test_a_session_closed_mid_step_stores_what_the_step_marked(tmp_path, sampler
     # still stores the finished phases, and the step and the running phase as open.
     from charllm_nemo.train.marks import StepMarker
 
-    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, sampler=sampler, handle_signals=False)
+    tel = TelemetrySession(
+        tmp_path, SessionOptions(backend="synthetic", hz=200, sampler=sampler), handle_signals=False
+    )
     tel.start()
     assert tel.sampler_mode == sampler
     marker = StepMarker(tel.windows, num_microbatches=1)
@@ -92,7 +93,9 @@ def test_a_session_closed_mid_step_stores_what_the_step_marked(tmp_path, sampler
 
 def test_step_figures_wait_for_the_sampler_to_pass_the_window_and_never_block_by_default(tmp_path):
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=100, backend_options={"activity": 1.0}, handle_signals=False
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=100, backend_options={"activity": 1.0}),
+        handle_signals=False,
     ) as tel:
         time.sleep(0.05)
         t0 = time.monotonic_ns()
@@ -139,12 +142,14 @@ def test_a_visible_device_uuid_is_matched_as_cuda_reads_it():
 
 def test_a_bad_rate_fails_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"telemetry\.hz"):
-        TelemetrySession(tmp_path, backend="synthetic", hz=2000)
+        TelemetrySession(tmp_path, SessionOptions(backend="synthetic", hz=2000))
     assert not any(tmp_path.iterdir())
 
 
-def _short_run(out, steps=3, **kw):
-    with TelemetrySession(out, backend="synthetic", hz=100, handle_signals=False, **kw) as tel:
+def _short_run(out, steps=3, store=None):
+    with TelemetrySession(
+        out, SessionOptions(backend="synthetic", hz=100, store=store or StoreOptions()), handle_signals=False
+    ) as tel:
         for step in range(steps):
             with tel.windows.window("step", step=step):
                 time.sleep(0.02)
@@ -152,15 +157,17 @@ def _short_run(out, steps=3, **kw):
 
 
 def test_a_run_directory_holding_an_earlier_run_is_refused_before_anything_starts(tmp_path):
-    _short_run(tmp_path, steps=10, flush_interval_s=0.05)  # several segments
+    _short_run(tmp_path, steps=10, store=StoreOptions(flush_interval_s=0.05))  # several segments
     before = sorted((tmp_path / "rank=0").iterdir())
     # several segments, compacted at close into windows-000000-<last>.parquet
     assert any(p.name.startswith("windows-000000-") for p in before)
     with pytest.raises(StoreError, match=r"rank=0 already holds a run .*telemetry\.overwrite=true"):
-        TelemetrySession(tmp_path, backend="synthetic", sampler="process", handle_signals=False)
+        TelemetrySession(
+            tmp_path, SessionOptions(backend="synthetic", sampler="process"), handle_signals=False
+        )
     assert sorted((tmp_path / "rank=0").iterdir()) == before  # untouched, and nothing was started
     # Replaced: the second run's files only (it writes fewer segments than the first left).
-    mode = _short_run(tmp_path, overwrite=True, steps=1)
+    mode = _short_run(tmp_path, store=StoreOptions(overwrite=True), steps=1)
     run = load_run(tmp_path)
     assert mode == "process" and run.manifests[0]["status"] == "complete"
     assert run.windows.column("step").to_pylist() == [0]
@@ -170,7 +177,7 @@ def test_live_rows_can_reach_back_to_the_sample_before_a_window(tmp_path):
     # Thread mode's live figures take one slot before their slice, so that a window starting
     # after a sampling stall is still bracketed (the collector does the same in process mode).
     with TelemetrySession(
-        tmp_path, backend="synthetic", hz=200, sampler="thread", handle_signals=False
+        tmp_path, SessionOptions(backend="synthetic", hz=200, sampler="thread"), handle_signals=False
     ) as tel:
         time.sleep(0.1)
         rows = tel.live_rows()
@@ -214,7 +221,9 @@ def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_pa
         "import os, sys\n"
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
         "from charllm_nemo.telemetry.session import TelemetrySession\n"
-        "with TelemetrySession(sys.argv[1], backend='synthetic', hz=50, handle_signals=False):\n"
+        "from charllm_nemo.telemetry.session_options import SessionOptions\n"
+        "options = SessionOptions(backend='synthetic', hz=50)\n"
+        "with TelemetrySession(sys.argv[1], options, handle_signals=False):\n"
         "    pass\n"
     )
     if not hasattr(os, "sched_setaffinity"):
@@ -225,7 +234,9 @@ def test_a_rank_confined_to_one_cpu_is_warned_and_the_manifest_says_which(tmp_pa
     assert "may run on CPU" in proc.stderr and "--cpus-per-task=2" in proc.stderr
     cpus = load_run(tmp_path).manifests[0]["cpu_affinity"]
     assert len(cpus) == 1
-    with TelemetrySession(tmp_path / "wide", backend="synthetic", hz=50, handle_signals=False):
+    with TelemetrySession(
+        tmp_path / "wide", SessionOptions(backend="synthetic", hz=50), handle_signals=False
+    ):
         pass
     assert load_run(tmp_path / "wide").manifests[0]["cpu_affinity"] == sorted(os.sched_getaffinity(0))
 
@@ -240,7 +251,9 @@ def test_a_telemetry_process_lost_mid_run_is_taken_over_and_the_run_goes_on_bein
 
     from charllm_nemo.train.marks import StepMarker
 
-    tel = TelemetrySession(tmp_path, backend="synthetic", hz=200, sampler="process", handle_signals=False)
+    tel = TelemetrySession(
+        tmp_path, SessionOptions(backend="synthetic", hz=200, sampler="process"), handle_signals=False
+    )
     tel.start()
     marker = StepMarker(tel.windows, num_microbatches=1)
 
@@ -310,7 +323,7 @@ def test_live_figures_wait_for_every_device_not_just_the_first(tmp_path):
         def close(self) -> None:
             pass
 
-    tel = TelemetrySession(tmp_path, backend=Backend(), hz=20, handle_signals=False).start()
+    tel = TelemetrySession(tmp_path, SessionOptions(backend=Backend(), hz=20), handle_signals=False).start()
     try:
         time.sleep(0.3)
         for _ in range(5):
@@ -323,7 +336,9 @@ def test_live_figures_wait_for_every_device_not_just_the_first(tmp_path):
 
 
 def test_a_close_that_cannot_store_the_open_windows_still_finishes_the_manifest(tmp_path, caplog):
-    tel = TelemetrySession(tmp_path, backend="synthetic", hz=100, sampler="thread", handle_signals=False)
+    tel = TelemetrySession(
+        tmp_path, SessionOptions(backend="synthetic", hz=100, sampler="thread"), handle_signals=False
+    )
     tel.start()
     tel.windows.begin("step", step=0)  # still open at close
     write = tel.store.write_segment
@@ -350,7 +365,10 @@ def test_no_manifest_holds_a_secret_of_the_config_or_argv(tmp_path, monkeypatch,
         "moe_token_dispatcher": "a2a",
     }
     tel = TelemetrySession(
-        tmp_path, backend="synthetic", hz=100, sampler=sampler, config=config, handle_signals=False
+        tmp_path,
+        SessionOptions(backend="synthetic", hz=100, sampler=sampler),
+        config=config,
+        handle_signals=False,
     )
     manifest = tmp_path / "rank=0" / "manifest.json"
     with tel:

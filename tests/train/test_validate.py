@@ -537,7 +537,7 @@ def test_telemetry_launch_and_data_rules() -> None:
     text = "\n".join(problems(cfg))
     assert "telemetry.windows has unknown kinds ['layer']; use a subset of [step, microbatch, phase]" in text
     assert "telemetry.hz=0 is not a sampling rate; use a rate in [1, 1000] Hz" in text
-    assert "telemetry.nice=20 is not a nice value; give an integer from 0" in text
+    assert "telemetry.nice=20: give the telemetry process's nice value, an integer from 0" in text
     assert "launch.master_port=70000 is not a TCP port" in text
     assert "/nonexistent/corpus_text_document.bin and /nonexistent/corpus_text_document.idx not found" in text
     assert "data.path=null for mock data" in text

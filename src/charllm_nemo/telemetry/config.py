@@ -19,7 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 from charllm_nemo.devices.synthetic_config import SyntheticConfig, synthetic_options, synthetic_problems
 from charllm_nemo.errors import ConfigError
+from charllm_nemo.telemetry.placement import DEFAULT_COLLECTOR_SCHED, DEFAULT_NICE, DEFAULT_SAMPLER
 from charllm_nemo.telemetry.sample_loop import DEFAULT_COUNTER_HZ, DEFAULT_HZ
+from charllm_nemo.telemetry.session_options import (
+    DEFAULT_DRIVER_BUFFERS,
+    DEFAULT_OVERWRITE,
+    ProcessOptions,
+    SessionOptions,
+    StoreOptions,
+)
+from charllm_nemo.telemetry.session_options import MEGATRON_LABELS as MEGATRON_LABELS
+from charllm_nemo.telemetry.session_options import Placement as Placement
 
 if TYPE_CHECKING:
     from charllm_nemo.telemetry.session import TelemetrySession
@@ -50,14 +60,16 @@ class TelemetryConfig:
     counter_hz: float | None = DEFAULT_COUNTER_HZ
     # Also store the driver's own sample buffers where a device keeps them (NVML: power, SM
     # clock, utilization at the driver's rate; buffered-NNNNNN.parquet; docs/store.md).
-    driver_buffers: bool = True
+    driver_buffers: bool = DEFAULT_DRIVER_BUFFERS
     # Where sampling, storing and live figures run: auto = a telemetry process beside the rank
     # (no GIL shared with training; docs/telemetry.md), threads where none can start.
-    sampler: str = "auto"  # auto | thread | process
-    nice: int = 0  # the telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md)
-    collector_sched: str = "normal"  # its collector thread: normal | idle | auto (docs/telemetry.md)
+    sampler: str = DEFAULT_SAMPLER  # auto | thread | process
+    # The telemetry process's nice value (0-19; 19 where a CPU is free: docs/telemetry.md).
+    nice: int = DEFAULT_NICE
+    collector_sched: str = DEFAULT_COLLECTOR_SCHED  # its collector thread: normal | idle | auto
     out_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
-    overwrite: bool = False  # out_dir may hold an earlier run: replace it (default: refuse to start)
+    # out_dir may hold an earlier run: replace it (default: refuse to start).
+    overwrite: bool = DEFAULT_OVERWRITE
     required: bool = False  # a full disk stops training (true) or only telemetry (false; docs/reliability.md)
     windows: list[str] = field(default_factory=lambda: ["step", "microbatch", "phase"])
     cpu_peak_tflops: float | None = None  # MFU on CPU only when set
@@ -95,8 +107,8 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     also check that the run directory can be made and written (a rank that only reads a config
     elsewhere skips it)."""
     from charllm_nemo.devices.factory import BACKEND_NAMES
-    from charllm_nemo.telemetry.placement import COLLECTOR_SCHEDS, SAMPLER_MODES
-    from charllm_nemo.telemetry.sample_loop import hz_problem
+    from charllm_nemo.telemetry.placement import collector_sched_problem, nice_problem, sampler_problem
+    from charllm_nemo.telemetry.sample_loop import counter_hz_problem, hz_problem
     from charllm_nemo.telemetry.schema import WINDOW_KINDS
 
     problems: list[str] = []
@@ -109,24 +121,16 @@ def telemetry_problems(cfg: TelemetryConfig, *, check_out_dir: bool = True) -> l
     if not isinstance(cfg.enabled, bool):
         problems.append(f"telemetry.enabled={cfg.enabled!r} must be true or false")
     one_of("backend", BACKEND_NAMES)
-    one_of("sampler", SAMPLER_MODES)
-    one_of("collector_sched", COLLECTOR_SCHEDS)
     one_of("attention_flops", ATTENTION_FLOPS)
+    # The session's own options, by the checks SessionOptions makes (each declared once).
     # The rates matter only to a sampler: a disabled telemetry keeps whatever they read.
-    if cfg.enabled and (hz := hz_problem(cfg.hz)) is not None:
-        problems.append(hz)
-    c = cfg.counter_hz
-    if cfg.enabled and c is not None and (not _is_number(c) or not math.isfinite(c) or c <= 0):
-        problems.append(
-            f"telemetry.counter_hz={c!r} is not a positive finite rate; use e.g. telemetry.counter_hz=10 "
-            "(Hz), or null to derive it from the measured cost of a counter read"
-        )
-    nice = cfg.nice
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        problems.append(
-            f"telemetry.nice={nice!r} is not a nice value; give an integer from 0 (the rank's own "
-            "priority) to 19 (the lowest)"
-        )
+    rates = (hz_problem(cfg.hz), counter_hz_problem(cfg.counter_hz)) if cfg.enabled else ()
+    found = (
+        sampler_problem(cfg.sampler),
+        collector_sched_problem(cfg.collector_sched),
+        nice_problem(cfg.nice),
+    )
+    problems.extend(p for p in (*found, *rates) if p is not None)
     p = cfg.cpu_peak_tflops
     if p is not None and (not _is_number(p) or not math.isfinite(p) or p <= 0):
         problems.append(
@@ -278,96 +282,27 @@ def _out_dir_path_problem(out_dir: str) -> str | None:
     return None
 
 
-MEGATRON_LABELS: tuple[str, ...] = ("pp_stage", "tp_rank", "dp_rank", "ep_rank", "cp_rank")
-"""The placement labels :meth:`Placement.from_megatron` fills (window label names,
-``charllm_nemo.telemetry.schema.WINDOW_LABELS``)."""
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "8(x4)"
-    except ValueError:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer; unset it or fix it"
-        ) from None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a rank sits: its global ``rank`` of ``world_size``, its ``local_rank`` of
-    ``local_world_size`` on its node, and ``labels``: its parallel ranks (``tp_rank``,
-    ``pp_stage``, ``dp_rank``, ``ep_rank``, ``cp_rank``), written on every window."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    labels: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in ("rank", "local_rank"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"placement.{name}={v!r} must be an integer >= 0")
-        for name in ("world_size", "local_world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"placement.{name}={v!r} must be an integer >= 1")
-        if self.rank >= self.world_size:
-            raise ConfigError(
-                f"placement.rank={self.rank} is not below placement.world_size={self.world_size}; "
-                "check RANK / WORLD_SIZE"
-            )
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **labels: int) -> Placement:
-        """From the launcher's environment: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE
-        (torchrun), else SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS / SLURM_NTASKS_PER_NODE
-        (srun), else a single process."""
-        e = os.environ if env is None else env
-        if "RANK" in e:
-            rank, world = _env_int(e, "RANK", 0), _env_int(e, "WORLD_SIZE", 1)
-            local = _env_int(e, "LOCAL_RANK", rank)
-        elif "SLURM_PROCID" in e:
-            rank, world = _env_int(e, "SLURM_PROCID", 0), _env_int(e, "SLURM_NTASKS", 1)
-            local = _env_int(e, "SLURM_LOCALID", 0)
-        else:
-            rank, world, local = 0, 1, 0
-        local_world = _env_int(e, "LOCAL_WORLD_SIZE", _env_int(e, "SLURM_NTASKS_PER_NODE", 0)) or world
-        return cls(rank, local, world, local_world, dict(labels))
-
-    @classmethod
-    def from_megatron(cls, env: Mapping[str, str] | None = None) -> Placement:
-        """:meth:`from_env`, with the parallel ranks from ``megatron.core.parallel_state`` when
-        its model-parallel groups are initialised (none otherwise). The global rank and world
-        size come from torch.distributed when it is initialised."""
-        base = cls.from_env(env)
-        labels: dict[str, int] = {}
-        rank, world = base.rank, base.world_size
-        try:
-            import torch.distributed as tdist
-
-            if tdist.is_available() and tdist.is_initialized():
-                rank, world = tdist.get_rank(), tdist.get_world_size()
-        except ImportError:
-            pass
-        try:
-            from megatron.core import parallel_state as ps
-        except ImportError:
-            ps = None
-        if ps is not None and ps.model_parallel_is_initialized():
-            labels = {
-                "pp_stage": ps.get_pipeline_model_parallel_rank(),
-                "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "dp_rank": ps.get_data_parallel_rank(),
-                "ep_rank": ps.get_expert_model_parallel_rank(),
-                "cp_rank": ps.get_context_parallel_rank(),
-            }
-        local_world = min(world, base.local_world_size)
-        return cls(rank, base.local_rank, world, local_world, labels)
+def session_options(cfg: TelemetryConfig, placement: Placement, *, rank_threads: int = 1) -> SessionOptions:
+    """The one place a config becomes :class:`SessionOptions`: its sampling, storing and
+    telemetry-process fields, the synthetic devices' options for this rank (``auto`` hands them
+    to its synthetic fallback only) and the live exporter's settings (:func:`export_options`).
+    ``rank_threads``: the CPU threads the rank keeps busy (``collector_sched=auto`` reads it). A
+    bad value raises ConfigError naming the field."""
+    synthetic = cfg.backend in ("synthetic", "auto")
+    return SessionOptions(
+        backend=cfg.backend,
+        hz=cfg.hz,
+        counter_hz=cfg.counter_hz,
+        sampler=cfg.sampler,
+        backend_options=synthetic_options(cfg.synthetic, placement.rank) if synthetic else {},
+        store=StoreOptions(overwrite=cfg.overwrite, driver_buffers=cfg.driver_buffers),
+        process=ProcessOptions(
+            nice=cfg.nice,
+            collector_sched=cfg.collector_sched,
+            rank_threads=rank_threads,
+            export=export_options(cfg, placement),
+        ),
+    )
 
 
 def open_session(
@@ -377,19 +312,19 @@ def open_session(
     run_config: Mapping[str, Any] | Any | None = None,
     rank_threads: int = 1,
     validate: bool = True,
-    **session_options: Any,
+    handle_signals: bool = True,
 ) -> TelemetrySession:
     """Open and start this rank's telemetry session from ``cfg`` (validated first unless
     ``validate=False``, for a caller that validated the whole config already) and ``placement``.
 
     ``run_config``: the run's whole configuration (a mapping or a dataclass), written into the
     manifest. ``rank_threads``: the CPU threads the rank keeps busy (1 on a GPU, its intra-op
-    threads on a CPU; ``telemetry.collector_sched=auto`` reads it). ``session_options``: further
-    keywords of :class:`~charllm_nemo.telemetry.session.TelemetrySession` (``devices``,
-    ``backend_options``, ``handle_signals``, ...). ``telemetry.overwrite`` is passed through: a
-    launcher that cleared the run directory before any rank could write should pass a config
-    with ``overwrite=False`` (a rank folder holding files then is another job's). Raises
-    ConfigError when ``cfg.enabled`` is false: there is nothing to open.
+    threads on a CPU; ``telemetry.collector_sched=auto`` reads it). The session's options come
+    from :func:`session_options`. ``handle_signals``: the session installs its SIGTERM handler
+    (False where the host owns SIGTERM). ``telemetry.overwrite`` is passed through: a launcher
+    that cleared the run directory before any rank could write should pass a config with
+    ``overwrite=False`` (a rank folder holding files then is another job's). Raises ConfigError
+    when ``cfg.enabled`` is false: there is nothing to open.
     """
     from charllm_nemo.telemetry.session import TelemetrySession
 
@@ -408,30 +343,8 @@ def open_session(
         config = dict(run_config)
     else:
         raise ConfigError(f"run_config={run_config!r}: give a mapping or a dataclass instance")
-    if cfg.backend in ("synthetic", "auto"):  # auto hands options to its synthetic fallback only
-        options = synthetic_options(cfg.synthetic, placement.rank)
-        if options:
-            session_options["backend_options"] = {**options, **session_options.get("backend_options", {})}
+    options = session_options(cfg, placement, rank_threads=rank_threads)
     session = TelemetrySession(
-        cfg.out_dir,
-        backend=cfg.backend,
-        hz=cfg.hz,
-        counter_hz=cfg.counter_hz,
-        driver_buffers=cfg.driver_buffers,
-        sampler=cfg.sampler,
-        nice=cfg.nice,
-        collector_sched=cfg.collector_sched,
-        overwrite=cfg.overwrite,
-        local_ranks=placement.local_world_size,
-        rank_threads=rank_threads,
-        rank=placement.rank,
-        local_rank=placement.local_rank,
-        world_size=placement.world_size,
-        config=config,
-        export=export_options(cfg, placement),
-        **session_options,
+        cfg.out_dir, options, placement=placement, config=config, handle_signals=handle_signals
     )
-    known = {k: v for k, v in placement.labels.items() if k in MEGATRON_LABELS or k == "vpp_chunk"}
-    if known:
-        session.windows.set_labels(**known)
     return session.start()

@@ -34,6 +34,7 @@ from charllm_nemo.devices.base import Device
 from charllm_nemo.telemetry.buffered import BufferedStore
 from charllm_nemo.telemetry.sample_loop import health_counts
 from charllm_nemo.telemetry.sampler import Row, Sampler, SamplerHealth, rows_to_arrays, rows_to_table
+from charllm_nemo.telemetry.session_options import StoreOptions
 from charllm_nemo.telemetry.store import Flusher, RankStore, records_to_table
 from charllm_nemo.telemetry.windows import Record, WindowRecorder
 
@@ -141,11 +142,12 @@ class Engine(Protocol):
 
 class ThreadEngine:
     """Sampling in a thread of this process, a flusher thread writing ``store``'s segments every
-    ``flush_interval_s``, and live figures computed here from the last ``live_window_s`` seconds
-    of rows (kept as the sampler's tuples: a live figure costs no Arrow round trip).
-    ``earlier_windows``: windows stored by an engine this one took over from (counted at close).
-    ``driver_buffers``: drain the devices' driver sample buffers at every flush into
-    ``buffered-NNNNNN.parquet`` (telemetry/buffered.py; devices without them: nothing)."""
+    ``storing.flush_interval_s``, and live figures computed here from the last
+    ``storing.live_window_s`` seconds of rows (kept as the sampler's tuples: a live figure costs
+    no Arrow round trip). ``earlier_windows``: windows stored by an engine this one took over
+    from (counted at close). ``storing.driver_buffers``: drain the devices' driver sample buffers
+    at every flush into ``buffered-NNNNNN.parquet`` (telemetry/buffered.py; devices without
+    them: nothing)."""
 
     mode = "thread"
 
@@ -156,15 +158,13 @@ class ThreadEngine:
         *,
         source: str,
         store: RankStore,
-        flush_interval_s: float,
-        live_window_s: float,
+        storing: StoreOptions,
         figures_period_ns: int,
         counter_hz: float | None = None,
         earlier_windows: int = 0,
-        driver_buffers: bool = False,
     ) -> None:
         self.devices = list(devices)
-        self.buffered = BufferedStore(store.dir, self.devices) if driver_buffers else None
+        self.buffered = BufferedStore(store.dir, self.devices) if storing.driver_buffers else None
         if self.buffered is not None and not self.buffered.devices:
             self.buffered = None
         self.hz = hz
@@ -173,10 +173,10 @@ class ThreadEngine:
         self.figures_period_ns = figures_period_ns
         self.earlier_windows = earlier_windows
         self._sampler = Sampler(self.devices, hz, source=source, counter_hz=counter_hz)
-        self.flusher = Flusher(self.flush, flush_interval_s)
+        self.flusher = Flusher(self.flush, storing.flush_interval_s)
         self._windows: WindowRecorder | None = None
         n_dev = max(1, len(self.devices))
-        self._recent: deque[Row] = deque(maxlen=max(1024, int(live_window_s * hz * n_dev)))
+        self._recent: deque[Row] = deque(maxlen=max(1024, int(storing.live_window_s * hz * n_dev)))
         self._recent_lock = threading.Lock()
         self._pending: list[tuple[str, pa.Table]] = []
 

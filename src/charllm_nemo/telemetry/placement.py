@@ -84,6 +84,8 @@ def _only_device(every: Backend, pos: int, name: str, options: dict[str, Any]) -
 
 
 SAMPLER_MODES: tuple[str, ...] = ("auto", "thread", "process")
+DEFAULT_SAMPLER = "auto"
+"""``telemetry.sampler``'s default: a telemetry process where one can be had, else a thread."""
 
 
 DEFAULT_NICE = 0
@@ -94,14 +96,23 @@ overhead ~0.4 % lower, 1.010 against 1.014 over eleven alternating runs), but wi
 they take about a third fewer samples (docs/telemetry.md)."""
 
 
-def validate_nice(nice: Any) -> int:
-    """``nice`` as an int in 0..19, else a ConfigError naming ``telemetry.nice``."""
+def nice_problem(nice: Any) -> str | None:
+    """Why ``nice`` is not a nice value (an int in 0..19), naming ``telemetry.nice``; None when it
+    is. The one check: the config's checks and :func:`validate_nice` ask it."""
     if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise ConfigError(
+        return (
             f"telemetry.nice={nice!r}: give the telemetry process's nice value, an integer from 0 "
             f"(the rank's own priority) to 19 (the lowest; default {DEFAULT_NICE})"
         )
-    return nice
+    return None
+
+
+def validate_nice(nice: Any) -> int:
+    """``nice`` as an int in 0..19, else a ConfigError naming ``telemetry.nice``."""
+    problem = nice_problem(nice)
+    if problem is not None:
+        raise ConfigError(problem)
+    return int(nice)
 
 
 COLLECTOR_SCHEDS: tuple[str, ...] = ("auto", "idle", "normal")
@@ -116,14 +127,22 @@ CPU is busy, a SCHED_IDLE collector preempted while it holds the telemetry proce
 the sampling thread too (here: up to 1.4 s without a sample; docs/telemetry.md)."""
 
 
-def validate_collector_sched(value: Any) -> str:
-    """``value`` if it is one of :data:`COLLECTOR_SCHEDS`, else a ConfigError naming the field."""
+def collector_sched_problem(value: Any) -> str | None:
+    """Why ``value`` is not one of :data:`COLLECTOR_SCHEDS`, naming the field; None when it is."""
     if value not in COLLECTOR_SCHEDS:
-        raise ConfigError(
-            f"telemetry.collector_sched={value!r}: use one of {', '.join(COLLECTOR_SCHEDS)} (auto = idle "
-            "where the rank has a CPU to spare, normal = the rank's own policy; default "
+        return (
+            f"telemetry.collector_sched={value!r} is not valid; use one of [{', '.join(COLLECTOR_SCHEDS)}] "
+            "(auto = idle where the rank has a CPU to spare, normal = the rank's own policy; default "
             f"{DEFAULT_COLLECTOR_SCHED})"
         )
+    return None
+
+
+def validate_collector_sched(value: Any) -> str:
+    """``value`` if it is one of :data:`COLLECTOR_SCHEDS`, else a ConfigError naming the field."""
+    problem = collector_sched_problem(value)
+    if problem is not None:
+        raise ConfigError(problem)
     return str(value)
 
 
@@ -199,15 +218,25 @@ def resolve_collector_sched(
     return ("idle", why) if usable > busy else ("normal", why + ": none to spare")
 
 
+def sampler_problem(mode: Any) -> str | None:
+    """Why ``mode`` is not one of :data:`SAMPLER_MODES`, naming ``telemetry.sampler``; None when
+    it is."""
+    if mode not in SAMPLER_MODES:
+        return (
+            f"telemetry.sampler={mode!r} is not valid; use one of [{', '.join(SAMPLER_MODES)}] "
+            f"(auto = a separate telemetry process, falling back to a thread where one cannot start; "
+            f"default {DEFAULT_SAMPLER})"
+        )
+    return None
+
+
 def resolve_sampler_mode(mode: str, hz: float) -> str:
     """``thread`` or ``process`` for ``telemetry.sampler`` = ``mode``; ConfigError if unknown.
     ``auto`` is a process at every rate (a session falls back to a thread where a process cannot
     be had: a Backend object, options that cannot cross, a process that does not start)."""
-    if mode not in SAMPLER_MODES:
-        raise ConfigError(
-            f"telemetry.sampler={mode!r} is not a sampler mode; use one of {', '.join(SAMPLER_MODES)} "
-            "(auto = a separate telemetry process, falling back to a thread where one cannot start)"
-        )
+    problem = sampler_problem(mode)
+    if problem is not None:
+        raise ConfigError(problem)
     return "process" if mode == "auto" else mode
 
 

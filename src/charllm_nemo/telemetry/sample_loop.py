@@ -87,16 +87,31 @@ def counter_every(hz: float, counter_hz: float | None) -> int:
     positive number."""
     if counter_hz is None:
         return AUTO_EVERY
-    try:
-        value = float(counter_hz)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value > 0:
-        raise ConfigError(
-            f"telemetry.counter_hz={counter_hz!r} is not a positive rate; use e.g. 10 (Hz), or null to "
-            "derive it from the measured cost of a counter read"
-        )
-    return max(1, round(hz / value))
+    problem = counter_hz_problem(counter_hz)
+    if problem is not None:
+        raise ConfigError(problem)
+    return max(1, round(hz / float(counter_hz)))
+
+
+def counter_hz_problem(counter_hz: object) -> str | None:
+    """Why ``counter_hz`` is not a counter rate (None, or a positive finite number; not a bool,
+    not text), naming ``telemetry.counter_hz``; None when it is. The one check: the config's
+    checks and :func:`counter_every` ask it."""
+    if counter_hz is None:
+        return None
+    ok = False
+    if not isinstance(counter_hz, (bool, str, bytes)):
+        try:
+            value = float(counter_hz)  # type: ignore[arg-type]
+            ok = math.isfinite(value) and value > 0
+        except (TypeError, ValueError):
+            ok = False
+    if ok:
+        return None
+    return (
+        f"telemetry.counter_hz={counter_hz!r} is not a positive finite rate; use e.g. "
+        "telemetry.counter_hz=10 (Hz), or null to derive it from the measured cost of a counter read"
+    )
 
 
 def counter_read_cost_ns(

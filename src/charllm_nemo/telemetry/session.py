@@ -2,7 +2,8 @@
 stopped together. This is what training integrations (the Megatron-Core loop, later the NeMo
 callback) hold.
 
-    with TelemetrySession(out_dir, backend="auto", hz=100, rank=r, world_size=w) as tel:
+    options = SessionOptions(backend="auto", hz=100)
+    with TelemetrySession(out_dir, options, placement=Placement(rank=r, world_size=w)) as tel:
         wid = tel.windows.begin("step", step=0)
         ...
         tel.windows.end(wid)
@@ -33,51 +34,38 @@ manifest ``killed``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
-import platform
 import signal
-import socket
-import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import charllm_nemo
 from charllm_nemo.devices.base import Backend, activity_input
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.redact import redact_secrets
-from charllm_nemo.telemetry.clock import clock_at_start
 from charllm_nemo.telemetry.engine import Engine, ThreadEngine
+from charllm_nemo.telemetry.manifest import session_manifest
 from charllm_nemo.telemetry.placement import (
-    DEFAULT_COLLECTOR_SCHED,
-    DEFAULT_NICE,
     local_ranks_from_env,
     open_rank_backend,
     resolve_collector_sched,
     resolve_sampler_mode,
-    validate_collector_sched,
-    validate_nice,
 )
 from charllm_nemo.telemetry.process.engine import ProcessEngine
 from charllm_nemo.telemetry.process.parent import ProcessSampler
 from charllm_nemo.telemetry.sample_loop import (
     AUTO_EVERY,
     COUNTER_READ_BUDGET,
-    DEFAULT_COUNTER_HZ,
-    DEFAULT_HZ,
     counter_every,
     effective_counter_every,
     figures_period_ns,
 )
-from charllm_nemo.telemetry.sampler import (
-    Row,
-    SamplerHealth,
-    validate_hz,
-)
+from charllm_nemo.telemetry.sampler import Row, SamplerHealth
+from charllm_nemo.telemetry.session_options import MEGATRON_LABELS, Placement, SessionOptions
 from charllm_nemo.telemetry.store import (
     DISK_FULL,
     RankStore,
@@ -91,115 +79,67 @@ from charllm_nemo.telemetry.windows import WindowRecorder
 
 log = logging.getLogger("charllm_nemo.telemetry")
 
-_ENV_KEYS = (
-    "SLURM_JOB_ID",
-    "SLURM_JOB_NAME",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_JOB_NODELIST",
-    "CUDA_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-)
-
-
-def package_versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out: dict[str, str | None] = {
-        "python": platform.python_version(),
-        "charllm-nemo": charllm_nemo.__version__,
-    }
-    for dist in (
-        "numpy",
-        "pyarrow",
-        "nvidia-ml-py",
-        "amdsmi",
-        "torch",
-        "megatron-core",
-        "nemo-toolkit",
-        "wandb",
-    ):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
 
 class TelemetrySession:
     """Telemetry for one rank. Construct, then :meth:`start` (or use as a context manager).
 
-    ``devices``: host device indices to sample; None = this rank's own device
-    (see :func:`default_device_indices`) for a real backend, device 0 for synthetic.
-    ``backend_options`` go to the backend (synthetic: ``activity``, ``params``, ``count``).
-    ``live_window_s``: how many seconds of samples stay in memory for :meth:`step_figures`.
-    ``sampler``: ``auto`` (a telemetry process where one can be had, else a thread), ``process``
-    or ``thread`` (see the module doc). In process mode the telemetry process opens the backend
-    again by name; this process keeps its own handle for the device identities. ``nice``: the
-    telemetry process's nice value (0-19; default 0, the rank's own; 19 where a CPU is free for
-    it: it then seldom preempts training; threads in the training process keep its priority).
-    ``collector_sched``: the telemetry process's collector thread's policy, ``auto`` / ``idle`` /
-    ``normal`` (:data:`~charllm_nemo.telemetry.process.parent.DEFAULT_COLLECTOR_SCHED`); for
-    ``auto``, ``local_ranks`` (this node's ranks; None:
-    :func:`~charllm_nemo.telemetry.process.parent.local_ranks_from_env`) and
-    ``rank_threads`` (the CPU threads each keeps busy: 1 on a GPU, its intra-op threads on a CPU)
-    (:func:`~charllm_nemo.telemetry.process.parent.resolve_collector_sched`).
-    ``overwrite``: this rank's folder may hold an earlier run, whose files are removed first
-    (default: StoreError, before anything starts). ``counter_hz``: how often the cumulative
-    counters (energy, violation times, PCIe/NVLink bytes) are read where a backend reads them
-    apart (None, the default: derived from the measured cost of a read,
-    :data:`~charllm_nemo.telemetry.sample_loop.COUNTER_READ_BUDGET`; a number: that rate); the
-    rows between hold null for them, and live figures wait for the next counter read past a
-    window's end. ``driver_buffers``: also store the driver's own sample
-    buffers where a device keeps them (NVML: power, SM clock, utilization;
-    ``buffered-NNNNNN.parquet``, telemetry/buffered.py); no cost where none does.
+    ``options``: how it runs (:class:`~charllm_nemo.telemetry.session_options.SessionOptions`,
+    checked when made; None: every default). ``placement``: who this rank is
+    (:class:`~charllm_nemo.telemetry.session_options.Placement`: rank, local rank, world size,
+    the node's ranks, its parallel ranks, which label every window; None: a single process,
+    ``Placement()``, whose node's ranks come from ``LOCAL_WORLD_SIZE`` /
+    ``SLURM_NTASKS_PER_NODE`` for ``collector_sched=auto``). ``config``: the run's
+    configuration, written into the manifest. ``handle_signals``: install the SIGTERM handler
+    (:meth:`_on_sigterm`; main thread only); False where the host owns SIGTERM. A session from a
+    config: telemetry/config.py ``open_session``.
+
+    In process mode the telemetry process opens the backend again by name; this process keeps
+    its own handle for the device identities. The counters' rate: with ``counter_hz=None`` it is
+    derived here from the measured cost of a counter read, once, and handed on as a rate so
+    that the sampler (thread or process) applies the same n; live figures wait for the next
+    counter read past a window's end.
     """
 
     def __init__(
         self,
         out_dir: str | os.PathLike[str],
+        options: SessionOptions | None = None,
         *,
-        backend: str | Backend = "auto",
-        hz: float = DEFAULT_HZ,  # the one declaration of the default rate
-        rank: int = 0,
-        local_rank: int = 0,
-        world_size: int = 1,
+        placement: Placement | None = None,
         config: dict[str, Any] | None = None,
-        devices: Sequence[int] | None = None,
-        flush_interval_s: float = 0.5,
-        live_window_s: float = 120.0,
-        backend_options: dict[str, Any] | None = None,
         handle_signals: bool = True,
-        sampler: str = "auto",
-        nice: int = DEFAULT_NICE,
-        collector_sched: str = DEFAULT_COLLECTOR_SCHED,
-        local_ranks: int | None = None,
-        rank_threads: int = 1,
-        overwrite: bool = False,
-        counter_hz: float | None = DEFAULT_COUNTER_HZ,
-        driver_buffers: bool = True,
-        export: dict[str, Any] | None = None,
     ) -> None:
-        self.hz = validate_hz(hz)
-        self._driver_buffers = bool(driver_buffers)
-        every = counter_every(self.hz, counter_hz)  # a bad rate fails here, before anything opens
-        nice = validate_nice(nice)
-        validate_collector_sched(collector_sched)
-        mode = resolve_sampler_mode(sampler, self.hz)
-        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        opts = SessionOptions() if options is None else options
+        if not isinstance(opts, SessionOptions):
+            raise TypeError(
+                f"TelemetrySession(options={opts!r}): give a SessionOptions, e.g. "
+                "TelemetrySession(out_dir, SessionOptions(backend='synthetic', hz=100))"
+            )
+        place = Placement() if placement is None else placement
+        if not isinstance(place, Placement):
+            raise TypeError(
+                f"TelemetrySession(placement={place!r}): give a Placement, e.g. "
+                "placement=Placement(rank=1, local_rank=1, world_size=2, local_world_size=2)"
+            )
+        self.options = opts
+        self.placement = place
+        self._handle_signals = handle_signals
+        self.hz = opts.hz
+        every = counter_every(self.hz, opts.counter_hz)
+        mode = resolve_sampler_mode(opts.sampler, self.hz)
+        self.rank, self.local_rank, self.world_size = place.rank, place.local_rank, place.world_size
         self.out_dir = Path(out_dir)
         # Before anything starts: an earlier run's files in this rank's folder (StoreError, or
         # removed with overwrite), so that its segments are never read as this run's.
-        clear_rank_folder(rank_dir(self.out_dir, rank), overwrite=overwrite)
+        clear_rank_folder(rank_dir(self.out_dir, self.rank), overwrite=opts.store.overwrite)
         self.windows = WindowRecorder()
-        self._handle_signals = handle_signals
-        self._flush_interval_s = flush_interval_s
-        self._live_window_s = live_window_s
-        options = dict(backend_options or {})
+        known = {k: v for k, v in place.labels.items() if k in MEGATRON_LABELS or k == "vpp_chunk"}
+        if known:
+            self.windows.set_labels(**known)
+        backend_options = dict(opts.backend_options)
+        backend = opts.backend
         if mode == "process" and not isinstance(backend, str):
-            if sampler == "process":
+            if opts.sampler == "process":
                 raise ConfigError(
                     "telemetry.sampler='process' needs a backend name (the telemetry process opens it "
                     "itself), not a Backend object; pass backend='nvml' / 'amdsmi' / 'synthetic' or "
@@ -208,7 +148,7 @@ class TelemetrySession:
             mode = "thread"
         if isinstance(backend, str):
             self.backend = open_rank_backend(
-                backend, devices, rank=rank, local_rank=local_rank, options=options
+                backend, opts.devices, rank=self.rank, local_rank=self.local_rank, options=backend_options
             )
         else:
             self.backend = backend
@@ -216,10 +156,7 @@ class TelemetrySession:
         # Live figures wait for a slot whose counters were read (telemetry.sample_loop): every
         # n-th where a device reads them apart (NVML), every slot elsewhere.
         self.counter_every = effective_counter_every(self.backend.devices, every, self.hz)
-        """Sampling slots per counter read (1: the counters come with every sample); with
-        ``counter_hz=None`` derived here from the measured cost of a counter read
-        (telemetry/sample_loop.py ``COUNTER_READ_BUDGET``), once, and handed on as a rate so
-        that the sampler (thread or process) applies the same n."""
+        """Sampling slots per counter read (1: the counters come with every sample)."""
         self.counter_rate = {
             "every": self.counter_every,
             "hz": self.hz / self.counter_every,
@@ -237,46 +174,27 @@ class TelemetrySession:
             self.windows.add_listener(activity)
         process: ProcessSampler | None = None
         if mode == "process":
-            ranks = local_ranks_from_env(os.environ, world_size) if local_ranks is None else local_ranks
-            policy, why = resolve_collector_sched(collector_sched, ranks, rank_threads)
-            self.collector_sched = {"setting": collector_sched, "policy": policy, "why": why}
-            # The backend the parent ended up with (auto resolved, index fallback applied); the
-            # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
-            named = backend == self.source or self.source == "synthetic"
-            try:
-                process = ProcessSampler(
-                    self.source,
-                    [d.identity.index for d in self.backend.devices],
-                    options if named else {},
-                    self.hz,
-                    source=self.source,
-                    store={
-                        "rank_dir": rank_dir(self.out_dir, rank),
-                        "flush_interval_s": flush_interval_s,
-                        "live_window_s": live_window_s,
-                        "driver_buffers": self._driver_buffers,
-                        "export": export,  # telemetry.export (telemetry/export/): the process's
-                        "out_dir_option": out_dir_option(config),  # the disk-full line's words
-                    },
-                    nice=nice,
-                    collector_sched=policy,
-                    counter_hz=counter_hz,
-                )
-            except ConfigError as exc:
-                if sampler == "process":
-                    self.backend.close()
-                    raise
-                log.info("telemetry: sampling in a thread: %s", exc)
-                mode = "thread"
-                self.collector_sched = None  # no telemetry process, no collector thread
+            # the node's ranks: the placement's, or the launcher's word for a session given none
+            local_ranks = local_ranks_from_env(os.environ) if placement is None else place.local_world_size
+            process = self._process_sampler(backend, backend_options, config, local_ranks)
+            mode = "process" if process is not None else "thread"
         self.sampler_mode = mode
-        if export and mode != "process":
+        if opts.process.export and mode != "process":
             log.warning(
                 "telemetry.export=%s runs in the telemetry process; this rank samples in a thread, so "
                 "nothing is exported (use telemetry.sampler=auto or process)",
-                export.get("mode"),
+                opts.process.export.get("mode"),
             )
-        self.store = RankStore(self.out_dir, rank, self._manifest(config), writes_segments=mode == "thread")
+        manifest = session_manifest(
+            placement=place,
+            backend=self.backend,
+            hz=self.hz,
+            sampler_mode=mode,
+            counter_rate=self.counter_rate,
+            collector_sched=self.collector_sched,
+            config=config,
+        )
+        self.store = RankStore(self.out_dir, self.rank, manifest, writes_segments=mode == "thread")
         self.store.segments.out_dir_option = out_dir_option(config)
         self.compact_at_close = True
         """At close, the rank folder's segments become a few large files (telemetry/compact.py)."""
@@ -292,52 +210,66 @@ class TelemetrySession:
         self._closed_fully = False
         self._final_status = "running"  # close() sets it: what the manifest says at the end
 
+    def _process_sampler(
+        self,
+        asked: str | Backend,
+        backend_options: dict[str, Any],
+        config: dict[str, Any] | None,
+        local_ranks: int,
+    ) -> ProcessSampler | None:
+        """The telemetry process's sampler for this session (not started), with its collector
+        policy resolved (``self.collector_sched`` says which and why); None where it cannot be
+        had and ``sampler=auto`` (then this rank samples in a thread). ``asked``: the backend
+        the options named; ``local_ranks``: the node's ranks (``collector_sched=auto``)."""
+        opts = self.options
+        setting = opts.process.collector_sched
+        policy, why = resolve_collector_sched(setting, local_ranks, opts.process.rank_threads)
+        self.collector_sched = {"setting": setting, "policy": policy, "why": why}
+        # The backend this process ended up with (auto resolved, index fallback applied); the
+        # options went to it only if it was named or is synthetic (auto gives nvml / amdsmi none).
+        named = asked == self.source or self.source == "synthetic"
+        export = None if opts.process.export is None else dict(opts.process.export)
+        try:
+            return ProcessSampler(
+                self.source,
+                [d.identity.index for d in self.backend.devices],
+                backend_options if named else {},
+                self.hz,
+                store={
+                    "rank_dir": rank_dir(self.out_dir, self.rank),
+                    "flush_interval_s": opts.store.flush_interval_s,
+                    "live_window_s": opts.store.live_window_s,
+                    "driver_buffers": opts.store.driver_buffers,
+                    "export": export,  # telemetry.export (telemetry/export/): the process's
+                    "out_dir_option": out_dir_option(config),  # the disk-full line's words
+                },
+                process=dataclasses.replace(opts.process, collector_sched=policy),
+                counter_hz=self._counter_hz,
+            )
+        except ConfigError as exc:
+            if opts.sampler == "process":
+                self.backend.close()
+                raise
+            log.info("telemetry: sampling in a thread: %s", exc)
+            self.collector_sched = None  # no telemetry process, no collector thread
+            return None
+
     def _thread_engine(self, counter_hz: float | None, earlier_windows: int = 0) -> ThreadEngine:
         return ThreadEngine(
             self.backend.devices,
             self.hz,
             source=self.source,
             store=self.store,
-            flush_interval_s=self._flush_interval_s,
-            live_window_s=self._live_window_s,
+            storing=self.options.store,
             figures_period_ns=self.figures_period_ns,
             counter_hz=counter_hz,
             earlier_windows=earlier_windows,
-            driver_buffers=self._driver_buffers,
         )
 
     @property
     def sampler(self) -> Any:
         """The engine's sampler (a thread's :class:`Sampler` or a ``ProcessSampler``)."""
         return self.engine.sampler
-
-    def _manifest(self, config: dict[str, Any] | None) -> dict[str, Any]:
-        manifest = {
-            "kind": "charllm-nemo telemetry",
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "world_size": self.world_size,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "argv": list(sys.argv),
-            "backend": self.source,
-            "synthetic": self.source == "synthetic",
-            "sampling_hz": self.hz,
-            "sampler_mode": self.sampler_mode,
-            "counter_reads": self.counter_rate,
-            "collector_sched": self.collector_sched,
-            "devices": [d.identity.to_dict() for d in self.backend.devices],
-            "supported_metrics": {str(d.identity.index): d.supported_metrics() for d in self.backend.devices},
-            "started_wall_ns": time.time_ns(),
-            "started_mono_ns": time.monotonic_ns(),
-            "clock": clock_at_start(),
-            "versions": package_versions(),
-            "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
-            "config": config or {},
-        }
-        # Redacted once, here: every rewrite of the manifest (close, a lost telemetry process, a
-        # kill) starts from this dict, so none holds a token or password of the config or argv.
-        return redact_secrets(manifest)  # type: ignore[no-any-return]
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> TelemetrySession:

@@ -60,7 +60,6 @@ from typing import Any
 
 from charllm_nemo.devices.factory import process_plan
 from charllm_nemo.errors import ConfigError
-from charllm_nemo.telemetry.placement import DEFAULT_NICE, validate_collector_sched, validate_nice
 from charllm_nemo.telemetry.process import mark_ring
 from charllm_nemo.telemetry.process import ring as shm
 from charllm_nemo.telemetry.process.mark_ring import MarkWriter
@@ -93,6 +92,7 @@ from charllm_nemo.telemetry.sample_loop import (
     validate_hz,
 )
 from charllm_nemo.telemetry.schema import METRICS
+from charllm_nemo.telemetry.session_options import ProcessOptions
 
 _H_DEADLINES_MISSED = shm.H_HEALTH + shm.HEALTH_FIELDS.index("deadlines_missed")
 _H_DEVICES_LOST = shm.H_HEALTH + shm.HEALTH_FIELDS.index("devices_lost")
@@ -117,10 +117,10 @@ class ProcessSampler:
     the first mark) and ``cpu`` is the training process's CPU use. ``capacity``: ring rows
     (default: 16 s at ``hz`` for every device, at least 4096). ``store`` (required): ``rank_dir``,
     ``flush_interval_s`` (s), ``live_window_s`` (s): the child writes that rank's segments and
-    answers figure requests (see the module doc). ``nice``: the child's nice value (:data:`DEFAULT_NICE`).
-    ``collector_sched``: ``idle`` or ``normal``, its collector thread's policy
-    (:data:`DEFAULT_COLLECTOR_SCHED`; ``auto`` is resolved by :func:`resolve_collector_sched`).
-    ``counter_hz``: as for :class:`~charllm_nemo.telemetry.sampler.Sampler`.
+    answers figure requests (see the module doc). ``process``: the child's nice value and its
+    collector thread's policy, ``idle`` or ``normal`` (``auto`` is resolved by
+    :func:`resolve_collector_sched` first); None: the defaults (telemetry/session_options.py
+    ``ProcessOptions``). ``counter_hz``: as for :class:`~charllm_nemo.telemetry.sampler.Sampler`.
     """
 
     mode = "process"
@@ -131,22 +131,21 @@ class ProcessSampler:
         devices: Sequence[int] | None = None,
         backend_options: dict[str, Any] | None = None,
         hz: float = DEFAULT_HZ,
-        source: str | None = None,
         *,
         capacity: int | None = None,
         store: dict[str, Any],
-        nice: int = DEFAULT_NICE,
-        collector_sched: str = "normal",
+        process: ProcessOptions | None = None,
         counter_hz: float | None = DEFAULT_COUNTER_HZ,
     ) -> None:
         self.hz = validate_hz(hz)
         self.counter_every = counter_every(self.hz, counter_hz)
-        self.nice = validate_nice(nice)
-        if validate_collector_sched(collector_sched) == "auto":
+        settings = ProcessOptions() if process is None else process
+        if settings.collector_sched == "auto":
             raise ConfigError("ProcessSampler takes collector_sched idle or normal; resolve auto first")
-        self.collector_sched = collector_sched
+        self.nice = settings.nice
+        self.collector_sched = settings.collector_sched
         self.period_ns = round(1e9 / self.hz)
-        self.source = source or backend
+        self.source = backend
         self.backend_name = backend
         self.devices = None if devices is None else [int(i) for i in devices]
         n_dev = len(self.devices) if self.devices is not None else 8
