@@ -19,6 +19,7 @@ import pytest
 
 from charllm_nemo.telemetry.process.child import arrow_pool_env
 from charllm_nemo.telemetry.session import TelemetrySession
+from charllm_nemo.telemetry.session_options import SessionOptions
 
 JEMALLOC = "jemalloc" in pa.supported_memory_backends()
 
@@ -61,7 +62,7 @@ def test_the_telemetry_process_is_started_with_it(
     else:
         monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
     backend_here = pa.default_memory_pool().backend_name
-    with TelemetrySession(tmp_path, backend="synthetic", handle_signals=False) as tel:
+    with TelemetrySession(tmp_path, SessionOptions(backend="synthetic"), handle_signals=False) as tel:
         assert tel.sampler_mode == "process"
         child = _environ(tel.sampler.pid)
     want = chosen or ("jemalloc" if JEMALLOC else None)
