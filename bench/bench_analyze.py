@@ -12,13 +12,21 @@ windows file per rank in both layouts). Uncompacted: one samples segment per ``-
 shared machine's wall time says more about its neighbours than about the analysis), then the
 ratios.
 
+Growth (issue #45): with ``--scales 1 2 4`` (the default) the compacted store is written again with
+2x and 4x the samples per rank (the same ranks, a longer run) and analysed once each; printed:
+each size's wall and CPU time and the ratio per doubling of the rows (linear growth: <= 2.3).
+``--scales 1`` skips it. The Spark engine's growth is bench/bench_spark.py's (a few minutes of
+two ranks: Spark on local[2] over a 32-rank hour would take hours on this machine).
+
 Usage: .venv/bin/python bench/bench_analyze.py [--ranks 32] [--seconds 3600] [--hz 100]
-       [--segment-s 0.5] [--repeats 3] [--dir DIR]
+       [--segment-s 0.5] [--repeats 3] [--dir DIR] [--layouts compacted] [--scales 1 2 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import shutil
 import statistics
@@ -130,6 +138,30 @@ def files_in(run: Path) -> int:
     return sum(1 for _ in run.rglob("*.parquet"))
 
 
+def growth(args: argparse.Namespace, root: Path, base: tuple[float, float, int]) -> None:
+    """Analyse compacted stores of ``args.scales`` x the rows (1: the median just measured) and
+    print the ratio per doubling."""
+    sizes = [(1, base[0], base[1])] if 1 in args.scales else []
+    for scale in sorted(s for s in args.scales if s != 1):
+        run = root / f"x{scale}" / "run"
+        seconds = args.seconds * scale
+        total = sum(make_rank(run, r, seconds, args.hz, seconds, args.ranks) for r in range(args.ranks))
+        write_summary(run, {"status": "complete", "model": "bench", "world_size": args.ranks})
+        wall, cpu, rss, _ = analyze_once(run, root / f"out-x{scale}")
+        shutil.rmtree(run.parent, ignore_errors=True)
+        sizes.append((scale, wall, cpu))
+        print(f"x{scale}: {args.ranks} ranks x {seconds:g} s = {total:,} samples, compacted: "
+              f"wall {wall:.2f} s, CPU {cpu:.2f} s, RSS {rss / 2**20:.0f} MiB, "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    steps = [
+        f"x{a[0]}->x{b[0]}: CPU x{(b[2] / a[2]) ** (1 / math.log2(b[0] / a[0])):.2f}, "
+        f"wall x{(b[1] / a[1]) ** (1 / math.log2(b[0] / a[0])):.2f}"
+        for a, b in itertools.pairwise(sizes)
+    ]
+    if steps:
+        print(f"growth per doubling of the rows (linear: <= 2.3): {'; '.join(steps)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=32)
@@ -149,6 +181,13 @@ def main() -> int:
         default=["uncompacted", "compacted"],
         choices=["uncompacted", "compacted"],
         help="compacted alone writes one segment per rank (no 7,200 files per rank-hour to write)",
+    )
+    ap.add_argument(
+        "--scales",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="also analyse compacted stores of these multiples of --seconds, once each (1 alone: none)",
     )
     args = ap.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-analyze-"))
@@ -185,6 +224,8 @@ def main() -> int:
             floor = sorted(duckdb_floor(run) for _ in range(args.repeats))[args.repeats // 2]
             print(f"{layout}: DuckDB floor, same files (per-rank means, peaks): wall {floor[0]:.2f} s, "
                   f"CPU {floor[1]:.2f} s; analyze / floor CPU x{cpu / floor[1]:.1f}")  # fmt: skip
+        if "compacted" in results:
+            growth(args, root, results["compacted"])
         if len(results) < 2:
             return 0
         (uw, uc, _), (cw, cc, _) = results["uncompacted"], results["compacted"]

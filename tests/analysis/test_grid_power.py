@@ -255,3 +255,29 @@ def test_a_clock_years_off_is_left_out_with_a_problem_not_allocated_for(tmp_path
     wf = job_waveform(open_run(tmp_path, tmp_path), GridOptions(), problems)
     assert wf is not None and wf.n_gpus == 1
     assert any("rank 1 device 0" in p and "--wave-step-ms" in p for p in problems)
+
+
+def test_swing_and_ramps_equal_their_per_iteration_definition() -> None:
+    """grid_metrics.swing / ramps reduce every iteration at once (issue #45); each figure equals
+    the per-iteration loop it replaced, with uncovered points, overlapping and cut-off ranges."""
+    from charllm_nemo.analysis import grid_metrics as gm
+
+    rng = np.random.default_rng(3)
+    x = 300 + 400 * (np.arange(5000) % 50 < 30) + rng.normal(0, 5, 5000)
+    x[rng.choice(5000, 40, replace=False)] = np.nan
+    bounds = [(a, a + int(rng.integers(2, 80))) for a in range(0, 5000, 37)]  # some overlap, one runs off
+    vals = [float(np.max(x[a:b]) - np.min(x[a:b])) for a, b in bounds if np.isfinite(x[a:b]).all()]
+    sw = gm.swing(x, bounds)
+    assert sw.iterations == len(vals) > 0 and 0 < len(vals) < len(bounds)
+    assert sw.p50_w == float(np.median(vals)) and sw.max_w == max(vals)
+    dt, k = 0.01, 3
+    r = (x[k:] - x[:-k]) / (k * dt)
+    up, down = [], []
+    for a, b in bounds:
+        seg = r[a : max(a, min(b, len(r)))]
+        if len(seg) and np.isfinite(seg).all():
+            up.append(max(0.0, float(np.max(seg))))
+            down.append(max(0.0, float(-np.min(seg))))
+    rp = gm.ramps(x, dt, bounds, k * dt)
+    for got, want in ((rp.up, up), (rp.down, down)):
+        assert got == (float(np.percentile(want, 50)), float(np.percentile(want, 99)), max(want))

@@ -70,11 +70,35 @@ class Swing:
     max_w: float
 
 
+def _covered_ranges(x: Array, lo: Array, hi: Array) -> tuple[Array, Array]:
+    """Of the ranges ``x[lo[k]:hi[k]]`` (each non-empty, within ``x``), those without NaN, in order."""
+    bad = np.concatenate(([0], np.cumsum(~np.isfinite(x))))
+    keep = bad[hi] == bad[lo]
+    return lo[keep], hi[keep]
+
+
+def _range_max_min(x: Array, lo: Array, hi: Array) -> tuple[Array, Array]:
+    """max and min of each ``x[lo[k]:hi[k]]`` (non-empty, possibly overlapping), in one pass each."""
+    idx = np.empty(2 * lo.size, dtype=np.intp)
+    idx[0::2], idx[1::2] = lo, hi
+    padded = np.append(x, x[-1:])  # so that hi == len(x) is a valid reduceat index
+    return np.maximum.reduceat(padded, idx)[0::2], np.minimum.reduceat(padded, idx)[0::2]
+
+
+def _bounds_arrays(bounds: list[tuple[int, int]]) -> tuple[Array, Array]:
+    b = np.asarray(bounds, dtype=np.intp).reshape(-1, 2)
+    return b[:, 0], b[:, 1]
+
+
 def swing(x: Array, bounds: list[tuple[int, int]]) -> Swing:
     """Peak-to-trough of ``x`` inside each iteration; an iteration with an uncovered point is left out."""
-    vals = [float(np.max(x[a:b]) - np.min(x[a:b])) for a, b in bounds if np.isfinite(x[a:b]).all()]
-    if not vals:
+    lo, hi = _bounds_arrays(bounds)
+    hi = np.minimum(hi, len(x))
+    lo, hi = _covered_ranges(x, lo[hi > lo], hi[hi > lo])
+    if not lo.size:
         return Swing(0, math.nan, math.nan)
+    mx, mn = _range_max_min(x, lo, hi)
+    vals = mx - mn
     return Swing(len(vals), float(np.median(vals)), float(np.max(vals)))
 
 
@@ -102,13 +126,13 @@ def ramps(x: Array, dt: float, bounds: list[tuple[int, int]], window_s: float) -
     if len(x) <= k:
         return Ramps((math.nan, math.nan, math.nan), (math.nan, math.nan, math.nan))
     r = (x[k:] - x[:-k]) / (k * dt)
-    up, down = [], []
-    for a, b in bounds:
-        seg = r[a : max(a, min(b, len(r)))]
-        if len(seg) and np.isfinite(seg).all():
-            up.append(max(0.0, float(np.max(seg))))
-            down.append(max(0.0, float(-np.min(seg))))
-    return Ramps(_stats(up), _stats(down))
+    lo, hi = _bounds_arrays(bounds)
+    hi = np.maximum(lo, np.minimum(hi, len(r)))  # each iteration's rates that lie inside r
+    lo, hi = _covered_ranges(r, lo[hi > lo], hi[hi > lo])
+    if not lo.size:
+        return Ramps(_stats([]), _stats([]))
+    mx, mn = _range_max_min(r, lo, hi)
+    return Ramps(_stats(list(np.where(mx > 0.0, mx, 0.0))), _stats(list(np.where(-mn > 0.0, -mn, 0.0))))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from charllm_nemo.analysis.arrow_init import settle_pandas_check
+from charllm_nemo.analysis.arrow_init import keep_freed_memory, settle_pandas_check
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import validate_summary
 from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, RunFiles, read_bounded, read_json, scan_run
@@ -35,6 +35,7 @@ from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
 
 settle_pandas_check()  # the analysis builds Arrow tables, never pandas ones: pandas is not imported
+keep_freed_memory()  # the analysis's arrays reuse freed memory (here and in its worker processes)
 
 MAX_DEPTH = 6
 """How deep below the given path run directories are looked for (a sweep is two levels)."""
@@ -235,14 +236,16 @@ def _numpy(table: pa.Table, names: list[str]) -> dict[str, np.ndarray[Any, Any]]
     n = table.num_rows
     out: dict[str, np.ndarray[Any, Any]] = {}
     for name in names:
-        if name not in table.column_names:
-            out[name] = np.full(n, np.nan) if name in FLOAT_METRICS else np.full(n, INT_NULL, np.int64)
+        col = table.column(name) if name in table.column_names else None
+        floating = name in FLOAT_METRICS if col is None else pa.types.is_floating(col.type)
+        if col is None or (n and col.null_count == n):  # absent or all null: no conversion
+            out[name] = np.full(n, np.nan) if floating else np.full(n, INT_NULL, np.int64)
             continue
-        col = table.column(name)
-        if pa.types.is_floating(col.type):
+        if floating:
             out[name] = col.to_numpy().astype(np.float64, copy=False)
         else:
-            out[name] = np.asarray(pc.fill_null(col, INT_NULL).to_numpy(), dtype=np.int64)
+            col = pc.fill_null(col, INT_NULL) if col.null_count else col
+            out[name] = np.asarray(col.to_numpy(), dtype=np.int64)
     return out
 
 

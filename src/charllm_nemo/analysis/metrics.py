@@ -102,11 +102,9 @@ def largest_rise(t_ns: IntArray, p: FloatArray, horizon_ns: int) -> FloatArray:
     filled = np.where(ok, p, -np.inf)
     padded = np.concatenate((filled, np.full(width, -np.inf)))
     best = np.full(n, -np.inf)
-    idx = np.arange(n)
+    reach = end - np.arange(n)  # sample i + k is within the horizon when k < reach[i]
     for k in range(1, width):  # width is samples per horizon (10 at 100 Hz, 100 ms), not rows
-        cand = padded[idx + k]
-        cand = np.where(idx + k < end, cand, -np.inf)
-        np.maximum(best, cand, out=best)
+        np.maximum(best, np.where(reach > k, padded[k : k + n], -np.inf), out=best)
     rise = np.maximum(best - filled, 0.0)
     out[ok] = rise[ok]
     return out

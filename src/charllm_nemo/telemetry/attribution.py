@@ -53,6 +53,7 @@ from charllm_nemo.telemetry.timelines import (
     MJ_PER_J,
     NS_PER_S,
     IntArray,
+    Searches,
     _as_float64,
     _as_int64,
     _coverage,
@@ -62,6 +63,7 @@ from charllm_nemo.telemetry.timelines import (
     _Series,
     counter_delta,
     held_time,
+    inside,
     integrate_power,
     sample_period_ns,
 )
@@ -314,8 +316,10 @@ def attribute_windows(
     dur_s = (t1 - t0).astype(np.float64) / NS_PER_S
     out: dict[str, np.ndarray[Any, Any]] = {"duration_s": np.where(valid, dur_s, np.nan)}
 
+    memo: Searches = {}  # each search of these windows' edges in the same times, done once
+
     def floats(name: str) -> _Series:
-        return _Series(t, _as_float64(cols[name]) if name in cols else np.full(t.size, np.nan))
+        return _Series(t, _as_float64(cols[name]) if name in cols else np.full(t.size, np.nan), memo)
 
     def ints(name: str) -> tuple[IntArray, IntArray]:
         c = _as_int64(cols[name]) if name in cols else np.full(t.size, INT_NULL, dtype=np.int64)
@@ -323,8 +327,7 @@ def attribute_windows(
 
     if want("n_samples", "coverage", "interpolated", "gap_max_s"):
         # Coverage, over all samples whatever their metrics hold.
-        lo = np.searchsorted(t, t0, side="left")
-        hi = np.searchsorted(t, t1, side="left")
+        lo, hi = inside(t, t0, t1, memo)
         n_in = (hi - lo).astype(np.int64)
         period = sample_period_ns(t) if sample_period_s is None else sample_period_s * NS_PER_S
         coverage, gap_max = _coverage(t, t0, t1, period)
@@ -392,7 +395,8 @@ def attribute_windows(
     if want("power_swing_w"):
         # Both ends sampled values; one sample inside swings by nothing it showed: NaN.
         swing = instant.sampled_extreme(np.maximum, t0, t1) - instant.sampled_extreme(np.minimum, t0, t1)
-        n_in = np.searchsorted(instant.t, t1, side="left") - np.searchsorted(instant.t, t0, side="left")
+        lo, hi = inside(instant.t, t0, t1, memo)
+        n_in = hi - lo
         out["power_swing_w"] = np.where(n_in >= 2, swing, np.nan)
     if want("power_ramp_up_w_s", "power_ramp_down_w_s"):
         out["power_ramp_up_w_s"], out["power_ramp_down_w_s"] = instant.sampled_ramps(t0, t1)
@@ -410,7 +414,15 @@ def attribute_windows(
         names = [name for name, _ in THROTTLE_REASONS if want(f"throttle_{name}_s")]
         bits = np.array([THROTTLE_BITS[name] for name in names] + [_LIMITING_BITS], dtype=np.int64)
         tm, mask = ints("throttle_reasons")
-        held = _held(tm, (mask[:, None] & bits[None, :]) != 0, t0, t1)
+        # A bit no sample set is held for no time: 0 where the samples bracket the window, NaN
+        # where they do not, as _held gives for a flag never set; only the bits some sample set
+        # take the (samples x bits) pass (a run sets one or two of the twelve).
+        seen = int(np.bitwise_or.reduce(mask)) if mask.size else 0
+        live = (bits & seen) != 0
+        held = np.empty((m, bits.size))
+        held[:, ~live] = _held(tm, np.zeros(tm.size, dtype=bool), t0, t1)[:, None]
+        if live.any():
+            held[:, live] = _held(tm, (mask[:, None] & bits[None, live]) != 0, t0, t1)
         for j, name in enumerate(names):
             out[f"throttle_{name}_s"] = held[:, j]
         out["throttle_any_limiting_s"] = held[:, -1]

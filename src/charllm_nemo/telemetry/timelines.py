@@ -102,14 +102,36 @@ def _checked_times(t_ns: Any) -> IntArray:
     return t
 
 
-class _Series:
-    """A float metric's non-null samples: a piecewise-linear curve through (t, v)."""
+Searches = dict[tuple[int, int, int], tuple[Any, ...]]
+"""Memo of :func:`inside`: the times and edges searched and their positions, kept together (the
+arrays held alive with their ids, so an id is never reused while the memo lives)."""
 
-    def __init__(self, t: IntArray, v: FloatArray) -> None:
+
+def inside(
+    t: IntArray, t0: IntArray, t1: IntArray, memo: Searches | None = None
+) -> tuple[IndexArray, IndexArray]:
+    """(lo, hi): the samples ``t[lo:hi]`` with t0 <= t < t1, per window. With ``memo``, a search
+    of the same arrays is done once (one attribution call asks it of the same times and edges
+    for several figures: peaks, swings, ramps, coverage). The results are read-only to callers."""
+    key = (id(t), id(t0), id(t1))
+    hit = memo.get(key) if memo is not None else None
+    if hit is None:
+        hit = (t, t0, t1, np.searchsorted(t, t0, side="left"), np.searchsorted(t, t1, side="left"))
+        if memo is not None:
+            memo[key] = hit
+    return hit[3], hit[4]
+
+
+class _Series:
+    """A float metric's non-null samples: a piecewise-linear curve through (t, v); ``memo``:
+    shared by the series of one attribution call (:func:`inside`)."""
+
+    def __init__(self, t: IntArray, v: FloatArray, memo: Searches | None = None) -> None:
         ok = ~np.isnan(v)
         self.t: IntArray = t if ok.all() else t[ok]
         self.v: FloatArray = v if ok.all() else v[ok]
         self._cum: FloatArray | None = None
+        self._memo = memo
 
     def covers(self, t0: IntArray, t1: IntArray) -> BoolArray:
         """Windows the samples bracket: a sample at-or-before t0 and one at-or-after t1."""
@@ -184,11 +206,10 @@ class _Series:
         out = np.full(t0.shape, np.nan)
         if self.t.size == 0:
             return out
-        lo = np.searchsorted(self.t, t0, side="left")
-        hi = np.searchsorted(self.t, t1, side="left")
-        inside = (hi > lo) & self.covers(t0, t1)
-        if inside.any():
-            out[inside] = _range_reduce(ufunc, self.v, lo[inside], hi[inside])
+        lo, hi = inside(self.t, t0, t1, self._memo)
+        some = (hi > lo) & self.covers(t0, t1)
+        if some.any():
+            out[some] = _range_reduce(ufunc, self.v, lo[some], hi[some])
         return out
 
     def sampled_ramps(self, t0: IntArray, t1: IntArray) -> tuple[FloatArray, FloatArray]:
@@ -200,8 +221,7 @@ class _Series:
         up, down = np.full(t0.shape, np.nan), np.full(t0.shape, np.nan)
         if self.t.size < 2:
             return up, down
-        lo = np.searchsorted(self.t, t0, side="left")
-        hi = np.searchsorted(self.t, t1, side="left")
+        lo, hi = inside(self.t, t0, t1, self._memo)
         ok = (hi - lo >= 2) & self.covers(t0, t1)
         if ok.any():
             slope = np.diff(self.v) / (np.diff(self.t).astype(np.float64) / NS_PER_S)
