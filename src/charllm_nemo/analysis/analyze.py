@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from charllm_nemo.analysis.arrow_init import keep_freed_memory
 from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_csv
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
@@ -90,7 +91,7 @@ def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=keep_freed_memory) as pool:
         # Each task carries its own rank's paths only (a task carrying the whole run made the
         # pickling, hence the call, quadratic in the rank count); tasks go in chunks.
         chunk = max(1, len(files) // (workers * 8))
@@ -133,6 +134,7 @@ def analyze(
     told how many runs are read (charllm_nemo/progress.py); ``grid``: how the job power waveform
     is read (:mod:`.grid_power`; None: the defaults). Raises StoreError only when there is
     no run at all; anything else becomes a line of ``problems``."""
+    keep_freed_memory()  # this process's allocation policy, set when an analysis runs, not at import
     root = Path(path)
     run_dirs = find_runs(root)
     if progress is not None:

@@ -52,7 +52,9 @@ def keep_freed_memory() -> None:
     freed blocks up to :data:`_KEEP_BYTES` (arrays up to 32 MiB from its heap, the heap not
     trimmed below that). Measured on a 32-rank hour (docs/benchmarks.md): a third of the
     analysis's CPU time was the kernel's, zeroing pages; this leaves a tenth. Only allocation
-    policy changes, never a value; a platform without glibc keeps its defaults."""
+    policy changes, never a value; a platform without glibc keeps its defaults. Called when an
+    analysis runs (:func:`~charllm_nemo.analysis.analyze.analyze` and its worker processes),
+    never at import: a user's process that imports the package keeps its own allocators."""
     pa.set_memory_pool(pa.system_memory_pool())
     if not sys.platform.startswith("linux"):
         return

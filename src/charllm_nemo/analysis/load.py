@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from charllm_nemo.analysis.arrow_init import keep_freed_memory, settle_pandas_check
+from charllm_nemo.analysis.arrow_init import settle_pandas_check
 from charllm_nemo.errors import StoreError
 from charllm_nemo.telemetry.filecheck import validate_summary
 from charllm_nemo.telemetry.layout import SIZE_CAPS, RankFiles, RunFiles, read_bounded, read_json, scan_run
@@ -35,7 +35,6 @@ from charllm_nemo.telemetry.schema import FLOAT_METRICS, INT_METRICS, INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
 
 settle_pandas_check()  # the analysis builds Arrow tables, never pandas ones: pandas is not imported
-keep_freed_memory()  # the analysis's arrays reuse freed memory (here and in its worker processes)
 
 MAX_DEPTH = 6
 """How deep below the given path run directories are looked for (a sweep is two levels)."""
