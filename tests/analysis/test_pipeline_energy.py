@@ -52,7 +52,10 @@ def test_pipeline_bloat_matches_wait_time_x_sampled_power_and_the_profile_loads(
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "charllm_nemo.cli", "train", "model=tiny_gpt", f"parallel.pp={pp}",
            f"nproc={pp}", "telemetry=synthetic", f"telemetry.out_dir={run}", f"batch.train_steps={STEPS}",
-           f"batch.global_batch_size={batch}", "logger=none"]  # fmt: skip
+           f"batch.global_batch_size={batch}", "logger=none",
+           # 500 Hz: a stage's waits in three CPU steps can total ~30 ms, three samples at 100 Hz
+           # (one on a loaded machine); at 500 Hz ~15
+           "telemetry.hz=500"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=deadline(400))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     out = tmp_path / "analysis"
