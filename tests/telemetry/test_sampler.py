@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from charllm_nemo.devices.base import DeviceIdentity
 from charllm_nemo.errors import ConfigError, DeviceLost
+from charllm_nemo.telemetry import sample_loop
 from charllm_nemo.telemetry.reader import to_arrays
 from charllm_nemo.telemetry.sample_loop import (
     AUTO_EVERY,
@@ -60,20 +62,38 @@ class GaugedDevice(ScriptedDevice):
         return tuple(None if m.cumulative else v for m, v in zip(METRICS, self.reading, strict=True))
 
 
+class _StepClock:
+    """The sample loop's ``time``: every read of the clock moves it 1 µs, so a slot never runs a
+    period late however the machine schedules the test (a descheduled test skipped slots)."""
+
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def monotonic_ns(self) -> int:
+        self.ns += 1_000
+        return self.ns
+
+    def time_ns(self) -> int:
+        return self.monotonic_ns() + 1_700_000_000 * 10**9
+
+    perf_counter_ns = monotonic_ns
+
+
 def _loop(devices, slots: int, every: int):
-    """run_sample_loop for ``slots`` slots (no waiting), then its final sample: the rows, the
-    times on_slot was told, the health."""
+    """run_sample_loop for ``slots`` slots (no waiting, on a clock of its own), then its final
+    sample: the rows, the times on_slot was told, the health."""
     rows, told, h = [], [], SamplerHealth(hz=100.0)
-    run_sample_loop(
-        devices,
-        10_000_000,
-        h,
-        rows.append,
-        lambda: h.slots >= slots,
-        sleep=lambda s: None,
-        on_slot=told.append,
-        counter_every=every,
-    )
+    with mock.patch.object(sample_loop, "time", _StepClock()):
+        run_sample_loop(
+            devices,
+            10_000_000,
+            h,
+            rows.append,
+            lambda: h.slots >= slots,
+            sleep=lambda s: None,
+            on_slot=told.append,
+            counter_every=every,
+        )
     return rows, told, h
 
 
