@@ -35,17 +35,22 @@ def _start(out: Path, seconds: float = 30.0, sampler: str = "auto") -> subproces
     )
 
 
-def _wait_for_segments(out: Path, n: int, timeout: float = 20.0) -> None:
+def _wait_for_segments(out: Path, n: int, timeout: float = 20.0, rows: int = 0) -> None:
+    """Until ``n`` sample segments, holding ``rows`` samples in all, are stored (a loaded machine
+    samples fewer than 100 a second: the count is waited for, not assumed)."""
+    import pyarrow.parquet as pq
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if len(list(out.glob("rank=0/samples-*.parquet"))) >= n:
+        files = list(out.glob("rank=0/samples-*.parquet"))
+        if len(files) >= n and (not rows or sum(pq.read_metadata(f).num_rows for f in files) >= rows):
             return
         time.sleep(0.05)
-    raise AssertionError(f"no {n} segments appeared in {out}")
+    raise AssertionError(f"no {n} segments of {rows} samples appeared in {out}")
 
 
 def _kill_between_flushes(out: Path, proc: subprocess.Popen[bytes], group: bool) -> int:
-    _wait_for_segments(out, 3)
+    _wait_for_segments(out, 3, deadline(20), rows=100)
     time.sleep(0.7)  # land somewhere between two flushes
     killed_at = time.monotonic_ns()  # CLOCK_MONOTONIC is system-wide: comparable with samples
     if group:
