@@ -29,7 +29,7 @@ from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
 from charllm_nemo.analysis.kernels import kernel_table
-from charllm_nemo.analysis.load import Run, find_runs, open_run
+from charllm_nemo.analysis.load import Run, find_runs, open_runs
 from charllm_nemo.analysis.pipeline_energy import pipeline_tables
 from charllm_nemo.analysis.rank_tables import RankTables, reduce_files
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
@@ -145,12 +145,7 @@ def analyze(
     writer: pq.ParquetWriter | None = None
     out_file: AtomicOutput | None = None  # windows_out, renamed into place once every run is read
     try:
-        for d in run_dirs:
-            try:
-                run = open_run(d, root)
-            except StoreError as exc:
-                problems.append(f"{d}: skipped: {exc}")
-                continue
+        for run in open_runs(run_dirs, root, problems):
             runs.append(run)
             infos.append(run_info(run))
             hosts = {r: str(m.get("host") or "?") for r, m in run.manifests.items()}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,16 @@ def _yaml_config(files: RunFiles, problems: list[str]) -> dict[str, Any]:
         problems.append(f"{files.config}: not a mapping; manifest config used")
         return {}
     return data
+
+
+def open_runs(run_dirs: Iterable[Path], root: Path, problems: list[str]) -> Iterator[Run]:
+    """Each run directory opened (:func:`open_run`); one that cannot be is skipped with a line
+    in ``problems``."""
+    for d in run_dirs:
+        try:
+            yield open_run(d, root)
+        except StoreError as exc:
+            problems.append(f"{d}: skipped: {exc}")
 
 
 def open_run(path: Path, root: Path) -> Run:

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from charllm_nemo.analysis.analyze import KEPT_WINDOW_COLUMNS, Analysis, assemble, rank_rows
 from charllm_nemo.analysis.grid_power import GridOptions
-from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, _numpy, find_runs, open_run
+from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, _numpy, find_runs, open_runs
 from charllm_nemo.analysis.rank_tables import rank_tables
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.errors import StoreError
@@ -181,12 +181,8 @@ def spark_analysis(session: Any, path: str | Path, grid: GridOptions | None = No
     window_files: list[tuple[str, Path, Path]] = []
     order: Order = {}
     hosts: dict[tuple[str, int], str] = {}
-    for d in run_dirs:
-        try:
-            run = open_run(d, root)
-        except StoreError as exc:
-            problems.append(f"{d}: skipped: {exc}")
-            continue
+    for run in open_runs(run_dirs, root, problems):
+        d = run.path
         runs.append(run)
         infos.append(run_info(run))
         for r, rf in sorted(run.files.ranks.items()):
