@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 DOCS_SKIPPED = "docs_skipped"  # = tests/test_docs.py SKIPPED_KEY
 
@@ -22,3 +26,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"docs test: {len(lines)} command(s) not run as written, and why:")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """The root logger's handlers and the package's level as they were before each test.
+
+    ``charllm`` commands run in-process (``main([...])``) call ``logging.basicConfig``, which binds
+    a handler to the ``sys.stderr`` of that moment: pytest's capture file, closed after the test.
+    Left on the root, every later log line in the same worker fails with "Logging error" text on
+    stderr, which tests that read stderr then see (CI failure of test_disk_full, 2026-12-06)."""
+    handlers = list(logging.root.handlers)
+    root_level = logging.root.level
+    pkg = logging.getLogger("charllm_nemo")
+    pkg_level = pkg.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(root_level)
+    pkg.setLevel(pkg_level)

@@ -123,18 +123,8 @@ def test_telemetry_refuses_an_earlier_run_unless_told_to_replace_it(
     assert main([*args, "--overwrite"]) == 0
 
 
-@pytest.fixture
-def logging_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What configure_logging changes (the root's handlers, the package's level) is put back."""
-    import logging
-
-    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
-    pkg = logging.getLogger("charllm_nemo")
-    monkeypatch.setattr(pkg, "level", pkg.level)
-
-
 def test_verbose_before_train_reaches_every_rank(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], logging_restored: None
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from charllm_nemo.train.worker import LOG_LEVEL_ENV
 
@@ -145,9 +135,7 @@ def test_verbose_before_train_reaches_every_rank(
     assert os.environ[LOG_LEVEL_ENV] == "INFO"  # the ranks read it (train/worker.py)
 
 
-def test_rank_logging_follows_the_environment(
-    monkeypatch: pytest.MonkeyPatch, logging_restored: None
-) -> None:
+def test_rank_logging_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
 
     from charllm_nemo.train.worker import LOG_LEVEL_ENV, configure_logging
