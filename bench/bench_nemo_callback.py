@@ -182,6 +182,18 @@ class _TimedTimer:
         return getattr(self._timer, name)
 
 
+def timed_listener(fn: Any, acc: list[float]) -> Any:
+    """``fn`` (a mark listener), its training-thread CPU added to ``acc[0]``."""
+    cpu = time.thread_time
+
+    def timed(kind: str, name: str, is_begin: bool) -> None:
+        c = cpu()
+        fn(kind, name, is_begin)
+        acc[0] += cpu() - c
+
+    return timed
+
+
 def interleaved_callback(
     out_dir: str,
     warmup: int,
@@ -212,6 +224,7 @@ def interleaved_callback(
             for config, _inner in self._timers_patched:
                 config.timers = self._timed[id(config)][0 if on else 1]
             self.timers_acc[0] = self.timers_acc[1] = 0.0
+            self.model_acc[0] = 0.0
             if on:
                 t, c = clock(), cpu()
                 on_prof()
@@ -236,6 +249,7 @@ def interleaved_callback(
             if on and trainer.global_step - 1 >= warmup:
                 times["hooks"].append(self.wall + clock() - t)
                 times["hooks_cpu"].append(self.busy + cpu() - c)
+                times["model_cpu"].append(self.model_acc[0])
             if trainer.global_step - 1 >= warmup:
                 arm = "on" if on else "off"
                 times[f"timers_{arm}"].append(self.timers_acc[0])
@@ -248,6 +262,11 @@ def interleaved_callback(
                 id(c): (TimedTimers(c.timers, self.timers_acc, profile), TimedTimers(inner, self.timers_acc))
                 for c, inner in self._timers_patched
             }
+            # The synthetic device's model follows every mark (a listener on the training thread):
+            # its CPU is timed apart, a real device (NVML, AMD SMI) has no such listener.
+            self.model_acc = [0.0]
+            listeners = self.telemetry.session.windows.listeners
+            listeners[:] = [timed_listener(fn, self.model_acc) for fn in listeners]
             if stop_child:
                 self.child = self.telemetry.session.engine.pid
                 self.telemetry.max_figure_wait_s = 0.0  # a stopped process answers late: never wait
@@ -290,6 +309,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
             "off",
             "hooks",
             "hooks_cpu",
+            "model_cpu",
             "timers_on",
             "timers_off",
             "timers_cpu_on",
@@ -319,6 +339,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         "pairs": pairs,
         "hooks": times["hooks"],
         "hooks_cpu": times["hooks_cpu"],
+        "model_cpu": times["model_cpu"],
         **{k: times[k] for k in ("timers_on", "timers_off", "timers_cpu_on", "timers_cpu_off")},
         "load": os.getloadavg()[0],
     }
@@ -508,6 +529,13 @@ def report_a(args: argparse.Namespace, a: dict[str, Any]) -> None:
             f"{adapter * 1e3:.3f} ms [{lo * 1e3:.3f}, {hi * 1e3:.3f}]; hooks + adapter "
             f"{(statistics.median(hooks) + adapter) * 1e3:.3f} ms a step"
         )
+    model = statistics.median(a["model_cpu"])
+    adapter = statistics.median(a["timers_cpu_on"]) - statistics.median(a["timers_cpu_off"])
+    print(
+        f"of which the synthetic device's model (a listener of every mark; a real device has none): "
+        f"{model * 1e3:.3f} ms a step; hooks + adapter without it: "
+        f"{(statistics.median(a['hooks_cpu']) + adapter - model) * 1e3:.3f} ms a step (training-thread CPU)"
+    )
     med_on, med_off = statistics.median(on), statistics.median(off)
     lo, hi = bootstrap_ratio(on, off)
     print(f"median step: ON {med_on * 1e3:.2f} ms, OFF {med_off * 1e3:.2f} ms")

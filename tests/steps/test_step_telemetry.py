@@ -77,12 +77,20 @@ def test_the_adapter_asks_the_inner_timers_until_megatron_has_made_the_timer(mon
     inner = timers_mod.Timers(log_level=1, log_option="max")
     st = StepTelemetry(None, Placement(), recorder=WindowRecorder())
     timers = st.timers(inner=inner)
+    asked: list[tuple[Any, ...]] = []  # the inner Timers' calls, counted
+    ask = type(inner).__call__.__get__(inner)
+    monkeypatch.setattr(type(inner), "__call__", lambda self, *a, **k: asked.append(a) or ask(*a, **k))
     st.begin_step(0)
     dummy = timers("forward-compute", log_level=2)
     assert dummy._theirs is inner._dummy_timer
-    real = timers("forward-compute", log_level=1)
+    assert timers("forward-compute", log_level=2) is dummy  # their dummy again: kept, not asked
+    assert timers("backward-compute", log_level=2)._theirs is inner._dummy_timer
+    assert len(asked) == 2
+    real = timers("forward-compute", log_level=1)  # not kept for level 1: asked, the real one made
     assert real._theirs is inner._timers["forward-compute"]
+    # the kept dummy answer for level 2 is not given once the name has its real timer
     assert timers("forward-compute") is real and timers("forward-compute", log_level=2) is real
+    assert len(asked) == 3
     real.start()
     dummy.stop()  # one window: the open state is the name's, whichever wrapper marks it
     st.end_step()
