@@ -182,18 +182,6 @@ class _TimedTimer:
         return getattr(self._timer, name)
 
 
-def timed_listener(fn: Any, acc: list[float]) -> Any:
-    """``fn`` (a mark listener), its training-thread CPU added to ``acc[0]``."""
-    cpu = time.thread_time
-
-    def timed(kind: str, name: str, is_begin: bool) -> None:
-        c = cpu()
-        fn(kind, name, is_begin)
-        acc[0] += cpu() - c
-
-    return timed
-
-
 def interleaved_callback(
     out_dir: str,
     warmup: int,
@@ -201,6 +189,7 @@ def interleaved_callback(
     times: dict[str, list[float]],
     profile: Any = None,
     stop_child: bool = False,
+    without_model: bool = False,
 ) -> Any:
     from charllm_nemo.integrations.nemo import PowerThermalCallback
 
@@ -224,7 +213,6 @@ def interleaved_callback(
             for config, _inner in self._timers_patched:
                 config.timers = self._timed[id(config)][0 if on else 1]
             self.timers_acc[0] = self.timers_acc[1] = 0.0
-            self.model_acc[0] = 0.0
             if on:
                 t, c = clock(), cpu()
                 on_prof()
@@ -249,7 +237,6 @@ def interleaved_callback(
             if on and trainer.global_step - 1 >= warmup:
                 times["hooks"].append(self.wall + clock() - t)
                 times["hooks_cpu"].append(self.busy + cpu() - c)
-                times["model_cpu"].append(self.model_acc[0])
             if trainer.global_step - 1 >= warmup:
                 arm = "on" if on else "off"
                 times[f"timers_{arm}"].append(self.timers_acc[0])
@@ -262,11 +249,8 @@ def interleaved_callback(
                 id(c): (TimedTimers(c.timers, self.timers_acc, profile), TimedTimers(inner, self.timers_acc))
                 for c, inner in self._timers_patched
             }
-            # The synthetic device's model follows every mark (a listener on the training thread):
-            # its CPU is timed apart, a real device (NVML, AMD SMI) has no such listener.
-            self.model_acc = [0.0]
-            listeners = self.telemetry.session.windows.listeners
-            listeners[:] = [timed_listener(fn, self.model_acc) for fn in listeners]
+            if without_model:  # what a real device costs: no model follows the marks
+                self.telemetry.session.windows.listeners.clear()
             if stop_child:
                 self.child = self.telemetry.session.engine.pid
                 self.telemetry.max_figure_wait_s = 0.0  # a stopped process answers late: never wait
@@ -309,7 +293,6 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
             "off",
             "hooks",
             "hooks_cpu",
-            "model_cpu",
             "timers_on",
             "timers_off",
             "timers_cpu_on",
@@ -322,7 +305,13 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
 
         profile = cProfile.Profile()
     cb = interleaved_callback(
-        os.path.join(tmp, "run"), args.warmup, args.log_to, times, profile, args.stop_child
+        os.path.join(tmp, "run"),
+        args.warmup,
+        args.log_to,
+        times,
+        profile,
+        stop_child=args.stop_child,
+        without_model=args.without_model,
     )
     start, end = clocks(times, args.warmup, lambda s: "on" if is_on(s) else "off")
     run_recipe(args, tmp, [start, cb, end])
@@ -339,7 +328,6 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
         "pairs": pairs,
         "hooks": times["hooks"],
         "hooks_cpu": times["hooks_cpu"],
-        "model_cpu": times["model_cpu"],
         **{k: times[k] for k in ("timers_on", "timers_off", "timers_cpu_on", "timers_cpu_off")},
         "load": os.getloadavg()[0],
     }
@@ -508,6 +496,7 @@ def report_a(args: argparse.Namespace, a: dict[str, Any]) -> None:
         f"{args.log_to!r} with the recipe's TensorBoard logger; {len(on)} ON / {len(off)} OFF steps after "
         f"{args.warmup} warm-up, ABBA in one process"
         + ("; the telemetry process stopped in the OFF steps" if args.stop_child else "")
+        + ("; without the synthetic device's mark listener" if args.without_model else "")
         + f"; load average {a['load']:.1f} on {os.cpu_count()} CPUs"
     )
     for key, what in (("hooks", "wall"), ("hooks_cpu", "training-thread CPU")):
@@ -529,13 +518,6 @@ def report_a(args: argparse.Namespace, a: dict[str, Any]) -> None:
             f"{adapter * 1e3:.3f} ms [{lo * 1e3:.3f}, {hi * 1e3:.3f}]; hooks + adapter "
             f"{(statistics.median(hooks) + adapter) * 1e3:.3f} ms a step"
         )
-    model = statistics.median(a["model_cpu"])
-    adapter = statistics.median(a["timers_cpu_on"]) - statistics.median(a["timers_cpu_off"])
-    print(
-        f"of which the synthetic device's model (a listener of every mark; a real device has none): "
-        f"{model * 1e3:.3f} ms a step; hooks + adapter without it: "
-        f"{(statistics.median(a['hooks_cpu']) + adapter - model) * 1e3:.3f} ms a step (training-thread CPU)"
-    )
     med_on, med_off = statistics.median(on), statistics.median(off)
     lo, hi = bootstrap_ratio(on, off)
     print(f"median step: ON {med_on * 1e3:.2f} ms, OFF {med_off * 1e3:.2f} ms")
@@ -567,6 +549,12 @@ def main() -> None:
         help="part a: SIGSTOP the telemetry process in the OFF steps (its CPU in the ON arm only)",
     )
     ap.add_argument("--skip-a", action="store_true", help="part b only")
+    ap.add_argument(
+        "--without-model",
+        action="store_true",
+        help="part a: the synthetic device's model, which follows every mark on the training thread, "
+        "taken off (a real device, NVML or AMD SMI, has none): the hooks and adapter as they cost there",
+    )
     ap.add_argument(
         "--compare-threads",
         action="store_true",
