@@ -390,6 +390,8 @@ def test_grad_norm_is_read_fresh_each_step_and_a_stale_one_is_none() -> None:
     assert read(t) is None  # the same cached value next step: not logged anew
     t._results["optimizer_step.grad_norm"]._forward_cache = torch.tensor(0.75)
     assert read(t) == pytest.approx(0.75)
+    t._results = {"training_step.grad_norm": Metric(2.0)}  # another collection, another key: found
+    assert read(t) == pytest.approx(2.0)
 
 
 BAD_OPTIONS = {

@@ -322,16 +322,19 @@ class _LoggedGradNorm:
 
     def __init__(self) -> None:
         self._last: Any = None  # the tensor read last step (held, so that its id is not reused)
+        self._key: str | None = None  # the collection's key of it, once found (a scan fewer a step)
 
     def __call__(self, trainer: Any) -> float | None:
         results = getattr(trainer, "_results", None)
         if results is None:
             return None
         try:
-            value = next(
-                (getattr(m, "_forward_cache", None) for k, m in results.items() if k.endswith(".grad_norm")),
-                None,
-            )
+            metric = results.get(self._key) if self._key is not None else None
+            if metric is None:
+                self._key, metric = next(
+                    ((k, m) for k, m in results.items() if k.endswith(".grad_norm")), (None, None)
+                )
+            value = getattr(metric, "_forward_cache", None)
             if value is None or value is self._last:
                 return None
             self._last = value
