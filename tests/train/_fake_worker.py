@@ -3,7 +3,7 @@
 Selected with CHARLLM_WORKER_TARGET=_fake_worker:run (tests/train on PYTHONPATH). What it does
 is set by CHARLLM_FAKE_MODE:
   ok            write <out_dir>/fake/rank<R>.json with the rank's environment and return 0
-  fail:<R>:<C>  rank R exits with code C after a short delay; the others wait to be stopped
+  fail:<R>:<C>  rank R exits with code C once the others are ready; the others wait to be stopped
   hang          write <out_dir>/fake/rank<R>.ready, then wait; on SIGTERM (SystemExit from the
                 worker's handler) write <out_dir>/fake/rank<R>.flushed and exit
 """
@@ -38,6 +38,12 @@ def run(cfg: Any) -> int:
     if mode.startswith("fail:"):
         _, bad, code = mode.split(":")
         if rank == int(bad):
+            # once every other rank runs (its .ready written): on a loaded machine a rank still
+            # importing when the launcher stops it cannot have its SIGTERM handler yet
+            others = [out / f"rank{r}.ready" for r in range(int(os.environ["WORLD_SIZE"])) if r != rank]
+            deadline = time.monotonic() + 120
+            while not all(p.exists() for p in others) and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(0.3)
             print(f"fake rank {rank} failing with {code}", flush=True)
             return int(code)
