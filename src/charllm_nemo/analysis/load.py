@@ -273,12 +273,14 @@ def load_rank_arrays(run: Run, r: int, problems: list[str]) -> RankArrays | None
     return rank_arrays(run.files.ranks[r], problems)
 
 
-def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
-    """One rank's samples and windows from its files alone (what a worker process is sent:
-    this rank's paths, never the whole run); None (with a line in ``problems``) when it has no
-    readable samples."""
+def rank_arrays(
+    files: RankFiles, problems: list[str], columns: tuple[str, ...] = SAMPLE_COLUMNS
+) -> RankArrays | None:
+    """One rank's samples (``columns`` of them) and windows from its files alone (what a worker
+    process is sent: this rank's paths, never the whole run); None (with a line in
+    ``problems``) when it has no readable samples."""
     r = files.rank
-    samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(SAMPLE_COLUMNS))
+    samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(columns))
     windows = read_segments(files.windows, "windows", WINDOWS_SCHEMA, problems)
     if samples is None or samples.num_rows == 0:
         problems.append(f"{files.folder}: no readable samples; rank skipped")
@@ -288,4 +290,4 @@ def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
     w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
     w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
     w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)
-    return RankArrays(r, _numpy(samples, list(SAMPLE_COLUMNS)), w)
+    return RankArrays(r, _numpy(samples, list(columns)), w)

@@ -149,8 +149,21 @@ null). Large positive values are kept: a 64-bit hardware counter legitimately pa
 only of non-negative counter values, which always fit int64."""
 
 
+def _all_in_bounds(col: Any) -> bool:
+    """True when no value of ``col`` (float64 or int64, nulls aside) is out of bounds: the
+    common case, told by its minimum and maximum (two passes, no temporaries; a NaN makes both
+    NaN, so a float column holding one is not in bounds here). False: not known, check each."""
+    if pa.types.is_floating(col.type):
+        x = (pc.fill_null(col, 0.0) if col.null_count else col).to_numpy()
+        return bool(x.min() >= -MAX_ABS_FLOAT) and bool(x.max() <= MAX_ABS_FLOAT)
+    if col.type != pa.int64():
+        return False
+    low = pc.min(col).as_py()  # nulls skipped; exact in int64
+    return low is None or low > -MAX_ABS_INT
+
+
 def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any:
-    if col.null_count == len(col):
+    if col.null_count == len(col) or _all_in_bounds(col):
         return col
     if pa.types.is_floating(col.type):
         bad = pc.invert(pc.less_equal(pc.abs(col), MAX_ABS_FLOAT))  # NaN compares false: bad
