@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from charllm_nemo.analysis import grid_metrics as gm
 from charllm_nemo.analysis.load import Run
+from charllm_nemo.analysis.metrics import distinct
 from charllm_nemo.errors import ConfigError
 from charllm_nemo.telemetry.reader import CorruptSegmentWarning, read_segments
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
@@ -268,7 +269,7 @@ def rank_wave(
     wall = np.where(sane, mono, 0) + clock.wall_minus_mono_ns
     devs = samples["device_index"]
     devs = np.where(devs == INT_NULL, 0, devs)  # null (and -1): device 0, as the read with nulls as 0 gives
-    for d in np.unique(devs):
+    for d in distinct(devs):
         mine = devs == d
         w, p = wall[mine], power[mine]
         ok = np.isfinite(p) & sane[mine] & (w > 0)

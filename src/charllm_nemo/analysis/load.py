@@ -239,16 +239,22 @@ def _check_ranks(run: Run) -> None:
         )
 
 
+_NAN = np.array(np.nan)
+_INT_NULL = np.array(INT_NULL, np.int64)
+
+
 def _numpy(table: pa.Table, names: list[str]) -> dict[str, np.ndarray[Any, Any]]:
     """Numeric columns -> numpy with the in-memory null convention (NaN floats, INT_NULL ints);
-    a column the table lacks is all-null."""
+    a column the table lacks is all-null. Every array is read-only (Arrow's own memory where it
+    can be); an all-null one is a single null value broadcast over the rows (no memory: most
+    of a backend's metric columns are all null)."""
     n = table.num_rows
     out: dict[str, np.ndarray[Any, Any]] = {}
     for name in names:
         col = table.column(name) if name in table.column_names else None
         floating = name in FLOAT_METRICS if col is None else pa.types.is_floating(col.type)
         if col is None or (n and col.null_count == n):  # absent or all null: no conversion
-            out[name] = np.full(n, np.nan) if floating else np.full(n, INT_NULL, np.int64)
+            out[name] = np.broadcast_to(_NAN if floating else _INT_NULL, (n,))
             continue
         if floating:
             out[name] = col.to_numpy().astype(np.float64, copy=False)

@@ -18,6 +18,14 @@ IntArray = np.ndarray[Any, np.dtype[np.int64]]
 NS_PER_S = 1e9
 
 
+def distinct(values: IntArray) -> IntArray:
+    """``np.unique(values)``, without its hash pass over every row when they all hold one value
+    (a rank's samples are usually of one device)."""
+    if values.size and values.min() == values.max():
+        return values[:1].copy()
+    return np.unique(values)
+
+
 def time_weighted_mean(t_ns: IntArray, x: FloatArray) -> float:
     """Time-weighted mean of a float metric over its own span (trapezoids between consecutive
     non-null samples, divided by the span), in the metric's unit; NaN with fewer than 2

@@ -14,6 +14,7 @@ from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, load_ran
 from charllm_nemo.analysis.metrics import (
     counter_increase,
     counter_update_period_s,
+    distinct,
     held_share,
     largest_rise,
     time_weighted_mean,
@@ -137,7 +138,7 @@ def _device_row(
 def rank_tables(data: RankArrays) -> RankTables:
     """Every table's rows for one rank (all its devices)."""
     s_all, w = data.samples, data.windows
-    dev_ids = np.unique(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
+    dev_ids = distinct(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
     dev_rows: dict[str, list[Any]] = {}
     win_parts: list[Columns] = []
     span_parts: list[Columns] = []

@@ -215,10 +215,17 @@ def read_segments(
         schema = pa.schema([schema.field(c) for c in columns])
     tables = []
     read: list[Path] = []
+
+    def null_ok(name: str, typ: pa.DataType) -> bool:
+        """An all-null column that :func:`conform` takes as it is (no line in ``problems``):
+        left unread, conform makes the same nulls."""
+        want = _kind(schema.field(name).type)
+        return _kind(typ) in _CASTS_TO.get(want, (want,))
+
     budget = UnpackBudget()  # the files held together: a bomb spread over many is refused too
     for p in paths:
         try:
-            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget)
+            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget, null_ok=null_ok)
             tables.append(conform(t, schema, p, kind, problems))
             read.append(p)
         except UnsafeFileError as exc:  # not opened: says which file and why itself
