@@ -37,3 +37,37 @@ def test_quick_bounds_check_agrees_with_the_value_by_value_one(
     else:
         assert got.to_pylist() == after
         assert bool(problems) == (after != values.to_pylist())
+
+
+def test_all_null_columns_are_left_undecoded_and_read_as_the_same_nulls(tmp_path: Path) -> None:
+    """A column whose footer statistics count only nulls is not decoded (``null_ok``); the reader
+    gives the same all-null column as before, and one of the wrong type (strings where watts
+    belong) is still read and reported."""
+    import pyarrow.parquet as pq
+
+    from charllm_nemo.telemetry.layout import read_parquet
+    from charllm_nemo.telemetry.reader import read_segments
+    from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
+
+    seg = tmp_path / "samples-000000.parquet"
+    table = pa.table(
+        {
+            "t_mono_ns": pa.array([1, 2, 3], pa.int64()),
+            "power_instant_w": pa.array([None, None, None], pa.float64()),
+            "energy_mj": pa.array([None, None, None], pa.int64()),
+            "temp_gpu_c": pa.array([None, None, None], pa.string()),
+            "clock_sm_mhz": pa.array([1.0, None, 3.0], pa.float64()),
+        }
+    )
+    pq.write_table(table, seg)
+    cols = table.column_names
+    assert read_parquet(seg, cols).column_names == cols
+    left = read_parquet(seg, cols, null_ok=lambda name, typ: not pa.types.is_string(typ))
+    assert left.column_names == ["t_mono_ns", "temp_gpu_c", "clock_sm_mhz"]
+    problems: list[str] = []
+    got = read_segments((seg,), "samples", SAMPLES_SCHEMA, problems, cols)
+    assert got is not None and got.num_rows == 3
+    for name in ("power_instant_w", "energy_mj", "temp_gpu_c"):
+        assert got.column(name).null_count == 3 and got.column(name).type == SAMPLES_SCHEMA.field(name).type
+    assert got.column("clock_sm_mhz").to_pylist() == [1.0, None, 3.0]
+    assert len(problems) == 1 and "'temp_gpu_c'" in problems[0] and "read as null" in problems[0]

@@ -435,10 +435,10 @@ def attribute_windows(
 
     for name, _ in VIOLATION_COUNTERS:
         if want(f"violation_{name}_s"):
-            out[f"violation_{name}_s"] = _delta(*ints(f"violation_{name}_ns"), t0, t1) / NS_PER_S
+            out[f"violation_{name}_s"] = _delta(*ints(f"violation_{name}_ns"), t0, t1, memo) / NS_PER_S
     for name in _TRAFFIC_COUNTERS:
         if want(name):
-            out[name] = _delta(*ints(name), t0, t1)
+            out[name] = _delta(*ints(name), t0, t1, memo)
 
     invalid = ~valid
     if invalid.any():

@@ -115,10 +115,19 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path, kind: str, problems:
     the wrong type (strings where numbers belong, bytes that are not UTF-8) or missing is all
     null, with a line in ``problems`` naming the file and the column; extra columns dropped."""
     cols = []
+    blank: dict[
+        pa.DataType, pa.Array
+    ] = {}  # one all-null array per type, shared (Arrow arrays are immutable)
+
+    def nulls(typ: pa.DataType) -> pa.Array:
+        if typ not in blank:
+            blank[typ] = pa.nulls(table.num_rows, typ)
+        return blank[typ]
+
     for f in schema:
         want = _kind(f.type)
         if f.name not in table.column_names:
-            cols.append(pa.nulls(table.num_rows, f.type))
+            cols.append(nulls(f.type))
             continue
         col = table.column(f.name)
         got = _kind(col.type)
@@ -132,7 +141,7 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path, kind: str, problems:
             problems.append(
                 f"{path}: {kind} column {printable(f.name)!r} {printable(exc, 120)}; read as null"
             )
-            col = pa.nulls(table.num_rows, f.type)
+            col = nulls(f.type)
         cols.append(_bounded_values(col, f.name, path, problems) if want in ("int", "float") else col)
     return pa.Table.from_arrays(cols, schema=nullable(schema))
 
