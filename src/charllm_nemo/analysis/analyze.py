@@ -28,10 +28,11 @@ from charllm_nemo.analysis.arrow_init import keep_freed_memory
 from charllm_nemo.analysis.csv_cells import csv_schema, spreadsheet_safe, write_csv
 from charllm_nemo.analysis.findings import findings
 from charllm_nemo.analysis.grid_power import GridOptions, grid_tables
+from charllm_nemo.analysis.grid_wave import RankWave, WaveBuilder
 from charllm_nemo.analysis.kernels import kernel_table
 from charllm_nemo.analysis.load import Run, find_runs, open_runs
 from charllm_nemo.analysis.pipeline_energy import pipeline_tables
-from charllm_nemo.analysis.rank_tables import RankTables, reduce_files
+from charllm_nemo.analysis.rank_tables import RankTables, RankTask, reduce_task
 from charllm_nemo.analysis.run_info import run_info, sweep_gaps
 from charllm_nemo.analysis.run_summary import node_table, platform_table, run_table
 from charllm_nemo.errors import StoreError
@@ -79,24 +80,30 @@ def _workers(n_ranks: int) -> int:
     return 1 if n_ranks < POOL_MIN_RANKS else max(1, min(cpus, n_ranks))
 
 
-def _reduced(run: Run) -> Iterator[tuple[int, RankTables | None]]:
+def _reduced(run: Run, wave: WaveBuilder | None) -> Iterator[tuple[int, RankTables | None]]:
     """Each rank's tables in rank order, reduced here or by worker processes (spawned, not
-    forked: DuckDB's threads may be running in this process)."""
+    forked: DuckDB's threads may be running in this process); each rank's part of the job
+    power waveform, made from the same arrays, goes to ``wave`` (None: not made)."""
     workers = _workers(len(run.ranks))
-    files = [run.files.ranks[r] for r in run.ranks]
+    step = wave.options.step_s if wave is not None else None
+    tasks = [RankTask(run.files.ranks[r], run.manifests.get(r, {}), step) for r in run.ranks]
     if workers == 1:
-        results: Iterator[tuple[int, RankTables | None, list[str]]] = map(reduce_files, files)
-        for rank, rt, problems in results:
+        results: Iterator[tuple[int, RankTables | None, RankWave | None, list[str]]] = map(reduce_task, tasks)
+        for rank, rt, part, problems in results:
             run.problems.extend(problems)
+            if wave is not None:
+                wave.add(rank, part)
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=keep_freed_memory) as pool:
         # Each task carries its own rank's paths only (a task carrying the whole run made the
         # pickling, hence the call, quadratic in the rank count); tasks go in chunks.
-        chunk = max(1, len(files) // (workers * 8))
-        for rank, rt, problems in pool.map(reduce_files, files, chunksize=chunk):
+        chunk = max(1, len(tasks) // (workers * 8))
+        for rank, rt, part, problems in pool.map(reduce_task, tasks, chunksize=chunk):
             run.problems.extend(problems)
+            if wave is not None:
+                wave.add(rank, part)
             yield rank, rt
 
 
@@ -113,6 +120,13 @@ def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.
         else:
             arrays[k] = pa.array(v)
     return pa.table(arrays)
+
+
+def _strings(table: pa.Table) -> list[str]:
+    """The string columns of ``table``: the window table's only columns worth a Parquet
+    dictionary (kind, name, run, host: a few values each). A dictionary tried on its float
+    columns (all distinct) is built, abandoned and costs half the write's CPU for nothing."""
+    return [f.name for f in table.schema if pa.types.is_string(f.type)]
 
 
 def _with(table: pa.Table, **consts: Any) -> pa.Table:
@@ -142,6 +156,7 @@ def analyze(
     runs: list[Run] = []
     problems: list[str] = []
     infos, devices, spans, kept = [], [], [], []
+    waves: dict[str, WaveBuilder] = {}  # each run's job power waveform, from the ranks' own read
     writer: pq.ParquetWriter | None = None
     out_file: AtomicOutput | None = None  # windows_out, renamed into place once every run is read
     try:
@@ -150,7 +165,8 @@ def analyze(
             infos.append(run_info(run))
             hosts = {r: str(m.get("host") or "?") for r, m in run.manifests.items()}
             n_ranks = 0
-            for rank, rt in _reduced(run):
+            waves[run.key] = WaveBuilder(run.path, grid or GridOptions())
+            for rank, rt in _reduced(run, waves[run.key]):
                 if rt is None or not rt.devices:
                     continue
                 n_ranks += 1
@@ -162,7 +178,7 @@ def analyze(
                     if windows_out is not None:
                         if writer is None:
                             out_file = AtomicOutput(windows_out)
-                            writer = pq.ParquetWriter(out_file.file, wt.schema)
+                            writer = pq.ParquetWriter(out_file.file, wt.schema, use_dictionary=_strings(wt))
                         writer.write_table(wt.cast(writer.schema))
                     kept.append(wt.select(list(KEPT_WINDOW_COLUMNS)))
             if n_ranks == 0:
@@ -182,7 +198,7 @@ def analyze(
     infos += sweep_gaps(run_dirs, {r.path for r in runs})
     if not runs:
         raise StoreError(f"{root}: no run could be read ({'; '.join(problems) or 'none found'})")
-    analysis = assemble(runs, infos, devices, spans, kept, problems, grid)
+    analysis = assemble(runs, infos, devices, spans, kept, problems, grid, waves)
     analysis.windows_path = windows_out if writer else None
     return analysis
 
@@ -195,17 +211,21 @@ def assemble(
     kept: list[pa.Table],
     problems: list[str],
     grid: GridOptions | None = None,
+    waves: dict[str, WaveBuilder] | None = None,
 ) -> Analysis:
     """Every table from the runs' per-rank rows (``devices``, ``spans`` and the ``kept`` window
     columns, each as :func:`analyze` builds them from :mod:`.rank_tables`): what both engines
-    share once the per-rank reduction is done (the Spark engine's: analysis/spark_windows.py)."""
+    share once the per-rank reduction is done (the Spark engine's: analysis/spark_windows.py).
+    ``waves``: run key -> its job power waveform built during the reduction (a run without one
+    is read again for it)."""
     windows = pa.concat_tables(kept) if kept else None
     tables = _tables(infos, devices, spans, kept)
     stages = _stages(windows)
     kernels = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in runs], problems)
     if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
         tables["kernels"] = kernels
-    tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems))  # docs/analysis.md
+    # docs/analysis.md, The job as the grid sees it:
+    tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems, waves))
     tables.update(pipeline_tables(runs, windows))  # pp_bloat, pp_profile: runs with a pipeline
     return Analysis(tables, runs, problems, None, windows)
 

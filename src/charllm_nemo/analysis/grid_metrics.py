@@ -25,9 +25,10 @@ def resample_linear(t_s: Array, p_w: Array, grid_s: Array, max_gap_s: float) -> 
     delays the waveform by half a sample period nor turns every change into a one-grid-step jump
     (which would read the ramp rate as ``ΔP / grid step``, whatever the true slope)."""
     ok = np.isfinite(p_w) & np.isfinite(t_s)
-    t, p = t_s[ok], p_w[ok]
-    order = np.argsort(t, kind="stable")
-    t, p = t[order], p[order]
+    t, p = (t_s, p_w) if ok.all() else (t_s[ok], p_w[ok])
+    if not bool(np.all(t[1:] >= t[:-1])):  # in order already (the usual case): the sort keeps it
+        order = np.argsort(t, kind="stable")
+        t, p = t[order], p[order]
     out = np.full(len(grid_s), np.nan)
     if len(t) < 2:
         return out

@@ -239,16 +239,22 @@ def _check_ranks(run: Run) -> None:
         )
 
 
+_NAN = np.array(np.nan)
+_INT_NULL = np.array(INT_NULL, np.int64)
+
+
 def _numpy(table: pa.Table, names: list[str]) -> dict[str, np.ndarray[Any, Any]]:
     """Numeric columns -> numpy with the in-memory null convention (NaN floats, INT_NULL ints);
-    a column the table lacks is all-null."""
+    a column the table lacks is all-null. Every array is read-only (Arrow's own memory where it
+    can be); an all-null one is a single null value broadcast over the rows (no memory: most
+    of a backend's metric columns are all null)."""
     n = table.num_rows
     out: dict[str, np.ndarray[Any, Any]] = {}
     for name in names:
         col = table.column(name) if name in table.column_names else None
         floating = name in FLOAT_METRICS if col is None else pa.types.is_floating(col.type)
         if col is None or (n and col.null_count == n):  # absent or all null: no conversion
-            out[name] = np.full(n, np.nan) if floating else np.full(n, INT_NULL, np.int64)
+            out[name] = np.broadcast_to(_NAN if floating else _INT_NULL, (n,))
             continue
         if floating:
             out[name] = col.to_numpy().astype(np.float64, copy=False)
@@ -273,12 +279,14 @@ def load_rank_arrays(run: Run, r: int, problems: list[str]) -> RankArrays | None
     return rank_arrays(run.files.ranks[r], problems)
 
 
-def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
-    """One rank's samples and windows from its files alone (what a worker process is sent:
-    this rank's paths, never the whole run); None (with a line in ``problems``) when it has no
-    readable samples."""
+def rank_arrays(
+    files: RankFiles, problems: list[str], columns: tuple[str, ...] = SAMPLE_COLUMNS
+) -> RankArrays | None:
+    """One rank's samples (``columns`` of them) and windows from its files alone (what a worker
+    process is sent: this rank's paths, never the whole run); None (with a line in
+    ``problems``) when it has no readable samples."""
     r = files.rank
-    samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(SAMPLE_COLUMNS))
+    samples = read_segments(files.samples, "samples", SAMPLES_SCHEMA, problems, list(columns))
     windows = read_segments(files.windows, "windows", WINDOWS_SCHEMA, problems)
     if samples is None or samples.num_rows == 0:
         problems.append(f"{files.folder}: no readable samples; rank skipped")
@@ -288,4 +296,4 @@ def rank_arrays(files: RankFiles, problems: list[str]) -> RankArrays | None:
     w = _numpy(windows, [c for c in WINDOWS_SCHEMA.names if c not in ("kind", "name", "timing")])
     w["kind"] = np.asarray(windows.column("kind").to_pylist(), dtype=object)
     w["name"] = np.asarray(windows.column("name").to_pylist(), dtype=object)
-    return RankArrays(r, _numpy(samples, list(SAMPLE_COLUMNS)), w)
+    return RankArrays(r, _numpy(samples, list(columns)), w)

@@ -18,12 +18,20 @@ IntArray = np.ndarray[Any, np.dtype[np.int64]]
 NS_PER_S = 1e9
 
 
+def distinct(values: IntArray) -> IntArray:
+    """``np.unique(values)``, without its hash pass over every row when they all hold one value
+    (a rank's samples are usually of one device)."""
+    if values.size and values.min() == values.max():
+        return values[:1].copy()
+    return np.unique(values)
+
+
 def time_weighted_mean(t_ns: IntArray, x: FloatArray) -> float:
     """Time-weighted mean of a float metric over its own span (trapezoids between consecutive
     non-null samples, divided by the span), in the metric's unit; NaN with fewer than 2
     non-null samples."""
     ok = ~np.isnan(x)
-    t, v = t_ns[ok], x[ok]
+    t, v = (t_ns, x) if ok.all() else (t_ns[ok], x[ok])  # no copy without nulls
     if t.size < 2 or t[-1] == t[0]:
         return float("nan")
     dt = np.diff(t).astype(np.float64)
@@ -34,7 +42,7 @@ def trapezoid_energy_j(t_ns: IntArray, power_w: FloatArray) -> float:
     """Energy in J: the integral of the power curve (W) over its non-null span; NaN with fewer
     than 2 non-null samples."""
     ok = ~np.isnan(power_w)
-    t, v = t_ns[ok], power_w[ok]
+    t, v = (t_ns, power_w) if ok.all() else (t_ns[ok], power_w[ok])
     if t.size < 2:
         return float("nan")
     dt_s = np.diff(t).astype(np.float64) / NS_PER_S
@@ -50,7 +58,8 @@ def counter_increase(values: IntArray) -> tuple[float, int]:
     from an unknown value, so the interval that holds the reset is left out rather than
     guessed. Returns (increase in the counter's unit as float64, number of decreases); NaN
     increase with fewer than 2 non-null samples."""
-    c = values[values >= 0]
+    known = values >= 0
+    c = values if known.all() else values[known]
     if c.size < 2:
         return float("nan"), 0
     d = np.diff(c)
@@ -64,7 +73,7 @@ def counter_update_period_s(t_ns: IntArray, values: IntArray) -> float:
     (an H200: 100 ms), so an energy over a span is uncertain by up to one period at each end.
     NaN with fewer than two changes."""
     known = values >= 0
-    c, t = values[known], t_ns[known]
+    c, t = (values, t_ns) if known.all() else (values[known], t_ns[known])
     if c.size < 3:
         return float("nan")
     changed = t[1:][np.diff(c) != 0]

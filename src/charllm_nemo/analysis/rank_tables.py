@@ -3,15 +3,18 @@ and each window's excursion figures. Arrays in, column dicts out; nothing per ro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from charllm_nemo.analysis.load import RankArrays, Run, load_rank_arrays, rank_arrays
+from charllm_nemo.analysis.grid_wave import WAVE_SAMPLE_COLUMNS, RankWave, rank_wave
+from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, load_rank_arrays, rank_arrays
 from charllm_nemo.analysis.metrics import (
     counter_increase,
     counter_update_period_s,
+    distinct,
     held_share,
     largest_rise,
     time_weighted_mean,
@@ -135,7 +138,7 @@ def _device_row(
 def rank_tables(data: RankArrays) -> RankTables:
     """Every table's rows for one rank (all its devices)."""
     s_all, w = data.samples, data.windows
-    dev_ids = np.unique(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
+    dev_ids = distinct(s_all["device_index"]) if s_all["t_mono_ns"].size else np.array([], np.int64)
     dev_rows: dict[str, list[Any]] = {}
     win_parts: list[Columns] = []
     span_parts: list[Columns] = []
@@ -245,3 +248,36 @@ def reduce_files(files: RankFiles) -> tuple[int, RankTables | None, list[str]]:
     problems: list[str] = []
     data = rank_arrays(files, problems)
     return files.rank, (rank_tables(data) if data is not None else None), problems
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """What a worker process of :func:`analysis.analyze.analyze` is sent for one rank: its
+    files, its manifest (the waveform's clock and host) and the job power waveform's grid step
+    (s; None: no waveform part)."""
+
+    files: RankFiles
+    manifest: Mapping[str, Any]
+    wave_step_s: float | None
+
+
+_WAVE_ONLY = tuple(c for c in WAVE_SAMPLE_COLUMNS if c not in SAMPLE_COLUMNS)
+"""Sample columns the waveform reads and the tables do not (``t_wall_ns``)."""
+
+
+def reduce_task(task: RankTask) -> tuple[int, RankTables | None, RankWave | None, list[str]]:
+    """:func:`reduce_files` and, from the same arrays (the samples read once), the rank's part of
+    the job power waveform (:func:`.grid_wave.rank_wave`): (rank, its tables or None when it
+    has no samples, its waveform part or None, problems met)."""
+    problems: list[str] = []
+    rank = task.files.rank
+    if task.wave_step_s is None:
+        data = rank_arrays(task.files, problems)
+        return rank, (rank_tables(data) if data is not None else None), None, problems
+    data = rank_arrays(task.files, problems, SAMPLE_COLUMNS + _WAVE_ONLY)
+    if data is None:
+        return rank, None, None, problems
+    wave = rank_wave(task.manifest, data.samples, data.windows, task.wave_step_s)
+    for c in _WAVE_ONLY:
+        del data.samples[c]
+    return rank, rank_tables(data), wave, problems

@@ -317,6 +317,12 @@ def attribute_windows(
     out: dict[str, np.ndarray[Any, Any]] = {"duration_s": np.where(valid, dur_s, np.nan)}
 
     memo: Searches = {}  # each search of these windows' edges in the same times, done once
+    periods: dict[int, tuple[IntArray, float]] = {}  # the sampling period of each timeline, once
+
+    def period_of(times: IntArray) -> float:
+        if id(times) not in periods:
+            periods[id(times)] = (times, sample_period_ns(times))  # the array held: its id not reused
+        return periods[id(times)][1]
 
     def floats(name: str) -> _Series:
         return _Series(t, _as_float64(cols[name]) if name in cols else np.full(t.size, np.nan), memo)
@@ -329,7 +335,7 @@ def attribute_windows(
         # Coverage, over all samples whatever their metrics hold.
         lo, hi = inside(t, t0, t1, memo)
         n_in = (hi - lo).astype(np.int64)
-        period = sample_period_ns(t) if sample_period_s is None else sample_period_s * NS_PER_S
+        period = period_of(t) if sample_period_s is None else sample_period_s * NS_PER_S
         coverage, gap_max = _coverage(t, t0, t1, period)
         bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
         out["n_samples"] = np.where(valid, n_in, 0)
@@ -345,7 +351,7 @@ def attribute_windows(
         edge_power = instant if instant.t.size >= 2 else (averaged if averaged.t.size >= 2 else None)
         # A stretch of the power timeline longer than GAP_PERIODS of its own periods is a gap:
         # the power there is unknown, so an energy integrated across it has no bound.
-        gap_ns = GAP_PERIODS * sample_period_ns(edge_power.t) if edge_power is not None else np.inf
+        gap_ns = GAP_PERIODS * period_of(edge_power.t) if edge_power is not None else np.inf
         energy, bound = counter_energy_bounded(
             *ints("energy_mj"), t0, t1, min_counter_ticks, edge_power, gap_ns
         )
@@ -363,7 +369,7 @@ def attribute_windows(
             method[use] = name
             if name == "power_trapezoid" and use.any():
                 # The vendor's 1 s average lags the power by up to its window: no bound for it.
-                period = GAP_PERIODS * sample_period_ns(instant.t)
+                period = GAP_PERIODS * period_of(instant.t)
                 b = instant.trapezoid_bound(t0[use], t1[use], period)
                 bound[use] = np.where(np.isposinf(b), np.nan, b)
         if instant.t.size >= 2:
@@ -429,10 +435,10 @@ def attribute_windows(
 
     for name, _ in VIOLATION_COUNTERS:
         if want(f"violation_{name}_s"):
-            out[f"violation_{name}_s"] = _delta(*ints(f"violation_{name}_ns"), t0, t1) / NS_PER_S
+            out[f"violation_{name}_s"] = _delta(*ints(f"violation_{name}_ns"), t0, t1, memo) / NS_PER_S
     for name in _TRAFFIC_COUNTERS:
         if want(name):
-            out[name] = _delta(*ints(name), t0, t1)
+            out[name] = _delta(*ints(name), t0, t1, memo)
 
     invalid = ~valid
     if invalid.any():

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -526,10 +526,14 @@ def read_parquet(
     cap: int = SIZE_CAPS["segment"],
     missing_ok: bool = False,
     budget: UnpackBudget | None = None,
+    null_ok: Callable[[str, Any], bool] | None = None,
 ) -> Any:
     """A segment as a ``pyarrow.Table`` (``columns``: only those; ``missing_ok``: those of them
-    the file has), opened as :func:`open_parquet` does. Raises UnsafeFileError for a file that
-    is not a regular one, too large, or whose footer says it holds more than
+    the file has; ``null_ok(name, arrow type)``: true for a column that may be left out when the
+    footer's statistics say every value of it is null, as most metric columns of a backend
+    without them are: not decoded, absent from the table), opened as :func:`open_parquet` does.
+    Raises UnsafeFileError for a file that is not a regular one, too large, or whose footer says
+    it holds more than
     :data:`MAX_SEGMENT_ROWS` rows or unpacks to more than :data:`MAX_SEGMENT_UNPACKED` bytes (a
     decompression bomb: checked before anything is decompressed), or over what ``budget`` has
     left (the files of one read together); pyarrow's own errors for a damaged one."""
@@ -555,4 +559,30 @@ def read_parquet(
         if columns is not None and missing_ok:
             have = set(pf.schema_arrow.names)
             columns = [c for c in columns if c in have]
+        if columns is not None and null_ok is not None:
+            columns = _not_all_null(pf, meta, columns, null_ok)
         return pf.read(columns=columns)
+
+
+def _not_all_null(pf: Any, meta: Any, columns: list[str], null_ok: Callable[[str, Any], bool]) -> list[str]:
+    """``columns`` less those ``null_ok`` accepts whose every row group's statistics count as
+    many nulls as rows (a column without statistics is kept)."""
+    arrow = pf.schema_arrow
+    index = (
+        {meta.row_group(0).column(j).path_in_schema: j for j in range(meta.num_columns)}
+        if meta.num_row_groups
+        else {}
+    )
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+
+    def all_null(name: str) -> bool:
+        j = index.get(name)
+        if j is None or name not in arrow.names or not null_ok(name, arrow.field(name).type):
+            return False
+        for rg in groups:
+            st = rg.column(j).statistics
+            if st is None or not st.has_null_count or st.null_count != rg.num_rows:
+                return False
+        return True
+
+    return [c for c in columns if not all_null(c)]

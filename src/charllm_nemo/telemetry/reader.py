@@ -115,10 +115,19 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path, kind: str, problems:
     the wrong type (strings where numbers belong, bytes that are not UTF-8) or missing is all
     null, with a line in ``problems`` naming the file and the column; extra columns dropped."""
     cols = []
+    blank: dict[
+        pa.DataType, pa.Array
+    ] = {}  # one all-null array per type, shared (Arrow arrays are immutable)
+
+    def nulls(typ: pa.DataType) -> pa.Array:
+        if typ not in blank:
+            blank[typ] = pa.nulls(table.num_rows, typ)
+        return blank[typ]
+
     for f in schema:
         want = _kind(f.type)
         if f.name not in table.column_names:
-            cols.append(pa.nulls(table.num_rows, f.type))
+            cols.append(nulls(f.type))
             continue
         col = table.column(f.name)
         got = _kind(col.type)
@@ -132,7 +141,7 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path, kind: str, problems:
             problems.append(
                 f"{path}: {kind} column {printable(f.name)!r} {printable(exc, 120)}; read as null"
             )
-            col = pa.nulls(table.num_rows, f.type)
+            col = nulls(f.type)
         cols.append(_bounded_values(col, f.name, path, problems) if want in ("int", "float") else col)
     return pa.Table.from_arrays(cols, schema=nullable(schema))
 
@@ -149,8 +158,21 @@ null). Large positive values are kept: a 64-bit hardware counter legitimately pa
 only of non-negative counter values, which always fit int64."""
 
 
+def _all_in_bounds(col: Any) -> bool:
+    """True when no value of ``col`` (float64 or int64, nulls aside) is out of bounds: the
+    common case, told by its minimum and maximum (two passes, no temporaries; a NaN makes both
+    NaN, so a float column holding one is not in bounds here). False: not known, check each."""
+    if pa.types.is_floating(col.type):
+        x = (pc.fill_null(col, 0.0) if col.null_count else col).to_numpy()
+        return bool(x.min() >= -MAX_ABS_FLOAT) and bool(x.max() <= MAX_ABS_FLOAT)
+    if col.type != pa.int64():
+        return False
+    low = pc.min(col).as_py()  # nulls skipped; exact in int64
+    return low is None or low > -MAX_ABS_INT
+
+
 def _bounded_values(col: Any, name: str, path: Path, problems: list[str]) -> Any:
-    if col.null_count == len(col):
+    if col.null_count == len(col) or _all_in_bounds(col):
         return col
     if pa.types.is_floating(col.type):
         bad = pc.invert(pc.less_equal(pc.abs(col), MAX_ABS_FLOAT))  # NaN compares false: bad
@@ -202,10 +224,17 @@ def read_segments(
         schema = pa.schema([schema.field(c) for c in columns])
     tables = []
     read: list[Path] = []
+
+    def null_ok(name: str, typ: pa.DataType) -> bool:
+        """An all-null column that :func:`conform` takes as it is (no line in ``problems``):
+        left unread, conform makes the same nulls."""
+        want = _kind(schema.field(name).type)
+        return _kind(typ) in _CASTS_TO.get(want, (want,))
+
     budget = UnpackBudget()  # the files held together: a bomb spread over many is refused too
     for p in paths:
         try:
-            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget)
+            t = read_parquet(p, columns=schema.names, missing_ok=True, budget=budget, null_ok=null_ok)
             tables.append(conform(t, schema, p, kind, problems))
             read.append(p)
         except UnsafeFileError as exc:  # not opened: says which file and why itself

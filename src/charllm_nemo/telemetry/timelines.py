@@ -74,17 +74,26 @@ def _as_float64(x: Any) -> FloatArray:
 # --------------------------------------------------------------------------------------------
 
 
-def _segment(t: IntArray, x: IntArray, side: Literal["left", "right"]) -> tuple[IndexArray, FloatArray]:
+def _segment(
+    t: IntArray, x: IntArray, side: Literal["left", "right"], memo: Searches | None = None
+) -> tuple[IndexArray, FloatArray]:
     """Segment index i (t[i] .. t[i+1]) holding each x, and the fraction of the way along it.
 
     ``side="right"`` puts an x equal to a sample at the start of that sample's segment (f = 0);
     ``side="left"`` at the end of the previous one (f = 1). Either gives the same value; the choice
-    keeps a window's begin and end on the segments that overlap it. Needs t.size >= 2.
+    keeps a window's begin and end on the segments that overlap it. Needs t.size >= 2. With
+    ``memo`` (:func:`inside`'s), the same arrays are searched once; the results are read-only.
     """
-    i = np.searchsorted(t, x, side=side).astype(np.intp) - 1
-    _clip_index(i, t.size - 2)
-    f = (x - t[i]).astype(np.float64) / (t[i + 1] - t[i]).astype(np.float64)
-    return i, f
+    key = (id(t), id(x), side)
+    hit = memo.get(key) if memo is not None else None
+    if hit is None:
+        i = np.searchsorted(t, x, side=side).astype(np.intp) - 1
+        _clip_index(i, t.size - 2)
+        f = (x - t[i]).astype(np.float64) / (t[i + 1] - t[i]).astype(np.float64)
+        hit = (t, x, i, f)  # the arrays held with their ids, so an id is never reused
+        if memo is not None:
+            memo[key] = hit
+    return hit[2], hit[3]
 
 
 def _clip_index(i: IndexArray, top: int) -> IndexArray:
@@ -102,9 +111,10 @@ def _checked_times(t_ns: Any) -> IntArray:
     return t
 
 
-Searches = dict[tuple[int, int, int], tuple[Any, ...]]
-"""Memo of :func:`inside`: the times and edges searched and their positions, kept together (the
-arrays held alive with their ids, so an id is never reused while the memo lives)."""
+Searches = dict[tuple[Any, ...], tuple[Any, ...]]
+"""Memo of :func:`inside` and :func:`_segment`: the times and edges searched and their
+positions, kept together (the arrays held alive with their ids, so an id is never reused while
+the memo lives)."""
 
 
 def inside(
@@ -141,7 +151,7 @@ class _Series:
         return inside
 
     def value_at(self, x: IntArray, side: Literal["left", "right"] = "right") -> FloatArray:
-        i, f = _segment(self.t, x, side)
+        i, f = _segment(self.t, x, side, self._memo)
         return self.v[i] + (self.v[i + 1] - self.v[i]) * f
 
     def _antiderivative(self, x: IntArray, side: Literal["left", "right"]) -> FloatArray:
@@ -149,7 +159,7 @@ class _Series:
         if self._cum is None:
             dt_s = np.diff(t).astype(np.float64) / NS_PER_S
             self._cum = np.concatenate(([0.0], np.cumsum(dt_s * (v[:-1] + v[1:]) * 0.5)))
-        i, f = _segment(t, x, side)
+        i, f = _segment(t, x, side, self._memo)
         vx = v[i] + (v[i + 1] - v[i]) * f
         seg_s = (t[i + 1] - t[i]).astype(np.float64) / NS_PER_S
         return self._cum[i] + f * seg_s * (v[i] + vx) * 0.5
@@ -165,12 +175,12 @@ class _Series:
         ok = self.covers(t0, t1)
         if not ok.any():
             return out
-        a, b = t0[ok], t1[ok]
+        a, b = (t0, t1) if ok.all() else (t0[ok], t1[ok])  # the same arrays: searched once (memo)
         t, v = self.t, self.v
         self._antiderivative(a[:1], "right")  # builds the prefix sums once
         assert self._cum is not None
-        i0, f0 = _segment(t, a, "right")
-        i1, f1 = _segment(t, b, "left")
+        i0, f0 = _segment(t, a, "right", self._memo)
+        i1, f1 = _segment(t, b, "left", self._memo)
         va = v[i0] + (v[i0 + 1] - v[i0]) * f0
         vb = v[i1] + (v[i1 + 1] - v[i1]) * f1
         ns = float(NS_PER_S)
@@ -243,7 +253,7 @@ class _Series:
         ok = self.covers(t0, t1)
         if not ok.any():
             return out
-        a, b = t0[ok], t1[ok]
+        a, b = (t0, t1) if ok.all() else (t0[ok], t1[ok])
         t, v = self.t, self.v
         dt = np.diff(t).astype(np.float64)
         dv = np.abs(np.diff(v))
@@ -251,8 +261,8 @@ class _Series:
         whole = np.where(gap, 0.0, dv * dt / NS_PER_S * 0.5)
         cum = np.concatenate(([0.0], np.cumsum(whole)))
         gaps = np.concatenate(([0], np.cumsum(gap)))
-        i0, f0 = _segment(t, a, "right")
-        i1, f1 = _segment(t, b, "left")
+        i0, f0 = _segment(t, a, "right", self._memo)
+        i1, f1 = _segment(t, b, "left", self._memo)
         ns = float(NS_PER_S)
 
         def part(i: IndexArray, length: npt.NDArray[np.int64], full: BoolArray) -> FloatArray:
@@ -287,20 +297,21 @@ def _int_timeline(t: IntArray, c: IntArray) -> tuple[IntArray, IntArray]:
     return (t, c) if ok.all() else (t[ok], c[ok])
 
 
-def _delta(t: IntArray, c: IntArray, t0: IntArray, t1: IntArray) -> FloatArray:
+def _delta(t: IntArray, c: IntArray, t0: IntArray, t1: IntArray, memo: Searches | None = None) -> FloatArray:
     """Delta of the piecewise-linear curve through (t, c) over [t0, t1]; NaN where not covered or
-    where a segment overlapping the window decreases. t strictly increasing, c non-null int64."""
+    where a segment overlapping the window decreases. t strictly increasing, c non-null int64;
+    ``memo``: :func:`_segment`'s."""
     out = np.full(t0.shape, np.nan)
     if t.size < 2:
         return out
     ok = (t0 >= t[0]) & (t1 <= t[-1])
     if not ok.any():
         return out
-    a, b = t0[ok], t1[ok]
+    a, b = (t0, t1) if ok.all() else (t0[ok], t1[ok])
     d = np.diff(c)  # int64: exact whatever the counter's magnitude
     drops = np.concatenate(([0], np.cumsum(d < 0)))
-    i0, f0 = _segment(t, a, "right")
-    i1, f1 = _segment(t, b, "left")
+    i0, f0 = _segment(t, a, "right", memo)
+    i1, f1 = _segment(t, b, "left", memo)
     whole = (c[i1] - c[i0]).astype(np.float64)  # subtract in int64, then convert the (small) delta
     res = whole + d[i1].astype(np.float64) * f1 - d[i0].astype(np.float64) * f0
     broken = drops[i1 + 1] - drops[i0] > 0
