@@ -198,7 +198,7 @@ def assemble(
 ) -> Analysis:
     """Every table from the runs' per-rank rows (``devices``, ``spans`` and the ``kept`` window
     columns, each as :func:`analyze` builds them from :mod:`.rank_tables`): what both engines
-    share once the per-rank reduction is done (the Spark engine's: analysis/spark_windows.py)."""
+    share once the per-rank reduction is done (the Spark engine's: analysis/spark.py)."""
     windows = pa.concat_tables(kept) if kept else None
     tables = _tables(infos, devices, spans, kept)
     stages = _stages(windows)
