@@ -150,3 +150,58 @@ def test_spark_submit_runs_the_cli_as_docs_analysis_says(store: Path, tmp_path: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "engine: spark" in proc.stdout
     same_tables(store, out, tmp_path)
+
+
+class _Builder:
+    """pyspark's ``SparkSession.builder``, recording what it is told."""
+
+    def __init__(self) -> None:
+        self.conf: dict[str, str] = {}
+        self.url: str | None = None
+
+    def appName(self, name: str) -> _Builder:
+        return self
+
+    def config(self, key: str, value: str) -> _Builder:
+        self.conf[key] = value
+        return self
+
+    def master(self, url: str) -> _Builder:
+        self.url = url
+        return self
+
+    def getOrCreate(self) -> _Builder:
+        return self
+
+
+@pytest.mark.parametrize(
+    ("master", "env", "local"),
+    [
+        ("local[2]", None, True),
+        (None, "local[*]", True),
+        ("spark://head:7077", None, False),
+        (None, None, False),
+    ],
+)
+def test_the_local_settings_only_for_a_local_master_this_process_names(
+    monkeypatch: pytest.MonkeyPatch, master: str | None, env: str | None, local: bool
+) -> None:
+    """No UI and the lighter JVM for ``local[...]`` named by --spark-master or $SPARK_MASTER;
+    a cluster's master, or spark-submit's (none named), keeps the user's settings."""
+    import sys
+    import types
+
+    from charllm_nemo.analysis.spark import LOCAL_CONF, spark_session
+
+    builder = _Builder()
+    fake = types.ModuleType("pyspark.sql")
+    fake.SparkSession = types.SimpleNamespace(builder=builder)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pyspark.sql", fake)
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # restored after: the function may set it
+    if env is None:
+        monkeypatch.delenv("SPARK_MASTER", raising=False)
+    else:
+        monkeypatch.setenv("SPARK_MASTER", env)
+    assert spark_session(master) is builder
+    assert builder.url == (master or env)
+    assert builder.conf == (LOCAL_CONF if local else {})
