@@ -50,7 +50,6 @@ DYNAMIC_IMPORTS: dict[str, str] = {
     "charllm_nemo.train.cpu": "the megatron-core modules its CPU shim patches, those this version has",
     "charllm_nemo.train.worker": "the rank function a launcher names ('module:function')",
     "charllm_nemo.alerts.observer": "the user's alert hook ('package.module:function')",
-    "charllm_nemo.analysis.spark": "pyspark or sqlframe, whichever flavour runs the analysis",
 }
 """The only modules that may import by name at run time (``importlib.import_module``,
 ``__import__``), and why: such an import is invisible to the layer check unless its name is a

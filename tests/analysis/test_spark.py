@@ -1,8 +1,8 @@
-"""The Spark engine's tables equal the single-host engine's on the same store: the DataFrame-API
-tables (analysis/spark.py) through sqlframe (the PySpark DataFrame API on DuckDB, no JVM); and
-``charllm analyze --engine spark`` (analysis/spark_windows.py) on real Spark, ``local[2]``, and
-under spark-submit: every table and the per-window table, on a rough store (NaN gaps in power,
-a counter reset, throttle bits, a sampler that stalls for 0.5 s) and a constant run."""
+"""``charllm analyze --engine spark`` (analysis/spark.py) writes the local engine's tables: every
+table and the per-window table, column for column and value for value: in this process with
+Spark's side played by pickle (no JVM; a store with broken input too), and on real Spark,
+``local[2]``, through the CLI and under spark-submit, on a rough store (NaN gaps in power, a
+counter reset, throttle bits, a sampler that stalls for 0.5 s) and a constant run."""
 
 from __future__ import annotations
 
@@ -11,23 +11,16 @@ import os
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze, write_tables
-from charllm_nemo.analysis.columns import TABLE_COLUMNS, names
-from charllm_nemo.analysis.spark import collect, spark_tables
+from charllm_nemo.analysis.rank_tables import reduce_files
+from charllm_nemo.analysis.spark import TASKS_PER_CORE, spark_analysis
 
 from .helpers import constant_run, rough_run
-
-
-def local_tables(path: Path) -> dict[str, dict[tuple, dict]]:
-    t = analyze(path).tables
-    return {
-        "ranks": {(r["run"], int(r["rank"]), r["device_index"]): r for r in t["ranks"].to_pylist()},
-        "nodes": {(r["run"], r["host"]): r for r in t["nodes"].to_pylist()},
-        "runs": {(r["run"],): r for r in t["runs"].to_pylist()},
-    }
+from .in_process_spark import InProcessSpark
 
 
 def same(a: object, b: object, rel: float = 1e-9) -> bool:
@@ -36,28 +29,18 @@ def same(a: object, b: object, rel: float = 1e-9) -> bool:
     return b is not None and float(b) == pytest.approx(float(a), rel=rel, abs=1e-9)  # type: ignore[arg-type]
 
 
-KEYS = {"ranks": ("run", "rank", "device_index"), "nodes": ("run", "host"), "runs": ("run",)}
-
-
-def check_equal(local: dict, ranks: list[dict], nodes: list[dict], runs: list[dict]) -> None:
-    """Every column the Spark engine writes (analysis/columns.py) equal to the local engine's,
-    to the agreement the declaration states; the Spark tables hold exactly those columns."""
-    for table, rows in (("ranks", ranks), ("nodes", nodes), ("runs", runs)):
-        assert len(rows) == len(local[table]), table
-        declared = TABLE_COLUMNS[table]
-        for row in rows:
-            assert set(row) == set(names(table, "spark")), (table, set(row) ^ set(names(table, "spark")))
-            key = tuple(int(row[k]) if k == "rank" else row[k] for k in KEYS[table])
-            want = local[table][key]
-            bad = {}
-            for col in declared:
-                if "spark" not in col.engines:
-                    continue
-                a, b = want[col.name], row[col.name]
-                ok = a == b if isinstance(a, str) or isinstance(b, str) else same(a, b, col.rel)
-                if not ok:
-                    bad[col.name] = (a, b)
-            assert not bad, (table, key, bad)
+def equal_tables(want: pa.Table, got: pa.Table, name: str) -> None:
+    """The same columns (names, types, order) and rows, each value equal to 1e-9 relative
+    (exactly, in practice: the same reduction runs on both)."""
+    assert got.schema == want.schema, name
+    assert got.num_rows == want.num_rows, name
+    bad = [
+        (name, i, k, a, row[k])
+        for i, (wrow, row) in enumerate(zip(want.to_pylist(), got.to_pylist(), strict=True))
+        for k, a in wrow.items()
+        if not (a == row[k] if isinstance(a, (str, bool)) or a is None else same(a, row[k]))
+    ]
+    assert not bad, bad[:5]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +51,32 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_sqlframe_tables_equal_the_local_engine(store: Path) -> None:
-    sqlframe = pytest.importorskip("sqlframe.duckdb")
-    t = spark_tables(sqlframe.DuckDBSession(), store)
-    check_equal(local_tables(store), collect(t.ranks), collect(t.nodes), collect(t.runs))
+def test_in_process_the_engine_gives_the_local_engines_tables(tmp_path: Path) -> None:
+    """The engine's driver side, each task and result pickled as Spark's workers get and give
+    them, on a store with broken input (a truncated segment, a rank folder without samples):
+    every table, the window table and the problems equal the local engine's, and the function
+    mapped over the ranks is the local engine's task."""
+    root = tmp_path / "sweep=s"
+    rough_run(root / "run=rough", seed=5)
+    constant_run(root / "run=flat", ranks=3, hosts=["h0", "h0", "h1"])
+    seg = root / "run=flat" / "rank=1" / "samples-000000.parquet"
+    (seg.parent / "samples-000001.parquet").write_bytes(seg.read_bytes()[:300])
+    for p in (root / "run=flat" / "rank=2").glob("samples-*.parquet"):
+        p.unlink()
+    spark = InProcessSpark(parallelism=1)
+    got = spark_analysis(spark, root)
+    want = analyze(root, tmp_path / "windows.parquet")
+    assert spark.sparkContext.mapped == [reduce_files]
+    assert spark.sparkContext.slice_counts == [min(5, TASKS_PER_CORE)]  # 5 ranks, 1 core
+    assert list(got.tables) == list(want.tables)
+    for name, table in want.tables.items():
+        equal_tables(table, got.tables[name], name)
+    assert got.windows is not None
+    equal_tables(pq.read_table(tmp_path / "windows.parquet"), got.windows, "windows")
+    text = "\n".join(got.problems)
+    assert "samples-000001.parquet: unreadable samples segment skipped" in text
+    assert "rank=2: no readable samples; rank skipped" in text
+    assert got.problems == want.problems
 
 
 def _java() -> bool:
@@ -80,24 +85,16 @@ def _java() -> bool:
 
 def same_tables(store: Path, out: Path, tmp_path: Path) -> None:
     """Every table the local engine writes, and its window table, written by the Spark engine
-    into ``out`` with the same columns (names, types, order) and rows, each value equal to 1e-9
-    relative (exactly, in practice: the same reduction runs on both)."""
+    into ``out``: equal (:func:`equal_tables`), and the same problems."""
     local_out = tmp_path / "local"
     local = analyze(store, local_out / "windows.parquet")
     write_tables(local, local_out)
     names = [*local.tables, "windows"]
     assert {p.stem for p in out.glob("*.parquet")} == set(names)
     for name in names:
-        want, got = pq.read_table(local_out / f"{name}.parquet"), pq.read_table(out / f"{name}.parquet")
-        assert got.schema == want.schema, name
-        assert got.num_rows == want.num_rows, name
-        bad = [
-            (name, i, k, a, row[k])
-            for i, (wrow, row) in enumerate(zip(want.to_pylist(), got.to_pylist(), strict=True))
-            for k, a in wrow.items()
-            if not (a == row[k] if isinstance(a, (str, bool)) or a is None else same(a, row[k]))
-        ]
-        assert not bad, bad[:5]
+        equal_tables(
+            pq.read_table(local_out / f"{name}.parquet"), pq.read_table(out / f"{name}.parquet"), name
+        )
     assert (out / "problems.txt").read_text() == (local_out / "problems.txt").read_text()
 
 
@@ -155,14 +152,56 @@ def test_spark_submit_runs_the_cli_as_docs_analysis_says(store: Path, tmp_path: 
     same_tables(store, out, tmp_path)
 
 
-def test_no_frame_runs_to_the_partitions_end(store: Path) -> None:
-    """Spark evaluates a frame ending at UNBOUNDED FOLLOWING (and starting after the current row)
-    by re-aggregating the rest of the partition for each row: quadratic in samples per device
-    (issue #45: 1,367 s for 2 x 26 k samples). Every frame of the plan runs from the partition's
-    start instead (the SQL sqlframe generates from the same DataFrame code)."""
-    sqlframe = pytest.importorskip("sqlframe.duckdb")
-    t = spark_tables(sqlframe.DuckDBSession(), store)
-    for name in ("ranks", "runs"):
-        sql = getattr(t, name).sql(optimize=False).upper()
-        assert "UNBOUNDED FOLLOWING" not in sql, name
-    assert "UNBOUNDED PRECEDING" in t.ranks.sql(optimize=False).upper()
+class _Builder:
+    """pyspark's ``SparkSession.builder``, recording what it is told."""
+
+    def __init__(self) -> None:
+        self.conf: dict[str, str] = {}
+        self.url: str | None = None
+
+    def appName(self, name: str) -> _Builder:
+        return self
+
+    def config(self, key: str, value: str) -> _Builder:
+        self.conf[key] = value
+        return self
+
+    def master(self, url: str) -> _Builder:
+        self.url = url
+        return self
+
+    def getOrCreate(self) -> _Builder:
+        return self
+
+
+@pytest.mark.parametrize(
+    ("master", "env", "local"),
+    [
+        ("local[2]", None, True),
+        (None, "local[*]", True),
+        ("spark://head:7077", None, False),
+        (None, None, False),
+    ],
+)
+def test_the_local_settings_only_for_a_local_master_this_process_names(
+    monkeypatch: pytest.MonkeyPatch, master: str | None, env: str | None, local: bool
+) -> None:
+    """No UI and the lighter JVM for ``local[...]`` named by --spark-master or $SPARK_MASTER;
+    a cluster's master, or spark-submit's (none named), keeps the user's settings."""
+    import sys
+    import types
+
+    from charllm_nemo.analysis.spark import LOCAL_CONF, spark_session
+
+    builder = _Builder()
+    fake = types.ModuleType("pyspark.sql")
+    fake.SparkSession = types.SimpleNamespace(builder=builder)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pyspark.sql", fake)
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # restored after: the function may set it
+    if env is None:
+        monkeypatch.delenv("SPARK_MASTER", raising=False)
+    else:
+        monkeypatch.setenv("SPARK_MASTER", env)
+    assert spark_session(master) is builder
+    assert builder.url == (master or env)
+    assert builder.conf == (LOCAL_CONF if local else {})

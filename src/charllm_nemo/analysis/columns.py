@@ -1,20 +1,13 @@
-"""The columns of the tables that both engines write (``ranks``, ``nodes``, ``runs``), declared
-once (issue #45).
+"""The columns of the ``ranks``, ``nodes`` and ``runs`` tables, declared once (issue #45).
 
-Each :class:`Column` names the engines that compute it and whether they agree exactly (to 1e-9
-relative) or within a stated tolerance. The reductions over rows of other tables are declared
-here as SQL expressions in the subset DuckDB and Spark SQL share (``sum``, ``avg``, ``max``,
-``count(DISTINCT ...)``, ``coalesce``, arithmetic): the local engine puts them into its DuckDB
-queries (analysis/run_summary.py) and the Spark engine into ``F.expr`` (analysis/spark.py), so
-the two run the same text. The per-device ``ranks`` reductions are numpy on the local engine
-(analysis/rank_tables.py, over the attribution's timelines) and window expressions on Spark:
-their definitions are written here, and tests/analysis/test_columns.py fails when an engine's
-table has a column this module does not declare for it, or lacks one that it does.
-
-Engine ``spark`` here is the DataFrame-API tables of analysis/spark.py (:func:`spark_tables`:
-window expressions, also on DuckDB through sqlframe). ``charllm analyze --engine spark``
-(analysis/spark_windows.py) runs the local engine's per-rank reduction on Spark instead and
-writes every ``local`` column of every table (tests/analysis/test_spark.py).
+Both engines run one implementation of every reduction: the per-rank reductions are numpy in
+analysis/rank_tables.py (over the attribution's timelines), run in this process or in worker
+processes by the local engine and in Spark's Python workers by ``--engine spark``
+(analysis/spark.py); the reductions over other tables' rows are the SQL expressions below, which
+the driver's DuckDB runs for both engines (analysis/run_summary.py). This module names each
+column and says what it is: tests/analysis/test_columns.py fails when a table holds a column
+declared nowhere here or lacks one declared, and when ``--engine spark`` writes any table with
+columns other than the local engine's.
 """
 
 from __future__ import annotations
@@ -24,33 +17,14 @@ from dataclasses import dataclass
 from charllm_nemo.analysis.run_info import INFO_TYPES
 from charllm_nemo.telemetry.schema import THROTTLE_REASONS, VIOLATION_COUNTERS
 
-BOTH = ("local", "spark")
-LOCAL = ("local",)
-
-COUNTERS_WHY = (
-    "the driver's per-reason counters against the sampled bits, and the bits' transitions "
-    "(issue #46), are not in the DataFrame-API tables (--engine spark has them: spark_windows.py)"
-)
-
-SPAN_EDGES = (
-    "the runs' span energy: Spark takes the counter's steps between the samples that bracket the "
-    "measured span, the local engine interpolates at its edges (docs/attribution.md): they agree "
-    "within one counter period's energy per device"
-)
-
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a table: what it is, which engines compute it and how close they agree."""
+    """One column of a table and what it is."""
 
     name: str
     definition: str
-    engines: tuple[str, ...] = BOTH
-    rel: float = 1e-9  # the engines' agreement (relative); looser only with a reason
-    why: str = ""  # why an engine lacks it, or why the agreement is looser
 
-
-RANK_KEYS = ("run", "rank", "host", "device_index")
 
 RANK_COLUMNS: tuple[Column, ...] = (
     Column("run", "the run's key (its path below the analysed folder)"),
@@ -73,27 +47,9 @@ RANK_COLUMNS: tuple[Column, ...] = (
     Column("energy_counter_resets", "times the energy counter went down"),
     Column("energy_trapezoid_j", "instant power integrated (trapezoids between non-null samples)"),
     Column("energy_disagreement", "(energy_counter_j - energy_trapezoid_j) / energy_trapezoid_j"),
-    Column(
-        "energy_j",
-        "the attribution's energy over the whole sampled span",
-        LOCAL,
-        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
-        "(--engine spark has them: spark_windows.py)",
-    ),
-    Column(
-        "energy_bound_j",
-        "the bound on energy_j",
-        LOCAL,
-        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
-        "(--engine spark has them: spark_windows.py)",
-    ),
-    Column(
-        "energy_method",
-        "how energy_j was measured",
-        LOCAL,
-        why="the attribution's counter-tick model and bound are not in the DataFrame-API tables "
-        "(--engine spark has them: spark_windows.py)",
-    ),
+    Column("energy_j", "the attribution's energy over the whole sampled span"),
+    Column("energy_bound_j", "the bound on energy_j"),
+    Column("energy_method", "how energy_j was measured"),
     *(
         Column(name, f"the {name} counter's non-negative steps, summed")
         for name in ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes")
@@ -104,13 +60,11 @@ RANK_COLUMNS: tuple[Column, ...] = (
     ),
     Column("power_limit_w", "median of the power limit samples"),
     *(
-        Column(
-            f"throttle_{name}_per_min", f"times a minute the '{name}' bit turned on", LOCAL, why=COUNTERS_WHY
-        )
+        Column(f"throttle_{name}_per_min", f"times a minute the '{name}' bit turned on")
         for name, _ in THROTTLE_REASONS
     ),
     *(
-        Column(f"violation_{name}_{kind}", f"{what} (analysis/throttle_counters.py)", LOCAL, why=COUNTERS_WHY)
+        Column(f"violation_{name}_{kind}", f"{what} (analysis/throttle_counters.py)")
         for name, _ in VIOLATION_COUNTERS
         for kind, what in (
             ("counter_s", f"the driver's '{name}' time counter's increase over its counted segments"),
@@ -166,38 +120,16 @@ RUN_DERIVED: tuple[tuple[str, str], ...] = (
 )
 """Per run, from its description (run_info) and its measured span's figures."""
 
-_ON_ENERGY = {"efficiency_samples_per_s_per_mj", "tokens_per_j", "energy_per_sample_j", "energy_per_token_j"}
-
 RUN_COLUMNS: tuple[Column, ...] = (
     *(Column(name, f"the run's description ({kind}; run_info.py)") for name, kind in INFO_TYPES.items()),
     Column("measured_steps", "steps of the measured span (every step but the first)"),
     Column("execution_time_s", "the measured span: first measured step's begin to the last's end"),
-    Column("energy_j", "energy of every device over the measured span", rel=0.01, why=SPAN_EDGES),
-    Column(
-        "energy_bound_j",
-        "sum of the devices' span bounds",
-        LOCAL,
-        why="the attribution's bound is not in the DataFrame-API tables (--engine spark has it)",
-    ),
-    Column(
-        "energy_methods",
-        "the span energies' methods",
-        LOCAL,
-        why="the attribution's methods are not in the DataFrame-API tables (--engine spark has them)",
-    ),
+    Column("energy_j", "energy of every device over the measured span"),
+    Column("energy_bound_j", "sum of the devices' span bounds"),
+    Column("energy_methods", "the span energies' methods"),
     Column("devices_without_energy", "devices whose span energy was not measurable"),
-    *(
-        Column(
-            name, expr, rel=0.01 if name in _ON_ENERGY else 1e-9, why=SPAN_EDGES if name in _ON_ENERGY else ""
-        )
-        for name, expr in RUN_DERIVED
-    ),
-    Column(
-        "power_avg_w",
-        "energy_j / execution_time_s / devices with energy",
-        rel=0.01,
-        why=SPAN_EDGES,
-    ),
+    *(Column(name, expr) for name, expr in RUN_DERIVED),
+    Column("power_avg_w", "energy_j / execution_time_s / devices with energy"),
     *(Column(name, expr) for name, expr in RUN_DEVICE_REDUCTIONS),
 )
 """The ``runs`` table: one row per run."""
@@ -209,9 +141,9 @@ TABLE_COLUMNS: dict[str, tuple[Column, ...]] = {
 }
 
 
-def names(table: str, engine: str) -> tuple[str, ...]:
-    """The columns of ``table`` that ``engine`` ("local" or "spark") writes, in order."""
-    return tuple(c.name for c in TABLE_COLUMNS[table] if engine in c.engines)
+def names(table: str) -> tuple[str, ...]:
+    """The columns declared for ``table``, in order."""
+    return tuple(c.name for c in TABLE_COLUMNS[table])
 
 
 def select_list(reductions: tuple[tuple[str, str], ...], indent: str = "       ") -> str:

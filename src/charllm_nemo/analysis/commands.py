@@ -85,12 +85,11 @@ MAX_PRINTED_PROBLEMS = 50
 
 def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress, wave: Any) -> Any:
     """``--engine spark``: the per-rank reduction on Spark, every table from its rows
-    (analysis/spark_windows.py); the window table written to ``out/windows.parquet``. Returns
+    (analysis/spark.py); the window table written to ``out/windows.parquet``. Returns
     the Analysis, or an exit status when Spark cannot start."""
     import pyarrow.parquet as pq
 
-    from charllm_nemo.analysis.spark import spark_session
-    from charllm_nemo.analysis.spark_windows import spark_analysis
+    from charllm_nemo.analysis.spark import spark_analysis, spark_session
     from charllm_nemo.telemetry.filecheck import printable
     from charllm_nemo.telemetry.write import make_dir, write_with
 
@@ -327,7 +326,7 @@ def add_commands(sub: Any) -> None:
         "--engine",
         choices=["local", "spark"],
         default="local",
-        help="spark: the ranks, nodes and runs tables on Apache Spark (docs/analysis.md, 'Engines')",
+        help="spark: the same tables with each rank reduced on Apache Spark (docs/analysis.md, 'Engines')",
     )
     a.add_argument("--spark-master", help="with --engine spark: local[2], spark://host:7077, yarn, ...")
     a.add_argument(
