@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from charllm_nemo.analysis.analyze import reduce_files
 from charllm_nemo.analysis.load import open_run
-from charllm_nemo.analysis.rank_tables import reduce_rank
+from charllm_nemo.analysis.rank_tables import reduce_files, reduce_rank
 from charllm_nemo.analysis.store_writer import write_rank
 
 MS = 1_000_000

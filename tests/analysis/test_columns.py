@@ -39,11 +39,10 @@ def test_the_spark_engine_writes_the_local_engines_columns_in_every_table(tmp_pa
     engine alone computed would show here."""
     rough_run(tmp_path / "run", seed=2)
     local = analyze(tmp_path / "run", tmp_path / "windows.parquet")
-    spark = spark_analysis(InProcessSpark(), tmp_path / "run")
+    spark = spark_analysis(InProcessSpark(), tmp_path / "run", windows_out=tmp_path / "spark.parquet")
     assert set(local.tables) >= set(columns.TABLE_COLUMNS)
     assert {n: t.schema for n, t in spark.tables.items()} == {n: t.schema for n, t in local.tables.items()}
-    assert spark.windows is not None
-    assert spark.windows.schema == pq.read_schema(tmp_path / "windows.parquet")
+    assert pq.read_schema(tmp_path / "spark.parquet") == pq.read_schema(tmp_path / "windows.parquet")
 
 
 def _imports(path: Path) -> set[str]:
@@ -56,10 +55,10 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_reduction_of_spark_s_own() -> None:
+def test_no_reduction_of_spark_s_own(tmp_path: Path) -> None:
     """One module talks to Spark (analysis/spark.py; nothing imports pyspark or sqlframe else),
     it imports no numeric code (numpy, pyarrow.compute, the metrics and attribution modules) and
-    hands Spark the local engine's per-rank task, rank_tables.reduce_files."""
+    hands Spark the local engine's per-rank task, rank_tables.reduce_task."""
     users = {
         p.relative_to(SRC).as_posix()
         for p in SRC.rglob("*.py")
@@ -70,9 +69,11 @@ def test_no_reduction_of_spark_s_own() -> None:
     numeric = {"numpy", "pyarrow.compute", "duckdb", "charllm_nemo.analysis.metrics"}
     numeric |= {"charllm_nemo.telemetry.attribution", "charllm_nemo.telemetry.timelines"}
     assert not spark_imports & numeric, spark_imports & numeric
-    from charllm_nemo.analysis import spark
-
-    assert spark.reduce_files is rank_tables.reduce_files is local_engine.reduce_files
+    rough_run(tmp_path / "run", seed=3)
+    spark = InProcessSpark()
+    spark_analysis(spark, tmp_path / "run")
+    assert spark.sparkContext.mapped == [rank_tables.reduce_task]  # the local engine's task
+    assert local_engine.reduce_task is rank_tables.reduce_task
 
 
 def test_each_column_declared_once() -> None:

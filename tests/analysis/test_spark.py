@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from charllm_nemo.analysis.analyze import analyze, write_tables
-from charllm_nemo.analysis.rank_tables import reduce_files
+from charllm_nemo.analysis.rank_tables import reduce_task
 from charllm_nemo.analysis.spark import TASKS_PER_CORE, spark_analysis
 
 from .helpers import constant_run, rough_run
@@ -64,15 +64,18 @@ def test_in_process_the_engine_gives_the_local_engines_tables(tmp_path: Path) ->
     for p in (root / "run=flat" / "rank=2").glob("samples-*.parquet"):
         p.unlink()
     spark = InProcessSpark(parallelism=1)
-    got = spark_analysis(spark, root)
+    got = spark_analysis(spark, root, windows_out=tmp_path / "spark-windows.parquet")
     want = analyze(root, tmp_path / "windows.parquet")
-    assert spark.sparkContext.mapped == [reduce_files]
-    assert spark.sparkContext.slice_counts == [min(5, TASKS_PER_CORE)]  # 5 ranks, 1 core
+    assert spark.sparkContext.mapped == [reduce_task, reduce_task]  # one job per run
+    assert spark.sparkContext.slice_counts == [
+        min(3, TASKS_PER_CORE),
+        min(2, TASKS_PER_CORE),
+    ]  # flat, rough; 1 core
     assert list(got.tables) == list(want.tables)
     for name, table in want.tables.items():
         equal_tables(table, got.tables[name], name)
-    assert got.windows is not None
-    equal_tables(pq.read_table(tmp_path / "windows.parquet"), got.windows, "windows")
+    assert got.windows_path == tmp_path / "spark-windows.parquet"
+    equal_tables(pq.read_table(tmp_path / "windows.parquet"), pq.read_table(got.windows_path), "windows")
     text = "\n".join(got.problems)
     assert "samples-000001.parquet: unreadable samples segment skipped" in text
     assert "rank=2: no readable samples; rank skipped" in text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -80,15 +80,25 @@ def _workers(n_ranks: int) -> int:
     return 1 if n_ranks < POOL_MIN_RANKS else max(1, min(cpus, n_ranks))
 
 
-def _reduced(run: Run, wave: WaveBuilder | None) -> Iterator[tuple[int, RankTables | None]]:
-    """Each rank's tables in rank order, reduced here or by worker processes (spawned, not
-    forked: DuckDB's threads may be running in this process); each rank's part of the job
-    power waveform, made from the same arrays, goes to ``wave`` (None: not made)."""
+RankResult = tuple[int, RankTables | None, RankWave | None, list[str]]
+"""What :func:`.rank_tables.reduce_task` gives for one rank."""
+Mapper = Callable[[Callable[[RankTask], RankResult], list[RankTask]], Iterable[RankResult]]
+"""``mapper(reduce_task, tasks)``: the results of the task function over a run's rank tasks, in
+the tasks' order, computed wherever the mapper runs them (``--engine spark``: Spark's workers)."""
+
+
+def _reduced(
+    run: Run, wave: WaveBuilder | None, mapper: Mapper | None
+) -> Iterator[tuple[int, RankTables | None]]:
+    """Each rank's tables in rank order, reduced by ``mapper`` if given, else here or by worker
+    processes (spawned, not forked: DuckDB's threads may be running in this process); each
+    rank's part of the job power waveform, made from the same arrays, goes to ``wave`` (None:
+    not made)."""
     workers = _workers(len(run.ranks))
     step = wave.options.step_s if wave is not None else None
     tasks = [RankTask(run.files.ranks[r], run.manifests.get(r, {}), step) for r in run.ranks]
-    if workers == 1:
-        results: Iterator[tuple[int, RankTables | None, RankWave | None, list[str]]] = map(reduce_task, tasks)
+    if mapper is not None or workers == 1:
+        results = map(reduce_task, tasks) if mapper is None else mapper(reduce_task, tasks)
         for rank, rt, part, problems in results:
             run.problems.extend(problems)
             if wave is not None:
@@ -142,12 +152,14 @@ def analyze(
     windows_out: Path | None = None,
     progress: Progress | None = None,
     grid: GridOptions | None = None,
+    mapper: Mapper | None = None,
 ) -> Analysis:
     """Analyse every run at or below ``path``. ``windows_out``: where the full per-window table
     (Parquet) is streamed; None keeps nothing but the columns the findings need; ``progress``:
     told how many runs are read (charllm_nemo/progress.py); ``grid``: how the job power waveform
-    is read (:mod:`.grid_power`; None: the defaults). Raises StoreError only when there is
-    no run at all; anything else becomes a line of ``problems``."""
+    is read (:mod:`.grid_power`; None: the defaults); ``mapper``: runs the per-rank task over a
+    run's ranks (:data:`Mapper`; None: this process or its worker pool). Raises StoreError only
+    when there is no run at all; anything else becomes a line of ``problems``."""
     keep_freed_memory()  # this process's allocation policy, set when an analysis runs, not at import
     root = Path(path)
     run_dirs = find_runs(root)
@@ -166,7 +178,7 @@ def analyze(
             hosts = {r: str(m.get("host") or "?") for r, m in run.manifests.items()}
             n_ranks = 0
             waves[run.key] = WaveBuilder(run.path, grid or GridOptions())
-            for rank, rt in _reduced(run, waves[run.key]):
+            for rank, rt in _reduced(run, waves[run.key], mapper):
                 if rt is None or not rt.devices:
                     continue
                 n_ranks += 1

@@ -8,7 +8,6 @@ import argparse
 import json
 import math
 import sys
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,11 +86,8 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress, w
     """``--engine spark``: the per-rank reduction on Spark, every table from its rows
     (analysis/spark.py); the window table written to ``out/windows.parquet``. Returns
     the Analysis, or an exit status when Spark cannot start."""
-    import pyarrow.parquet as pq
-
     from charllm_nemo.analysis.spark import spark_analysis, spark_session
     from charllm_nemo.telemetry.filecheck import printable
-    from charllm_nemo.telemetry.write import make_dir, write_with
 
     progress.stage(
         f"starting Spark (master {printable(args.spark_master or 'spark-submit / $SPARK_MASTER / local[*]')})"
@@ -101,13 +97,7 @@ def _analyze_on_spark(args: argparse.Namespace, out: Path, progress: Progress, w
     except ImportError as exc:
         print(f"charllm analyze: {exc}", file=sys.stderr)
         return 2
-    # Spark computes lazily: the reduction of every rank runs here, the longest wait of the command
-    progress.stage("Spark reduces every rank (attribution, device figures, spans)")
-    analysis = spark_analysis(session, args.path, wave)
-    if analysis.windows is not None:
-        make_dir(out)
-        analysis.windows_path = write_with(out / "windows.parquet", partial(pq.write_table, analysis.windows))
-    return analysis
+    return spark_analysis(session, args.path, wave, out / "windows.parquet", progress)
 
 
 def _print_summary(tables: dict[str, Any], problems: list[str]) -> None:
