@@ -40,7 +40,8 @@ def run(cfg: Any) -> int:
         if rank == int(bad):
             # once every other rank runs (its .ready written): on a loaded machine a rank still
             # importing when the launcher stops it cannot have its SIGTERM handler yet
-            others = [out / f"rank{r}.ready" for r in range(int(os.environ["WORLD_SIZE"])) if r != rank]
+            world = int(os.environ.get("WORLD_SIZE", "1"))  # unset: the worker run alone, in-process
+            others = [out / f"rank{r}.ready" for r in range(world) if r != rank]
             deadline = time.monotonic() + 120
             while not all(p.exists() for p in others) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -226,8 +226,9 @@ def assemble(
     waves: dict[str, WaveBuilder] | None = None,
 ) -> Analysis:
     """Every table from the runs' per-rank rows (``devices``, ``spans`` and the ``kept`` window
-    columns, each as :func:`analyze` builds them from :mod:`.rank_tables`): what both engines
-    share once the per-rank reduction is done (the Spark engine's: analysis/spark.py).
+    columns, each as :func:`analyze` builds them from :mod:`.rank_tables`), once the per-rank
+    reduction is done, wherever it ran (``--engine spark`` is :func:`analyze` with Spark as its
+    mapper: analysis/spark.py).
     ``waves``: run key -> its job power waveform built during the reduction (a run without one
     is read again for it)."""
     windows = pa.concat_tables(kept) if kept else None
