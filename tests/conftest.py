@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,10 @@ def _logging_restored() -> Iterator[None]:
     a handler to the ``sys.stderr`` of that moment: pytest's capture file, closed after the test.
     Left on the root, every later log line in the same worker fails with "Logging error" text on
     stderr, which tests that read stderr then see (CI failure of test_disk_full, 2026-12-06)."""
+    # SIGINT / SIGTERM as they were too: a test that ran a process's own set-up in-process (the
+    # telemetry process ignores SIGINT) left SIGINT ignored in its worker, and every later child
+    # process inherited SIG_IGN: the Ctrl-C test's `charllm telemetry` ignored Ctrl-C (3 CI runs)
+    sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     handlers = list(logging.root.handlers)
     root_level = logging.root.level
     pkg = logging.getLogger("charllm_nemo")
@@ -44,3 +49,6 @@ def _logging_restored() -> Iterator[None]:
     logging.root.handlers[:] = handlers
     logging.root.setLevel(root_level)
     pkg.setLevel(pkg_level)
+    for sig, handler in sigs.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
