@@ -52,3 +52,4 @@ def _logging_restored() -> Iterator[None]:
     for sig, handler in sigs.items():
         if handler is not None and signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)  # a mask is inherited by child processes too
