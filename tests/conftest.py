@@ -37,9 +37,9 @@ def _logging_restored() -> Iterator[None]:
     a handler to the ``sys.stderr`` of that moment: pytest's capture file, closed after the test.
     Left on the root, every later log line in the same worker fails with "Logging error" text on
     stderr, which tests that read stderr then see (CI failure of test_disk_full, 2026-12-06)."""
-    # SIGINT / SIGTERM as they were too: a test that ran a process's own set-up in-process (the
-    # telemetry process ignores SIGINT) left SIGINT ignored in its worker, and every later child
-    # process inherited SIG_IGN: the Ctrl-C test's `charllm telemetry` ignored Ctrl-C (3 CI runs)
+    # SIGINT / SIGTERM as they were too: a test that runs a process's own set-up in-process (the
+    # telemetry process ignores SIGINT) must not leave it so for the worker's later child processes,
+    # which inherit SIG_IGN and a blocked mask (the Ctrl-C test's child sets its own: test_cli_ends)
     sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     handlers = list(logging.root.handlers)
     root_level = logging.root.level

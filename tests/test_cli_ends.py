@@ -17,12 +17,23 @@ from charllm_nemo.cli import main
 from tests.deadline import deadline
 
 
+def _foreground() -> None:
+    """The child as a shell's foreground command gets it: SIGINT at its default action (which
+    Python turns into KeyboardInterrupt) and not blocked. A non-interactive shell starts its
+    background jobs (`.ci/run &`, `nohup ... &`) with SIGINT ignored, every process below inherits
+    that, and Python keeps an inherited SIG_IGN: the command then rightly ignores Ctrl-C (as it
+    does under `nohup`), which is not what this test is about (it failed every CI run started in
+    the background, 2026-12-06)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic"]
     # A run far longer than any deadline: only the Ctrl-C can end it in time.
     argv += ["--seconds", "3600", "--step-s", "0.1", "--out", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_foreground)
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()  # "sampling ..." once the session has started
