@@ -60,6 +60,33 @@ def test_ctrl_c_marks_the_run_interrupted_without_a_traceback(tmp_path: Path) ->
     assert manifest["status"] == "interrupted"
 
 
+def test_started_with_sigint_ignored_it_keeps_it_so_and_sigterm_ends_it_terminated(tmp_path: Path) -> None:
+    """docs/reliability.md: a background job of a script inherits SIGINT ignored and keeps it;
+    SIGTERM ends the run `terminated`."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "charllm_nemo.cli", "telemetry", "--backend", "synthetic"]
+    argv += ["--seconds", "3600", "--step-s", "0.1", "--out", str(out)]
+
+    def background() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=background)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(b"sampling")
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # still stepping: the SIGINT was ignored
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=deadline(20))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert b"Traceback" not in err, err.decode()
+    manifest = json.loads((out / "rank=0" / "manifest.json").read_text())
+    assert manifest["status"] == "terminated"
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
