@@ -24,11 +24,12 @@ from charllm_nemo.analysis.throttle_counters import throttle_counter_figures
 from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
 from charllm_nemo.telemetry.layout import RankFiles
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
-from charllm_nemo.telemetry.timelines import _coverage, sample_period_ns
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
 _SPAN_FIGURES = ("energy_j", "energy_method", "energy_bound_j")
+_WHOLE_FIGURES = (*_SPAN_FIGURES, "coverage", "gap_max_s")
+"""The attribution's figures over a device's whole sampled span that its ``ranks`` row takes."""
 
 RISE_HORIZON_NS = 100_000_000
 """The excursion metric's horizon: the largest power rise within 100 ms."""
@@ -77,20 +78,17 @@ def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.n
 def _device_row(
     t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]], whole: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """One device's ``ranks`` row; ``whole``: the attribution's energy figures over the device's
-    whole sampled span [first sample, last sample] when the caller has them (computed here
-    otherwise)."""
+    """One device's ``ranks`` row; ``whole``: the attribution's figures (:data:`_WHOLE_FIGURES`)
+    over the device's whole sampled span [first sample, last sample] when the caller has them
+    (computed here otherwise)."""
     row: dict[str, Any] = {}
     p = s.get("power_instant_w", np.full(t.size, np.nan))
     row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
     row["n_samples"] = float(t.size)
     # Over the device's own span: the share of it sampled without a gap and its longest gap
-    # (docs/attribution.md, Coverage), so a stalled sampler shows in the per-rank table.
-    if t.size >= 2:
-        cov, gap = _coverage(t, t[:1], t[-1:], sample_period_ns(t))
-        row["coverage"], row["gap_max_s"] = float(cov[0]), float(gap[0])
-    else:
-        row["coverage"], row["gap_max_s"] = float("nan"), float("nan")
+    # (docs/attribution.md, Coverage), so a stalled sampler shows in the per-rank table: the
+    # attribution's figures for the window [first sample, last sample] (set below).
+    row["coverage"], row["gap_max_s"] = float("nan"), float("nan")
     row["power_avg_w"] = time_weighted_mean(t, p)
     row["power_peak_w"] = float(np.nanmax(p)) if np.isfinite(p).any() else float("nan")
     for name in ("temp_gpu_c", "temp_hbm_c"):
@@ -113,8 +111,9 @@ def _device_row(
     # (docs/attribution.md, Energy bounds): what `charllm energy` reports per device.
     if t.size >= 2:
         if whole is None:
-            one = attribute_windows(s, [(int(t[0]), int(t[-1]))], figures=_SPAN_FIGURES)
+            one = attribute_windows(s, [(int(t[0]), int(t[-1]))], figures=_WHOLE_FIGURES)
             whole = {k: v[0] for k, v in one.items()}
+        row["coverage"], row["gap_max_s"] = float(whole["coverage"]), float(whole["gap_max_s"])
         row["energy_j"] = float(whole["energy_j"])
         row["energy_bound_j"] = float(whole["energy_bound_j"])
         row["energy_method"] = str(whole["energy_method"])
@@ -131,8 +130,16 @@ def _device_row(
         row[f"throttle_{name}_share"] = float(shares[j])
     row.update(throttle_counter_figures(t, s))  # per-reason counters vs sampled bits, transitions
     limit = s.get("power_limit_w", np.full(t.size, np.nan))
-    row["power_limit_w"] = float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
+    row["power_limit_w"] = _median_limit(limit)
     return row
+
+
+def _median_limit(limit: np.ndarray[Any, Any]) -> float:
+    """The median power limit (NaN: never sampled). A limit held the whole run (the usual case)
+    is its own median: no sort of every sample (np.nanmedian: ~3 ms a rank-hour)."""
+    if limit.size and np.isfinite(limit[0]) and bool((limit == limit[0]).all()):
+        return float(limit[0])
+    return float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
 
 
 def rank_tables(data: RankArrays) -> RankTables:
@@ -166,7 +173,7 @@ def rank_tables(data: RankArrays) -> RankTables:
         }
         every = attribute_windows(s, edges)
         fig = {k: v[:m] for k, v in every.items()}
-        whole = {k: every[k][m] for k in _SPAN_FIGURES} if t.size >= 2 else None
+        whole = {k: every[k][m] for k in _WHOLE_FIGURES} if t.size >= 2 else None
         row = _device_row(t, s, whole)
         row["device_index"] = float(dev)
         for k, v in row.items():

@@ -392,7 +392,7 @@ def attribute_windows(
             power_avg[zero] = timeline_avg[zero]
             out["power_timeline_avg_w"] = timeline_avg
         out["power_avg_w"] = power_avg
-    if want("power_peak_w"):
+    if want("power_peak_w", "power_swing_w"):
         # The highest power a sample showed inside the window, nothing else: an interpolated
         # edge or the counter's mean is not a value the device reported (docs/attribution.md).
         # The mean power (energy / duration) can therefore exceed it: the counter sees power
@@ -400,7 +400,7 @@ def attribute_windows(
         out["power_peak_w"] = instant.sampled_extreme(np.maximum, t0, t1)
     if want("power_swing_w"):
         # Both ends sampled values; one sample inside swings by nothing it showed: NaN.
-        swing = instant.sampled_extreme(np.maximum, t0, t1) - instant.sampled_extreme(np.minimum, t0, t1)
+        swing = out["power_peak_w"] - instant.sampled_extreme(np.minimum, t0, t1)
         lo, hi = inside(instant.t, t0, t1, memo)
         n_in = hi - lo
         out["power_swing_w"] = np.where(n_in >= 2, swing, np.nan)

@@ -320,13 +320,13 @@ def _delta(t: IntArray, c: IntArray, t0: IntArray, t1: IntArray, memo: Searches 
     return out
 
 
-def _ticks(t: IntArray, e: IntArray) -> tuple[IntArray, IntArray]:
-    """The energy counter's tick points: the samples whose value differs from the sample before.
-    The first sample is not a tick: when its value was set is unknown."""
-    if t.size < 2:
-        return t[:0], e[:0]
-    changed = np.concatenate(([False], e[1:] != e[:-1]))
-    return t[changed], e[changed]
+def _ticks(e: IntArray) -> IndexArray:
+    """The energy counter's tick points: the indices of the samples whose value differs from the
+    sample before. The first sample is not a tick (when its value was set is unknown), so each
+    tick ``k`` has a read before it, ``k - 1``."""
+    if e.size < 2:
+        return np.empty(0, dtype=np.intp)
+    return np.flatnonzero(e[1:] != e[:-1]) + 1
 
 
 MIN_COUNTER_TICKS = 2
