@@ -21,9 +21,10 @@ from charllm_nemo.analysis.metrics import (
     trapezoid_energy_j,
 )
 from charllm_nemo.analysis.throttle_counters import throttle_counter_figures
-from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
+from charllm_nemo.telemetry.attribution import attribute_windows, prepare_samples
 from charllm_nemo.telemetry.layout import RankFiles
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
+from charllm_nemo.telemetry.timelines import _held
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
@@ -217,7 +218,7 @@ def _excursions(s: dict[str, np.ndarray[Any, Any]], w: dict[str, np.ndarray[Any,
     if np.isfinite(limit).any():
         # At the limit counts: power capping holds the power there (sw_power_cap).
         flags = np.nan_to_num(p, nan=-np.inf) >= np.nan_to_num(limit, nan=np.inf)
-        above[valid] = held_time(t, flags, t0[valid], t1[valid])
+        above[valid] = _held(t, flags, t0[valid], t1[valid])  # held_time less its check of t
     rise = largest_rise(t, p, RISE_HORIZON_NS)
     lo = np.searchsorted(t, t0[valid], side="left")
     hi = np.searchsorted(t, t1[valid], side="left")

@@ -22,6 +22,7 @@ import numpy as np
 
 from charllm_nemo.telemetry.attribution import held_time
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_BITS, THROTTLE_REASONS, VIOLATION_COUNTERS
+from charllm_nemo.telemetry.timelines import _one_value
 
 Array = np.ndarray[Any, Any]
 NS_PER_S = 1e9
@@ -33,9 +34,10 @@ def transitions_per_min(t: Array, mask: Array) -> dict[str, float]:
     tk, mk = t[known], mask[known]
     span_min = float(tk[-1] - tk[0]) / NS_PER_S / 60.0 if tk.size >= 2 else 0.0
     out = {}
+    turned_on = mk[1:] & ~mk[:-1]  # the bits each sample set that the one before had clear
+    turned_on = turned_on[turned_on != 0]  # one pass over the samples, not one per reason
     for name, bit in THROTTLE_REASONS:
-        on = (mk & bit) != 0
-        rises = int(np.count_nonzero(on[1:] & ~on[:-1]))
+        rises = int(np.count_nonzero(turned_on & bit))
         out[f"throttle_{name}_per_min"] = rises / span_min if span_min > 0 else float("nan")
     return out
 
@@ -43,6 +45,8 @@ def transitions_per_min(t: Array, mask: Array) -> dict[str, float]:
 def counter_vs_sampled(t: Array, mask: Array, counter: Array, bits: int | None) -> tuple[float, float]:
     """(counter time s, sampled-bit time s) over the segments between consecutive non-null
     counter reads on which the counter did not go down; NaN where there is nothing to measure."""
+    if _one_value(counter) and counter[0] < 0:  # an all-null column as loaded: no pass over it
+        return float("nan"), float("nan")
     ok = counter >= 0
     tc, c = t[ok], counter[ok]
     if tc.size < 2:

@@ -426,7 +426,9 @@ def attribute_windows(
         seen = int(np.bitwise_or.reduce(mask)) if mask.size else 0
         live = (bits & seen) != 0
         held = np.empty((m, bits.size))
-        held[:, ~live] = _held(tm, np.zeros(tm.size, dtype=bool), t0, t1)[:, None]
+        if not live.all():  # what _held gives for a flag never set, without its passes
+            bracketed = (t0 >= tm[0]) & (t1 <= tm[-1]) if tm.size >= 2 else np.zeros(m, dtype=bool)
+            held[:, ~live] = np.where(bracketed, 0.0, np.nan)[:, None]
         if live.any():
             held[:, live] = _held(tm, (mask[:, None] & bits[None, live]) != 0, t0, t1)
         for j, name in enumerate(names):

@@ -137,9 +137,13 @@ class _Series:
     shared by the series of one attribution call (:func:`inside`)."""
 
     def __init__(self, t: IntArray, v: FloatArray, memo: Searches | None = None) -> None:
-        ok = ~np.isnan(v)
-        self.t: IntArray = t if ok.all() else t[ok]
-        self.v: FloatArray = v if ok.all() else v[ok]
+        if _one_value(v):
+            self.t: IntArray = t[:0] if np.isnan(v[0]) else t
+            self.v: FloatArray = v[:0] if np.isnan(v[0]) else v
+        else:
+            ok = ~np.isnan(v)
+            self.t = t if ok.all() else t[ok]
+            self.v = v if ok.all() else v[ok]
         self._cum: FloatArray | None = None
         self._memo = memo
 
@@ -292,7 +296,16 @@ def _range_reduce(ufunc: np.ufunc, v: FloatArray, lo: IndexArray, hi: IndexArray
     return np.asarray(ufunc.reduceat(padded, idx)[0::2], dtype=np.float64)
 
 
+def _one_value(a: npt.NDArray[Any]) -> bool:
+    """Whether ``a`` is one value broadcast over the samples (a column the loader found all
+    null, analysis/load.py): then a null test of its first element stands for every element,
+    with no pass over the rows (~0.2 ms a rank-hour per column, ~25 such columns a rank)."""
+    return a.ndim == 1 and a.size > 0 and a.strides[0] == 0
+
+
 def _int_timeline(t: IntArray, c: IntArray) -> tuple[IntArray, IntArray]:
+    if _one_value(c):
+        return (t, c) if c[0] >= 0 else (t[:0], c[:0])
     ok = c >= 0  # INT_NULL and any other negative value: every int metric is >= 0
     return (t, c) if ok.all() else (t[ok], c[ok])
 
