@@ -8,6 +8,7 @@ non-null sample to the next, as in the window attribution (docs/attribution.md).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,17 @@ FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 
 NS_PER_S = 1e9
+
+
+def column(s: Mapping[str, np.ndarray[Any, Any]], name: str, null: float, n: int) -> np.ndarray[Any, Any]:
+    """``s[name]``, or ``null`` (NaN, or INT_NULL for an int metric) broadcast over the ``n``
+    samples when ``s`` lacks it: read-only and no memory (``s.get(name, np.full(...))`` filled a new
+    array for every call, present or not: ~1.3 ms a rank-hour)."""
+    a = s.get(name)
+    if a is not None:
+        return a
+    value = np.asarray(null, np.float64 if isinstance(null, float) else np.int64)
+    return np.broadcast_to(value, (n,))
 
 
 def distinct(values: IntArray) -> IntArray:

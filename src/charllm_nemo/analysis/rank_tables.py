@@ -12,6 +12,7 @@ import numpy as np
 from charllm_nemo.analysis.grid_wave import WAVE_SAMPLE_COLUMNS, RankWave, rank_wave
 from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, load_rank_arrays, rank_arrays
 from charllm_nemo.analysis.metrics import (
+    column,
     counter_increase,
     counter_update_period_s,
     distinct,
@@ -83,7 +84,7 @@ def _device_row(
     over the device's whole sampled span [first sample, last sample] when the caller has them
     (computed here otherwise)."""
     row: dict[str, Any] = {}
-    p = s.get("power_instant_w", np.full(t.size, np.nan))
+    p = column(s, "power_instant_w", np.nan, t.size)
     row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
     row["n_samples"] = float(t.size)
     # Over the device's own span: the share of it sampled without a gap and its longest gap
@@ -93,12 +94,12 @@ def _device_row(
     row["power_avg_w"] = time_weighted_mean(t, p)
     row["power_peak_w"] = float(np.nanmax(p)) if np.isfinite(p).any() else float("nan")
     for name in ("temp_gpu_c", "temp_hbm_c"):
-        x = s.get(name, np.full(t.size, np.nan))
+        x = column(s, name, np.nan, t.size)
         base = name[: -len("_c")]
         row[f"{base}_avg_c"] = time_weighted_mean(t, x)
         row[f"{base}_peak_c"] = float(np.nanmax(x)) if np.isfinite(x).any() else float("nan")
-    row["clock_sm_avg_mhz"] = time_weighted_mean(t, s.get("clock_sm_mhz", np.full(t.size, np.nan)))
-    energy_mj = s.get("energy_mj", np.full(t.size, INT_NULL, np.int64))
+    row["clock_sm_avg_mhz"] = time_weighted_mean(t, column(s, "clock_sm_mhz", np.nan, t.size))
+    energy_mj = column(s, "energy_mj", INT_NULL, t.size)
     counter, resets = counter_increase(energy_mj)
     row["energy_counter_j"] = counter / 1e3
     row["energy_counter_period_s"] = counter_update_period_s(t, energy_mj)
@@ -122,15 +123,15 @@ def _device_row(
         row["energy_j"], row["energy_bound_j"] = float("nan"), float("nan")
         row["energy_method"] = "none"
     for name in TRAFFIC:
-        total, _ = counter_increase(s.get(name, np.full(t.size, INT_NULL, np.int64)))
+        total, _ = counter_increase(column(s, name, INT_NULL, t.size))
         row[name] = total
-    mask = s.get("throttle_reasons", np.full(t.size, INT_NULL, np.int64))
+    mask = column(s, "throttle_reasons", INT_NULL, t.size)
     known = mask >= 0
-    shares = throttle_shares(t[known], mask[known])
+    shares = throttle_shares(t, mask) if known.all() else throttle_shares(t[known], mask[known])
     for j, (name, _) in enumerate(THROTTLE_REASONS):
         row[f"throttle_{name}_share"] = float(shares[j])
     row.update(throttle_counter_figures(t, s))  # per-reason counters vs sampled bits, transitions
-    limit = s.get("power_limit_w", np.full(t.size, np.nan))
+    limit = column(s, "power_limit_w", np.nan, t.size)
     row["power_limit_w"] = _median_limit(limit)
     return row
 
@@ -214,7 +215,7 @@ def _excursions(s: dict[str, np.ndarray[Any, Any]], w: dict[str, np.ndarray[Any,
         return {"time_above_limit_s": above, "largest_rise_100ms_w": rise_w}
     t0, t1 = w["t_begin_mono_ns"], w["t_end_mono_ns"]
     valid = (t0 != INT_NULL) & (t1 != INT_NULL) & (t1 >= t0)
-    limit = s.get("power_limit_w", np.full(t.size, np.nan))
+    limit = column(s, "power_limit_w", np.nan, t.size)
     if np.isfinite(limit).any():
         # At the limit counts: power capping holds the power there (sw_power_cap).
         flags = np.nan_to_num(p, nan=-np.inf) >= np.nan_to_num(limit, nan=np.inf)
