@@ -262,9 +262,11 @@ class _Series:
         dt = np.diff(t).astype(np.float64)
         dv = np.abs(np.diff(v))
         gap = dt > gap_ns
-        whole = np.where(gap, 0.0, dv * dt / NS_PER_S * 0.5)
+        some_gap = bool(gap.any())  # the usual timeline has none: no pass for them
+        whole = dv * dt / NS_PER_S * 0.5
+        if some_gap:
+            whole = np.where(gap, 0.0, whole)
         cum = np.concatenate(([0.0], np.cumsum(whole)))
-        gaps = np.concatenate(([0], np.cumsum(gap)))
         i0, f0 = _segment(t, a, "right", self._memo)
         i1, f1 = _segment(t, b, "left", self._memo)
         ns = float(NS_PER_S)
@@ -281,8 +283,9 @@ class _Series:
             head = part(j0, t[j0 + 1] - a[d], f0[d] == 0)
             tail = part(j1, b[d] - t[j1], f1[d] == 1)
             res[d] = head + (cum[j1] - cum[j0 + 1]) + tail
-        unknown = gaps[i1 + 1] - gaps[i0] > 0
-        res[unknown] = np.inf
+        if some_gap:
+            gaps = np.concatenate(([0], np.cumsum(gap)))
+            res[gaps[i1 + 1] - gaps[i0] > 0] = np.inf
         res[b == a] = 0.0
         out[ok] = res
         return out
@@ -459,7 +462,7 @@ def _coverage(t: IntArray, t0: IntArray, t1: IntArray, period_ns: float) -> tupl
     limit = GAP_PERIODS * period_ns
     g = np.diff(t).astype(np.float64)
     ok = g <= limit
-    csum = np.concatenate(([0.0], np.cumsum(np.where(ok, g, 0.0))))
+    csum = np.concatenate(([0.0], np.cumsum(g if ok.all() else np.where(ok, g, 0.0))))
     i0 = np.searchsorted(t, t0, side="right")  # first sample after t0
     i1 = np.searchsorted(t, t1, side="left")  # first sample at-or-after t1
     inside = i1 > i0
