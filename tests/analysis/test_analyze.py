@@ -166,3 +166,30 @@ def test_tables_files_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert (tmp_path / "o" / f"{name}.parquet").is_file() and (tmp_path / "o" / f"{name}.csv").is_file()
     a = analyze(tmp_path / "run")
     assert len(write_tables(a, tmp_path / "o2")) >= 2 * 8
+
+
+def test_this_process_and_its_workers_give_the_tables_of_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 5 ranks over 3 processes: this one reduces ranks 0 and 3 between taking the workers'
+    # results (analysis/analyze.py, _reduced); every table, its rows in rank order, and the
+    # window table equal those of one process; a rank without samples is reported either way.
+    constant_run(tmp_path / "run", ranks=5, temps=[40.0, 41.0, 42.0, 43.0, 44.0])
+    for f in (tmp_path / "run" / "rank=2").glob("samples*.parquet"):
+        f.unlink()
+    got = {}
+    for workers in ("1", "3"):
+        monkeypatch.setenv("CHARLLM_ANALYZE_WORKERS", workers)
+        a = analyze(tmp_path / "run", tmp_path / f"windows-{workers}.parquet")
+        got[workers] = (a, pq.read_table(tmp_path / f"windows-{workers}.parquet"))
+    (one, w1), (three, w3) = got["1"], got["3"]
+    assert one.tables.keys() == three.tables.keys()
+    for name, table in [*one.tables.items(), ("windows", w1)]:
+        other = w3 if name == "windows" else three.tables[name]
+        assert other.schema == table.schema and other.num_rows == table.num_rows, name
+        for c in table.column_names:  # NaN equal to NaN (Arrow's own equals says not)
+            x, y = table.column(c).to_pylist(), other.column(c).to_pylist()
+            assert [v if v == v else "NaN" for v in x] == [v if v == v else "NaN" for v in y], (name, c)
+    assert w1.column("rank").to_pylist() == sorted(w1.column("rank").to_pylist())
+    assert [r["rank"] for r in one.tables["ranks"].to_pylist()] == [0, 1, 3, 4]
+    assert three.problems == one.problems and any("rank=2" in p for p in one.problems)

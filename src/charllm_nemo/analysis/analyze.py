@@ -69,9 +69,10 @@ class Analysis:
 
 
 POOL_MIN_RANKS = 4
-"""Runs with at least this many ranks are reduced by a pool of worker processes (one per usable
-CPU, ``CHARLLM_ANALYZE_WORKERS`` to override; 1 = in this process): ranks are independent, and
-a worker's start (~1 s of imports) is paid back from a few rank-hours on."""
+"""Runs with at least this many ranks are reduced by this process and a pool of worker
+processes, one process per usable CPU in all (``CHARLLM_ANALYZE_WORKERS`` to override; 1 = this
+process alone): ranks are independent, and a worker's start (~0.3-0.5 s of imports) is paid
+back from a few rank-hours on."""
 
 
 def _workers(n_ranks: int) -> int:
@@ -106,15 +107,22 @@ def _reduced(
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=keep_freed_memory) as pool:
+    # This process reduces every `workers`-th rank itself, between taking the pool's results:
+    # one interpreter fewer to start (each costs ~0.3-0.5 s of CPU in imports, issue #45).
+    with ProcessPoolExecutor(max_workers=workers - 1, mp_context=ctx, initializer=keep_freed_memory) as pool:
         # Each task carries its own rank's paths only (a task carrying the whole run made the
-        # pickling, hence the call, quadratic in the rank count); tasks go in chunks.
-        chunk = max(1, len(tasks) // (workers * 8))
-        for rank, rt, part, problems in pool.map(reduce_task, tasks, chunksize=chunk):
-            run.problems.extend(problems)
-            if wave is not None:
-                wave.add(rank, part)
-            yield rank, rt
+        # pickling, hence the call, quadratic in the rank count).
+        pooled = {i: pool.submit(reduce_task, t) for i, t in enumerate(tasks) if i % workers}
+        try:
+            for i, task in enumerate(tasks):
+                rank, rt, part, problems = pooled.pop(i).result() if i in pooled else reduce_task(task)
+                run.problems.extend(problems)
+                if wave is not None:
+                    wave.add(rank, part)
+                yield rank, rt
+        finally:
+            for future in pooled.values():  # stopped early (an error, Ctrl-C): the rest not run
+                future.cancel()
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:

@@ -37,6 +37,7 @@ from charllm_nemo.telemetry.reader import CorruptSegmentWarning, read_segments
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
+from charllm_nemo.telemetry.timelines import _one_value
 
 Array = np.ndarray[Any, Any]
 
@@ -269,13 +270,16 @@ def rank_wave(
     wall = np.where(sane, mono, 0) + clock.wall_minus_mono_ns
     devs = samples["device_index"]
     devs = np.where(devs == INT_NULL, 0, devs)  # null (and -1): device 0, as the read with nulls as 0 gives
-    for d in distinct(devs):
-        mine = devs == d
+    ids = distinct(devs)
+    for d in ids:
+        mine: Any = slice(None) if ids.size == 1 else devs == d  # one device: no copies
         w, p = wall[mine], power[mine]
         ok = np.isfinite(p) & sane[mine] & (w > 0)
         if ok.sum() < 2:
             continue
-        k0, k1 = -(-int(w[ok].min()) // step_ns), int(w[ok].max()) // step_ns  # the absolute grid
+        everywhere = bool(ok.all())  # the usual device: no copies of its samples
+        wk, pk = (w, p) if everywhere else (w[ok], p[ok])
+        k0, k1 = -(-int(wk.min()) // step_ns), int(wk.max()) // step_ns  # the absolute grid
         if k1 <= k0:
             continue
         n = k1 - k0 + 1
@@ -283,12 +287,13 @@ def rank_wave(
             wave.devices.append(DeviceWave(int(d), k0, n, None, None))
             continue
         grid = np.arange(n) * (step_ns / 1e9)  # s since grid point k0
-        x = gm.resample_linear((w[ok] - k0 * step_ns) / 1e9, p[ok], grid, MAX_GAP_S)
+        x = gm.resample_linear((wk - k0 * step_ns) / 1e9, pk, grid, MAX_GAP_S)
         m = module[mine]
-        okm = np.isfinite(m) & sane[mine] & (w > 0)
         xm = None
-        if okm.sum() >= 2:
-            xm = gm.resample_linear((w[okm] - k0 * step_ns) / 1e9, m[okm], grid, MAX_GAP_S)
+        if not (_one_value(m) and np.isnan(m[0])):  # an all-null column as loaded: no pass
+            okm = np.isfinite(m) & sane[mine] & (w > 0)
+            if okm.sum() >= 2:
+                xm = gm.resample_linear((w[okm] - k0 * step_ns) / 1e9, m[okm], grid, MAX_GAP_S)
         wave.devices.append(DeviceWave(int(d), k0, n, x, xm))
     if windows is not None:
         wave.steps = _steps(windows, clock)

@@ -12,6 +12,7 @@ import numpy as np
 from charllm_nemo.analysis.grid_wave import WAVE_SAMPLE_COLUMNS, RankWave, rank_wave
 from charllm_nemo.analysis.load import SAMPLE_COLUMNS, RankArrays, Run, load_rank_arrays, rank_arrays
 from charllm_nemo.analysis.metrics import (
+    column,
     counter_increase,
     counter_update_period_s,
     distinct,
@@ -21,14 +22,16 @@ from charllm_nemo.analysis.metrics import (
     trapezoid_energy_j,
 )
 from charllm_nemo.analysis.throttle_counters import throttle_counter_figures
-from charllm_nemo.telemetry.attribution import attribute_windows, held_time, prepare_samples
+from charllm_nemo.telemetry.attribution import attribute_windows, prepare_samples
 from charllm_nemo.telemetry.layout import RankFiles
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_REASONS
-from charllm_nemo.telemetry.timelines import _coverage, sample_period_ns
+from charllm_nemo.telemetry.timelines import _held
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
 _SPAN_FIGURES = ("energy_j", "energy_method", "energy_bound_j")
+_WHOLE_FIGURES = (*_SPAN_FIGURES, "coverage", "gap_max_s")
+"""The attribution's figures over a device's whole sampled span that its ``ranks`` row takes."""
 
 RISE_HORIZON_NS = 100_000_000
 """The excursion metric's horizon: the largest power rise within 100 ms."""
@@ -77,29 +80,26 @@ def throttle_shares(t: np.ndarray[Any, Any], mask: np.ndarray[Any, Any]) -> np.n
 def _device_row(
     t: np.ndarray[Any, Any], s: dict[str, np.ndarray[Any, Any]], whole: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """One device's ``ranks`` row; ``whole``: the attribution's energy figures over the device's
-    whole sampled span [first sample, last sample] when the caller has them (computed here
-    otherwise)."""
+    """One device's ``ranks`` row; ``whole``: the attribution's figures (:data:`_WHOLE_FIGURES`)
+    over the device's whole sampled span [first sample, last sample] when the caller has them
+    (computed here otherwise)."""
     row: dict[str, Any] = {}
-    p = s.get("power_instant_w", np.full(t.size, np.nan))
+    p = column(s, "power_instant_w", np.nan, t.size)
     row["duration_s"] = float((t[-1] - t[0]) / 1e9) if t.size >= 2 else float("nan")
     row["n_samples"] = float(t.size)
     # Over the device's own span: the share of it sampled without a gap and its longest gap
-    # (docs/attribution.md, Coverage), so a stalled sampler shows in the per-rank table.
-    if t.size >= 2:
-        cov, gap = _coverage(t, t[:1], t[-1:], sample_period_ns(t))
-        row["coverage"], row["gap_max_s"] = float(cov[0]), float(gap[0])
-    else:
-        row["coverage"], row["gap_max_s"] = float("nan"), float("nan")
+    # (docs/attribution.md, Coverage), so a stalled sampler shows in the per-rank table: the
+    # attribution's figures for the window [first sample, last sample] (set below).
+    row["coverage"], row["gap_max_s"] = float("nan"), float("nan")
     row["power_avg_w"] = time_weighted_mean(t, p)
     row["power_peak_w"] = float(np.nanmax(p)) if np.isfinite(p).any() else float("nan")
     for name in ("temp_gpu_c", "temp_hbm_c"):
-        x = s.get(name, np.full(t.size, np.nan))
+        x = column(s, name, np.nan, t.size)
         base = name[: -len("_c")]
         row[f"{base}_avg_c"] = time_weighted_mean(t, x)
         row[f"{base}_peak_c"] = float(np.nanmax(x)) if np.isfinite(x).any() else float("nan")
-    row["clock_sm_avg_mhz"] = time_weighted_mean(t, s.get("clock_sm_mhz", np.full(t.size, np.nan)))
-    energy_mj = s.get("energy_mj", np.full(t.size, INT_NULL, np.int64))
+    row["clock_sm_avg_mhz"] = time_weighted_mean(t, column(s, "clock_sm_mhz", np.nan, t.size))
+    energy_mj = column(s, "energy_mj", INT_NULL, t.size)
     counter, resets = counter_increase(energy_mj)
     row["energy_counter_j"] = counter / 1e3
     row["energy_counter_period_s"] = counter_update_period_s(t, energy_mj)
@@ -113,8 +113,9 @@ def _device_row(
     # (docs/attribution.md, Energy bounds): what `charllm energy` reports per device.
     if t.size >= 2:
         if whole is None:
-            one = attribute_windows(s, [(int(t[0]), int(t[-1]))], figures=_SPAN_FIGURES)
+            one = attribute_windows(s, [(int(t[0]), int(t[-1]))], figures=_WHOLE_FIGURES)
             whole = {k: v[0] for k, v in one.items()}
+        row["coverage"], row["gap_max_s"] = float(whole["coverage"]), float(whole["gap_max_s"])
         row["energy_j"] = float(whole["energy_j"])
         row["energy_bound_j"] = float(whole["energy_bound_j"])
         row["energy_method"] = str(whole["energy_method"])
@@ -122,17 +123,25 @@ def _device_row(
         row["energy_j"], row["energy_bound_j"] = float("nan"), float("nan")
         row["energy_method"] = "none"
     for name in TRAFFIC:
-        total, _ = counter_increase(s.get(name, np.full(t.size, INT_NULL, np.int64)))
+        total, _ = counter_increase(column(s, name, INT_NULL, t.size))
         row[name] = total
-    mask = s.get("throttle_reasons", np.full(t.size, INT_NULL, np.int64))
+    mask = column(s, "throttle_reasons", INT_NULL, t.size)
     known = mask >= 0
-    shares = throttle_shares(t[known], mask[known])
+    shares = throttle_shares(t, mask) if known.all() else throttle_shares(t[known], mask[known])
     for j, (name, _) in enumerate(THROTTLE_REASONS):
         row[f"throttle_{name}_share"] = float(shares[j])
     row.update(throttle_counter_figures(t, s))  # per-reason counters vs sampled bits, transitions
-    limit = s.get("power_limit_w", np.full(t.size, np.nan))
-    row["power_limit_w"] = float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
+    limit = column(s, "power_limit_w", np.nan, t.size)
+    row["power_limit_w"] = _median_limit(limit)
     return row
+
+
+def _median_limit(limit: np.ndarray[Any, Any]) -> float:
+    """The median power limit (NaN: never sampled). A limit held the whole run (the usual case)
+    is its own median: no sort of every sample (np.nanmedian: ~3 ms a rank-hour)."""
+    if limit.size and np.isfinite(limit[0]) and bool((limit == limit[0]).all()):
+        return float(limit[0])
+    return float(np.nanmedian(limit)) if np.isfinite(limit).any() else float("nan")
 
 
 def rank_tables(data: RankArrays) -> RankTables:
@@ -166,7 +175,7 @@ def rank_tables(data: RankArrays) -> RankTables:
         }
         every = attribute_windows(s, edges)
         fig = {k: v[:m] for k, v in every.items()}
-        whole = {k: every[k][m] for k in _SPAN_FIGURES} if t.size >= 2 else None
+        whole = {k: every[k][m] for k in _WHOLE_FIGURES} if t.size >= 2 else None
         row = _device_row(t, s, whole)
         row["device_index"] = float(dev)
         for k, v in row.items():
@@ -206,11 +215,11 @@ def _excursions(s: dict[str, np.ndarray[Any, Any]], w: dict[str, np.ndarray[Any,
         return {"time_above_limit_s": above, "largest_rise_100ms_w": rise_w}
     t0, t1 = w["t_begin_mono_ns"], w["t_end_mono_ns"]
     valid = (t0 != INT_NULL) & (t1 != INT_NULL) & (t1 >= t0)
-    limit = s.get("power_limit_w", np.full(t.size, np.nan))
+    limit = column(s, "power_limit_w", np.nan, t.size)
     if np.isfinite(limit).any():
         # At the limit counts: power capping holds the power there (sw_power_cap).
         flags = np.nan_to_num(p, nan=-np.inf) >= np.nan_to_num(limit, nan=np.inf)
-        above[valid] = held_time(t, flags, t0[valid], t1[valid])
+        above[valid] = _held(t, flags, t0[valid], t1[valid])  # held_time less its check of t
     rise = largest_rise(t, p, RISE_HORIZON_NS)
     lo = np.searchsorted(t, t0[valid], side="left")
     hi = np.searchsorted(t, t1[valid], side="left")

@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from charllm_nemo.analysis.metrics import column
 from charllm_nemo.telemetry.attribution import held_time
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_BITS, THROTTLE_REASONS, VIOLATION_COUNTERS
+from charllm_nemo.telemetry.timelines import _one_value
 
 Array = np.ndarray[Any, Any]
 NS_PER_S = 1e9
@@ -30,12 +32,13 @@ NS_PER_S = 1e9
 def transitions_per_min(t: Array, mask: Array) -> dict[str, float]:
     """``throttle_<reason>_per_min`` for every reason, over the non-null samples of ``mask``."""
     known = mask >= 0
-    tk, mk = t[known], mask[known]
+    tk, mk = (t, mask) if known.all() else (t[known], mask[known])
     span_min = float(tk[-1] - tk[0]) / NS_PER_S / 60.0 if tk.size >= 2 else 0.0
     out = {}
+    turned_on = mk[1:] & ~mk[:-1]  # the bits each sample set that the one before had clear
+    turned_on = turned_on[turned_on != 0]  # one pass over the samples, not one per reason
     for name, bit in THROTTLE_REASONS:
-        on = (mk & bit) != 0
-        rises = int(np.count_nonzero(on[1:] & ~on[:-1]))
+        rises = int(np.count_nonzero(turned_on & bit))
         out[f"throttle_{name}_per_min"] = rises / span_min if span_min > 0 else float("nan")
     return out
 
@@ -43,6 +46,8 @@ def transitions_per_min(t: Array, mask: Array) -> dict[str, float]:
 def counter_vs_sampled(t: Array, mask: Array, counter: Array, bits: int | None) -> tuple[float, float]:
     """(counter time s, sampled-bit time s) over the segments between consecutive non-null
     counter reads on which the counter did not go down; NaN where there is nothing to measure."""
+    if _one_value(counter) and counter[0] < 0:  # an all-null column as loaded: no pass over it
+        return float("nan"), float("nan")
     ok = counter >= 0
     tc, c = t[ok], counter[ok]
     if tc.size < 2:
@@ -61,10 +66,10 @@ def counter_vs_sampled(t: Array, mask: Array, counter: Array, bits: int | None) 
 def throttle_counter_figures(t: Array, s: dict[str, Array]) -> dict[str, float]:
     """Every column this module adds to one device's ``ranks`` row (``t``: the device's sorted
     sample times, ``s``: its sample columns, ints with INT_NULL for null)."""
-    mask = s.get("throttle_reasons", np.full(t.size, INT_NULL, np.int64))
+    mask = column(s, "throttle_reasons", INT_NULL, t.size)
     out = transitions_per_min(t, mask)
     for name, reasons in VIOLATION_COUNTERS:
-        counter = s.get(f"violation_{name}_ns", np.full(t.size, INT_NULL, np.int64))
+        counter = column(s, f"violation_{name}_ns", INT_NULL, t.size)
         bits = int(np.bitwise_or.reduce([THROTTLE_BITS[r] for r in reasons])) if reasons else None
         counter_s, sampled_s = counter_vs_sampled(t, mask, counter, bits)
         out[f"violation_{name}_counter_s"] = counter_s

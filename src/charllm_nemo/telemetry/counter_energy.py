@@ -11,6 +11,7 @@ strictly increasing; INT_NULL / NaN for null).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,8 @@ def counter_energy_bounded(
     around the tick (the counter's mean over the window where no power is sampled). Without a
     power timeline each edge may hold anything from 0 to its whole tick interval's delta."""
     tc, ec = _int_timeline(t, e_mj)
-    tt, te = _ticks(tc, ec)
+    ticks = _ticks(ec)
+    tt, te = tc[ticks], ec[ticks]
     out = np.full(t0.shape, np.nan)
     bound = np.full(t0.shape, np.nan)
     if tt.size < 2:
@@ -77,7 +79,7 @@ def counter_energy_bounded(
     inner = (te[last] - te[first]).astype(np.float64) / MJ_PER_J  # int64 first, then float
     inner[drops[last] - drops[first] > 0] = np.nan
     # Timing of each tick: the read before it (in the counter's own non-null reads).
-    prev_t = tc[np.maximum(np.searchsorted(tc, tt, side="left") - 1, 0)]
+    prev_t = tc[ticks - 1]
     g_f = (tt[first] - prev_t[first]).astype(np.float64) / NS_PER_S
     g_l = (tt[last] - prev_t[last]).astype(np.float64) / NS_PER_S
     span_s = (tt[last] - tt[first]).astype(np.float64) / NS_PER_S
@@ -86,7 +88,8 @@ def counter_energy_bounded(
     def power_near(a: IntArray, b: IntArray, sel: Any = slice(None)) -> FloatArray:
         return _power_near(edges, a, b, counted_w[sel])
 
-    timing = np.fmax(g_f * power_near(prev_t[first], tt[first]), g_l * power_near(prev_t[last], tt[last]))
+    head_timing = g_f * power_near(prev_t[first], tt[first])
+    timing = np.fmax(head_timing, g_l * power_near(prev_t[last], tt[last]))
     res = np.full(first.shape, np.nan)
     res_bound = np.full(first.shape, np.nan)
     if edges is not None:
@@ -97,27 +100,8 @@ def counter_energy_bounded(
         both = edges.integral(e0, e1)
         res = inner + both[:k] + both[k:]
         eb = edges.trapezoid_bound(e0, e1, gap_ns)
-        # An edge the power timeline cannot bound (a sampling gap in it) is bounded by the
-        # counter: its energy lies in [0, cap], so the estimate is off by at most
-        # max(estimate, cap - estimate). Head: E(t0 -> first tick) <= the first tick's value less
-        # the read at or before t0 (published no later), plus that tick's timing; tail: E(last
-        # tick -> t1) <= the next tick's delta plus its timing.
-        caps = np.full(2 * k, np.nan)
-        ia = np.searchsorted(tc, t0[use], side="right") - 1
-        ok = ia >= 0
-        caps[:k][ok] = (te[first][ok] - ec[ia[ok]]).astype(np.float64) / MJ_PER_J + (
-            g_f * power_near(prev_t[first], tt[first])
-        )[ok]
-        nxt = last + 1
-        ok = nxt < tt.size
-        if ok.any():
-            n = nxt[ok]
-            g_n = (tt[n] - prev_t[n]).astype(np.float64) / NS_PER_S
-            caps[k:][ok] = (te[n] - te[last[ok]]).astype(np.float64) / MJ_PER_J + g_n * power_near(
-                prev_t[n], tt[n], ok
-            )
-        unbounded = np.isposinf(eb) & ~np.isnan(caps)
-        eb[unbounded] = np.fmax(both[unbounded], caps[unbounded] - both[unbounded])
+        if np.isposinf(eb).any():
+            _cap_unbounded(eb, both, tc, ec, tt, te, t0[use], first, last, prev_t, head_timing, power_near)
         res_bound = timing + 1.0 / MJ_PER_J + eb[:k] + eb[k:]
     missing = np.isnan(res) & ~np.isnan(inner)
     if missing.any():
@@ -133,6 +117,43 @@ def counter_energy_bounded(
     out[use] = res
     bound[use] = res_bound
     return out, bound
+
+
+def _cap_unbounded(
+    eb: FloatArray,
+    both: FloatArray,
+    tc: IntArray,
+    ec: IntArray,
+    tt: IntArray,
+    te: IntArray,
+    t0: IntArray,
+    first: IntArray,
+    last: IntArray,
+    prev_t: IntArray,
+    head_timing: FloatArray,
+    power_near: Callable[[IntArray, IntArray, Any], FloatArray],
+) -> None:
+    """Bound, in place in ``eb`` (head edges then tail edges), the edges the power timeline
+    cannot bound (+inf: a sampling gap in it) by the counter: an edge's energy lies in [0, cap],
+    so the estimate ``both`` is off by at most max(estimate, cap - estimate). Head: E(t0 -> first
+    tick) <= the first tick's value less the read at or before t0 (published no later), plus
+    that tick's timing; tail: E(last tick -> t1) <= the next tick's delta plus its timing. Only
+    called when some edge is unbounded (a run without sampling gaps has none)."""
+    k = first.size
+    caps = np.full(2 * k, np.nan)
+    ia = np.searchsorted(tc, t0, side="right") - 1
+    ok = ia >= 0
+    caps[:k][ok] = (te[first][ok] - ec[ia[ok]]).astype(np.float64) / MJ_PER_J + head_timing[ok]
+    nxt = last + 1
+    ok = nxt < tt.size
+    if ok.any():
+        n = nxt[ok]
+        g_n = (tt[n] - prev_t[n]).astype(np.float64) / NS_PER_S
+        caps[k:][ok] = (te[n] - te[last[ok]]).astype(np.float64) / MJ_PER_J + g_n * power_near(
+            prev_t[n], tt[n], ok
+        )
+    unbounded = np.isposinf(eb) & ~np.isnan(caps)
+    eb[unbounded] = np.fmax(both[unbounded], caps[unbounded] - both[unbounded])
 
 
 def _power_near(edges: _Series | None, a: IntArray, b: IntArray, fallback: FloatArray | float) -> FloatArray:
@@ -154,7 +175,8 @@ def counter_envelope(
     no such read or tick, no power to time the tick with, or the counter goes down between."""
     out = np.full(t0.shape, np.nan)
     tc, ec = _int_timeline(t, e_mj)
-    tt, te = _ticks(tc, ec)
+    ticks = _ticks(ec)
+    tt, te = tc[ticks], ec[ticks]
     if tt.size == 0 or edges is None:
         return out
     ia = np.searchsorted(tc, t0, side="right") - 1
@@ -163,7 +185,7 @@ def counter_envelope(
     if not ok.any():
         return out
     a, n = ia[ok], jn[ok]
-    k = np.searchsorted(tc, tt[n], side="left")  # the tick's own read
+    k = ticks[n]  # the tick's own read
     drops = np.concatenate(([0], np.cumsum(np.diff(ec) < 0)))
     prev = tc[k - 1]
     g = (tt[n] - prev).astype(np.float64) / NS_PER_S
