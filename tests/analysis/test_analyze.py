@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -168,6 +169,16 @@ def test_tables_files_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(write_tables(a, tmp_path / "o2")) >= 2 * 8
 
 
+def _same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN (Arrow's own equals says not), and floats to 1e-12 relative: the
+    tables DuckDB computes from the per-rank rows (thermal's correlation, per-step means) add in
+    whatever order its threads finish, so the last digits differ between two runs of the same
+    input (seen in 3 of 3 runs of this test on a loaded machine)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (a != a and b != b) or math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300)
+    return a == b
+
+
 def test_this_process_and_its_workers_give_the_tables_of_one_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,9 +198,9 @@ def test_this_process_and_its_workers_give_the_tables_of_one_process(
     for name, table in [*one.tables.items(), ("windows", w1)]:
         other = w3 if name == "windows" else three.tables[name]
         assert other.schema == table.schema and other.num_rows == table.num_rows, name
-        for c in table.column_names:  # NaN equal to NaN (Arrow's own equals says not)
+        for c in table.column_names:
             x, y = table.column(c).to_pylist(), other.column(c).to_pylist()
-            assert [v if v == v else "NaN" for v in x] == [v if v == v else "NaN" for v in y], (name, c)
+            assert [_same(a, b) for a, b in zip(x, y, strict=True)] == [True] * len(x), (name, c, x, y)
     assert w1.column("rank").to_pylist() == sorted(w1.column("rank").to_pylist())
     assert [r["rank"] for r in one.tables["ranks"].to_pylist()] == [0, 1, 3, 4]
     assert three.problems == one.problems and any("rank=2" in p for p in one.problems)
