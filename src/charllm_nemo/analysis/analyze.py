@@ -12,7 +12,7 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -107,22 +107,43 @@ def _reduced(
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
-    # This process reduces every `workers`-th rank itself, between taking the pool's results:
-    # one interpreter fewer to start (each costs ~0.3-0.5 s of CPU in imports, issue #45).
     with ProcessPoolExecutor(max_workers=workers - 1, mp_context=ctx, initializer=keep_freed_memory) as pool:
         # Each task carries its own rank's paths only (a task carrying the whole run made the
         # pickling, hence the call, quadratic in the rank count).
-        pooled = {i: pool.submit(reduce_task, t) for i, t in enumerate(tasks) if i % workers}
+        futures = [pool.submit(reduce_task, t) for t in tasks]
         try:
-            for i, task in enumerate(tasks):
-                rank, rt, part, problems = pooled.pop(i).result() if i in pooled else reduce_task(task)
-                run.problems.extend(problems)
-                if wave is not None:
-                    wave.add(rank, part)
-                yield rank, rt
+            yield from _taken(tasks, futures, run, wave)
         finally:
-            for future in pooled.values():  # stopped early (an error, Ctrl-C): the rest not run
+            for future in futures:  # stopped early (an error, Ctrl-C): the rest not run
                 future.cancel()
+
+
+def _taken(
+    tasks: list[RankTask], futures: list[Future[RankResult]], run: Run, wave: WaveBuilder | None
+) -> Iterator[tuple[int, RankTables | None]]:
+    """The pool's results in rank order, this process working instead of waiting: while the
+    next result is not ready, it takes the last task the pool has not started (``cancel()``
+    succeeds only on those) and reduces it here; a rank it reduced is yielded in its turn. So
+    no share is fixed: on ranks of any size this process does what the workers have not (one
+    interpreter fewer to start than a pool of n, ~0.3-0.5 s of CPU in imports, issue #45).
+    From the back, not in order: the pool marks its next queued task as started at once, so
+    this process, taking in order, would only wait."""
+    here: dict[int, RankResult] = {}
+    back = len(tasks)  # the tasks from `back` on: reduced here, or the pool's
+    for i, future in enumerate(futures):
+        while i not in here and not future.done() and back - 1 > i:
+            back -= 1
+            if futures[back].cancel():
+                here[back] = reduce_task(tasks[back])
+            else:  # the pool started it, and every task before it (it takes them in order)
+                back = i + 1
+        if i not in here and future.cancel():  # the pool has not started it: here, now
+            here[i] = reduce_task(tasks[i])
+        rank, rt, part, problems = here.pop(i) if i in here else future.result()
+        run.problems.extend(problems)
+        if wave is not None:
+            wave.add(rank, part)
+        yield rank, rt
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:
