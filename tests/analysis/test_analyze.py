@@ -196,7 +196,7 @@ def test_this_process_and_its_workers_give_the_tables_of_one_process(
     assert three.problems == one.problems and any("rank=2" in p for p in one.problems)
 
 
-def test_this_process_takes_the_tasks_the_pool_has_not_started_from_the_back(
+def test_this_process_takes_the_tasks_the_pool_has_not_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The pool started tasks 0 and 1 (their results come later, from another thread); tasks 2-4
