@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -172,8 +171,8 @@ def test_tables_files_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_this_process_and_its_workers_give_the_tables_of_one_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 5 ranks over 3 processes: this one reduces the ranks the workers have not started while it
-    # waits for their results (analysis/analyze.py, _taken); every table, its rows in rank order, and the
+    # 5 ranks over 3 processes: this one reduces ranks 0 and 3 between taking the workers'
+    # results (analysis/analyze.py, _reduced); every table, its rows in rank order, and the
     # window table equal those of one process; a rank without samples is reported either way.
     constant_run(tmp_path / "run", ranks=5, temps=[40.0, 41.0, 42.0, 43.0, 44.0])
     for f in (tmp_path / "run" / "rank=2").glob("samples*.parquet"):
@@ -194,35 +193,3 @@ def test_this_process_and_its_workers_give_the_tables_of_one_process(
     assert w1.column("rank").to_pylist() == sorted(w1.column("rank").to_pylist())
     assert [r["rank"] for r in one.tables["ranks"].to_pylist()] == [0, 1, 3, 4]
     assert three.problems == one.problems and any("rank=2" in p for p in one.problems)
-
-
-def test_this_process_takes_the_tasks_the_pool_has_not_started(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The pool started tasks 0 and 1 (their results come later, from another thread); tasks 2-4
-    # are still pending: this process reduces those (cancel() succeeds on them alone), and the
-    # results come out in rank order whatever finished first.
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from charllm_nemo.analysis import analyze as analyze_module
-
-    monkeypatch.setattr(analyze_module, "reduce_task", lambda task: (task, None, None, [f"here {task}"]))
-    futures: list[Future] = [Future() for _ in range(5)]
-    for f in futures[:2]:
-        assert f.set_running_or_notify_cancel()
-
-    def finish() -> None:
-        for i, f in enumerate(futures[:2]):
-            f.set_result((i, None, None, [f"pool {i}"]))
-
-    timer = threading.Timer(0.2, finish)
-    timer.start()
-    run = SimpleNamespace(problems=[])
-    try:
-        ranks = [rank for rank, _ in analyze_module._taken(list(range(5)), futures, run, None)]
-    finally:
-        timer.join()
-    assert ranks == [0, 1, 2, 3, 4]
-    assert run.problems == ["pool 0", "pool 1", "here 2", "here 3", "here 4"]
-    assert all(f.cancelled() for f in futures[2:])

@@ -12,7 +12,7 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -107,42 +107,22 @@ def _reduced(
             yield rank, rt
         return
     ctx = multiprocessing.get_context("spawn")
+    # This process reduces every `workers`-th rank itself, between taking the pool's results:
+    # one interpreter fewer to start (each costs ~0.3-0.5 s of CPU in imports, issue #45).
     with ProcessPoolExecutor(max_workers=workers - 1, mp_context=ctx, initializer=keep_freed_memory) as pool:
         # Each task carries its own rank's paths only (a task carrying the whole run made the
         # pickling, hence the call, quadratic in the rank count).
-        futures = [pool.submit(reduce_task, t) for t in tasks]
+        pooled = {i: pool.submit(reduce_task, t) for i, t in enumerate(tasks) if i % workers}
         try:
-            yield from _taken(tasks, futures, run, wave)
+            for i, task in enumerate(tasks):
+                rank, rt, part, problems = pooled.pop(i).result() if i in pooled else reduce_task(task)
+                run.problems.extend(problems)
+                if wave is not None:
+                    wave.add(rank, part)
+                yield rank, rt
         finally:
-            for future in futures:  # stopped early (an error, Ctrl-C): the rest not run
+            for future in pooled.values():  # stopped early (an error, Ctrl-C): the rest not run
                 future.cancel()
-
-
-def _taken(
-    tasks: list[RankTask], futures: list[Future[RankResult]], run: Run, wave: WaveBuilder | None
-) -> Iterator[tuple[int, RankTables | None]]:
-    """The pool's results in rank order, this process working instead of waiting: while the
-    next result is not ready, it reduces the next task the pool has not started (``cancel()``
-    succeeds only on those) and yields it in its turn. No share is fixed: on ranks of any size
-    this process does what the workers have not got to (one interpreter fewer to start than a
-    pool of n, ~0.3-0.5 s of CPU in imports, issue #45). Not task i itself: the pool marks the
-    tasks it has queued as started at once, so this process would only wait for them. The
-    first not started, not the last: the results reduced ahead of their turn are held until it
-    comes, a few ranks rather than half the run (taken from the back: 826 against 614-630 MiB
-    peak RSS on the 32-rank hour)."""
-    here: dict[int, RankResult] = {}
-    ahead = 0  # the tasks before it: the pool's, or reduced here
-    for i, future in enumerate(futures):
-        ahead = max(ahead, i)
-        while i not in here and not future.done() and ahead < len(futures):
-            if futures[ahead].cancel():
-                here[ahead] = reduce_task(tasks[ahead])
-            ahead += 1
-        rank, rt, part, problems = here.pop(i) if i in here else future.result()
-        run.problems.extend(problems)
-        if wave is not None:
-            wave.add(rank, part)
-        yield rank, rt
 
 
 def _arrow(cols: dict[str, np.ndarray[Any, Any]], int_nulls: bool = True) -> pa.Table:
