@@ -64,6 +64,24 @@ def test_largest_rise_within_100ms() -> None:
     assert rise[60] == 0.0
 
 
+@pytest.mark.parametrize("nulls", [False, True])
+def test_largest_rise_equals_a_plain_loop_on_jittered_samples(nulls: bool) -> None:
+    # Steps of 7-13 ms: some passes have every sample within the 100 ms horizon (unmasked),
+    # others only some (masked); with nulls, the null samples are skipped and give NaN.
+    rng = np.random.default_rng(3)
+    t = np.cumsum(rng.integers(7_000_000, 13_000_000, size=400)).astype(np.int64)
+    p = rng.uniform(100.0, 700.0, size=t.size)
+    if nulls:
+        p[rng.random(t.size) < 0.2] = np.nan
+    want = np.full(t.size, np.nan)
+    for i in range(t.size):
+        if np.isnan(p[i]):
+            continue
+        later = p[i + 1 :][(t[i + 1 :] - t[i] <= 100_000_000) & ~np.isnan(p[i + 1 :])]
+        want[i] = max(float(later.max()) - p[i], 0.0) if later.size else 0.0
+    np.testing.assert_array_equal(largest_rise(t, p, 100_000_000), want)
+
+
 def test_pearson() -> None:
     x = np.array([1.0, 2.0, 3.0, 4.0])
     assert pearson(x, 2 * x + 1) == pytest.approx(1.0)

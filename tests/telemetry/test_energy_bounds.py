@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from charllm_nemo.telemetry.attribution import attribute_windows
+from charllm_nemo.telemetry.counter_energy import counter_energy_bounded, counter_envelope
+from charllm_nemo.telemetry.timelines import _Series
 
 MS = 1_000_000
 PHASES = (("forward", 300.0), ("backward", 450.0), ("optimizer", 120.0), ("idle", 60.0))
@@ -138,3 +140,26 @@ def test_a_stalled_sampler_is_bounded_by_the_counter_and_still_holds(seed: int) 
     across = (a < mid) & (b > mid + 250 * MS)
     assert across.any() and known[across].all()
     assert known[-1]  # the run
+
+
+@pytest.mark.parametrize("stall", [False, True])
+def test_power_at_the_counter_reads_without_a_search_equals_the_searched_value(stall: bool) -> None:
+    # Where the power and the counter share their samples, the power at the counter's reads is
+    # taken by index (counter_energy._power_near); a copy of the same times (another array: the
+    # searched path) gives every figure to the bit, with a stalled sampler's counter caps too.
+    s = stand_in(np.random.default_rng(7))
+    t = s["samples"]["t_mono_ns"]
+    keep = (t < t[t.size // 2]) | (t > t[t.size // 2] + 250 * MS) if stall else np.ones(t.size, bool)
+    t, p, e = t[keep], s["samples"]["power_instant_w"][keep], s["samples"]["energy_mj"][keep]
+    a = np.array([w[0] for w in s["windows"]] + [int(t[0])], np.int64)
+    b = np.array([w[1] for w in s["windows"]] + [int(t[-1])], np.int64)
+    shared = counter_energy_bounded(t, e, a, b, 2, _Series(t, p), 2 * 10 * MS, {})
+    searched = counter_energy_bounded(t, e, a, b, 2, _Series(t.copy(), p), 2 * 10 * MS, {})
+    assert not np.isnan(shared[0]).all() and (np.isfinite(shared[1]).sum() > 0)
+    for x, y in zip(shared, searched, strict=True):
+        np.testing.assert_array_equal(x, y)
+    env = counter_envelope(t, e, a, b, _Series(t, p)), counter_envelope(t, e, a, b, _Series(t.copy(), p))
+    np.testing.assert_array_equal(*env)
+    k = np.arange(t.size)
+    series = _Series(t, p)
+    np.testing.assert_array_equal(series.value_at_sample(k), series.value_at(t))

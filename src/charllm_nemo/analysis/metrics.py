@@ -119,20 +119,29 @@ def largest_rise(t_ns: IntArray, p: FloatArray, horizon_ns: int) -> FloatArray:
     NaN where p[i] is null; null later samples are skipped. Vectorised over a sliding maximum:
     pass k takes sample i + k where it is within the horizon of sample i, until no sample is
     (t strictly increasing: k is at most the samples one horizon holds, 10 at 100 Hz). No search
-    of the horizon's ends: that ``searchsorted`` cost as much as the passes (~7 ms a rank-hour)."""
+    of the horizon's ends: that ``searchsorted`` cost as much as the passes (~7 ms a rank-hour).
+    A pass where every sample i + k is within the horizon (all but the last at a steady rate)
+    takes the maximum unmasked, and samples without nulls are used as they are (7.8 -> 6.3 ms
+    a rank-hour)."""
     n = t_ns.size
     out = np.full(n, np.nan)
     ok = ~np.isnan(p)
     if n < 2 or not ok.any():
         return out
-    filled = np.where(ok, p, -np.inf)
+    every = bool(ok.all())
+    filled = p if every else np.where(ok, p, -np.inf)
     best = np.full(n, -np.inf)
     for k in range(1, n):
         near = (t_ns[k:] - t_ns[:-k]) <= horizon_ns  # sample i + k within sample i's horizon
+        if near.all():
+            np.maximum(best[:-k], filled[k:], out=best[:-k])
+            continue
         if not near.any():
             break
         np.maximum(best[:-k], filled[k:], out=best[:-k], where=near)
     rise = np.maximum(best - filled, 0.0)
+    if every:
+        return np.asarray(rise, dtype=np.float64)
     out[ok] = rise[ok]
     return out
 

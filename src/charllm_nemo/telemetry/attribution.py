@@ -336,7 +336,7 @@ def attribute_windows(
         lo, hi = inside(t, t0, t1, memo)
         n_in = (hi - lo).astype(np.int64)
         period = period_of(t) if sample_period_s is None else sample_period_s * NS_PER_S
-        coverage, gap_max = _coverage(t, t0, t1, period)
+        coverage, gap_max = _coverage(t, t0, t1, period, memo)
         bracketed = (t.size >= 2) & (t0 >= (t[0] if t.size else 0)) & (t1 <= (t[-1] if t.size else 0))
         out["n_samples"] = np.where(valid, n_in, 0)
         out["coverage"] = np.where(valid, coverage, np.nan)
@@ -353,7 +353,7 @@ def attribute_windows(
         # the power there is unknown, so an energy integrated across it has no bound.
         gap_ns = GAP_PERIODS * period_of(edge_power.t) if edge_power is not None else np.inf
         energy, bound = counter_energy_bounded(
-            *ints("energy_mj"), t0, t1, min_counter_ticks, edge_power, gap_ns
+            *ints("energy_mj"), t0, t1, min_counter_ticks, edge_power, gap_ns, memo
         )
         if edge_power is not instant:
             bound[:] = np.nan  # edges from a 1 s vendor average: it lags the power, no bound
@@ -375,7 +375,7 @@ def attribute_windows(
         if instant.t.size >= 2:
             # Whatever the method, the counter brackets the truth between 0 and its envelope
             # (docs/attribution.md, Energy bounds): the tighter of the two bounds holds.
-            env = counter_envelope(*ints("energy_mj"), t0, t1, instant)
+            env = counter_envelope(*ints("energy_mj"), t0, t1, instant, memo)
             by_env = np.fmax(energy, env - energy)
             bound = np.where(np.isnan(env) | np.isnan(energy), bound, np.fmin(bound, by_env))
         method[~valid] = "invalid"
@@ -428,7 +428,7 @@ def attribute_windows(
         seen = int(np.bitwise_or.reduce(mask)) if mask.size else 0
         bracketed = (t0 >= tm[0]) & (t1 <= tm[-1]) if tm.size >= 2 else np.zeros(m, dtype=bool)
         never = np.where(bracketed, 0.0, np.nan)
-        held = [_held(tm, (mask & bit) != 0, t0, t1) if bit & seen else never.copy() for bit in bits]
+        held = [_held(tm, (mask & bit) != 0, t0, t1, memo) if bit & seen else never.copy() for bit in bits]
         for name, column in zip(names, held, strict=False):
             out[f"throttle_{name}_s"] = column
         out["throttle_any_limiting_s"] = held[-1]
