@@ -245,7 +245,7 @@ def assemble(
     kernels = kernel_table([(r.key, r.path, stages.get(r.key, {})) for r in runs], problems)
     if kernels.num_rows:  # only runs recorded with telemetry.profile_steps have traces
         tables["kernels"] = kernels
-    # docs/analysis.md, The job as the grid sees it:
+    # docs/grid.md:
     tables.update(grid_tables(runs, tables["runs"], grid or GridOptions(), problems, waves))
     tables.update(pipeline_tables(runs, windows))  # pp_bloat, pp_profile: runs with a pipeline
     return Analysis(tables, runs, problems, None, windows)

@@ -260,8 +260,7 @@ def _carbon_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _power_wave_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the job power waveform is read (``analyze`` and ``report``; docs/analysis.md, *The
-    job as the grid sees it*)."""
+    """How the job power waveform is read (``analyze`` and ``report``; docs/grid.md)."""
     parser.add_argument(
         "--fleet-gpus",
         type=int,

@@ -1,7 +1,7 @@
 """The job-power figures (matplotlib; imported only when figures are drawn): one run's
 GPU-visible waveform with a zoom on a few iterations, its spectrum with the critical band shaded,
 the floor what-if curve; and swing and dominant frequency per configuration of a sweep
-(docs/analysis.md, *The job as the grid sees it*)."""
+(docs/grid.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ time grid, swing per iteration, ramp rates, the spectrum (Welch), and the smooth
 
 Every function takes a waveform on a uniform grid (``x``: W per grid point, NaN where not
 covered; ``dt``: the grid step in s) and returns plain numbers; :mod:`.grid_power` puts runs on
-the grid and makes the tables (docs/analysis.md, *The job as the grid sees it*)."""
+the grid and makes the tables (docs/grid.md)."""
 
 from __future__ import annotations
 

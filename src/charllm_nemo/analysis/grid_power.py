@@ -2,7 +2,7 @@
 resampled to a common grid and summed per node, per job and per named group (a rack), and what
 the grid cares about in it (:mod:`.grid_metrics`): swing per iteration, ramp rates, spectrum,
 and what a power floor would cost. Tables ``grid_power`` and ``grid_whatif``
-(docs/analysis.md, *The job as the grid sees it*).
+(docs/grid.md).
 
 The waveform itself (the time base, the resampling, the sums) is :mod:`.grid_wave`'s.
 """

@@ -1,7 +1,6 @@
 """The job power waveform: every rank's instant power on one wall-clock time base, resampled to
 a common grid and summed per node, per job and per named group (a rack). :mod:`.grid_power`
-reads what the grid cares about in it and makes the tables (docs/analysis.md, *The job as the
-grid sees it*).
+reads what the grid cares about in it and makes the tables (docs/grid.md).
 
 Time base: each rank's samples carry ``t_mono_ns`` (its host's CLOCK_MONOTONIC) and ``t_wall_ns``
 (its wall clock). A rank's wall time is ``t_mono_ns`` plus the offset of the manifest's ``clock``

@@ -199,6 +199,6 @@ def power_wave_section(analysis: Analysis, table_html: TableHtml) -> str:
         "module's power, module power (GPU+CPU+memory of the module) instead: each run's "
         "<code>power_scope</code> says which. The least swing first. A 1 s "
         "average (<code>swing_1s_avg_w</code>) hides most of the swing and of the ramp rate "
-        "(docs/analysis.md, <i>The job as the grid sees it</i>).</p>"
+        "(docs/grid.md).</p>"
     )
     return head + table_html(pa.Table.from_pylist([{c: r.get(c) for c in WAVE_COLUMNS} for r in rows]))
