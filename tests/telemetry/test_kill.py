@@ -4,8 +4,10 @@ first) and a normal exit lose nothing."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -61,6 +63,17 @@ def _kill_between_flushes(out: Path, proc: subprocess.Popen[bytes], group: bool)
     return killed_at
 
 
+def _header(pid: int) -> mmap.mmap:
+    """The header words of process ``pid``'s shared block (telemetry/process/ring.py), read-only."""
+    [path] = Path(shm.SHM_DIR).glob(f"{shm.BLOCK_PREFIX}{pid}-*")
+    with path.open("rb") as f:
+        return mmap.mmap(f.fileno(), 128 * 8, prot=mmap.PROT_READ)
+
+
+def _word(header: mmap.mmap, index: int) -> int:
+    return int(struct.unpack_from("<q", header, 8 * index)[0])
+
+
 def _wait_for_status(out: Path, status: str, timeout: float = 10.0) -> None:
     path = out / "rank=0" / "manifest.json"
     end = time.monotonic() + timeout
@@ -110,6 +123,8 @@ def test_sigkill_of_the_training_process_alone_loses_nothing_it_marked(tmp_path)
     # process notices, stores every window finished before the death, and marks the manifest.
     out = tmp_path / "run"
     proc = _start(out, sampler="process")
+    _wait_for_segments(out, 1, deadline(20))
+    header = _header(proc.pid)  # mapped now: the block is unlinked once the run is closed
     killed_at = _kill_between_flushes(out, proc, group=False)
     _wait_for_status(out, "killed")
     run = load_run(out)
@@ -121,10 +136,15 @@ def test_sigkill_of_the_training_process_alone_loses_nothing_it_marked(tmp_path)
     assert "killed_note" in m and any("killed" in p for p in run.problems)
     # the telemetry process closed the clock mapping too (same host, same clocks)
     assert isinstance(m["clock"]["wall_minus_monotonic_ns_end"], int)
-    # Every phase that ended before the kill is there: the last stored window ends within one
-    # 0.2 s step of the kill, not a flush interval before it.
-    ends = run.windows.column("t_end_mono_ns").to_numpy()
-    assert (killed_at - ends.max()) / 1e9 < 0.2 + 0.05
+    # Every record the training process wrote into the mark ring before it died (finished
+    # windows, step logs) is stored, none dropped: the ring's own counters, whatever the load
+    # (a bound on the time from the last stored window to the kill failed beside two busy loops:
+    # the training process, not scheduled, had marked nothing in its last 0.33 s).
+    written, flushed, dropped = (
+        _word(header, i) for i in (shm.H_MARK_WRITE, shm.H_MARKS_FLUSHED, shm.H_MARKS_DROPPED)
+    )
+    assert written > 0 and flushed == written and dropped == 0, (written, flushed, dropped)
+    assert run.windows.num_rows > 0
     assert not list(Path("/dev/shm").glob(f"charllm-sampler-{proc.pid}-*"))
 
 
