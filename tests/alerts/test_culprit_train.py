@@ -60,14 +60,20 @@ def test_the_hot_rank_is_the_culprit_and_a_busy_host_is_no_device_straggler(tmp_
     stragglers = [a for a in alerts if a["kind"] == "straggler"]
     # no hot device until INJECT_FROM: no device straggler, whatever the host did meanwhile
     assert not [s["message"] for s in stragglers if s["step"] < INJECT_FROM], alerts
-    # then the hot rank, and never the cool one
-    assert [s["rank"] for s in stragglers] == [1], alerts
-    s = stragglers[0]
-    assert s["cause"] == "device" and s["lost_to"] == "hw_slowdown" and s["lost_s"] > 0
-    if layout in ("tp2", "ep2"):  # its peer waits for it inside the phases: its device decides
-        assert s["timing"] == "unmeasured" and s["compared_with"] == "unthrottled_clock"
-    else:  # it arrives last at the gradient all-reduce, or its phases are over its peer's
-        assert s["timing"] in ("held", "over", "masked"), s  # masked: the host decided the step
+    # then the hot rank, and never the cool one. Or none, where the host was loaded beyond the
+    # hog and said so: beside two more busy loops (CI under load) rank 1 waited for a descheduled
+    # rank 0 in some steps, the straggler_steps in a row were not reached and the verdict was
+    # held (no guess), while rank 0's sampler missed its deadlines (sampler_health).
+    named = [s["rank"] for s in stragglers]
+    assert named == [1] or (
+        not named and {"sampler_health", "host_contention"} & {a["kind"] for a in alerts}
+    ), alerts
+    for s in stragglers:
+        assert s["cause"] == "device" and s["lost_to"] == "hw_slowdown" and s["lost_s"] > 0
+        if layout in ("tp2", "ep2"):  # its peer waits for it inside the phases: its device decides
+            assert s["timing"] == "unmeasured" and s["compared_with"] == "unthrottled_clock"
+        else:  # it arrives last at the gradient all-reduce, or its phases are over its peer's
+            assert s["timing"] in ("held", "over", "masked"), s  # masked: the host decided the step
     for a in alerts:
         assert all(v >= 0 for v in _costs(a).values()), a  # no negative cost anywhere
         if a["kind"] == "host_contention":  # said as the host's, with what showed it

@@ -73,7 +73,13 @@ def _api(port: int, path: str, **params: str) -> Any:
 
 
 def _start_prometheus(tmp: Path, targets: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    # Not one of the targets' ports: they are free until the ranks bind them, and the kernel hands
+    # a just-freed port out again (a CI run's Prometheus listened on rank 0's export port, whose
+    # exporter then could not start: "Address already in use")
+    taken = {int(t.rsplit(":", 1)[1]) for t in targets}
     port = _free_ports(1)
+    while port in taken:
+        port = _free_ports(1)
     config = tmp / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 200ms\n  scrape_timeout: 150ms\n"
