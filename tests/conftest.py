@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,10 +36,6 @@ def _logging_restored() -> Iterator[None]:
     a handler to the ``sys.stderr`` of that moment: pytest's capture file, closed after the test.
     Left on the root, every later log line in the same worker fails with "Logging error" text on
     stderr, which tests that read stderr then see (CI failure of test_disk_full, 2026-12-06)."""
-    # SIGINT / SIGTERM as they were too: a test that runs a process's own set-up in-process (the
-    # telemetry process ignores SIGINT) must not leave it so for the worker's later child processes,
-    # which inherit SIG_IGN and a blocked mask (the Ctrl-C test's child sets its own: test_cli_ends)
-    sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     handlers = list(logging.root.handlers)
     root_level = logging.root.level
     pkg = logging.getLogger("charllm_nemo")
@@ -49,7 +44,3 @@ def _logging_restored() -> Iterator[None]:
     logging.root.handlers[:] = handlers
     logging.root.setLevel(root_level)
     pkg.setLevel(pkg_level)
-    for sig, handler in sigs.items():
-        if handler is not None and signal.getsignal(sig) is not handler:
-            signal.signal(sig, handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)  # a mask is inherited by child processes too

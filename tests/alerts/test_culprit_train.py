@@ -65,9 +65,7 @@ def test_the_hot_rank_is_the_culprit_and_a_busy_host_is_no_device_straggler(tmp_
     # rank 0 in some steps, the straggler_steps in a row were not reached and the verdict was
     # held (no guess), while rank 0's sampler missed its deadlines (sampler_health).
     named = [s["rank"] for s in stragglers]
-    assert named == [1] or (
-        not named and {"sampler_health", "host_contention"} & {a["kind"] for a in alerts}
-    ), alerts
+    assert named == [1] or (not named and "sampler_health" in {a["kind"] for a in alerts}), alerts
     for s in stragglers:
         assert s["cause"] == "device" and s["lost_to"] == "hw_slowdown" and s["lost_s"] > 0
         if layout in ("tp2", "ep2"):  # its peer waits for it inside the phases: its device decides

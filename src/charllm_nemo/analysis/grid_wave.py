@@ -36,7 +36,7 @@ from charllm_nemo.telemetry.reader import CorruptSegmentWarning, read_segments
 from charllm_nemo.telemetry.sampler import SAMPLES_SCHEMA
 from charllm_nemo.telemetry.schema import INT_NULL
 from charllm_nemo.telemetry.store import WINDOWS_SCHEMA
-from charllm_nemo.telemetry.timelines import _one_value
+from charllm_nemo.telemetry.timelines import null_broadcast
 
 Array = np.ndarray[Any, Any]
 
@@ -289,7 +289,7 @@ def rank_wave(
         x = gm.resample_linear((wk - k0 * step_ns) / 1e9, pk, grid, MAX_GAP_S)
         m = module[mine]
         xm = None
-        if not (_one_value(m) and np.isnan(m[0])):  # an all-null column as loaded: no pass
+        if not null_broadcast(m):  # an all-null column as loaded: no pass
             okm = np.isfinite(m) & sane[mine] & (w > 0)
             if okm.sum() >= 2:
                 xm = gm.resample_linear((w[okm] - k0 * step_ns) / 1e9, m[okm], grid, MAX_GAP_S)

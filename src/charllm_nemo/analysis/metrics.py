@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from charllm_nemo.telemetry.timelines import _one_value
+from charllm_nemo.telemetry.timelines import null_broadcast
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
@@ -72,8 +72,8 @@ def counter_increase(values: IntArray) -> tuple[float, int]:
     from an unknown value, so the interval that holds the reset is left out rather than
     guessed. Returns (increase in the counter's unit as float64, number of decreases); NaN
     increase with fewer than 2 non-null samples."""
-    if _one_value(values):  # one value broadcast (an all-null column as loaded): no pass
-        c = values if values[0] >= 0 else values[:0]
+    if null_broadcast(values):  # an all-null column as loaded: no pass
+        c = values[:0]
     else:
         known = values >= 0
         c = values if known.all() else values[known]

@@ -23,7 +23,7 @@ import numpy as np
 from charllm_nemo.analysis.metrics import column
 from charllm_nemo.telemetry.attribution import held_time
 from charllm_nemo.telemetry.schema import INT_NULL, THROTTLE_BITS, THROTTLE_REASONS, VIOLATION_COUNTERS
-from charllm_nemo.telemetry.timelines import _one_value
+from charllm_nemo.telemetry.timelines import null_broadcast
 
 Array = np.ndarray[Any, Any]
 NS_PER_S = 1e9
@@ -46,7 +46,7 @@ def transitions_per_min(t: Array, mask: Array) -> dict[str, float]:
 def counter_vs_sampled(t: Array, mask: Array, counter: Array, bits: int | None) -> tuple[float, float]:
     """(counter time s, sampled-bit time s) over the segments between consecutive non-null
     counter reads on which the counter did not go down; NaN where there is nothing to measure."""
-    if _one_value(counter) and counter[0] < 0:  # an all-null column as loaded: no pass over it
+    if null_broadcast(counter):  # an all-null column as loaded: no pass over it
         return float("nan"), float("nan")
     ok = counter >= 0
     tc, c = t[ok], counter[ok]

@@ -323,6 +323,12 @@ def _one_value(a: npt.NDArray[Any]) -> bool:
     return a.ndim == 1 and a.size > 0 and a.strides[0] == 0
 
 
+def null_broadcast(a: npt.NDArray[Any]) -> bool:
+    """Whether ``a`` is one null (NaN, or a negative int: INT_NULL) broadcast over the samples: a
+    column the loader found all null (analysis/load.py), known so without a pass over the rows."""
+    return _one_value(a) and bool(np.isnan(a[0]) if a.dtype.kind == "f" else a[0] < 0)
+
+
 def _int_timeline(t: IntArray, c: IntArray) -> tuple[IntArray, IntArray]:
     if _one_value(c):
         return (t, c) if c[0] >= 0 else (t[:0], c[:0])
