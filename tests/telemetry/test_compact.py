@@ -173,6 +173,10 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "24 segment file(s) -> 4" in out
     # every row of both ranks rewritten: 2 x (30 samples + 6 windows) (was always "0 rows")
     assert "; 72 rows read, 72 rows written\n" in out, out
+    assert "nothing to merge" not in out
+    assert main(["compact", str(tmp_path)]) == 0  # already compacted: says so, not only "0 rows"
+    again = capsys.readouterr().out
+    assert "4 segment file(s) -> 4; 0 rows read, 0 rows written (nothing to merge" in again, again
     assert main(["compact", str(tmp_path / "nope")]) == 2
     assert json.loads((tmp_path / "rank=0" / "manifest.json").read_text())["status"] == "complete"
 

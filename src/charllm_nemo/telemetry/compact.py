@@ -254,9 +254,11 @@ def cmd_compact(run_dir: str) -> int:
         if read != rows
         else ""
     )
+    merged = sum(1 for cs in done.values() for c in cs if c.output is not None)
     print(
         f"{len(done)} rank(s): {before} segment file(s) -> {after}; {read:,} rows read, "
         f"{rows:,} rows written{twice}"
+        + ("" if merged else " (nothing to merge: no two files of a kind could be joined)")
     )
     for line in problems:
         print(f"  problem: {printable(line)}")
