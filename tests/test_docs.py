@@ -353,6 +353,26 @@ def test_the_readme_names_the_extras_the_scripts_install() -> None:
     assert f"`scripts/setup.sh {in_ci.group(1)}`" in readme
 
 
+def test_the_readme_extras_table_names_every_extra_and_its_packages() -> None:
+    """README's "Install extras" table has a row per extra of pyproject.toml naming each of its
+    packages (torch apart: the megatron row's build is chosen by scripts/setup.sh), and no row
+    for an extra that does not exist; the table had drifted (pandas, pytest-xdist, spark)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## Install extras", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| ([^|]+) \|", table, flags=re.M))
+    assert set(rows) == set(extras), (sorted(rows), sorted(extras))
+    for extra, requirements in extras.items():
+        named = {n.strip().lower() for n in rows[extra].split(",")}
+        wanted = {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in requirements} - {"torch"}
+        assert wanted <= named, (extra, sorted(wanted - named))
+        assert named <= wanted, (extra, sorted(named - wanted))
+
+
 def test_the_markdown_is_read_as_the_convention_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The machinery itself, on a made-up doc: markers, sessions, what runs and what is checked.
     from tests import docs_blocks
