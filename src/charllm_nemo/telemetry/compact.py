@@ -254,7 +254,7 @@ def cmd_compact(run_dir: str) -> int:
         if read != rows
         else ""
     )
-    merged = sum(1 for cs in done.values() for c in cs if c.output is not None)
+    merged = any(c.output is not None for cs in done.values() for c in cs)
     print(
         f"{len(done)} rank(s): {before} segment file(s) -> {after}; {read:,} rows read, "
         f"{rows:,} rows written{twice}"
